@@ -1,0 +1,89 @@
+"""RankWorker: the Ray actor that is one accelerator rank of a job."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from datetime import timedelta
+
+import ray
+import torch
+import torch.distributed as dist
+
+from trainmesh.jobs.spec import JobSpec
+from trainmesh.parallel.dims import ParallelDims
+
+
+def select_device(requested: str) -> torch.device:
+    """``auto``: this actor's CUDA device when Ray gave it one, else the CPU."""
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("runtime.device is 'cuda' but this rank sees no CUDA device; "
+                               "set runtime.device to 'cpu' or 'auto'")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class RankWorker:
+    """One rank: process group, mesh, engine. Every method is called on all ranks together."""
+
+    def __init__(self, rank: int, world_size: int, cpu_threads: int):
+        self.rank, self.world_size = rank, world_size
+        torch.set_num_threads(max(1, cpu_threads))
+        self._store: dist.TCPStore | None = None
+        self.engine = None
+
+    # -- process group ---------------------------------------------------------------------
+    def node_info(self) -> dict:
+        ctx = ray.get_runtime_context()
+        return {"rank": self.rank, "node_id": ctx.get_node_id(), "pid": os.getpid(),
+                "ip": ray.util.get_node_ip_address()}
+
+    def create_store(self, timeout_s: float) -> tuple[str, int]:
+        """Rank 0 only: a TCPStore on an OS-chosen port; returns (host, port)."""
+        host = ray.util.get_node_ip_address()
+        self._store = dist.TCPStore(host, 0, self.world_size, is_master=True,
+                                    wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+        return host, self._store.port
+
+    def init_process_group(self, host: str, port: int, device: str, timeout_s: float) -> str:
+        """Join the job's process group; returns the backend used."""
+        self.device = select_device(device)
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        store = self._store or dist.TCPStore(host, port, self.world_size, is_master=False,
+                                             timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, store=store, rank=self.rank,
+                                world_size=self.world_size, timeout=timedelta(seconds=timeout_s))
+        return backend
+
+    # -- training --------------------------------------------------------------------------
+    def build(self, spec_json: str, dims: dict, data_dir: str) -> int:
+        """Build this rank's mesh and engine; returns its parameter count (local shards)."""
+        from trainmesh.actors.engine import Engine
+        from trainmesh.parallel.mesh import Mesh
+
+        spec = JobSpec.model_validate_json(spec_json)
+        mesh = Mesh.build(ParallelDims(**dims), self.device.type, self.rank)
+        self.engine = Engine(spec, mesh, data_dir, self.device)
+        return sum(p.numel() for p in self.engine.model.parameters())
+
+    def train_step(self) -> dict:
+        return dataclasses.asdict(self.engine.train_step())
+
+    def save(self, directory: str) -> bytes | None:
+        """Collective save; rank 0 returns the RNG state for the manifest's sidecar."""
+        self.engine.save(directory)
+        return torch.random.get_rng_state().numpy().tobytes() if self.rank == 0 else None
+
+    def load(self, directory: str, step: int, rng_state: bytes | None) -> None:
+        rng = torch.frombuffer(bytearray(rng_state), dtype=torch.uint8) if rng_state else None
+        self.engine.load(directory, step, rng)
+
+    def full_state(self) -> dict:
+        return self.engine.full_state()
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.engine = None
+

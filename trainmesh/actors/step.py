@@ -1,0 +1,84 @@
+"""One optimizer step, identical for the single-process model and any parallel wrapping of it.
+
+The parallel run and the single-process reference call the same functions; what differs is
+only how the model was wrapped (FSDP2/DTensor) and which slice of the global batch a rank sees.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from trainmesh.models.llama.model import cross_entropy_loss
+
+
+@dataclass(frozen=True)
+class StepStats:
+    loss: float  # mean over this rank's microbatches (the caller averages across DP)
+    grad_norm: float  # global norm before clipping
+    lr: float
+    tokens: int  # tokens this rank processed
+
+
+def build_optimizer(model: nn.Module, cfg) -> torch.optim.AdamW:
+    """AdamW from an ``OptimizerConfig``; no decay on norms (1-D parameters)."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                             foreach=True)
+
+
+def lr_multiplier(step: int, total_steps: int, warmup_steps: int, min_ratio: float) -> float:
+    """Linear warm-up to 1, then cosine decay to ``min_ratio`` at ``total_steps``."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    span = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg, total_steps: int):
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_multiplier(s, total_steps, cfg.warmup_steps, cfg.min_lr_ratio))
+
+
+def grad_norm_and_clip(params: Sequence[torch.Tensor], max_norm: float) -> float:
+    """Global gradient norm (over all shards for DTensor parameters), clipped to ``max_norm``
+    when it is positive."""
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf,
+                                          foreach=True)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
+               microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]], grad_clip: float,
+               set_grad_sync: Callable[[bool], None] | None = None) -> StepStats:
+    """Accumulate gradients over ``microbatches`` (loss scaled by 1/len), clip, step.
+
+    ``set_grad_sync(is_last)`` lets a sharded model skip gradient reduction until the last
+    microbatch."""
+    optimizer.zero_grad(set_to_none=True)
+    n = len(microbatches)
+    total = torch.zeros(())
+    tokens = 0
+    for i, (x, y) in enumerate(microbatches):
+        if set_grad_sync is not None:
+            set_grad_sync(i == n - 1)
+        loss = cross_entropy_loss(model(x), y) / n
+        loss.backward()
+        total += loss.detach().float().cpu()
+        tokens += y.numel()
+    lr = optimizer.param_groups[0]["lr"]
+    norm = grad_norm_and_clip([p for p in model.parameters() if p.grad is not None], grad_clip)
+    optimizer.step()
+    scheduler.step()
+    return StepStats(loss=float(total), grad_norm=norm, lr=lr, tokens=tokens)

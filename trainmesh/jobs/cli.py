@@ -1,0 +1,90 @@
+"""The ``trainmesh`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+from trainmesh.jobs.loading import SpecError, load_spec
+
+EXIT_BAD_INPUT = 2
+
+
+def _add_spec_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("spec", help="job spec YAML")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a field, e.g. --set training.steps=20 (repeatable)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="trainmesh", description=__doc__)
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("validate", help="check a job spec and print it resolved")
+    _add_spec_args(p)
+    p = sub.add_parser("run", help="train a job on a local or remote Ray cluster")
+    _add_spec_args(p)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    data = sub.add_parser("data", help="dataset tools").add_subparsers(dest="data_cmd", required=True)
+    p = data.add_parser("prepare", help="tokenize text files into Parquet token shards")
+    p.add_argument("inputs", nargs="+", help="UTF-8 text files, one document each")
+    p.add_argument("--out", required=True, help="output directory for shard-*.parquet")
+    p.add_argument("--shard-tokens", type=int, default=1 << 20)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "validate":
+            return _validate(args)
+        if args.command == "run":
+            return _run(args)
+        if args.command == "data":
+            return _data_prepare(args)
+    except SpecError as err:
+        for problem in err.problems:
+            print(problem, file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return 1
+
+
+def _validate(args: argparse.Namespace) -> int:
+    import yaml
+
+    spec = load_spec(args.spec, args.overrides)
+    print(yaml.safe_dump(json.loads(spec.model_dump_json()), sort_keys=False), end="")
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    spec = load_spec(args.spec, args.overrides)
+    from trainmesh.jobs.runner import loopback_environment, run_job
+
+    if spec.runtime.ray_address == "local":
+        loopback_environment(os.environ)
+    summary = run_job(spec, os.environ, show_progress=not args.no_progress)
+    out = spec.resolved_output_dir()
+    print(f"done: {summary['steps_done']} steps, final loss {summary['final_loss']:.4f}; "
+          f"summary {out}/summary.json; MLflow run {summary['mlflow_run_id']} "
+          f"at {summary['tracking_uri']}")
+    return 0 if summary["status"] == "FINISHED" else 1
+
+
+def _data_prepare(args: argparse.Namespace) -> int:
+    from trainmesh.data.shards import prepare_text_files
+
+    missing = [p for p in args.inputs if not os.path.isfile(p)]
+    if missing:
+        print(f"inputs: not a file: {', '.join(missing)}; pass existing text files",
+              file=sys.stderr)
+        return EXIT_BAD_INPUT
+    paths = prepare_text_files(args.inputs, args.out, args.shard_tokens)
+    print(f"wrote {len(paths)} shard(s) to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""Load a job spec from YAML with dotted overrides, and explain every problem with it.
+
+Every problem is a :class:`Problem` ``(path, what, fix)`` rendered as
+``field.path: what is wrong; what to do``. Nothing here raises anything but :class:`SpecError`.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from trainmesh.jobs.spec import JobSpec
+
+BYTE_TOKENIZER_VOCAB = 257  # 256 bytes + EOS; kept in step with trainmesh.data.tokenizer
+
+
+@dataclass(frozen=True)
+class Problem:
+    path: str
+    what: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.what}; {self.fix}"
+
+
+class SpecError(ValueError):
+    """One or more problems with a job spec."""
+
+    def __init__(self, problems: list[Problem]):
+        self.problems = problems
+        super().__init__("\n".join(str(p) for p in problems))
+
+
+def load_spec(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> JobSpec:
+    """Read ``path`` (None: all defaults), apply ``key.path=value`` overrides, validate."""
+    raw = _read_yaml(Path(path)) if path is not None else {}
+    for item in overrides:
+        _apply_override(raw, item)
+    return spec_from_dict(raw)
+
+
+def spec_from_dict(raw: dict[str, Any]) -> JobSpec:
+    try:
+        spec = JobSpec.model_validate(raw)
+    except ValidationError as err:
+        raise SpecError(_problems_from_pydantic(err)) from None
+    problems = consistency_problems(spec)
+    if problems:
+        raise SpecError(problems)
+    return spec
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    where = str(path)
+    if not path.exists():
+        raise SpecError([Problem(where, "file not found", "pass the path of a job spec YAML")])
+    if path.is_dir():
+        raise SpecError([Problem(where, "is a directory", "pass the path of a job spec YAML")])
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        raise SpecError([Problem(where, f"cannot be read ({err})", "pass a readable UTF-8 YAML file")]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise SpecError([Problem(where, f"is not valid YAML{at}", "fix the YAML syntax")]) from None
+    if data is None:
+        raise SpecError([Problem(where, "is empty", "write at least `name: my-job` in it")])
+    if not isinstance(data, dict):
+        kind = type(data).__name__
+        raise SpecError([Problem(where, f"top level is a YAML {kind}, not a mapping",
+                                 "write the spec as `section: {field: value}` mappings")])
+    return data
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    key, sep, text = item.partition("=")
+    if not sep or not key.strip():
+        raise SpecError([Problem(f"--set {item}", "is not of the form key.path=value",
+                                 "write e.g. --set training.steps=20")])
+    try:
+        value = yaml.safe_load(text) if text else ""
+    except yaml.YAMLError:
+        value = text
+    parts = key.strip().split(".")
+    node = raw
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if child == "auto" and part == "parallelism":
+            child = node[part] = {"auto": True}
+        if not isinstance(child, dict):
+            where = ".".join(parts[: i + 1])
+            raise SpecError([Problem(where, f"is a value ({child!r}), not a section",
+                                     f"--set {where}=VALUE instead")])
+        node = child
+    node[parts[-1]] = value
+
+
+def _problems_from_pydantic(err: ValidationError) -> list[Problem]:
+    problems = []
+    for e in err.errors():
+        loc = [str(p) for p in e["loc"] if not str(p).startswith(("function-", "literal["))]
+        path = ".".join(loc) or "spec"
+        problems.append(Problem(path, _what(e), _fix(e, loc)))
+    return problems
+
+
+def _what(e: dict[str, Any]) -> str:
+    if e["type"] == "extra_forbidden":
+        return "unknown field"
+    msg = e["msg"]
+    return msg[len("Value error, "):] if msg.startswith("Value error, ") else msg[:1].lower() + msg[1:]
+
+
+def _fix(e: dict[str, Any], loc: list[str]) -> str:
+    kind = e["type"]
+    if kind == "extra_forbidden":
+        known = _known_fields(loc[:-1])
+        close = difflib.get_close_matches(loc[-1], known, n=1, cutoff=0.5)
+        if close:
+            return f"did you mean `{close[0]}`?"
+        return f"known fields here: {', '.join(known)}"
+    if kind == "literal_error":
+        return f"use one of {e['ctx']['expected']}"
+    if kind in ("int_parsing", "int_type", "int_from_float"):
+        return "give a whole number, e.g. 8"
+    if kind in ("float_parsing", "float_type"):
+        return "give a number, e.g. 0.001"
+    if kind in ("bool_parsing", "bool_type"):
+        return "give true or false"
+    if kind in ("string_type",):
+        return "give a string"
+    if kind in ("model_type", "model_attributes_type", "dict_type"):
+        return "give a mapping of field: value"
+    if kind.startswith(("greater_than", "less_than")):
+        return "give a value in the allowed range"
+    if kind == "string_pattern_mismatch":
+        return "use letters, digits, '.', '_' or '-' (at most 63 characters)"
+    return "see the field's documentation in trainmesh/jobs/spec.py"
+
+
+def _known_fields(loc: list[str]) -> list[str]:
+    model: type[BaseModel] = JobSpec
+    for part in loc:
+        field = model.model_fields.get(part)
+        ann = getattr(field, "annotation", None)
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return []
+        model = ann
+    return sorted(model.model_fields)
+
+
+def consistency_problems(spec: JobSpec) -> list[Problem]:
+    """Problems that involve more than one field."""
+    m, par, tr, el = spec.model, spec.parallelism, spec.training, spec.elastic
+    out: list[Problem] = []
+
+    def need(ok: bool, path: str, what: str, fix: str) -> None:
+        if not ok:
+            out.append(Problem(path, what, fix))
+
+    need(m.dim % m.n_heads == 0, "model.dim", f"{m.dim} is not divisible by n_heads={m.n_heads}",
+         "make dim a multiple of model.n_heads")
+    need(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads",
+         f"n_heads={m.n_heads} is not divisible by n_kv_heads={m.n_kv_heads}",
+         f"use a divisor of {m.n_heads}")
+    need((m.dim // m.n_heads) % 2 == 0, "model.dim", f"head dim {m.dim // m.n_heads} is odd",
+         "RoPE needs an even head dim: change model.dim or model.n_heads")
+    need(m.vocab_size >= BYTE_TOKENIZER_VOCAB, "model.vocab_size",
+         f"{m.vocab_size} is smaller than the byte tokenizer's {BYTE_TOKENIZER_VOCAB} tokens",
+         f"use at least {BYTE_TOKENIZER_VOCAB} (264 keeps it divisible by 8)")
+    need(tr.seq_len <= m.max_seq_len, "training.seq_len",
+         f"{tr.seq_len} exceeds model.max_seq_len={m.max_seq_len}",
+         "shorten training.seq_len or raise model.max_seq_len")
+    need(tr.global_batch_size % tr.microbatch_size == 0, "training.global_batch_size",
+         f"{tr.global_batch_size} is not divisible by microbatch_size={tr.microbatch_size}",
+         "make it a multiple of training.microbatch_size")
+    if not par.auto:
+        unit = tr.microbatch_size * par.dp
+        need(tr.global_batch_size % unit == 0, "training.global_batch_size",
+             f"{tr.global_batch_size} is not divisible by microbatch_size × dp = {unit}",
+             f"use a multiple of {unit}, or change training.microbatch_size or parallelism.dp")
+        need(m.n_heads % par.tp == 0 and m.n_kv_heads % par.tp == 0, "parallelism.tp",
+             f"tp={par.tp} does not divide n_heads={m.n_heads} and n_kv_heads={m.n_kv_heads}",
+             f"use one of {_divisors_of_both(m.n_heads, m.n_kv_heads)}")
+        need(m.n_layers % (par.pp * par.vpp) == 0, "parallelism.pp",
+             f"n_layers={m.n_layers} is not divisible by pp × vpp = {par.pp * par.vpp}",
+             "choose pp and vpp whose product divides model.n_layers")
+        need(par.vpp == 1 or par.pp > 1, "parallelism.vpp", "vpp > 1 needs pp > 1",
+             "set parallelism.vpp=1 or parallelism.pp>1")
+        world = par.world_size
+        need(world >= el.min_world_size, "elastic.min_world_size",
+             f"{el.min_world_size} exceeds the planned world size {world}",
+             f"lower it to at most {world}")
+        need(el.max_world_size is None or world <= el.max_world_size, "elastic.max_world_size",
+             f"{el.max_world_size} is below the planned world size {world}",
+             f"raise it to at least {world}")
+    need(el.max_world_size is None or el.min_world_size <= el.max_world_size,
+         "elastic.min_world_size", f"{el.min_world_size} exceeds max_world_size={el.max_world_size}",
+         "make min_world_size ≤ max_world_size")
+    need(spec.optimizer.warmup_steps <= tr.steps, "optimizer.warmup_steps",
+         f"{spec.optimizer.warmup_steps} exceeds training.steps={tr.steps}",
+         "shorten the warm-up or train longer")
+    return out
+
+
+def _divisors_of_both(a: int, b: int) -> list[int]:
+    return [d for d in range(1, min(a, b) + 1) if a % d == 0 and b % d == 0]

@@ -1,0 +1,104 @@
+"""Run a job: connect to (or start) Ray, start the controller actor, show progress."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from trainmesh.jobs.spec import JobSpec
+
+LOCAL = "local"
+
+
+def loopback_environment(environ: dict[str, str] | os._Environ) -> None:
+    """Keep a local Ray cluster and gloo on 127.0.0.1 (see ENVIRONMENT.md). Must run before
+    ``import ray``."""
+    environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
+def with_absolute_output(spec: JobSpec, cwd: Path) -> JobSpec:
+    """Actors run in other directories: pin ``runtime.output_dir`` to an absolute path."""
+    out = Path(spec.resolved_output_dir())
+    out = out if out.is_absolute() else (cwd / out)
+    runtime = spec.runtime.model_copy(update={"output_dir": str(out.resolve())})
+    return spec.model_copy(update={"runtime": runtime})
+
+
+def worker_env(spec: JobSpec, local: bool) -> dict[str, str]:
+    threads = str(max(1, int(spec.runtime.cpus_per_rank)))
+    env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+    if local:
+        env["GLOO_SOCKET_IFNAME"] = "lo"
+    return env
+
+
+@contextlib.contextmanager
+def ray_session(spec: JobSpec) -> Iterator[bool]:
+    """Yields True when the cluster is on this machine. Shuts down only what it started."""
+    import ray
+
+    if ray.is_initialized():
+        yield spec.runtime.ray_address == LOCAL
+        return
+    if spec.runtime.ray_address == LOCAL:
+        need = math.ceil(spec.parallelism.world_size * spec.runtime.cpus_per_rank)
+        ray.init(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False,
+                 log_to_driver=False, configure_logging=False)
+    else:
+        ray.init(address=spec.runtime.ray_address, log_to_driver=False)
+    try:
+        yield spec.runtime.ray_address == LOCAL
+    finally:
+        ray.shutdown()
+
+
+def run_job(spec: JobSpec, environ: Mapping[str, str], show_progress: bool = True) -> dict[str, Any]:
+    """Train ``spec`` to the end; returns the run summary (also in OUTPUT/summary.json)."""
+    import ray
+
+    from trainmesh.platform.controller import Controller
+    from trainmesh.tracking.mlflow_tracker import resolve_tracking_uri
+
+    spec = with_absolute_output(spec, Path.cwd())
+    out = Path(spec.runtime.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    uri = None
+    if spec.tracking.enabled:
+        uri = resolve_tracking_uri(spec.tracking.uri, environ.get("MLFLOW_TRACKING_URI"), out)
+    with ray_session(spec) as local:
+        actor = ray.remote(Controller).options(max_concurrency=4, num_cpus=0).remote(
+            spec.model_dump_json(), uri, worker_env(spec, local))
+        try:
+            ref = actor.run.remote()
+            if show_progress:
+                _follow(actor, ref)
+            return ray.get(ref)
+        finally:
+            ray.kill(actor)
+
+
+def _follow(actor, ref) -> None:
+    """A rich progress bar fed by the controller's ``progress()`` until ``ref`` is done."""
+    import ray
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                               TimeElapsedColumn, TimeRemainingColumn)
+
+    columns = (TextColumn("[bold]{task.fields[state]:<9}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
+               TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
+    with Progress(*columns, transient=False) as bar:
+        task = bar.add_task("train", total=None, state="starting", loss="-", tps="-")
+        while True:
+            done, _ = ray.wait([ref], timeout=0.5)
+            p = ray.get(actor.progress.remote())
+            loss = f"{p['loss']:.4f}" if "loss" in p else "-"
+            tps = f"{p['tokens_per_s']:,.0f}" if "tokens_per_s" in p else "-"
+            bar.update(task, total=p["steps"], completed=p["step"], state=p["state"], loss=loss,
+                       tps=tps)
+            if done:
+                break

@@ -1,0 +1,164 @@
+"""The job spec: one pydantic model per section, ``extra="forbid"`` everywhere.
+
+A spec is plain data. It never reads the environment and never holds runtime objects;
+the runner resolves defaults that depend on the job (``runtime.output_dir``) explicitly.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from trainmesh.models.llama.presets import PRESETS
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    """Llama-style decoder shape. A preset fills every shape field not given explicitly."""
+
+    preset: Literal[tuple(PRESETS)] | None = "tiny"  # type: ignore[valid-type]
+    dim: int = Field(0, ge=8, description="hidden size")
+    n_layers: int = Field(0, ge=1, description="transformer blocks")
+    n_heads: int = Field(0, ge=1, description="attention (query) heads")
+    n_kv_heads: int = Field(0, ge=1, description="key/value heads (GQA); n_heads when equal")
+    ffn_dim: int = Field(0, ge=8, description="SwiGLU hidden size")
+    vocab_size: int = Field(0, ge=2, description="embedding rows; at least the tokenizer's")
+    max_seq_len: int = Field(0, ge=8, description="longest sequence RoPE is built for")
+    norm_eps: float = Field(1e-5, gt=0)
+    rope_theta: float = Field(10000.0, gt=0)
+    tie_embeddings: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_from_preset(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        name = data.get("preset", "tiny")
+        if name is None or name not in PRESETS:
+            return data  # field validation reports an unknown preset
+        return {**PRESETS[name], **data}
+
+    @model_validator(mode="after")
+    def _shape_given(self) -> ModelConfig:
+        missing = [f for f in ("dim", "n_layers", "n_heads", "ffn_dim", "vocab_size",
+                               "max_seq_len") if getattr(self, f) == 0]
+        if missing:
+            raise ValueError(f"without a preset these fields are required: {', '.join(missing)}")
+        if self.n_kv_heads == 0:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        return self
+
+
+class DataConfig(_Section):
+    """Pre-tokenized Parquet shards; ``path: null`` uses the bundled tiny corpus."""
+
+    path: str | None = None
+    tokenizer: Literal["byte"] = "byte"
+
+
+class ParallelismConfig(_Section):
+    """Parallel degrees. ``parallelism: auto`` (or ``auto: true``) lets the planner choose."""
+
+    auto: bool = False
+    tp: int = Field(1, ge=1, description="tensor-parallel degree (inside a node)")
+    pp: int = Field(1, ge=1, description="pipeline stages")
+    dp: int = Field(1, ge=1, description="data-parallel replicas (ZeRO-3 over this axis)")
+    vpp: int = Field(1, ge=1, description="virtual pipeline chunks per stage (interleaving)")
+    sequence_parallel: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _auto_string(cls, data: Any) -> Any:
+        return {"auto": True} if data == "auto" else data
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+class ScheduleConfig(_Section):
+    """Pipeline schedule used when ``parallelism.pp > 1``."""
+
+    name: Literal["gpipe", "1f1b", "interleaved-1f1b"] = "1f1b"
+
+
+class OptimizerConfig(_Section):
+    """AdamW with linear warm-up, cosine decay to ``min_lr_ratio * lr``, and grad clipping."""
+
+    lr: float = Field(3e-3, gt=0)
+    weight_decay: float = Field(0.1, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-8, gt=0)
+    warmup_steps: int = Field(10, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    grad_clip: float = Field(1.0, ge=0, description="max global grad norm; 0 disables")
+
+
+class TrainingConfig(_Section):
+    """Steps and batch geometry. global_batch_size = dp * microbatch_size * microbatches."""
+
+    steps: int = Field(100, ge=1)
+    global_batch_size: int = Field(8, ge=1, description="sequences per optimizer step")
+    microbatch_size: int = Field(2, ge=1, description="sequences per forward/backward")
+    seq_len: int = Field(64, ge=2)
+    seed: int = Field(0, ge=0)
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+class CheckpointConfig(_Section):
+    """Sharded Distributed Checkpoints under ``OUTPUT/checkpoints/step-NNNNNN/``."""
+
+    every: int = Field(0, ge=0, description="save every N steps; 0 saves only at the end")
+    resume: Literal["auto", "never"] = "auto"
+    keep_last: int = Field(3, ge=1)
+    save_final: bool = True
+
+
+class ElasticConfig(_Section):
+    """Bounds on the world size the job may run at, and how often it may restart."""
+
+    min_world_size: int = Field(1, ge=1)
+    max_world_size: int | None = Field(None, ge=1)
+    max_restarts: int = Field(3, ge=0)
+
+
+class TrackingConfig(_Section):
+    """MLflow. ``uri: null`` means ``MLFLOW_TRACKING_URI`` if set, else sqlite in OUTPUT."""
+
+    enabled: bool = True
+    uri: str | None = None
+    experiment: str = "trainmesh"
+
+
+class RuntimeConfig(_Section):
+    """Where and how the job runs."""
+
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    ray_address: str = Field("local", description="'local' starts a Ray on this machine")
+    output_dir: str | None = Field(None, description="default: runs/<job name>")
+    collective_timeout_s: float = Field(120.0, gt=0)
+    cpus_per_rank: float = Field(1.0, gt=0)
+
+
+class JobSpec(_Section):
+    """A whole job."""
+
+    name: str = Field("job", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    parallelism: ParallelismConfig = ParallelismConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    training: TrainingConfig = TrainingConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    elastic: ElasticConfig = ElasticConfig()
+    tracking: TrackingConfig = TrackingConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
+
+    def resolved_output_dir(self) -> str:
+        return self.runtime.output_dir or f"runs/{self.name}"

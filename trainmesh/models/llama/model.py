@@ -1,0 +1,180 @@
+"""Llama-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention). Knows nothing of meshes.
+
+Blocks live in ``layers``, an ``nn.ModuleDict`` keyed by the *global* layer index, so a
+parameter is called ``layers.7.attention.wq.weight`` whichever pipeline stage holds it, and
+a stage that holds no embedding or head simply has ``tok_embeddings``/``output`` set to None.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainmesh.models.llama import model_math
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    vocab_size: int
+    max_seq_len: int
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @classmethod
+    def from_config(cls, cfg) -> LlamaArgs:
+        """From a ``trainmesh.jobs.spec.ModelConfig`` (or anything with the same fields)."""
+        return cls(**{f: getattr(cfg, f) for f in cls.__dataclass_fields__})
+
+    def num_params(self, include_embedding: bool = True) -> int:
+        return model_math.num_params(self, include_embedding)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        return model_math.flops_per_token(self, seq_len)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (max_seq_len, head_dim // 2)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x_BTHD: torch.Tensor, cos_TD2: torch.Tensor, sin_TD2: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs (x[2i], x[2i+1]) by position-dependent angles."""
+    x1, x2 = x_BTHD.float().unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos_TD2[:, None, :], sin_TD2[:, None, :]
+    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    return out.type_as(x_BTHD)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        # -1 for the head count: under tensor parallel each rank holds a slice of the heads.
+        q = self.wq(x_BTD).view(B, T, -1, self.head_dim)
+        k = self.wk(x_BTD).view(B, T, -1, self.head_dim)
+        v = self.wv(x_BTD).view(B, T, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        rep = q.shape[2] // k.shape[2]
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        # (B, nh, T, hd)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                             v.transpose(1, 2), is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, ffn_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, ffn_dim, bias=False)  # gate
+        self.w3 = nn.Linear(dim, ffn_dim, bias=False)  # up
+        self.w2 = nn.Linear(ffn_dim, dim, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    """Tokens (B, T) → logits (B, T, vocab). Stage-aware: any of embedding/head may be None."""
+
+    def __init__(self, args: LlamaArgs, layer_ids: range | None = None,
+                 has_embedding: bool = True, has_head: bool = True):
+        super().__init__()
+        self.args = args
+        ids = range(args.n_layers) if layer_ids is None else layer_ids
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim) if has_embedding else None
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in ids})
+        self.norm = RMSNorm(args.dim, args.norm_eps) if has_head else None
+        self.output = None
+        if has_head and not args.tie_embeddings:
+            self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Deterministic init from ``seed`` and the parameter's global name alone, so any
+        split of the model across stages gets the same values as the whole model."""
+        depth_std = 0.02 / math.sqrt(2 * self.args.n_layers)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+                continue
+            g = torch.Generator().manual_seed(seed * 1_000_003 + _stable_hash(name))
+            std = depth_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * std)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.tok_embeddings is not None:
+            h = self.tok_embeddings(h)
+        T = h.shape[1]
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        if self.norm is None:
+            return h
+        h = self.norm(h)
+        if self.output is not None:
+            return self.output(h)
+        return F.linear(h, self.tok_embeddings.weight)
+
+
+def cross_entropy_loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss over every position, computed in float32."""
+    return F.cross_entropy(logits_BTV.flatten(0, 1).float(), targets_BT.flatten(0, 1))
+
+
+def _stable_hash(name: str) -> int:
+    h = 0
+    for ch in name.encode():
+        h = (h * 131 + ch) % 1_000_000_007
+    return h

@@ -1,0 +1,18 @@
+"""ZeRO-3 over the "dp" axis through FSDP2 ``fully_shard``."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+
+
+def apply_zero3(model: nn.Module, dp_mesh: DeviceMesh, reshard_after_forward: bool = True) -> nn.Module:
+    """Shard parameters, gradients and optimizer state over ``dp_mesh``: one FSDP unit per
+    transformer block (its all-gather overlaps the previous block's compute), then the root
+    for the embedding, final norm and head."""
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+    # The root's parameters are needed again right at backward start: keep them gathered.
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False)
+    return model
