@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import ray
@@ -51,10 +50,6 @@ class WorkerGroup:
     def call(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list:
         """Call ``method`` on every rank; results in rank order."""
         refs = [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
-        return ray.get(refs, timeout=timeout_s)
-
-    def call_each(self, method: str, per_rank_args: Sequence[tuple], timeout_s: float | None = None) -> list:
-        refs = [getattr(w, method).remote(*a) for w, a in zip(self.workers, per_rank_args, strict=True)]
         return ray.get(refs, timeout=timeout_s)
 
     def setup_process_group(self, device: str, timeout_s: float) -> str:

@@ -109,7 +109,8 @@ def _problems_from_pydantic(err: ValidationError) -> list[Problem]:
     for e in err.errors():
         loc = [str(p) for p in e["loc"] if not str(p).startswith(("function-", "literal["))]
         path = ".".join(loc) or "spec"
-        problems.append(Problem(path, _what(e), _fix(e, loc)))
+        what, _, fix = _what(e).partition("; ")
+        problems.append(Problem(path, what, fix or _fix(e, loc)))
     return problems
 
 
@@ -139,6 +140,8 @@ def _fix(e: dict[str, Any], loc: list[str]) -> str:
     if kind in ("string_type",):
         return "give a string"
     if kind in ("model_type", "model_attributes_type", "dict_type"):
+        if loc == ["parallelism"]:
+            return "write `parallelism: auto` or a mapping such as {tp: 2, dp: 4}"
         return "give a mapping of field: value"
     if kind.startswith(("greater_than", "less_than")):
         return "give a value in the allowed range"

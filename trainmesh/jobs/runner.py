@@ -85,8 +85,14 @@ def run_job(spec: JobSpec, environ: Mapping[str, str], show_progress: bool = Tru
 def _follow(actor, ref) -> None:
     """A rich progress bar fed by the controller's ``progress()`` until ``ref`` is done."""
     import ray
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                               TimeElapsedColumn, TimeRemainingColumn)
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     columns = (TextColumn("[bold]{task.fields[state]:<9}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),

@@ -47,7 +47,8 @@ class ModelConfig(_Section):
         missing = [f for f in ("dim", "n_layers", "n_heads", "ffn_dim", "vocab_size",
                                "max_seq_len") if getattr(self, f) == 0]
         if missing:
-            raise ValueError(f"without a preset these fields are required: {', '.join(missing)}")
+            raise ValueError(f"without a preset these fields are required: {', '.join(missing)}"
+                             "; set model.preset (e.g. tiny) or give them all")
         if self.n_kv_heads == 0:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         return self

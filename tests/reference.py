@@ -1,0 +1,35 @@
+"""The single-process reference: the same model, data and step function, no distribution."""
+
+from __future__ import annotations
+
+import torch
+
+from trainmesh.actors.engine import build_model
+from trainmesh.actors.step import build_lr_scheduler, build_optimizer, train_step
+from trainmesh.data.dataset import TokenDataset
+from trainmesh.data.shards import read_tokens
+from trainmesh.jobs.spec import JobSpec
+
+
+def reference_run(spec: JobSpec, data_dir: str, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Losses of ``steps`` steps over the whole global batch, and the parameters after them."""
+    tr = spec.training
+    model = build_model(spec, torch.device("cpu"))
+    opt = build_optimizer(model, spec.optimizer)
+    sched = build_lr_scheduler(opt, spec.optimizer, tr.steps)
+    data = TokenDataset(read_tokens(data_dir), tr.seq_len)
+    losses = []
+    for step in range(steps):
+        mbs = data.microbatches(tr.seed, step, tr.global_batch_size, 0, 1, tr.microbatch_size)
+        losses.append(train_step(model, opt, sched, mbs, spec.optimizer.grad_clip).loss)
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def load_checkpoint_params(spec: JobSpec, directory: str) -> dict[str, torch.Tensor]:
+    """Read a sharded checkpoint into the single-process model (DCP without a process group)."""
+    import torch.distributed.checkpoint as dcp
+
+    model = build_model(spec, torch.device("cpu"))
+    sd = {k: torch.empty_like(v) for k, v in model.state_dict().items()}
+    dcp.load({"model": sd}, checkpoint_id=directory)
+    return sd

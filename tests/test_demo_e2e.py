@@ -1,0 +1,54 @@
+"""The demo job end to end through the CLI, read back from MLflow."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.timeout(400)
+def test_demo_job_through_cli_lands_in_mlflow(tmp_path):
+    out = tmp_path / "demo"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainmesh.jobs.cli", "run", str(REPO / "jobs/tiny-cpu.yaml"),
+         "--set", f"runtime.output_dir={out}", "--no-progress"],
+        capture_output=True, text=True, timeout=380, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+
+    summary = json.loads((out / "summary.json").read_text())
+    for key in ("name", "steps_done", "losses", "final_loss", "mesh", "checkpoints",
+                "recoveries", "mlflow_run_id", "tracking_uri"):
+        assert key in summary, key
+    assert summary["name"] == "tiny-cpu" and summary["steps_done"] == 150
+    assert len(summary["losses"]) == 150 and summary["final_loss"] == summary["losses"][-1]
+    assert summary["mesh"] == {"pp": 1, "dp": 2, "tp": 1, "vpp": 1, "world_size": 2}
+    assert summary["tracking_uri"] == f"sqlite:///{out / 'mlflow.db'}"
+    # keep_last: 2 of the saves at 50, 100, 150
+    assert [Path(c).name for c in summary["checkpoints"]] == ["step-000100", "step-000150"]
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=summary["tracking_uri"])
+    run = client.get_run(summary["mlflow_run_id"])
+    assert run.info.status == "FINISHED"
+    assert run.data.params["parallelism.dp"] == "2"
+    assert run.data.params["model.dim"] == "64"
+    history = client.get_metric_history(run.info.run_id, "loss")
+    losses = [m.value for m in sorted(history, key=lambda m: m.step)]
+    assert len(losses) == 150
+    assert losses == pytest.approx(summary["losses"])
+    first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
+    assert last < 0.5 * first, (first, last)  # it visibly learns
+    for name in ("lr", "grad_norm", "tokens_per_s", "step_time_s", "mfu"):
+        assert len(client.get_metric_history(run.info.run_id, name)) == 150, name
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"spec.json", "mesh.json", "summary.json", "events.json"} <= artifacts

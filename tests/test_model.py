@@ -1,0 +1,68 @@
+"""The Llama model: shapes, exact parameter counts, FLOPs per token, stage-split naming."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainmesh.jobs.loading import load_spec
+from trainmesh.models.llama.model import Llama, LlamaArgs
+from trainmesh.models.llama.model_math import flops_per_token, num_params
+
+
+def _args(preset: str) -> LlamaArgs:
+    return LlamaArgs.from_config(load_spec(None, [f"model.preset={preset}"]).model)
+
+
+def test_forward_shapes_and_causality():
+    args = _args("tiny")
+    model = Llama(args)
+    model.init_weights(0)
+    x = torch.randint(0, args.vocab_size, (3, 17))
+    logits = model(x)
+    assert logits.shape == (3, 17, args.vocab_size)
+    x2 = x.clone()
+    x2[:, 10:] = (x2[:, 10:] + 1) % args.vocab_size  # changing the future...
+    torch.testing.assert_close(model(x2)[:, :10], logits[:, :10])  # ...leaves the past
+
+
+def test_tiny_param_count_by_hand():
+    # dim 64, 4 layers, 4 heads (head dim 16), 2 kv heads (kv dim 32), ffn 176, vocab 264.
+    per_layer = 64 * 64 + 64 * 32 + 64 * 32 + 64 * 64 + 3 * 64 * 176 + 2 * 64
+    hand = 264 * 64 + 4 * per_layer + 64 + 64 * 264
+    args = _args("tiny")
+    assert args.num_params() == hand
+    assert sum(p.numel() for p in Llama(args).parameters()) == hand
+
+
+@pytest.mark.parametrize(("preset", "published"), [("8b", 8_030_261_248),
+                                                   ("70b", 70_553_706_496)])
+def test_large_presets_match_published_llama3_counts(preset, published):
+    assert num_params(_args(preset)) == published
+
+
+def test_flops_per_token_by_hand():
+    args = _args("tiny")
+    matmul = args.num_params() - 264 * 64  # everything but the embedding lookup
+    assert flops_per_token(args, 64) == 6 * matmul + 12 * 4 * 64 * 64
+    tied = load_spec(None, ["model.preset=1b"]).model
+    # a tied head is counted once as a parameter but still costs its matmul
+    assert flops_per_token(tied, 1) == 6 * num_params(tied) + 12 * 16 * 2048
+
+
+def test_stage_split_keeps_global_names_and_values():
+    args = _args("tiny")
+    whole = Llama(args)
+    whole.init_weights(7)
+    first = Llama(args, layer_ids=range(0, 2), has_head=False)
+    last = Llama(args, layer_ids=range(2, 4), has_embedding=False)
+    first.init_weights(7)
+    last.init_weights(7)
+    ref = whole.state_dict()
+    parts = {**first.state_dict(), **last.state_dict()}
+    assert set(parts) == set(ref)
+    for k, v in parts.items():
+        assert torch.equal(v, ref[k]), k
+    assert "layers.3.attention.wq.weight" in last.state_dict()
+    x = torch.randint(0, args.vocab_size, (2, 8))
+    torch.testing.assert_close(last(first(x)), whole(x))

@@ -1,0 +1,138 @@
+"""Every bad spec gets exit 2 and one line per problem naming its field; never a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from trainmesh.jobs.cli import main
+from trainmesh.jobs.loading import load_spec
+
+# (spec text, field path that must start a line of the error output)
+BAD_SPECS = [
+    ("model: {dimm: 64}", "model.dimm"),
+    ("trainig: {steps: 5}", "trainig"),
+    ("training: {stepz: 5}", "training.stepz"),
+    ("training: {steps: many}", "training.steps"),
+    ("training: {steps: 0}", "training.steps"),
+    ("training: {steps: -3}", "training.steps"),
+    ("training: {steps: 2.5}", "training.steps"),
+    ("training: {global_batch_size: 0}", "training.global_batch_size"),
+    ("training: {microbatch_size: 3, global_batch_size: 8}", "training.global_batch_size"),
+    ("training: {global_batch_size: 8, microbatch_size: 2}\nparallelism: {dp: 3}",
+     "training.global_batch_size"),
+    ("training: {seq_len: 1}", "training.seq_len"),
+    ("training: {seq_len: 4096}", "training.seq_len"),
+    ("training: {dtype: float8}", "training.dtype"),
+    ("training: {seed: -1}", "training.seed"),
+    ("model: {preset: 13b}", "model.preset"),
+    ("model: {n_heads: 4, n_kv_heads: 3}", "model.n_kv_heads"),
+    ("model: {dim: 66, n_heads: 4}", "model.dim"),
+    ("model: {vocab_size: 100}", "model.vocab_size"),
+    ("model: {n_layers: 0}", "model.n_layers"),
+    ("model: {preset: null, dim: 64}", "model"),
+    ("model: 12", "model"),
+    ("parallelism: {tp: 0}", "parallelism.tp"),
+    ("parallelism: {tp: 3}", "parallelism.tp"),
+    ("parallelism: {pp: 3}", "parallelism.pp"),
+    ("parallelism: {vpp: 2}", "parallelism.vpp"),
+    ("parallelism: {dp: two}", "parallelism.dp"),
+    ("parallelism: manual", "parallelism"),
+    ("schedule: {name: zigzag}", "schedule.name"),
+    ("optimizer: {lr: 0}", "optimizer.lr"),
+    ("optimizer: {beta2: 1.5}", "optimizer.beta2"),
+    ("optimizer: {warmup_steps: 500}\ntraining: {steps: 10}", "optimizer.warmup_steps"),
+    ("optimizer: {name: sgd}", "optimizer.name"),
+    ("checkpoint: {every: -1}", "checkpoint.every"),
+    ("checkpoint: {resume: always}", "checkpoint.resume"),
+    ("checkpoint: {keep_last: 0}", "checkpoint.keep_last"),
+    ("elastic: {min_world_size: 4, max_world_size: 2}", "elastic.min_world_size"),
+    ("elastic: {min_world_size: 8}\nparallelism: {dp: 2}", "elastic.min_world_size"),
+    ("tracking: {enabled: maybe}", "tracking.enabled"),
+    ("runtime: {device: tpu}", "runtime.device"),
+    ("runtime: {collective_timeout_s: 0}", "runtime.collective_timeout_s"),
+    ("name: 'bad name with spaces'", "name"),
+    ("- just\n- a list", "spec.yaml"),
+    ("'just a string'", "spec.yaml"),
+    ("", "spec.yaml"),
+    ("model: {dim: [1, 2}", "spec.yaml"),
+]
+
+
+@pytest.mark.parametrize(("text", "field"), BAD_SPECS, ids=[f for _, f in BAD_SPECS])
+def test_bad_spec_exits_2_naming_the_field(tmp_path, capsys, text, field):
+    path = tmp_path / "spec.yaml"
+    path.write_text(text)
+    code = main(["validate", str(path)])
+    err = capsys.readouterr().err
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert lines, "no problem reported"
+    name = str(path) if field == "spec.yaml" else field
+    assert any(line.startswith(f"{name}: ") for line in lines), err
+    assert all("; " in line for line in lines), err  # what is wrong; what to do
+    assert "Traceback" not in err
+
+
+def test_at_least_30_bad_specs():
+    assert len(BAD_SPECS) >= 30
+
+
+def test_unknown_key_suggests_the_closest(tmp_path, capsys):
+    path = tmp_path / "s.yaml"
+    path.write_text("training: {microbatch_sise: 2}")
+    assert main(["validate", str(path)]) == 2
+    assert "did you mean `microbatch_size`?" in capsys.readouterr().err
+
+
+def test_missing_file_and_bad_override(tmp_path, capsys):
+    assert main(["validate", str(tmp_path / "nope.yaml")]) == 2
+    assert "file not found" in capsys.readouterr().err
+    good = tmp_path / "g.yaml"
+    good.write_text("name: ok")
+    assert main(["validate", str(good), "--set", "training.steps"]) == 2
+    assert "key.path=value" in capsys.readouterr().err
+    assert main(["validate", str(good), "--set", "name.sub=3"]) == 2
+    assert capsys.readouterr().err.startswith("name: ")
+
+
+def test_several_problems_one_line_each(tmp_path, capsys):
+    path = tmp_path / "s.yaml"
+    path.write_text("training: {steps: 0, seq_len: 1}\nruntime: {device: tpu}")
+    assert main(["validate", str(path)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert sorted(line.split(":")[0] for line in lines) == [
+        "runtime.device", "training.seq_len", "training.steps"]
+
+
+def test_valid_spec_prints_resolved_yaml_with_overrides(capsys):
+    assert main(["validate", "jobs/tiny-cpu.yaml", "--set", "training.steps=70",
+                 "--set", "model.dim=128"]) == 0
+    resolved = yaml.safe_load(capsys.readouterr().out)
+    assert resolved["training"]["steps"] == 70
+    assert resolved["model"]["dim"] == 128  # explicit field beats the preset
+    assert resolved["model"]["n_layers"] == 4  # the rest from the preset
+    assert resolved["model"]["n_kv_heads"] == 2
+
+
+@pytest.mark.parametrize("path", ["jobs/tiny-cpu.yaml", "jobs/small-gpu.yaml",
+                                  "jobs/llama-70b.yaml"])
+def test_shipped_specs_are_valid(path):
+    load_spec(path)
+
+
+def test_parallelism_auto_string():
+    spec = load_spec(None, ["parallelism=auto"])
+    assert spec.parallelism.auto
+
+
+def test_cli_subprocess_never_tracebacks(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text(": : :\n\t- [")
+    proc = subprocess.run([sys.executable, "-m", "trainmesh.jobs.cli", "validate", str(path)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and "not valid YAML" in proc.stderr
