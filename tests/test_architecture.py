@@ -1,0 +1,95 @@
+"""Guards for DESIGN.md's layering: no import cycles, downward-only subpackage imports,
+no torch in the planning side, no ray in parallel/."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "trainmesh"
+
+# What each subpackage may import (besides itself). jobs → platform → actors → the leaves.
+# The JobSpec models (plain data, no runtime objects) may be read from anywhere.
+SPEC = "trainmesh.jobs.spec"
+LEAVES = {"parallel", "models", "kernels", "checkpoint", "data"}
+ALLOWED = {
+    "jobs": {"platform", "actors", "tracking", "deploy"} | LEAVES,
+    "platform": {"actors", "tracking"} | LEAVES,
+    "actors": LEAVES,
+    "parallel": {"models", "kernels"},
+    "models": {"kernels"},
+    "kernels": set(),
+    "checkpoint": set(),
+    "data": set(),
+    "tracking": set(),
+    "deploy": {"jobs", "platform", "parallel", "models"},
+}
+
+
+def _imports(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    return {m for m in out if m.startswith("trainmesh.")}
+
+
+def _module(path: Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = list(rel.parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_subpackages_import_downward_only():
+    bad = []
+    for path in PKG.rglob("*.py"):
+        sub = path.relative_to(PKG).parts[0]
+        if sub not in ALLOWED:
+            continue
+        for mod in _imports(path):
+            target = mod.split(".")[1]
+            if mod != SPEC and target != sub and target not in ALLOWED[sub]:
+                bad.append(f"{_module(path)} imports {mod}")
+    assert not bad, bad
+
+
+def test_no_import_cycles():
+    graph = {_module(p): {m for m in _imports(p)} for p in PKG.rglob("*.py")}
+    state: dict[str, int] = {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for nxt in graph.get(node, ()):
+            if state.get(nxt) == 1:
+                raise AssertionError(" -> ".join([*stack, node, nxt]))
+            if nxt in graph and not state.get(nxt):
+                visit(nxt, [*stack, node])
+        state[node] = 2
+
+    for mod in graph:
+        if not state.get(mod):
+            visit(mod, [])
+
+
+def _fresh_import(modules: list[str], forbidden: str) -> str:
+    code = (f"import sys\nfor m in {modules!r}: __import__(m)\n"
+            f"print(sorted(k for k in sys.modules if k == {forbidden!r} or "
+            f"k.startswith({forbidden + '.'!r})))")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True, timeout=120).stdout.strip()
+
+
+def test_spec_and_planning_side_import_no_torch():
+    mods = ["trainmesh.jobs.spec", "trainmesh.jobs.loading", "trainmesh.platform.devices",
+            "trainmesh.parallel.dims", "trainmesh.parallel.layout",
+            "trainmesh.models.llama.model_math", "trainmesh.checkpoint.manifest"]
+    assert _fresh_import(mods, "torch") == "[]"
+
+
+def test_parallel_imports_no_ray():
+    mods = [_module(p) for p in (PKG / "parallel").rglob("*.py")]
+    assert _fresh_import(mods, "ray") == "[]"
