@@ -136,3 +136,10 @@ def test_cli_subprocess_never_tracebacks(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and "not valid YAML" in proc.stderr
+
+
+@pytest.mark.parametrize(("override", "field"), [("parallelism.tp=2", "parallelism.tp"),
+                                                 ("parallelism=auto", "parallelism")])
+def test_run_refuses_what_this_version_cannot_run(capsys, override, field):
+    assert main(["run", "jobs/tiny-cpu.yaml", "--set", override]) == 2
+    assert capsys.readouterr().err.startswith(f"{field}: ")

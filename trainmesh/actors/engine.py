@@ -32,7 +32,7 @@ class Engine:
     def __init__(self, spec: JobSpec, mesh: Mesh, data_dir: str, device: torch.device):
         self.spec, self.mesh, self.device = spec, mesh, device
         self.model = build_model(spec, device)
-        self.model = apply_zero3(self.model, mesh[Axis.DP])
+        self.model = apply_zero3(self.model, mesh[Axis.DP], getattr(torch, spec.training.dtype))
         self.optimizer = build_optimizer(self.model, spec.optimizer)
         self.scheduler = build_lr_scheduler(self.optimizer, spec.optimizer, spec.training.steps)
         self.dataset = TokenDataset(read_tokens(data_dir), spec.training.seq_len)

@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from trainmesh.jobs.loading import SpecError, load_spec
+from trainmesh.jobs.loading import SpecError, load_spec, unsupported_problems
 
 EXIT_BAD_INPUT = 2
 
@@ -61,6 +61,9 @@ def _validate(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec, args.overrides)
+    problems = unsupported_problems(spec)
+    if problems:
+        raise SpecError(problems)
     from trainmesh.jobs.runner import loopback_environment, run_job
 
     if spec.runtime.ray_address == "local":

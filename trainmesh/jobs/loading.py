@@ -217,3 +217,22 @@ def consistency_problems(spec: JobSpec) -> list[Problem]:
 
 def _divisors_of_both(a: int, b: int) -> list[int]:
     return [d for d in range(1, min(a, b) + 1) if a % d == 0 and b % d == 0]
+
+
+def unsupported_problems(spec: JobSpec) -> list[Problem]:
+    """What a valid spec asks for that this version cannot run yet (``trainmesh run`` refuses
+    it; ``validate`` accepts it, so reference specs for larger layouts stay checkable)."""
+    par = spec.parallelism
+    out = []
+    if par.auto:
+        out.append(Problem("parallelism", "`auto` needs the mesh planner, not in this version",
+                           "give explicit degrees, e.g. parallelism: {dp: 2}"))
+    for axis in ("tp", "pp", "vpp"):
+        if getattr(par, axis) > 1:
+            out.append(Problem(f"parallelism.{axis}", f"{axis} > 1 is not supported by this "
+                               "version (data parallel with ZeRO-3 only)",
+                               f"set parallelism.{axis}=1 and scale with parallelism.dp"))
+    if par.sequence_parallel:
+        out.append(Problem("parallelism.sequence_parallel", "needs tensor parallel",
+                           "set it to false"))
+    return out
