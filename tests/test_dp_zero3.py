@@ -78,3 +78,15 @@ def test_bf16_compute_tracks_fp32(ray_local, tmp_path):
     got = torch.tensor(summary["losses"])
     assert not torch.allclose(got, torch.tensor(ref_losses), rtol=1e-6, atol=0)  # really bf16
     torch.testing.assert_close(got, torch.tensor(ref_losses), rtol=2e-2, atol=0)
+
+
+@pytest.mark.timeout(240)
+def test_parallelism_auto_plans_for_the_live_cluster(ray_local, tmp_path):
+    """`parallelism: auto` asks the planner, which sees the session cluster's 4 CPU ranks."""
+    spec = _spec(tmp_path, "parallelism=auto", "training.steps=2", "checkpoint.save_final=false",
+                 "training.global_batch_size=16")
+    summary = run_job(spec, environ={}, show_progress=False)
+    assert summary["status"] == "FINISHED"
+    assert summary["mesh"]["world_size"] == 4 and summary["mesh"]["dp"] == 4
+    assert summary["plan"]["dp"] == 4 and summary["plan"]["tp"] == 1
+    assert len(summary["rank_to_node"]) == 4

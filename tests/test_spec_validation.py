@@ -139,7 +139,8 @@ def test_cli_subprocess_never_tracebacks(tmp_path):
 
 
 @pytest.mark.parametrize(("override", "field"), [("parallelism.tp=2", "parallelism.tp"),
-                                                 ("parallelism=auto", "parallelism")])
+                                                 ("parallelism.sequence_parallel=true",
+                                                  "parallelism.sequence_parallel")])
 def test_run_refuses_what_this_version_cannot_run(capsys, override, field):
     assert main(["run", "jobs/tiny-cpu.yaml", "--set", override]) == 2
     assert capsys.readouterr().err.startswith(f"{field}: ")

@@ -224,9 +224,6 @@ def unsupported_problems(spec: JobSpec) -> list[Problem]:
     it; ``validate`` accepts it, so reference specs for larger layouts stay checkable)."""
     par = spec.parallelism
     out = []
-    if par.auto:
-        out.append(Problem("parallelism", "`auto` needs the mesh planner, not in this version",
-                           "give explicit degrees, e.g. parallelism: {dp: 2}"))
     for axis in ("tp", "pp", "vpp"):
         if getattr(par, axis) > 1:
             out.append(Problem(f"parallelism.{axis}", f"{axis} > 1 is not supported by this "

@@ -19,35 +19,36 @@ from trainmesh.jobs.spec import JobSpec
 from trainmesh.models.llama.model_math import flops_per_token
 from trainmesh.parallel.dims import ParallelDims
 from trainmesh.parallel.layout import Placement, plan_placement
-from trainmesh.platform.devices import device_spec
+from trainmesh.platform.job_plan import plan_job
+from trainmesh.platform.topology import Topology, topology_from_ray
 
 log = logging.getLogger(__name__)
 
 RNG_FILE = "rng_state.bin"
 
 
-def dims_from_spec(spec: JobSpec) -> ParallelDims:
-    p = spec.parallelism
-    return ParallelDims(pp=p.pp, dp=p.dp, tp=p.tp)
-
-
-def local_placement(spec: JobSpec, dims: ParallelDims) -> Placement:
-    """All ranks on one node (a local cluster): one bundle."""
+def placement_for(spec: JobSpec, dims: ParallelDims, topo: Topology) -> Placement:
+    """One bundle per node: a GPU per rank on accelerator clusters, CPUs otherwise."""
     per_rank = {"CPU": spec.runtime.cpus_per_rank}
-    if spec.runtime.device == "cuda":
+    if topo.device.name != "cpu":
         per_rank["GPU"] = 1.0
-    return plan_placement(dims, dims.world_size, per_rank)
+    return plan_placement(dims, topo.per_node, per_rank)
 
 
 class Controller:
     def __init__(self, spec_json: str, tracking_uri: str | None, worker_env: dict[str, str],
-                 group_factory: Callable[..., Any] | None = None):
+                 group_factory: Callable[..., Any] | None = None,
+                 topology_fn: Callable[[JobSpec], Topology] | None = None):
         self.spec = JobSpec.model_validate_json(spec_json)
         self.out = Path(self.spec.resolved_output_dir())
         self.ckpt_root = self.out / "checkpoints"
         self.tracking_uri = tracking_uri
         self.worker_env = worker_env
-        self._group_factory = group_factory or _ray_worker_group
+        self._group_factory = group_factory or _RayGroup
+        self._topology_fn = topology_fn or _live_topology
+        self.plan_row: dict[str, Any] = {}
+        self.peak_tflops = 1.0
+        self.rank_nodes: list[str] = []
         self._progress: dict[str, Any] = {"state": "starting", "step": 0,
                                           "steps": self.spec.training.steps}
         self.losses: list[float] = []
@@ -61,15 +62,22 @@ class Controller:
         self.out.mkdir(parents=True, exist_ok=True)
         resume = self._find_resume()
         tracker = self._make_tracker(resume[1].get("mlflow_run_id") if resume else None)
-        dims = dims_from_spec(self.spec)
         group = None
         status = "FAILED"
+        dims = ParallelDims()
         try:
+            topo = self._topology_fn(self.spec)
+            dims, result = plan_job(self.spec, topo)
+            self.peak_tflops = topo.device.peak_tflops
+            self.plan_row = result.best.as_row()
             tracker.log_params(json.loads(self.spec.model_dump_json()))
             tracker.log_dict(json.loads(self.spec.model_dump_json()), "spec.json")
-            tracker.log_dict(dims.as_dict(), "mesh.json")
             self._set(state="placing")
-            group = self._group_factory(self.spec, dims, self.worker_env)
+            group = self._group_factory(self.spec, dims, placement_for(self.spec, dims, topo),
+                                        self.worker_env)
+            self.rank_nodes = group.rank_nodes()
+            tracker.log_dict({**dims.as_dict(), "plan": self.plan_row,
+                              "rank_to_node": self.rank_nodes}, "mesh.json")
             self._set(state="building")
             group.build(self.spec.model_dump_json(), dims, self._data_dir())
             start = self._restore(group, resume, tracker)
@@ -89,7 +97,7 @@ class Controller:
     def _train(self, group, dims: ParallelDims, tracker, start: int) -> None:
         tr = self.spec.training
         fpt = flops_per_token(self.spec.model, tr.seq_len)
-        peak = device_spec("cpu" if group.backend == "gloo" else "h100").peak_tflops * 1e12
+        peak = self.peak_tflops * 1e12
         every = self.spec.checkpoint.every
         self._set(state="training", step=start)
         for step in range(start, tr.steps):
@@ -166,7 +174,8 @@ class Controller:
         summary = {
             "name": self.spec.name, "status": status, "steps_done": len(self.losses),
             "losses": self.losses, "final_loss": self.losses[-1] if self.losses else None,
-            "mesh": {**dims.as_dict(), "vpp": self.spec.parallelism.vpp},
+            "mesh": {**dims.as_dict(), "vpp": self.plan_row.get("vpp", 1)},
+            "plan": self.plan_row, "rank_to_node": self.rank_nodes,
             "checkpoints": [str(manifest.step_dir(self.ckpt_root, s)) for s in self.checkpoints
                             if manifest.step_dir(self.ckpt_root, s).exists()],
             "recoveries": [], "mlflow_run_id": tracker.run_id, "tracking_uri": tracker.uri,
@@ -183,14 +192,18 @@ class Controller:
 class _RayGroup:
     """The real worker group behind the controller's narrow interface."""
 
-    def __init__(self, spec: JobSpec, dims: ParallelDims, env: dict[str, str]):
+    def __init__(self, spec: JobSpec, dims: ParallelDims, placement: Placement,
+                 env: dict[str, str]):
         from trainmesh.actors.worker_group import WorkerGroup
 
         self.spec = spec
         self.timeout = spec.runtime.collective_timeout_s
-        self.group = WorkerGroup(local_placement(spec, dims), env, ready_timeout_s=60,
+        self.group = WorkerGroup(placement, env, ready_timeout_s=60,
                                  cpu_threads=max(1, int(spec.runtime.cpus_per_rank)))
         self.backend = self.group.setup_process_group(spec.runtime.device, self.timeout)
+
+    def rank_nodes(self) -> list[str]:
+        return [info["node_id"] for info in self.group.call("node_info", timeout_s=60)]
 
     def build(self, spec_json: str, dims: ParallelDims, data_dir: str) -> None:
         d = {"pp": dims.pp, "dp": dims.dp, "tp": dims.tp}
@@ -212,6 +225,7 @@ class _RayGroup:
         self.group.shutdown()
 
 
-def _ray_worker_group(spec: JobSpec, dims: ParallelDims, env: dict[str, str]) -> _RayGroup:
-    return _RayGroup(spec, dims, env)
+def _live_topology(spec: JobSpec) -> Topology:
+    device = "cpu" if spec.runtime.device == "cpu" else None
+    return topology_from_ray(device, spec.runtime.cpus_per_rank)
 

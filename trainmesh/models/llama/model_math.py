@@ -6,13 +6,17 @@
 from __future__ import annotations
 
 
+def layer_params(shape) -> int:
+    """Parameters of one transformer block: attention, SwiGLU MLP, two norms."""
+    d = shape.dim
+    kv = shape.n_kv_heads * (shape.dim // shape.n_heads)
+    return 2 * d * d + 2 * d * kv + 3 * d * shape.ffn_dim + 2 * d
+
+
 def num_params(shape, include_embedding: bool = True) -> int:
     """Exact parameter count of ``trainmesh.models.llama.model.Llama``."""
     d = shape.dim
-    kv = shape.n_kv_heads * (shape.dim // shape.n_heads)
-    attn = 2 * d * d + 2 * d * kv
-    mlp = 3 * d * shape.ffn_dim
-    per_layer = attn + mlp + 2 * d
+    per_layer = layer_params(shape)
     emb = shape.vocab_size * d
     head = 0 if shape.tie_embeddings else emb
     total = shape.n_layers * per_layer + d + head + emb

@@ -1,0 +1,62 @@
+"""Turn a job spec and a topology into the parallel degrees a run uses."""
+
+from __future__ import annotations
+
+from trainmesh.jobs.spec import JobSpec
+from trainmesh.parallel.dims import ParallelDims
+from trainmesh.platform.planner import PlanRequest, PlanResult, plan
+from trainmesh.platform.topology import Topology
+
+# What the runtime of this version can execute; the planner still explores everything for
+# `trainmesh plan`.
+RUNTIME_FIXED = {"tp": 1, "pp": 1, "vpp": 1}
+
+
+class PlanError(ValueError):
+    pass
+
+
+def request_for(spec: JobSpec, runnable_only: bool) -> PlanRequest:
+    par, tr = spec.parallelism, spec.training
+    fixed: dict[str, int | str | bool] = {}
+    if not par.auto:
+        fixed.update(tp=par.tp, pp=par.pp, dp=par.dp, vpp=par.vpp,
+                     microbatch_size=tr.microbatch_size, schedule=spec.schedule.name,
+                     sequence_parallel=par.sequence_parallel)
+    if runnable_only:
+        fixed.update(RUNTIME_FIXED)
+    compute_bytes = 2 if tr.dtype == "bfloat16" else 4
+    return PlanRequest(spec.model, tr.global_batch_size, tr.seq_len, compute_bytes, fixed)
+
+
+def plan_job(spec: JobSpec, topo: Topology, runnable_only: bool = True) -> tuple[ParallelDims, PlanResult]:
+    """Explicit degrees are checked against the cluster; ``auto`` takes the planner's best."""
+    par = spec.parallelism
+    if not par.auto:
+        world = par.world_size
+        if world > topo.world_size:
+            raise PlanError(f"parallelism: tp×pp×dp = {world} ranks but the cluster has "
+                            f"{topo.world_size} accelerators; lower the degrees or add nodes")
+        topo = _first_ranks(topo, world)
+    result = plan(request_for(spec, runnable_only), topo)
+    if not result.plans:
+        reasons = sorted({r.reason for r in result.rejected})
+        raise PlanError("parallelism: no feasible plan on this cluster: " + "; ".join(reasons[:4]))
+    best = result.best.candidate
+    return ParallelDims(pp=best.pp, dp=best.dp, tp=best.tp), result
+
+
+def _first_ranks(topo: Topology, world: int) -> Topology:
+    """The nodes (fewest first-listed) holding ``world`` ranks, for explicit degrees."""
+    from dataclasses import replace
+
+    from trainmesh.platform.topology import Node
+
+    nodes, left = [], world
+    for n in topo.nodes:
+        if left <= 0:
+            break
+        take = min(n.accelerators, left)
+        nodes.append(Node(n.node_id, take))
+        left -= take
+    return replace(topo, nodes=tuple(nodes))

@@ -1,0 +1,181 @@
+"""The mesh planner: enumerate candidate plans, reject infeasible ones with a reason, rank the
+rest by predicted throughput (see ``cost_model`` for the estimates). No torch, no ray."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from trainmesh.platform.cost_model import RECOMPUTE, SCHEDULES, Candidate, Estimate, estimate, memory_bytes
+from trainmesh.platform.topology import Topology
+
+MEMORY_HEADROOM = 0.9  # plan within this fraction of device memory
+MICROBATCH_SIZES = (1, 2, 4, 8)
+VPP_CHOICES = (1, 2, 4)
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What to plan for: the model shape, batch geometry and what the user pinned."""
+
+    model: object  # a ModelConfig or LlamaArgs
+    global_batch_size: int
+    seq_len: int
+    compute_bytes: int = 2  # bf16
+    fixed: dict[str, int | str | bool] = field(default_factory=dict)  # e.g. {"tp": 2}
+
+
+@dataclass(frozen=True)
+class RankedPlan:
+    candidate: Candidate
+    estimate: Estimate
+
+    def as_row(self) -> dict[str, object]:
+        c, e = self.candidate, self.estimate
+        return {"tp": c.tp, "pp": c.pp, "dp": c.dp, "vpp": c.vpp, "schedule": c.schedule,
+                "microbatch_size": c.microbatch_size, "num_microbatches": c.num_microbatches,
+                "recompute": c.recompute, "keep_gathered": c.keep_gathered,
+                "memory_per_rank_gib": round(e.memory_per_rank_gib, 3),
+                "step_time_s": e.step_time_s, "tokens_per_s": e.tokens_per_s,
+                "tflops_per_gpu": e.tflops_per_gpu, "mfu": e.mfu,
+                "bubble_fraction": e.bubble_fraction}
+
+
+@dataclass(frozen=True)
+class Rejection:
+    candidate: Candidate | None
+    reason: str  # "memory: ...", "divisibility: ...", "topology: ..."
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    plans: list[RankedPlan]  # best first
+    rejected: list[Rejection]
+
+    @property
+    def best(self) -> RankedPlan:
+        if not self.plans:
+            reasons = sorted({r.reason.split(":")[0] + ": " + r.reason.split(": ", 1)[-1]
+                              for r in self.rejected})[:5]
+            raise ValueError("no feasible plan: " + "; ".join(reasons))
+        return self.plans[0]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(req: PlanRequest, topo: Topology) -> Iterator[Candidate | Rejection]:
+    """Every (tp, pp, dp, vpp, schedule, microbatch size, recompute) over the whole world,
+    yielding a Rejection (with its reason) for the structurally impossible ones."""
+    m, world, fixed = req.model, topo.world_size, req.fixed
+    for tp in _divisors(world):
+        if "tp" in fixed and tp != fixed["tp"]:
+            continue
+        if m.n_heads % tp or m.n_kv_heads % tp:
+            yield Rejection(None, f"divisibility: tp={tp} does not divide n_heads={m.n_heads} "
+                                  f"and n_kv_heads={m.n_kv_heads}")
+            continue
+        if tp > topo.per_node:
+            yield Rejection(None, f"topology: tp={tp} exceeds {topo.per_node} accelerators per "
+                                  "node (TP stays inside a node)")
+            continue
+        for pp in _divisors(world // tp):
+            if "pp" in fixed and pp != fixed["pp"]:
+                continue
+            dp = world // (tp * pp)
+            if "dp" in fixed and dp != fixed["dp"]:
+                continue
+            yield from _inner(req, tp, pp, dp)
+
+
+def _inner(req: PlanRequest, tp: int, pp: int, dp: int) -> Iterator[Candidate | Rejection]:
+    m, fixed, B = req.model, req.fixed, req.global_batch_size
+    for vpp in VPP_CHOICES:
+        if ("vpp" in fixed and vpp != fixed["vpp"]) or (pp == 1 and vpp > 1):
+            continue
+        if m.n_layers % (pp * vpp):
+            yield Rejection(None, f"divisibility: n_layers={m.n_layers} is not divisible by "
+                                  f"pp × vpp = {pp}×{vpp}")
+            continue
+        schedules = ("1f1b",) if pp == 1 else (
+            ("interleaved-1f1b",) if vpp > 1 else ("gpipe", "1f1b"))
+        for schedule in schedules:
+            if "schedule" in fixed and pp > 1 and schedule != fixed["schedule"]:
+                continue
+            for mbs in MICROBATCH_SIZES:
+                if "microbatch_size" in fixed and mbs != fixed["microbatch_size"]:
+                    continue
+                if B % (dp * mbs):
+                    yield Rejection(None, f"divisibility: global batch {B} is not divisible by "
+                                          f"dp × microbatch = {dp}×{mbs}")
+                    continue
+                n_micro = B // (dp * mbs)
+                if pp > 1 and n_micro < pp:
+                    yield Rejection(None, f"divisibility: {n_micro} microbatches cannot fill "
+                                          f"{pp} pipeline stages")
+                    continue
+                if schedule == "interleaved-1f1b" and n_micro % pp:
+                    yield Rejection(None, f"divisibility: interleaved 1F1B needs microbatches "
+                                          f"({n_micro}) to be a multiple of pp={pp}")
+                    continue
+                for rc in RECOMPUTE:
+                    if "recompute" in fixed and rc != fixed["recompute"]:
+                        continue
+                    sp = bool(fixed.get("sequence_parallel", tp > 1))
+                    for keep in (True, False) if dp > 1 and n_micro > 1 else (dp > 1,):
+                        yield Candidate(tp, pp, dp, vpp, schedule, mbs, n_micro, rc, sp, keep)
+
+
+def plan(req: PlanRequest, topo: Topology) -> PlanResult:
+    """All feasible plans ranked by predicted tokens/s (best first), and every rejection."""
+    limit = topo.device.memory_gib * MEMORY_HEADROOM * 1024**3
+    ranked, rejected = [], []
+    for c in candidates(req, topo):
+        if isinstance(c, Rejection):
+            rejected.append(c)
+            continue
+        mem = memory_bytes(req.model, c, req.seq_len, req.compute_bytes)
+        if mem > limit:
+            rejected.append(Rejection(c, f"memory: {mem / 1024**3:.1f} GiB per rank exceeds "
+                                         f"{limit / 1024**3:.1f} GiB ({MEMORY_HEADROOM:.0%} of "
+                                         f"{topo.device.memory_gib:g} GiB {topo.device.name})"))
+            continue
+        est = estimate(req.model, c, req.seq_len, topo.device, topo.per_node, req.compute_bytes)
+        ranked.append(RankedPlan(c, est))
+    ranked.sort(key=lambda p: (-p.estimate.tokens_per_s, p.estimate.memory_per_rank_gib))
+    return PlanResult(ranked, rejected)
+
+
+def explain(result: PlanResult) -> str:
+    """One paragraph on why the winner won."""
+    best = result.best
+    c, e = best.candidate, best.estimate
+    parts = [f"tp={c.tp} × pp={c.pp} × dp={c.dp} (vpp={c.vpp}, {c.schedule}, microbatch "
+             f"{c.microbatch_size} × {c.num_microbatches}, recompute {c.recompute}) is predicted "
+             f"fastest at {e.tokens_per_s:,.0f} tokens/s and {e.mfu:.1%} MFU, using "
+             f"{e.memory_per_rank_gib:.1f} GiB per rank."]
+    parts.append(f"Of its {e.step_time_s:.3g} s step, compute is {e.compute_s:.3g} s "
+                 f"(bubble {e.bubble_fraction:.1%}), TP communication {e.tp_comm_s:.3g} s, "
+                 f"PP {e.pp_comm_s:.3g} s and exposed ZeRO-3 traffic {e.dp_exposed_s:.3g} s.")
+    degrees = (c.tp, c.pp, c.dp, c.vpp)
+    others = [p for p in result.plans
+              if (p.candidate.tp, p.candidate.pp, p.candidate.dp, p.candidate.vpp) != degrees]
+    if others:
+        nxt = others[0]
+        gap = 1 - nxt.estimate.tokens_per_s / e.tokens_per_s
+        n = nxt.candidate
+        parts.append(f"The best other layout (tp={n.tp}, pp={n.pp}, dp={n.dp}, vpp={n.vpp}, "
+                     f"{n.schedule}, recompute {n.recompute}) is {gap:.1%} slower.")
+    kinds: dict[str, int] = {}
+    for r in result.rejected:
+        kind = r.reason.split(":")[0]
+        kinds[kind] = kinds.get(kind, 0) + 1
+    if kinds:
+        parts.append("Rejected: " + ", ".join(f"{n} for {k}" for k, n in sorted(kinds.items()))
+                     + ".")
+    return " ".join(parts)
+
+
+__all__ = ["PlanRequest", "PlanResult", "RankedPlan", "Rejection", "plan", "explain",
+           "SCHEDULES"]
