@@ -14,13 +14,32 @@ os.environ.pop("MLFLOW_TRACKING_URI", None)
 import pytest  # noqa: E402
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_local():
-    """One local Ray instance on 127.0.0.1 for the whole session (4 logical CPUs so that
+    """A local Ray instance on 127.0.0.1 shared by a test module (4 logical CPUs so that
     4-rank jobs fit on a 2-core machine)."""
     import ray
 
+    ray.shutdown()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
              configure_logging=False)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def gpu_cluster():
+    """A simulated multi-node cluster: a head and 2 nodes advertising 4 GPUs each."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    ray.shutdown()
+    cluster = Cluster(initialize_head=True, connect=False,
+                      head_node_args={"num_cpus": 1, "include_dashboard": False})
+    for _ in range(2):
+        cluster.add_node(num_cpus=4, num_gpus=4)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()

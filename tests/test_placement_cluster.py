@@ -1,0 +1,63 @@
+"""Placement on a simulated multi-node Ray cluster, checked from inside the rank actors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from trainmesh.actors.worker_group import WorkerGroup
+from trainmesh.jobs.loading import load_spec
+from trainmesh.parallel.dims import Axis, ParallelDims
+from trainmesh.platform.controller import placement_for
+from trainmesh.platform.topology import topology_from_ray
+
+
+def _nodes_seen_by_ranks(dims: ParallelDims) -> list[str]:
+    spec = load_spec(None, [f"parallelism.tp={dims.tp}", f"parallelism.pp={dims.pp}",
+                            f"parallelism.dp={dims.dp}"])
+    topo = topology_from_ray()
+    assert topo.per_node == 4 and topo.world_size == 8
+    group = WorkerGroup(placement_for(spec, dims, topo), {}, ready_timeout_s=60)
+    try:
+        return [info["node_id"] for info in group.call("node_info", timeout_s=120)]
+    finally:
+        group.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_tp_groups_and_stages_stay_inside_a_node(gpu_cluster):
+    dims = ParallelDims(pp=2, dp=2, tp=2)
+    nodes = _nodes_seen_by_ranks(dims)
+    for group in dims.groups(Axis.TP):
+        assert len({nodes[r] for r in group}) == 1, group
+    for stage in range(dims.pp):
+        ranks = [r for r in range(dims.world_size) if dims.coords(r)[Axis.PP] == stage]
+        assert len({nodes[r] for r in ranks}) == 1
+    assert len(set(nodes)) == 2  # one node per stage, two nodes
+
+
+@pytest.mark.timeout(300)
+def test_dp_peers_span_nodes(gpu_cluster):
+    dims = ParallelDims(pp=1, dp=4, tp=2)
+    nodes = _nodes_seen_by_ranks(dims)
+    for group in dims.groups(Axis.TP):
+        assert len({nodes[r] for r in group}) == 1
+    for group in dims.groups(Axis.DP):
+        assert len({nodes[r] for r in group}) == 2, group
+
+
+@pytest.mark.timeout(300)
+def test_plan_cli_plans_for_the_live_cluster(gpu_cluster, tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainmesh.jobs.cli", "plan", "jobs/tiny-cpu.yaml",
+         "--set", "parallelism=auto", "--set", f"runtime.ray_address={gpu_cluster.address}",
+         "--json", "--top", "50"],
+        capture_output=True, text=True, timeout=240, env=dict(os.environ))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(proc.stdout)
+    assert rows and all(r["tp"] * r["pp"] * r["dp"] == 8 for r in rows)
+    assert max(r["tp"] for r in rows) <= 4  # 4 GPUs per node bound TP

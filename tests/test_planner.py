@@ -1,0 +1,156 @@
+"""The planner: brute force agreement, properties, sanity against published layouts."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from trainmesh.jobs.cli import main
+from trainmesh.jobs.loading import load_spec
+from trainmesh.platform import cost_model
+from trainmesh.platform.job_plan import PlanError, plan_job
+from trainmesh.platform.planner import MEMORY_HEADROOM, PlanRequest, explain, plan
+from trainmesh.platform.topology import Topology, topology_from_nodes
+
+
+def _model(preset, **kw):
+    return load_spec(None, [f"model.preset={preset}", *(f"model.{k}={v}" for k, v in kw.items())]).model
+
+
+def _brute_force_best(req: PlanRequest, topo: Topology) -> float:
+    """Every tuple of degrees and options, filtered only by the documented rules."""
+    m, world = req.model, topo.world_size
+    limit = topo.device.memory_gib * MEMORY_HEADROOM * 1024**3
+    best = 0.0
+    for tp, pp, vpp, mbs, sched, rc, keep in itertools.product(
+            range(1, world + 1), range(1, world + 1), (1, 2, 4), (1, 2, 4, 8),
+            cost_model.SCHEDULES, cost_model.RECOMPUTE, (True, False)):
+        if world % (tp * pp):
+            continue
+        dp = world // (tp * pp)
+        rules = [m.n_heads % tp == 0, m.n_kv_heads % tp == 0, tp <= topo.per_node,
+                 m.n_layers % (pp * vpp) == 0, req.global_batch_size % (dp * mbs) == 0,
+                 (vpp > 1) == (sched == "interleaved-1f1b"), pp > 1 or sched == "1f1b",
+                 pp > 1 or vpp == 1]
+        if not all(rules):
+            continue
+        n = req.global_batch_size // (dp * mbs)
+        if pp > 1 and n < pp or (sched == "interleaved-1f1b" and n % pp):
+            continue
+        if keep != (dp > 1) and not (dp > 1 and n > 1):
+            continue
+        c = cost_model.Candidate(tp, pp, dp, vpp, sched, mbs, n, rc, tp > 1, keep)
+        if cost_model.memory_bytes(m, c, req.seq_len, req.compute_bytes) > limit:
+            continue
+        est = cost_model.estimate(m, c, req.seq_len, topo.device, topo.per_node, req.compute_bytes)
+        best = max(best, est.tokens_per_s)
+    return best
+
+
+@pytest.mark.parametrize(("preset", "nodes", "per_node", "device", "batch", "seq"), [
+    ("tiny", 1, 4, "cpu", 16, 64), ("small", 2, 4, "l40s", 32, 512),
+    ("1b", 2, 4, "a100-40gb", 64, 2048), ("8b", 2, 8, "h100", 64, 4096),
+    ("8b", 1, 8, "a100-40gb", 32, 4096)])
+def test_planner_matches_brute_force(preset, nodes, per_node, device, batch, seq):
+    req = PlanRequest(_model(preset), batch, seq)
+    topo = Topology.uniform(nodes, per_node, device)
+    result = plan(req, topo)
+    assert result.plans
+    assert result.best.estimate.tokens_per_s == pytest.approx(_brute_force_best(req, topo))
+
+
+@pytest.mark.parametrize(("preset", "nodes", "per_node", "device"), [
+    ("8b", 2, 8, "a100-40gb"), ("70b", 4, 8, "h100"), ("1b", 3, 4, "l40s")])
+def test_plan_properties(preset, nodes, per_node, device):
+    topo = Topology.uniform(nodes, per_node, device)
+    result = plan(PlanRequest(_model(preset), 96, 4096), topo)
+    limit = topo.device.memory_gib * MEMORY_HEADROOM
+    for p in result.plans:
+        c = p.candidate
+        assert c.tp * c.pp * c.dp == topo.world_size
+        assert p.estimate.memory_per_rank_gib <= limit
+        assert c.tp <= per_node and c.dp * c.microbatch_size * c.num_microbatches == 96
+    assert result.rejected
+    for r in result.rejected:
+        assert r.reason.split(":")[0] in {"memory", "divisibility", "topology"}, r.reason
+    speeds = [p.estimate.tokens_per_s for p in result.plans]
+    assert speeds == sorted(speeds, reverse=True)
+
+
+def _ratio_of(result, tp, pp, dp):
+    best = result.best.estimate.tokens_per_s
+    mine = [p.estimate.tokens_per_s for p in result.plans
+            if (p.candidate.tp, p.candidate.pp, p.candidate.dp) == (tp, pp, dp)]
+    assert mine, f"tp={tp} pp={pp} dp={dp} was not even feasible"
+    return max(mine) / best
+
+
+def test_llama70b_on_1024_h100_ranks_8_8_16_near_the_top():
+    req = PlanRequest(_model("70b"), 1024, 8192)
+    result = plan(req, Topology.uniform(128, 8, "h100"))
+    assert _ratio_of(result, 8, 8, 16) >= 0.9
+
+
+def test_gpt3_175b_on_1024_a100_ranks_8_16_8_near_the_top():
+    gpt3 = SimpleNamespace(dim=12288, n_layers=96, n_heads=96, n_kv_heads=96, ffn_dim=49152,
+                           vocab_size=50257, tie_embeddings=False)
+    result = plan(PlanRequest(gpt3, 1536, 2048), Topology.uniform(128, 8, "a100-80gb"))
+    assert _ratio_of(result, 8, 16, 8) >= 0.9
+
+
+def test_interleaving_divides_the_bubble():
+    one = cost_model.bubble_fraction("1f1b", 4, 1, 8)
+    assert one == pytest.approx(3 / 11)
+    inter = cost_model.bubble_fraction("interleaved-1f1b", 4, 2, 8)
+    assert inter == pytest.approx(1.5 / 9.5)
+    assert cost_model.bubble_fraction("1f1b", 1, 1, 8) == 0
+
+
+def test_explicit_infeasible_degrees_say_why():
+    spec = load_spec(None, ["model.preset=70b", "parallelism.dp=8", "training.seq_len=4096",
+                            "training.global_batch_size=64", "training.microbatch_size=8"])
+    with pytest.raises(PlanError, match="memory"):
+        plan_job(spec, Topology.uniform(1, 8, "h100"), runnable_only=False)
+    with pytest.raises(PlanError, match="16 accelerators"):
+        plan_job(load_spec(None, ["parallelism.dp=32", "training.global_batch_size=64"]),
+                 Topology.uniform(2, 8, "cpu"))
+
+
+def test_explain_names_the_winner_and_rejections():
+    result = plan(PlanRequest(_model("8b"), 64, 4096), Topology.uniform(2, 8, "h100"))
+    text = explain(result)
+    c = result.best.candidate
+    assert f"tp={c.tp} × pp={c.pp} × dp={c.dp}" in text and "Rejected:" in text
+
+
+def test_topology_from_ray_node_records():
+    nodes = [{"NodeID": "h", "Alive": True, "Resources": {"CPU": 2}},
+             {"NodeID": "a", "Alive": True,
+              "Resources": {"CPU": 16, "GPU": 8, "accelerator_type:H100": 1}},
+             {"NodeID": "b", "Alive": False, "Resources": {"CPU": 16, "GPU": 8}},
+             {"NodeID": "c", "Alive": True, "Resources": {"CPU": 16, "GPU": 4}}]
+    topo = topology_from_nodes(nodes, None)
+    assert [(n.node_id, n.accelerators) for n in topo.nodes] == [("a", 8), ("c", 4)]
+    assert topo.device.name == "h100" and topo.per_node == 4
+    cpu = topology_from_nodes(nodes, "cpu", cpus_per_rank=2)
+    assert [n.accelerators for n in cpu.nodes] == [1, 8, 8]
+
+
+def test_plan_cli_json_and_table(capsys):
+    assert main(["plan", "jobs/llama-70b.yaml", "--set", "parallelism=auto", "--nodes", "16",
+                 "--gpus-per-node", "8", "--device", "h100", "--top", "3", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    keys = {"tp", "pp", "dp", "vpp", "schedule", "microbatch_size", "num_microbatches",
+            "recompute", "memory_per_rank_gib", "step_time_s", "tokens_per_s",
+            "tflops_per_gpu", "mfu", "bubble_fraction"}
+    assert len(rows) == 3 and all(keys <= set(r) for r in rows)
+    assert [r["tokens_per_s"] for r in rows] == sorted((r["tokens_per_s"] for r in rows),
+                                                       reverse=True)
+    assert all(r["tp"] * r["pp"] * r["dp"] == 128 for r in rows)
+    assert main(["plan", "jobs/llama-70b.yaml", "--set", "parallelism=auto", "--nodes", "16",
+                 "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "MFU" in out and "is predicted fastest" in out
