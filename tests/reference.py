@@ -11,18 +11,23 @@ from trainmesh.data.shards import read_tokens
 from trainmesh.jobs.spec import JobSpec
 
 
-def reference_run(spec: JobSpec, data_dir: str, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Losses of ``steps`` steps over the whole global batch, and the parameters after them."""
+def reference_run(spec: JobSpec, data_dir: str, steps: int, grads_after: int | None = None
+                  ) -> tuple[list[float], dict[str, torch.Tensor]] | tuple[list[float], dict, dict]:
+    """Losses of ``steps`` steps over the whole global batch, and the parameters after them
+    (and, with ``grads_after=k``, every gradient as left by step k)."""
     tr = spec.training
     model = build_model(spec, torch.device("cpu"))
     opt = build_optimizer(model, spec.optimizer)
     sched = build_lr_scheduler(opt, spec.optimizer, tr.steps)
     data = TokenDataset(read_tokens(data_dir), tr.seq_len)
-    losses = []
+    losses, grads = [], {}
     for step in range(steps):
         mbs = data.microbatches(tr.seed, step, tr.global_batch_size, 0, 1, tr.microbatch_size)
         losses.append(train_step(model, opt, sched, mbs, spec.optimizer.grad_clip).loss)
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+        if grads_after == step + 1:
+            grads = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
+    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return (losses, params) if grads_after is None else (losses, params, grads)
 
 
 def load_checkpoint_params(spec: JobSpec, directory: str) -> dict[str, torch.Tensor]:

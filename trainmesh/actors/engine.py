@@ -5,8 +5,12 @@ No Ray here: :class:`trainmesh.actors.rank_worker.RankWorker` hosts an Engine in
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from trainmesh.actors.step import StepStats, build_lr_scheduler, build_optimizer, train_step
 from trainmesh.checkpoint import dcp_io
@@ -14,6 +18,7 @@ from trainmesh.data.dataset import TokenDataset
 from trainmesh.data.shards import read_tokens
 from trainmesh.jobs.spec import JobSpec
 from trainmesh.models.llama.model import Llama, LlamaArgs
+from trainmesh.models.llama.parallelize import apply_activation_checkpointing, apply_tensor_parallel
 from trainmesh.parallel.dims import Axis
 from trainmesh.parallel.mesh import Mesh
 from trainmesh.parallel.zero import apply_zero3
@@ -32,6 +37,12 @@ class Engine:
     def __init__(self, spec: JobSpec, mesh: Mesh, data_dir: str, device: torch.device):
         self.spec, self.mesh, self.device = spec, mesh, device
         self.model = build_model(spec, device)
+        self.loss_context = contextlib.nullcontext
+        if mesh.size(Axis.TP) > 1:
+            apply_tensor_parallel(self.model, mesh[Axis.TP], spec.parallelism.sequence_parallel)
+            self.loss_context = loss_parallel
+        ac = spec.activation_checkpoint
+        apply_activation_checkpointing(self.model, ac.mode, ac.stride)
         self.model = apply_zero3(self.model, mesh[Axis.DP], getattr(torch, spec.training.dtype))
         self.optimizer = build_optimizer(self.model, spec.optimizer)
         self.scheduler = build_lr_scheduler(self.optimizer, spec.optimizer, spec.training.steps)
@@ -45,7 +56,8 @@ class Engine:
                                         tr.microbatch_size)
         mbs = [(x.to(self.device), y.to(self.device)) for x, y in mbs]
         stats = train_step(self.model, self.optimizer, self.scheduler, mbs,
-                           self.spec.optimizer.grad_clip, self.model.set_requires_gradient_sync)
+                           self.spec.optimizer.grad_clip, self.model.set_requires_gradient_sync,
+                           self.loss_context)
         self.step += 1
         return StepStats(loss=self._dp_mean(stats.loss), grad_norm=stats.grad_norm, lr=stats.lr,
                          tokens=stats.tokens)
@@ -74,3 +86,11 @@ class Engine:
 
     def full_state(self) -> dict[str, torch.Tensor]:
         return dcp_io.full_model_state(self.model)
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """Collective: every parameter's whole gradient (as left by the last step), on CPU."""
+        out = {}
+        for name, p in self.model.named_parameters():
+            g = p.grad
+            out[name] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().cpu().clone()
+        return out

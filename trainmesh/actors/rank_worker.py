@@ -82,6 +82,9 @@ class RankWorker:
     def full_state(self) -> dict:
         return self.engine.full_state()
 
+    def full_grads(self) -> dict:
+        return self.engine.full_grads()
+
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -6,8 +6,10 @@ only how the model was wrapped (FSDP2/DTensor) and which slice of the global bat
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -50,22 +52,38 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg, total_steps: int):
 
 
 def grad_norm_and_clip(params: Sequence[torch.Tensor], max_norm: float) -> float:
-    """Global gradient norm (over all shards for DTensor parameters), clipped to ``max_norm``
-    when it is positive."""
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf,
-                                          foreach=True)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    return float(norm)
+    """Global L2 gradient norm over every shard, clipped to ``max_norm`` when it is positive.
+
+    DTensor gradients may live on different meshes (a TP-sharded weight on (dp, tp), a
+    replicated norm weight on (dp,)): each mesh's norm is reduced on its own mesh, then the
+    squares are summed."""
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+        by_mesh.setdefault(key, []).append(p.grad)
+    squares = torch.zeros((), dtype=torch.float64)
+    for grads in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        squares += norm.detach().double().cpu() ** 2
+    total = float(squares.sqrt())
+    coef = max_norm / (total + 1e-6)  # the same coefficient as torch's clip_grad_norm_
+    if max_norm > 0 and coef < 1.0:
+        for grads in by_mesh.values():
+            torch._foreach_mul_(grads, coef)
+    return total
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
                microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]], grad_clip: float,
-               set_grad_sync: Callable[[bool], None] | None = None) -> StepStats:
+               set_grad_sync: Callable[[bool], None] | None = None,
+               loss_context: Callable[[], AbstractContextManager] = contextlib.nullcontext,
+               ) -> StepStats:
     """Accumulate gradients over ``microbatches`` (loss scaled by 1/len), clip, step.
 
     ``set_grad_sync(is_last)`` lets a sharded model skip gradient reduction until the last
-    microbatch."""
+    microbatch; ``loss_context`` wraps loss and backward (``loss_parallel`` under TP)."""
     optimizer.zero_grad(set_to_none=True)
     n = len(microbatches)
     total = torch.zeros(())
@@ -73,9 +91,11 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
     for i, (x, y) in enumerate(microbatches):
         if set_grad_sync is not None:
             set_grad_sync(i == n - 1)
-        loss = cross_entropy_loss(model(x), y) / n
-        loss.backward()
-        total += loss.detach().float().cpu()
+        with loss_context():
+            loss = cross_entropy_loss(model(x), y) / n
+            loss.backward()
+        value = loss.detach()
+        total += (value.full_tensor() if isinstance(value, DTensor) else value).float().cpu()
         tokens += y.numel()
     lr = optimizer.param_groups[0]["lr"]
     norm = grad_norm_and_clip([p for p in model.parameters() if p.grad is not None], grad_clip)

@@ -81,6 +81,14 @@ class ParallelismConfig(_Section):
         return self.tp * self.pp * self.dp
 
 
+class ActivationCheckpointConfig(_Section):
+    """Recompute blocks in backward to save memory: ``full`` every block, ``selective`` every
+    ``stride``-th block, ``none`` keeps all activations."""
+
+    mode: Literal["none", "full", "selective"] = "none"
+    stride: int = Field(2, ge=1, description="with selective: checkpoint every N-th block")
+
+
 class ScheduleConfig(_Section):
     """Pipeline schedule used when ``parallelism.pp > 1``."""
 
@@ -153,6 +161,7 @@ class JobSpec(_Section):
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     parallelism: ParallelismConfig = ParallelismConfig()
+    activation_checkpoint: ActivationCheckpointConfig = ActivationCheckpointConfig()
     schedule: ScheduleConfig = ScheduleConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     training: TrainingConfig = TrainingConfig()

@@ -221,6 +221,9 @@ class _RayGroup:
     def full_state(self) -> dict:
         return self.group.call("full_state", timeout_s=self.timeout)[0]
 
+    def full_grads(self) -> dict:
+        return self.group.call("full_grads", timeout_s=self.timeout)[0]
+
     def shutdown(self) -> None:
         self.group.shutdown()
 

@@ -9,7 +9,7 @@ from trainmesh.platform.topology import Topology
 
 # What the runtime of this version can execute; the planner still explores everything for
 # `trainmesh plan`.
-RUNTIME_FIXED = {"tp": 1, "pp": 1, "vpp": 1}
+RUNTIME_FIXED = {"pp": 1, "vpp": 1}
 
 
 class PlanError(ValueError):

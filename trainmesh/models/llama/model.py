@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from trainmesh.models.llama import model_math
 
@@ -88,7 +89,8 @@ class Attention(nn.Module):
         q = self.wq(x_BTD).view(B, T, -1, self.head_dim)
         k = self.wk(x_BTD).view(B, T, -1, self.head_dim)
         v = self.wv(x_BTD).view(B, T, -1, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # Slice the tables here, where T is the whole sequence even under sequence parallel.
+        q, k = apply_rope(q, cos[:T], sin[:T]), apply_rope(k, cos[:T], sin[:T])
         rep = q.shape[2] // k.shape[2]
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
@@ -116,8 +118,14 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+        self.recompute = False  # activation checkpointing: recompute this block in backward
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, cos, sin, use_reentrant=False)
+        return self._forward(x, cos, sin)
+
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -156,8 +164,7 @@ class Llama(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(h)
-        T = h.shape[1]
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        cos, sin = self.rope_cos, self.rope_sin
         for layer in self.layers.values():
             h = layer(h, cos, sin)
         if self.norm is None:
