@@ -85,6 +85,15 @@ class RankWorker:
     def full_grads(self) -> dict:
         return self.engine.full_grads()
 
+    def memory_stats(self) -> dict:
+        """Peak memory of this rank: process RSS, and CUDA allocations when on a GPU."""
+        import resource
+
+        stats = {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+        if self.engine is not None and self.engine.device.type == "cuda":
+            stats["cuda_peak_mib"] = torch.cuda.max_memory_allocated(self.engine.device) / 2**20
+        return stats
+
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()

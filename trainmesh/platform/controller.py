@@ -221,6 +221,9 @@ class _RayGroup:
     def full_state(self) -> dict:
         return self.group.call("full_state", timeout_s=self.timeout)[0]
 
+    def memory_stats(self) -> list[dict]:
+        return self.group.call("memory_stats", timeout_s=self.timeout)
+
     def full_grads(self) -> dict:
         return self.group.call("full_grads", timeout_s=self.timeout)[0]
 
