@@ -154,3 +154,15 @@ def test_plan_cli_json_and_table(capsys):
                  "--top", "2"]) == 0
     out = capsys.readouterr().out
     assert "MFU" in out and "is predicted fastest" in out
+
+
+def test_spec_topology_overrides_change_the_plan(capsys):
+    args = ["plan", "jobs/llama-70b.yaml", "--set", "parallelism=auto", "--nodes", "16",
+            "--json", "--top", "1"]
+    assert main(args) == 0
+    base = json.loads(capsys.readouterr().out)[0]
+    assert main([*args, "--set", "topology.peak_tflops=1978"]) == 0
+    faster = json.loads(capsys.readouterr().out)[0]
+    assert faster["tokens_per_s"] > 1.5 * base["tokens_per_s"]
+    assert main([*args, "--set", "topology.memory_gib=4"]) == 2  # nothing fits in 4 GiB
+    assert "memory" in capsys.readouterr().err

@@ -26,18 +26,21 @@ def add_parser(sub) -> None:
 
 
 def cluster_topology(spec: JobSpec, args: argparse.Namespace) -> Topology:
+    device = args.device or spec.topology.device
     if args.nodes is not None:
-        return Topology.uniform(args.nodes, args.gpus_per_node, args.device or "h100")
-    if spec.runtime.ray_address == "local":  # this machine, as `trainmesh run` would use it
+        topo = Topology.uniform(args.nodes, args.gpus_per_node, device or "h100")
+    elif spec.runtime.ray_address == "local":  # this machine, as `trainmesh run` would use it
         ranks = int((os.cpu_count() or 1) // spec.runtime.cpus_per_rank) or 1
-        return Topology.uniform(1, ranks, args.device or "cpu")
-    import ray
+        topo = Topology.uniform(1, ranks, device or "cpu")
+    else:
+        import ray
 
-    ray.init(address=spec.runtime.ray_address, log_to_driver=False)
-    try:
-        return topology_from_ray(args.device, spec.runtime.cpus_per_rank)
-    finally:
-        ray.shutdown()
+        ray.init(address=spec.runtime.ray_address, log_to_driver=False)
+        try:
+            topo = topology_from_ray(device, spec.runtime.cpus_per_rank)
+        finally:
+            ray.shutdown()
+    return topo.with_overrides(spec.topology.overrides())
 
 
 def run(args: argparse.Namespace) -> int:

@@ -144,6 +144,22 @@ class TrackingConfig(_Section):
     experiment: str = "trainmesh"
 
 
+class TopologyConfig(_Section):
+    """What the planner assumes about the accelerators; every field overrides the device table
+    (``trainmesh/platform/devices.py``) when set."""
+
+    device: Literal["h100", "h200", "a100-40gb", "a100-80gb", "b200", "l40s", "cpu"] | None = Field(
+        None, description="device kind; default: from Ray's accelerator label (CPU: cpu)")
+    memory_gib: float | None = Field(None, gt=0)
+    peak_tflops: float | None = Field(None, gt=0, description="dense bf16 peak per device")
+    intra_node_gbps: float | None = Field(None, gt=0)
+    inter_node_gbps: float | None = Field(None, gt=0)
+
+    def overrides(self) -> dict[str, float | None]:
+        return {k: getattr(self, k) for k in ("memory_gib", "peak_tflops", "intra_node_gbps",
+                                              "inter_node_gbps")}
+
+
 class RuntimeConfig(_Section):
     """Where and how the job runs."""
 
@@ -168,6 +184,7 @@ class JobSpec(_Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     elastic: ElasticConfig = ElasticConfig()
     tracking: TrackingConfig = TrackingConfig()
+    topology: TopologyConfig = TopologyConfig()
     runtime: RuntimeConfig = RuntimeConfig()
 
     def resolved_output_dir(self) -> str:

@@ -232,6 +232,7 @@ class _RayGroup:
 
 
 def _live_topology(spec: JobSpec) -> Topology:
-    device = "cpu" if spec.runtime.device == "cpu" else None
-    return topology_from_ray(device, spec.runtime.cpus_per_rank)
+    device = "cpu" if spec.runtime.device == "cpu" else spec.topology.device
+    topo = topology_from_ray(device, spec.runtime.cpus_per_rank)
+    return topo.with_overrides(spec.topology.overrides())
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from trainmesh.jobs.spec import JobSpec
 from trainmesh.parallel.dims import ParallelDims
-from trainmesh.platform.planner import PlanRequest, PlanResult, plan
+from trainmesh.platform.planner import PlanRequest, PlanResult, plan, summarize_rejections
 from trainmesh.platform.topology import Topology
 
 # What the runtime of this version can execute; the planner still explores everything for
@@ -40,8 +40,9 @@ def plan_job(spec: JobSpec, topo: Topology, runnable_only: bool = True) -> tuple
         topo = _first_ranks(topo, world)
     result = plan(request_for(spec, runnable_only), topo)
     if not result.plans:
-        reasons = sorted({r.reason for r in result.rejected})
-        raise PlanError("parallelism: no feasible plan on this cluster: " + "; ".join(reasons[:4]))
+        raise PlanError("parallelism: no feasible plan on this cluster: "
+                        + summarize_rejections(result.rejected)
+                        + "; lower the degrees, shorten the sequence or add accelerators")
     best = result.best.candidate
     return ParallelDims(pp=best.pp, dp=best.dp, tp=best.tp), result
 

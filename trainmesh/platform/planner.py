@@ -55,10 +55,26 @@ class PlanResult:
     @property
     def best(self) -> RankedPlan:
         if not self.plans:
-            reasons = sorted({r.reason.split(":")[0] + ": " + r.reason.split(": ", 1)[-1]
-                              for r in self.rejected})[:5]
-            raise ValueError("no feasible plan: " + "; ".join(reasons))
+            raise ValueError("no feasible plan: " + summarize_rejections(self.rejected))
         return self.plans[0]
+
+
+def summarize_rejections(rejected: list[Rejection]) -> str:
+    """Counts per kind, and the example that came closest for memory."""
+    kinds: dict[str, int] = {}
+    for r in rejected:
+        kind = r.reason.split(":")[0]
+        kinds[kind] = kinds.get(kind, 0) + 1
+    text = ", ".join(f"{n} rejected for {k}" for k, n in sorted(kinds.items()))
+    mem = [r for r in rejected if r.reason.startswith("memory")]
+    if mem:
+        closest = min(mem, key=lambda r: float(r.reason.split()[1]))
+        c = closest.candidate
+        text += (f"; closest for memory: tp={c.tp} pp={c.pp} dp={c.dp} recompute={c.recompute} "
+                 f"— {closest.reason}")
+    elif rejected:
+        text += f"; e.g. {rejected[0].reason}"
+    return text
 
 
 def _divisors(n: int) -> list[int]:
@@ -167,13 +183,8 @@ def explain(result: PlanResult) -> str:
         n = nxt.candidate
         parts.append(f"The best other layout (tp={n.tp}, pp={n.pp}, dp={n.dp}, vpp={n.vpp}, "
                      f"{n.schedule}, recompute {n.recompute}) is {gap:.1%} slower.")
-    kinds: dict[str, int] = {}
-    for r in result.rejected:
-        kind = r.reason.split(":")[0]
-        kinds[kind] = kinds.get(kind, 0) + 1
-    if kinds:
-        parts.append("Rejected: " + ", ".join(f"{n} for {k}" for k, n in sorted(kinds.items()))
-                     + ".")
+    if result.rejected:
+        parts.append("Rejected: " + summarize_rejections(result.rejected) + ".")
     return " ".join(parts)
 
 
