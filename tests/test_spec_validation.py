@@ -138,7 +138,7 @@ def test_cli_subprocess_never_tracebacks(tmp_path):
     assert "Traceback" not in proc.stderr and "not valid YAML" in proc.stderr
 
 
-@pytest.mark.parametrize(("override", "field"), [("parallelism.tp=2", "parallelism.tp"),
+@pytest.mark.parametrize(("override", "field"), [("parallelism.pp=2", "parallelism.pp"),
                                                  ("parallelism.sequence_parallel=true",
                                                   "parallelism.sequence_parallel")])
 def test_run_refuses_what_this_version_cannot_run(capsys, override, field):
