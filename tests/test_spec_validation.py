@@ -138,9 +138,10 @@ def test_cli_subprocess_never_tracebacks(tmp_path):
     assert "Traceback" not in proc.stderr and "not valid YAML" in proc.stderr
 
 
-@pytest.mark.parametrize(("override", "field"), [("parallelism.pp=2", "parallelism.pp"),
-                                                 ("parallelism.sequence_parallel=true",
-                                                  "parallelism.sequence_parallel")])
+@pytest.mark.parametrize(("override", "field"), [("parallelism.sequence_parallel=true",
+                                                  "parallelism.sequence_parallel"),
+                                                 ("model.preset=1b", "model.tie_embeddings")])
 def test_run_refuses_what_this_version_cannot_run(capsys, override, field):
-    assert main(["run", "jobs/tiny-cpu.yaml", "--set", override]) == 2
+    extra = ["--set", "parallelism.pp=2", "--set", "parallelism.dp=1"] if "1b" in override else []
+    assert main(["run", "jobs/tiny-cpu.yaml", "--set", override, *extra]) == 2
     assert capsys.readouterr().err.startswith(f"{field}: ")

@@ -12,15 +12,25 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from trainmesh.actors.step import StepStats, build_lr_scheduler, build_optimizer, train_step
+from trainmesh.actors.step import (
+    StepStats,
+    build_lr_scheduler,
+    build_optimizer,
+    finish_step,
+    train_step,
+)
 from trainmesh.checkpoint import dcp_io
 from trainmesh.data.dataset import TokenDataset
 from trainmesh.data.shards import read_tokens
 from trainmesh.jobs.spec import JobSpec
-from trainmesh.models.llama.model import Llama, LlamaArgs
+from trainmesh.models.llama.model import Llama, LlamaArgs, cross_entropy_loss
 from trainmesh.models.llama.parallelize import apply_activation_checkpointing, apply_tensor_parallel
+from trainmesh.models.llama.stage import PipelineStage, rank_model
 from trainmesh.parallel.dims import Axis
 from trainmesh.parallel.mesh import Mesh
+from trainmesh.parallel.pipeline.executor import P2PSpec, PipelineExecutor
+from trainmesh.parallel.pipeline.ir import PipeShape
+from trainmesh.parallel.pipeline.schedules import build_schedule
 from trainmesh.parallel.zero import apply_zero3
 
 
@@ -36,18 +46,46 @@ class Engine:
 
     def __init__(self, spec: JobSpec, mesh: Mesh, data_dir: str, device: torch.device):
         self.spec, self.mesh, self.device = spec, mesh, device
-        self.model = build_model(spec, device)
+        par, tr = spec.parallelism, spec.training
+        dtype = getattr(torch, tr.dtype)
+        pp = mesh.size(Axis.PP)
+        # The Llama holding this rank's layers (all of them without PP): global names.
+        self.model, stage_ids = rank_model(LlamaArgs.from_config(spec.model), mesh.coord(Axis.PP),
+                                           pp, par.vpp if pp > 1 else 1)
+        self.model.init_weights(tr.seed)
+        self.model.to(device)
         self.loss_context = contextlib.nullcontext
         if mesh.size(Axis.TP) > 1:
-            apply_tensor_parallel(self.model, mesh[Axis.TP], spec.parallelism.sequence_parallel)
+            apply_tensor_parallel(self.model, mesh[Axis.TP], par.sequence_parallel)
             self.loss_context = loss_parallel
-        ac = spec.activation_checkpoint
-        apply_activation_checkpointing(self.model, ac.mode, ac.stride)
-        self.model = apply_zero3(self.model, mesh[Axis.DP], getattr(torch, spec.training.dtype))
+        apply_activation_checkpointing(self.model, spec.activation_checkpoint.mode,
+                                       spec.activation_checkpoint.stride)
+        self.executor = None
+        if pp == 1:
+            apply_zero3(self.model, mesh[Axis.DP], dtype)
+        else:
+            stages = {s: PipelineStage(self.model, s, pp * par.vpp) for s in stage_ids}
+            for stage in stages.values():
+                apply_zero3(stage, mesh[Axis.DP], dtype, reshard_after_forward=False)
+            self.executor = self._build_executor(stages, dtype)
         self.optimizer = build_optimizer(self.model, spec.optimizer)
-        self.scheduler = build_lr_scheduler(self.optimizer, spec.optimizer, spec.training.steps)
-        self.dataset = TokenDataset(read_tokens(data_dir), spec.training.seq_len)
+        self.scheduler = build_lr_scheduler(self.optimizer, spec.optimizer, tr.steps)
+        self.dataset = TokenDataset(read_tokens(data_dir), tr.seq_len)
         self.step = 0  # optimizer steps done
+
+    def _build_executor(self, stages: dict, dtype: torch.dtype) -> PipelineExecutor:
+        par, tr, mesh = self.spec.parallelism, self.spec.training, self.mesh
+        dims, c = mesh.dims, mesh.dims.coords(mesh.rank)
+        n_micro = tr.global_batch_size // (dims.dp * tr.microbatch_size)
+        shape = PipeShape(dims.pp, par.vpp, n_micro)
+        actions = build_schedule(self.spec.schedule.name, dims.pp, par.vpp, n_micro)[c[Axis.PP]]
+        seq = tr.seq_len // dims.tp if par.sequence_parallel else tr.seq_len
+        p2p = P2PSpec(group=mesh[Axis.PP].get_group(),
+                      peers=[dims.rank_of(i, c[Axis.DP], c[Axis.TP]) for i in range(dims.pp)],
+                      act_shape=(tr.microbatch_size, seq, self.spec.model.dim), dtype=dtype,
+                      device=self.device)
+        return PipelineExecutor(shape, actions, stages, p2p, cross_entropy_loss,
+                                self.loss_context)
 
     def train_step(self) -> StepStats:
         tr = self.spec.training
@@ -55,12 +93,28 @@ class Engine:
                                         self.mesh.coord(Axis.DP), self.mesh.size(Axis.DP),
                                         tr.microbatch_size)
         mbs = [(x.to(self.device), y.to(self.device)) for x, y in mbs]
-        stats = train_step(self.model, self.optimizer, self.scheduler, mbs,
-                           self.spec.optimizer.grad_clip, self.model.set_requires_gradient_sync,
-                           self.loss_context)
+        if self.executor is None:
+            stats = train_step(self.model, self.optimizer, self.scheduler, mbs,
+                               self.spec.optimizer.grad_clip, self.model.set_requires_gradient_sync,
+                               self.loss_context)
+        else:
+            stats = self._pipeline_step(mbs)
         self.step += 1
         return StepStats(loss=self._dp_mean(stats.loss), grad_norm=stats.grad_norm, lr=stats.lr,
                          tokens=stats.tokens)
+
+    def _pipeline_step(self, mbs) -> StepStats:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.executor.step(mbs).detach().double()
+        pp_group = self.mesh[Axis.PP].get_group()
+        dist.all_reduce(loss, group=pp_group)  # only the last stage holds a loss
+        tokens = sum(y.numel() for _, y in mbs)
+        return finish_step(self.model, self.optimizer, self.scheduler,
+                           self.spec.optimizer.grad_clip, float(loss), tokens, across=pp_group)
+
+    def timeline(self) -> list[tuple[str, float, float]]:
+        """The last step's measured actions (name, start, end), for the pipeline trace."""
+        return list(self.executor.timeline) if self.executor is not None else []
 
     def _dp_mean(self, value: float) -> float:
         if self.mesh.size(Axis.DP) == 1:

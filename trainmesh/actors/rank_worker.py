@@ -85,6 +85,9 @@ class RankWorker:
     def full_grads(self) -> dict:
         return self.engine.full_grads()
 
+    def timeline(self) -> list:
+        return self.engine.timeline()
+
     def memory_stats(self) -> dict:
         """Peak memory of this rank: process RSS, and CUDA allocations when on a GPU."""
         import resource

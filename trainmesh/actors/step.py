@@ -13,6 +13,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -51,12 +52,14 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg, total_steps: int):
         optimizer, lambda s: lr_multiplier(s, total_steps, cfg.warmup_steps, cfg.min_lr_ratio))
 
 
-def grad_norm_and_clip(params: Sequence[torch.Tensor], max_norm: float) -> float:
+def grad_norm_and_clip(params: Sequence[torch.Tensor], max_norm: float,
+                       across: dist.ProcessGroup | None = None) -> float:
     """Global L2 gradient norm over every shard, clipped to ``max_norm`` when it is positive.
 
     DTensor gradients may live on different meshes (a TP-sharded weight on (dp, tp), a
     replicated norm weight on (dp,)): each mesh's norm is reduced on its own mesh, then the
-    squares are summed."""
+    squares are summed, and summed again ``across`` a group holding other parameters (the
+    pipeline stages)."""
     by_mesh: dict[object, list[torch.Tensor]] = {}
     for p in params:
         key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
@@ -67,6 +70,11 @@ def grad_norm_and_clip(params: Sequence[torch.Tensor], max_norm: float) -> float
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         squares += norm.detach().double().cpu() ** 2
+    if across is not None:
+        device = params[0].device if params else torch.device("cpu")
+        squares = squares.to(device)
+        dist.all_reduce(squares, group=across)
+        squares = squares.cpu()
     total = float(squares.sqrt())
     coef = max_norm / (total + 1e-6)  # the same coefficient as torch's clip_grad_norm_
     if max_norm > 0 and coef < 1.0:
@@ -97,8 +105,15 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
         value = loss.detach()
         total += (value.full_tensor() if isinstance(value, DTensor) else value).float().cpu()
         tokens += y.numel()
+    return finish_step(model, optimizer, scheduler, grad_clip, float(total), tokens)
+
+
+def finish_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, grad_clip: float,
+                loss: float, tokens: int, across: dist.ProcessGroup | None = None) -> StepStats:
+    """Clip the accumulated gradients, step the optimizer and the LR schedule."""
     lr = optimizer.param_groups[0]["lr"]
-    norm = grad_norm_and_clip([p for p in model.parameters() if p.grad is not None], grad_clip)
+    norm = grad_norm_and_clip([p for p in model.parameters() if p.grad is not None], grad_clip,
+                              across)
     optimizer.step()
     scheduler.step()
-    return StepStats(loss=float(total), grad_norm=norm, lr=lr, tokens=tokens)
+    return StepStats(loss=loss, grad_norm=norm, lr=lr, tokens=tokens)

@@ -40,6 +40,6 @@ def load(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimiz
 
 
 def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Collective: every parameter unsharded, on CPU (for inspection and tests)."""
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return {k: v.clone() for k, v in get_model_state_dict(model, options=opts).items()}
+    """Collective: every parameter of ``model`` unsharded, on CPU, on every rank."""
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=False)
+    return {k: v.detach().cpu().clone() for k, v in get_model_state_dict(model, options=opts).items()}

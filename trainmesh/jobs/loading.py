@@ -224,11 +224,9 @@ def unsupported_problems(spec: JobSpec) -> list[Problem]:
     it; ``validate`` accepts it, so reference specs for larger layouts stay checkable)."""
     par = spec.parallelism
     out = []
-    for axis in ("pp", "vpp"):
-        if getattr(par, axis) > 1:
-            out.append(Problem(f"parallelism.{axis}", f"{axis} > 1 is not supported by this "
-                               "version (tensor and data parallel with ZeRO-3 only)",
-                               f"set parallelism.{axis}=1 and scale with parallelism.tp/dp"))
+    if par.pp > 1 and spec.model.tie_embeddings:
+        out.append(Problem("model.tie_embeddings", "the tied head needs the embedding on the "
+                           "last pipeline stage", "set it to false when parallelism.pp > 1"))
     if par.sequence_parallel and par.tp == 1 and not par.auto:
         out.append(Problem("parallelism.sequence_parallel", "needs tensor parallel (tp > 1)",
                            "set it to false or raise parallelism.tp"))

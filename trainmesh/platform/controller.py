@@ -219,13 +219,19 @@ class _RayGroup:
         self.group.call("load", directory, step, rng, timeout_s=self.timeout * 2)
 
     def full_state(self) -> dict:
-        return self.group.call("full_state", timeout_s=self.timeout)[0]
+        """Every parameter, unsharded, merged over the pipeline stages."""
+        return {k: v for d in self.group.call("full_state", timeout_s=self.timeout)
+                for k, v in d.items()}
+
+    def timelines(self) -> list[list]:
+        return self.group.call("timeline", timeout_s=self.timeout)
 
     def memory_stats(self) -> list[dict]:
         return self.group.call("memory_stats", timeout_s=self.timeout)
 
     def full_grads(self) -> dict:
-        return self.group.call("full_grads", timeout_s=self.timeout)[0]
+        return {k: v for d in self.group.call("full_grads", timeout_s=self.timeout)
+                for k, v in d.items()}
 
     def shutdown(self) -> None:
         self.group.shutdown()

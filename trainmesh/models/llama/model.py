@@ -162,17 +162,22 @@ class Llama(nn.Module):
             p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * std)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        if self.tok_embeddings is not None:
-            h = self.tok_embeddings(h)
-        cos, sin = self.rope_cos, self.rope_sin
-        for layer in self.layers.values():
-            h = layer(h, cos, sin)
-        if self.norm is None:
-            return h
-        h = self.norm(h)
-        if self.output is not None:
-            return self.output(h)
-        return F.linear(h, self.tok_embeddings.weight)
+        return decoder_forward(self, self.layers.values(), h)
+
+
+def decoder_forward(parts: nn.Module, layers, h: torch.Tensor) -> torch.Tensor:
+    """Embedding (if ``parts`` has one), ``layers`` in order, then norm and head (if any).
+    ``parts`` is a Llama or a pipeline stage holding a subset of its modules."""
+    if parts.tok_embeddings is not None:
+        h = parts.tok_embeddings(h)
+    for layer in layers:
+        h = layer(h, parts.rope_cos, parts.rope_sin)
+    if parts.norm is None:
+        return h
+    h = parts.norm(h)
+    if parts.output is not None:
+        return parts.output(h)
+    return F.linear(h, parts.tok_embeddings.weight)
 
 
 def cross_entropy_loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
