@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from trainmesh.parallel.pipeline.ir import Action, Op, PipeShape
 
@@ -86,7 +87,8 @@ class PipelineExecutor:
                 out = self.loss_fn(out, y) / len(self._mbs)
         self._outputs[key] = out
         if a.stage == self.shape.num_stages - 1:
-            return out.detach()
+            value = out.detach()
+            return value.full_tensor() if isinstance(value, DTensor) else value
         return torch.zeros((), device=self.p2p.device)
 
     def _backward(self, a: Action) -> None:
