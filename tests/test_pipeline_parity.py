@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from reference import reference_run
 from test_tensor_parallel import BASE, _close, _parallel_run
+
 from trainmesh.data.shards import ensure_tiny_corpus
 from trainmesh.jobs.loading import load_spec
 from trainmesh.parallel.dims import ParallelDims

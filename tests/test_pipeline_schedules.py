@@ -82,3 +82,26 @@ def test_grid_prints_every_rank():
     text = grid(build_schedule("interleaved-1f1b", 2, 2, 4))
     lines = text.splitlines()
     assert len(lines) == 2 and lines[0].startswith("rank 0") and "3B3" in lines[1]
+
+
+@pytest.mark.parametrize(("kind", "pp", "v", "m"), [("1f1b", 4, 1, 8),
+                                                    ("interleaved-1f1b", 4, 2, 8),
+                                                    ("gpipe", 2, 1, 6)])
+def test_planner_closed_form_equals_the_simulator(kind, pp, v, m):
+    from trainmesh.platform.cost_model import bubble_fraction
+
+    sim = simulate(build_schedule(kind, pp, v, m), pp * v, m, Costs(1 / v, 2 / v))
+    assert bubble_fraction(kind, pp, v, m) == pytest.approx(sim.bubble_fraction)
+
+
+def test_schedule_cli_prints_grid_and_writes_png(tmp_path, capsys):
+    from trainmesh.jobs.cli import main
+
+    png = tmp_path / "s.png"
+    assert main(["schedule", "--pp", "4", "--vpp", "2", "--microbatches", "8", "--png",
+                 str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "rank 3 |" in out and "bubble 15.8%" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["schedule", "--pp", "4", "--vpp", "2", "--microbatches", "6"]) == 2
+    assert "multiple of pp=4" in capsys.readouterr().err

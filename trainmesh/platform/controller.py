@@ -83,6 +83,8 @@ class Controller:
             start = self._restore(group, resume, tracker)
             tracker.event("start", step=start, mesh=dims.as_dict())
             self._train(group, dims, tracker, start)
+            if dims.pp > 1:
+                self._log_pipeline(group, dims, tracker)
             status = "FINISHED"
         finally:
             if group is not None:
@@ -132,6 +134,27 @@ class Controller:
             self.checkpoints.append(step)
         pruned = manifest.prune(self.ckpt_root, self.spec.checkpoint.keep_last)
         tracker.event("checkpoint", step=step, path=str(final), pruned=pruned)
+
+    def _log_pipeline(self, group, dims: ParallelDims, tracker) -> None:
+        """The planned schedule (grid + simulated PNG) beside the measured per-rank timeline of
+        the last step (Chrome/Perfetto trace), in OUTPUT/ and MLflow."""
+        from trainmesh.parallel.pipeline.ir import grid
+        from trainmesh.parallel.pipeline.schedules import build_schedule
+        from trainmesh.parallel.pipeline.simulate import simulate
+        from trainmesh.parallel.pipeline.trace import chrome_trace, plot_schedule, write_json
+
+        tr, vpp = self.spec.training, self.spec.parallelism.vpp
+        m = tr.global_batch_size // (dims.dp * tr.microbatch_size)
+        sched = build_schedule(self.spec.schedule.name, dims.pp, vpp, m)
+        (self.out / "pipeline_schedule.txt").write_text(grid(sched) + "\n")
+        plot_schedule(simulate(sched, dims.pp * vpp, m), self.spec.schedule.name,
+                      self.out / "pipeline_schedule.png")
+        # One row per pipeline rank: the ranks with dp = tp = 0.
+        rows = group.timelines()
+        stage_ranks = [dims.rank_of(i, 0, 0) for i in range(dims.pp)]
+        write_json(chrome_trace([rows[r] for r in stage_ranks]), self.out / "pipeline_trace.json")
+        for name in ("pipeline_schedule.txt", "pipeline_schedule.png", "pipeline_trace.json"):
+            tracker.log_artifact(self.out / name)
 
     # -- resume ----------------------------------------------------------------------------
     def _find_resume(self) -> tuple[Path, dict[str, Any]] | None:
