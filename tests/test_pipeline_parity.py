@@ -17,6 +17,10 @@ CASES = {
     "pp2-1f1b": (ParallelDims(pp=2), ["schedule.name=1f1b"]),
     "pp2-vpp2-interleaved": (ParallelDims(pp=2), ["schedule.name=interleaved-1f1b",
                                                   "parallelism.vpp=2"]),
+    "pp4-gpipe": (ParallelDims(pp=4), ["schedule.name=gpipe"]),
+    "pp4-1f1b": (ParallelDims(pp=4), ["schedule.name=1f1b"]),
+    "pp4-vpp2-interleaved": (ParallelDims(pp=4), ["schedule.name=interleaved-1f1b",
+                                                  "parallelism.vpp=2", "model.n_layers=8"]),
     "3d-pp2-vpp2-tp2-dp2": (ParallelDims(pp=2, dp=2, tp=2),
                             ["schedule.name=interleaved-1f1b", "parallelism.vpp=2",
                              "parallelism.sequence_parallel=true", "runtime.cpus_per_rank=0.5"]),
@@ -35,3 +39,32 @@ def test_pipeline_matches_single_process(ray_local, tmp_path, case):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     _close(grads, ref_grads)
     _close(params, ref_params, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.timeout(200)
+def test_a_rank_dying_mid_schedule_makes_the_others_raise(ray_local, tmp_path):
+    """Kill the last stage while the first waits on it: the first raises within the
+    collective timeout instead of hanging."""
+    import time
+
+    import ray
+
+    from trainmesh.platform.controller import _RayGroup, placement_for
+    from trainmesh.platform.topology import Topology
+
+    dims = ParallelDims(pp=2)
+    spec = load_spec(None, [*BASE, "parallelism.pp=2", "runtime.collective_timeout_s=10",
+                            f"runtime.output_dir={tmp_path}"])
+    group = _RayGroup(spec, dims, placement_for(spec, dims, Topology.uniform(1, 2, "cpu")),
+                      {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"})
+    try:
+        group.build(spec.model_dump_json(), dims, str(ensure_tiny_corpus(tmp_path / "data")))
+        first, last = group.group.workers
+        ref = first.train_step.remote()
+        ray.kill(last)
+        t0 = time.monotonic()
+        with pytest.raises(ray.exceptions.RayTaskError):
+            ray.get(ref, timeout=60)
+        assert time.monotonic() - t0 < 30
+    finally:
+        group.shutdown()

@@ -6,6 +6,7 @@ No Ray here: :class:`trainmesh.actors.rank_worker.RankWorker` hosts an Engine in
 from __future__ import annotations
 
 import contextlib
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -83,7 +84,8 @@ class Engine:
         p2p = P2PSpec(group=mesh[Axis.PP].get_group(),
                       peers=[dims.rank_of(i, c[Axis.DP], c[Axis.TP]) for i in range(dims.pp)],
                       act_shape=(tr.microbatch_size, seq, self.spec.model.dim), dtype=dtype,
-                      device=self.device)
+                      device=self.device,
+                      timeout=timedelta(seconds=self.spec.runtime.collective_timeout_s))
         return PipelineExecutor(shape, actions, stages, p2p, cross_entropy_loss,
                                 self.loss_context)
 

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,7 @@ class P2PSpec:
     act_shape: tuple[int, ...]  # (microbatch, local sequence, dim) sent between stages
     dtype: torch.dtype
     device: torch.device
+    timeout: timedelta = timedelta(minutes=5)  # a dead peer fails a receive after this
 
 
 class PipelineExecutor:
@@ -68,7 +70,7 @@ class PipelineExecutor:
             pending_sends += self._communicate(self.actions[i:j])
             i = j
         for work in pending_sends:
-            work.wait()
+            work.wait(self.p2p.timeout)
         return loss_sum
 
     # -- compute ---------------------------------------------------------------------------
@@ -139,7 +141,7 @@ class PipelineExecutor:
         sends = []
         for op, work in zip(ops, works, strict=True):
             if op.op is dist.irecv:
-                work.wait()
+                work.wait(p.timeout)
             else:
                 sends.append(work)
         self.timeline.append(("+".join(str(a) for a in batch), t0, time.perf_counter()))
