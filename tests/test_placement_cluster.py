@@ -73,12 +73,9 @@ def test_run_3d_across_two_simulated_nodes(gpu_cluster, tmp_path):
 
     from trainmesh.jobs.runner import run_job
 
-    spec = load_spec(None, [
-        "model.preset=tiny", "training.global_batch_size=8", "training.microbatch_size=2",
-        "training.seq_len=32", "optimizer.warmup_steps=1", "training.steps=2",
-        "parallelism.pp=2", "parallelism.vpp=2", "parallelism.tp=2", "parallelism.dp=2",
-        "parallelism.sequence_parallel=true", "schedule.name=interleaved-1f1b",
-        "runtime.cpus_per_rank=0.5", "runtime.collective_timeout_s=60",
+    spec = load_spec("jobs/tiny-3d-cpu.yaml", [
+        "training.global_batch_size=8", "training.seq_len=32", "optimizer.warmup_steps=1",
+        "training.steps=2", "runtime.device=auto", "runtime.collective_timeout_s=60",
         f"runtime.output_dir={tmp_path}", "checkpoint.save_final=false"])
     summary = run_job(spec, environ={}, show_progress=False)
     assert summary["status"] == "FINISHED"

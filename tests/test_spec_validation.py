@@ -118,8 +118,8 @@ def test_valid_spec_prints_resolved_yaml_with_overrides(capsys):
     assert resolved["model"]["n_kv_heads"] == 2
 
 
-@pytest.mark.parametrize("path", ["jobs/tiny-cpu.yaml", "jobs/small-gpu.yaml",
-                                  "jobs/llama-70b.yaml"])
+@pytest.mark.parametrize("path", ["jobs/tiny-cpu.yaml", "jobs/tiny-3d-cpu.yaml",
+                                  "jobs/small-gpu.yaml", "jobs/llama-70b.yaml"])
 def test_shipped_specs_are_valid(path):
     load_spec(path)
 
