@@ -18,10 +18,15 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+# Optimizer state flattened to one key per parameter and field ("state.layers.0...exp_avg",
+# "param_groups.layers.0....lr"): no per-rank param_groups lists, so a rank holding other
+# pipeline stages after a re-plan still finds every entry it needs.
+_OPTS = StateDictOptions(flatten_optimizer_state_dict=True)
+
 
 def save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Collective: every rank of the job calls it with its own shards."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTS)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(directory))
 
 
@@ -32,11 +37,11 @@ def load(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimiz
         dcp.load({"model": model_sd}, checkpoint_id=str(directory))
         set_state_dict(model, [], model_state_dict=model_sd, optim_state_dict={})
         return
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTS)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(directory))
     set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
+                   optim_state_dict=state["optim"], options=_OPTS)
 
 
 def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -241,6 +241,10 @@ class _RayGroup:
     def load(self, directory: str, step: int, rng: bytes | None) -> None:
         self.group.call("load", directory, step, rng, timeout_s=self.timeout * 2)
 
+    def save_to(self, directory: str) -> None:
+        """A raw collective save (no manifest): for inspection and tests."""
+        self.group.call("save", directory, timeout_s=self.timeout * 2)
+
     def full_state(self) -> dict:
         """Every parameter, unsharded, merged over the pipeline stages."""
         return {k: v for d in self.group.call("full_state", timeout_s=self.timeout)
