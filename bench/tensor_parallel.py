@@ -31,7 +31,7 @@ def main() -> None:
     from trainmesh.data.shards import ensure_tiny_corpus
     from trainmesh.jobs.loading import load_spec
     from trainmesh.parallel.dims import ParallelDims
-    from trainmesh.platform.controller import _RayGroup, placement_for
+    from trainmesh.platform.ray_group import RayWorkerGroup, placement_for
     from trainmesh.platform.topology import Topology
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
@@ -46,7 +46,7 @@ def main() -> None:
                                     "training.microbatch_size=2", "optimizer.warmup_steps=1",
                                     f"training.steps={args.steps + 1}", "runtime.device=auto"])
             dims = ParallelDims(tp=tp)
-            group = _RayGroup(spec, dims, placement_for(spec, dims, Topology.uniform(1, tp, "cpu")),
+            group = RayWorkerGroup(spec, dims, placement_for(spec, dims, Topology.uniform(1, tp, "cpu")),
                               {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"})
             try:
                 group.build(spec.model_dump_json(), dims, data_dir)

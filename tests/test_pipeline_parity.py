@@ -49,13 +49,13 @@ def test_a_rank_dying_mid_schedule_makes_the_others_raise(ray_local, tmp_path):
 
     import ray
 
-    from trainmesh.platform.controller import _RayGroup, placement_for
+    from trainmesh.platform.ray_group import RayWorkerGroup, placement_for
     from trainmesh.platform.topology import Topology
 
     dims = ParallelDims(pp=2)
     spec = load_spec(None, [*BASE, "parallelism.pp=2", "runtime.collective_timeout_s=10",
                             f"runtime.output_dir={tmp_path}"])
-    group = _RayGroup(spec, dims, placement_for(spec, dims, Topology.uniform(1, 2, "cpu")),
+    group = RayWorkerGroup(spec, dims, placement_for(spec, dims, Topology.uniform(1, 2, "cpu")),
                       {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"})
     try:
         group.build(spec.model_dump_json(), dims, str(ensure_tiny_corpus(tmp_path / "data")))

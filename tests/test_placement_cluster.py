@@ -12,7 +12,7 @@ import pytest
 from trainmesh.actors.worker_group import WorkerGroup
 from trainmesh.jobs.loading import load_spec
 from trainmesh.parallel.dims import Axis, ParallelDims
-from trainmesh.platform.controller import placement_for
+from trainmesh.platform.ray_group import placement_for
 from trainmesh.platform.topology import topology_from_ray
 
 

@@ -10,7 +10,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from trainmesh.data.shards import ensure_tiny_corpus
 from trainmesh.jobs.loading import load_spec
 from trainmesh.parallel.dims import ParallelDims
-from trainmesh.platform.controller import _RayGroup, placement_for
+from trainmesh.platform.ray_group import RayWorkerGroup, placement_for
 from trainmesh.platform.topology import Topology
 
 SOURCE = (ParallelDims(pp=2, tp=2), ["parallelism.vpp=2", "schedule.name=interleaved-1f1b",
@@ -32,7 +32,7 @@ def _spec(dims: ParallelDims, extra, tmp_path):
 
 
 def _group(spec, dims, data_dir):
-    g = _RayGroup(spec, dims, placement_for(spec, dims, Topology.uniform(1, dims.world_size, "cpu")),
+    g = RayWorkerGroup(spec, dims, placement_for(spec, dims, Topology.uniform(1, dims.world_size, "cpu")),
                   ENV)
     g.build(spec.model_dump_json(), dims, data_dir)
     return g

@@ -12,7 +12,7 @@ from trainmesh.data.shards import ensure_tiny_corpus
 from trainmesh.jobs.loading import load_spec
 from trainmesh.jobs.runner import run_job
 from trainmesh.parallel.dims import ParallelDims
-from trainmesh.platform.controller import _RayGroup, placement_for
+from trainmesh.platform.ray_group import RayWorkerGroup, placement_for
 from trainmesh.platform.topology import Topology
 
 BASE = ["model.preset=tiny", "training.global_batch_size=8", "training.microbatch_size=2",
@@ -23,7 +23,7 @@ ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
 
 def _parallel_run(spec, dims: ParallelDims, data_dir: str, steps: int = 3):
     topo = Topology.uniform(1, dims.world_size, "cpu")
-    group = _RayGroup(spec, dims, placement_for(spec, dims, topo), ENV)
+    group = RayWorkerGroup(spec, dims, placement_for(spec, dims, topo), ENV)
     try:
         group.build(spec.model_dump_json(), dims, data_dir)
         losses, grads = [], None

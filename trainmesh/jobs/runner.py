@@ -60,6 +60,7 @@ def ray_session(spec: JobSpec) -> Iterator[bool]:
 def run_job(spec: JobSpec, environ: Mapping[str, str], show_progress: bool = True) -> dict[str, Any]:
     """Train ``spec`` to the end; returns the run summary (also in OUTPUT/summary.json)."""
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from trainmesh.platform.controller import Controller
     from trainmesh.tracking.mlflow_tracker import resolve_tracking_uri
@@ -71,7 +72,11 @@ def run_job(spec: JobSpec, environ: Mapping[str, str], show_progress: bool = Tru
     if spec.tracking.enabled:
         uri = resolve_tracking_uri(spec.tracking.uri, environ.get("MLFLOW_TRACKING_URI"), out)
     with ray_session(spec) as local:
-        actor = ray.remote(Controller).options(max_concurrency=4, num_cpus=0).remote(
+        # The controller lives on the driver's node (the head, for submitted jobs): it must
+        # outlive the accelerator nodes it recovers from.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        actor = ray.remote(Controller).options(max_concurrency=4, num_cpus=0,
+                                               scheduling_strategy=here).remote(
             spec.model_dump_json(), uri, worker_env(spec, local))
         try:
             ref = actor.run.remote()

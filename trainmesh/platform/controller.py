@@ -14,25 +14,38 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from trainmesh.actors.worker_group import PlacementTimeout
 from trainmesh.checkpoint import manifest
 from trainmesh.jobs.spec import JobSpec
 from trainmesh.models.llama.model_math import flops_per_token
 from trainmesh.parallel.dims import ParallelDims
-from trainmesh.parallel.layout import Placement, plan_placement
-from trainmesh.platform.job_plan import plan_job
-from trainmesh.platform.topology import Topology, topology_from_ray
+from trainmesh.platform.elastic import (
+    GiveUp,
+    JobFailed,
+    Recovery,
+    bounded_topology,
+    on_failure,
+    should_scale_up,
+)
+from trainmesh.platform.job_plan import effective_spec, plan_job, replan_job
+from trainmesh.platform.ray_group import RayWorkerGroup, live_topology, placement_for
+from trainmesh.platform.topology import Topology
 
 log = logging.getLogger(__name__)
 
 RNG_FILE = "rng_state.bin"
 
+# What a recovery handles: a rank's actor died, a rank's step raised (a peer's death surfaces
+# as a collective error), a step overran its timeout, or the new placement could not be made.
+RECOVERABLE = (RayActorError, RayTaskError, GetTimeoutError, PlacementTimeout)
 
-def placement_for(spec: JobSpec, dims: ParallelDims, topo: Topology) -> Placement:
-    """One bundle per node: a GPU per rank on accelerator clusters, CPUs otherwise."""
-    per_rank = {"CPU": spec.runtime.cpus_per_rank}
-    if topo.device.name != "cpu":
-        per_rank["GPU"] = 1.0
-    return plan_placement(dims, topo.per_node, per_rank)
+
+class _ScaleUp(Exception):  # noqa: N818 - a control-flow signal, not an error
+    def __init__(self, step: int):
+        super().__init__(f"scale up at step {step}")
+        self.step = step
 
 
 class Controller:
@@ -44,8 +57,8 @@ class Controller:
         self.ckpt_root = self.out / "checkpoints"
         self.tracking_uri = tracking_uri
         self.worker_env = worker_env
-        self._group_factory = group_factory or _RayGroup
-        self._topology_fn = topology_fn or _live_topology
+        self._group_factory = group_factory or RayWorkerGroup
+        self._topology_fn = topology_fn or live_topology
         self.plan_row: dict[str, Any] = {}
         self.peak_tflops = 1.0
         self.rank_nodes: list[str] = []
@@ -53,6 +66,10 @@ class Controller:
                                           "steps": self.spec.training.steps}
         self.losses: list[float] = []
         self.checkpoints: list[int] = []
+        self.recoveries: list[dict[str, Any]] = []
+        self.dead_nodes: set[str] = set()
+        self.dims = ParallelDims()
+        self.eff = self.spec  # the spec with the current plan written in
 
     # -- public ----------------------------------------------------------------------------
     def progress(self) -> dict[str, Any]:
@@ -62,38 +79,94 @@ class Controller:
         self.out.mkdir(parents=True, exist_ok=True)
         resume = self._find_resume()
         tracker = self._make_tracker(resume[1].get("mlflow_run_id") if resume else None)
-        group = None
         status = "FAILED"
-        dims = ParallelDims()
         try:
-            topo = self._topology_fn(self.spec)
-            dims, result = plan_job(self.spec, topo)
-            self.peak_tflops = topo.device.peak_tflops
-            self.plan_row = result.best.as_row()
             tracker.log_params(json.loads(self.spec.model_dump_json()))
             tracker.log_dict(json.loads(self.spec.model_dump_json()), "spec.json")
-            self._set(state="placing")
-            group = self._group_factory(self.spec, dims, placement_for(self.spec, dims, topo),
-                                        self.worker_env)
-            self.rank_nodes = group.rank_nodes()
-            tracker.log_dict({**dims.as_dict(), "plan": self.plan_row,
-                              "rank_to_node": self.rank_nodes}, "mesh.json")
-            self._set(state="building")
-            group.build(self.spec.model_dump_json(), dims, self._data_dir())
-            start = self._restore(group, resume, tracker)
-            tracker.event("start", step=start, mesh=dims.as_dict())
-            self._train(group, dims, tracker, start)
-            if dims.pp > 1:
-                self._log_pipeline(group, dims, tracker)
+            self._run_with_recovery(tracker)
             status = "FINISHED"
         finally:
-            if group is not None:
-                group.shutdown()
-            summary = self._write_summary(dims, tracker, status)
+            summary = self._write_summary(self.dims, tracker, status)
             tracker.log_artifact(self.out / "summary.json")
             tracker.finish(status)
             self._set(state=status.lower())
         return summary
+
+    def _run_with_recovery(self, tracker) -> None:
+        """RUNNING until done; on a rank's death, a failed step or a scale-up: RECOVERING
+        (stop every rank, re-read the topology, re-plan, restore the newest checkpoint)."""
+        restarts, failure = 0, None  # failure: (cause, time, step reached, old mesh)
+        while True:
+            group = None
+            try:
+                group, start = self._start(tracker, replan=failure is not None)
+                if failure is not None:
+                    self._record_recovery(tracker, failure, start)
+                self._train(group, self.dims, tracker, start)
+                if self.dims.pp > 1:
+                    self._log_pipeline(group, self.dims, tracker)
+                return
+            except _ScaleUp as up:
+                failure = ("scale-up", time.monotonic(), up.step, self.dims.as_dict())
+            except RECOVERABLE as err:
+                failure = (type(err).__name__, time.monotonic(), len(self.losses),
+                           self.dims.as_dict())
+                self._set(state="recovering")
+                self.dead_nodes |= self._dead_nodes(group)
+                available = bounded_topology(self._topology_fn(self.spec), self.spec.elastic,
+                                             self.dead_nodes).world_size
+                decision = on_failure(self.spec.elastic, restarts, available, [str(err)])
+                tracker.event("failure", cause=failure[0], step=failure[2],
+                              dead_nodes=sorted(self.dead_nodes), error=str(err)[-2000:])
+                if isinstance(decision, GiveUp):
+                    raise JobFailed(decision.report) from err
+                restarts += 1
+                time.sleep(decision.backoff_s)
+            finally:
+                if group is not None:
+                    group.shutdown()
+
+    def _start(self, tracker, replan: bool):
+        """Plan (or re-plan) for the accelerators alive now, place the ranks, build their
+        model parts, restore the newest complete checkpoint. Returns (group, start step)."""
+        topo = bounded_topology(self._topology_fn(self.spec), self.spec.elastic, self.dead_nodes)
+        if replan or self.spec.parallelism.auto:
+            self.dims, result, self.eff = replan_job(self.spec, topo)
+        else:
+            self.dims, result = plan_job(self.spec, topo)
+            self.eff = effective_spec(self.spec, result.best.candidate)
+        self.peak_tflops = topo.device.peak_tflops
+        self.plan_row = result.best.as_row()
+        self._set(state="placing")
+        group = self._group_factory(self.eff, self.dims,
+                                    placement_for(self.eff, self.dims, topo), self.worker_env)
+        try:
+            self.rank_nodes = group.rank_nodes()
+            tracker.log_dict({**self.dims.as_dict(), "plan": self.plan_row,
+                              "rank_to_node": self.rank_nodes}, "mesh.json")
+            self._set(state="building")
+            group.build(self.eff.model_dump_json(), self.dims, self._data_dir())
+            start = self._restore(group, self._find_resume(), tracker)
+        except BaseException:
+            group.shutdown()
+            raise
+        tracker.event("start", step=start, mesh=self.dims.as_dict())
+        return group, start
+
+    def _record_recovery(self, tracker, failure, start: int) -> None:
+        cause, t_fail, reached, old_mesh = failure
+        rec = Recovery(step=start, cause=cause, old_mesh=old_mesh, new_mesh=self.dims.as_dict(),
+                       downtime_s=time.monotonic() - t_fail, steps_lost=max(0, reached - start))
+        self.recoveries.append(rec.as_dict())
+        tracker.event("recovery", **rec.as_dict())
+        tracker.log_metrics({"recovery_downtime_s": rec.downtime_s,
+                             "recovery_steps_lost": rec.steps_lost}, step=start)
+
+    def _dead_nodes(self, group) -> set[str]:
+        if group is None:
+            return set()
+        alive = group.alive_ranks(timeout_s=10)
+        return {node for rank, node in enumerate(self.rank_nodes) if rank not in alive}
 
     # -- steps -----------------------------------------------------------------------------
     def _train(self, group, dims: ParallelDims, tracker, start: int) -> None:
@@ -118,6 +191,16 @@ class Controller:
             last = step + 1 == tr.steps
             if (every and (step + 1) % every == 0) or (last and self.spec.checkpoint.save_final):
                 self._checkpoint(group, dims, step + 1, tracker)
+                if not last and self._may_grow(dims):
+                    raise _ScaleUp(step + 1)
+
+    def _may_grow(self, dims: ParallelDims) -> bool:
+        """Scale up only where the spec allows it: auto parallelism or a max_world_size."""
+        el = self.spec.elastic
+        if not (self.spec.parallelism.auto or el.max_world_size):
+            return False
+        available = bounded_topology(self._topology_fn(self.spec), el, self.dead_nodes).world_size
+        return should_scale_up(dims.world_size, available, el)
 
     def _checkpoint(self, group, dims: ParallelDims, step: int, tracker) -> None:
         partial = manifest.partial_dir(self.ckpt_root, step)
@@ -128,7 +211,8 @@ class Controller:
         meta = {"step": step, "mesh": dims.as_dict(), "losses": list(self.losses),
                 "data_position": {"seed": tr.seed, "step": step,
                                   "samples_consumed": step * tr.global_batch_size},
-                "mlflow_run_id": tracker.run_id, "spec": json.loads(self.spec.model_dump_json())}
+                "mlflow_run_id": tracker.run_id, "spec": json.loads(self.eff.model_dump_json()),
+                "recoveries": list(self.recoveries)}
         final = manifest.commit(partial, meta)
         if step not in self.checkpoints:
             self.checkpoints.append(step)
@@ -143,11 +227,11 @@ class Controller:
         from trainmesh.parallel.pipeline.simulate import simulate
         from trainmesh.parallel.pipeline.trace import chrome_trace, plot_schedule, write_json
 
-        tr, vpp = self.spec.training, self.spec.parallelism.vpp
+        tr, vpp = self.eff.training, self.eff.parallelism.vpp
         m = tr.global_batch_size // (dims.dp * tr.microbatch_size)
-        sched = build_schedule(self.spec.schedule.name, dims.pp, vpp, m)
+        sched = build_schedule(self.eff.schedule.name, dims.pp, vpp, m)
         (self.out / "pipeline_schedule.txt").write_text(grid(sched) + "\n")
-        plot_schedule(simulate(sched, dims.pp * vpp, m), self.spec.schedule.name,
+        plot_schedule(simulate(sched, dims.pp * vpp, m), self.eff.schedule.name,
                       self.out / "pipeline_schedule.png")
         # One row per pipeline rank: the ranks with dp = tp = 0.
         rows = group.timelines()
@@ -171,6 +255,8 @@ class Controller:
         step = int(meta["step"])
         group.load(str(directory), step, rng)
         self.losses = list(meta.get("losses", []))[:step]
+        if not self.recoveries:
+            self.recoveries = list(meta.get("recoveries", []))
         self.checkpoints = manifest.complete_steps(self.ckpt_root)
         tracker.event("resume", step=step, path=str(directory), from_mesh=meta.get("mesh"))
         return step
@@ -201,7 +287,8 @@ class Controller:
             "plan": self.plan_row, "rank_to_node": self.rank_nodes,
             "checkpoints": [str(manifest.step_dir(self.ckpt_root, s)) for s in self.checkpoints
                             if manifest.step_dir(self.ckpt_root, s).exists()],
-            "recoveries": [], "mlflow_run_id": tracker.run_id, "tracking_uri": tracker.uri,
+            "recoveries": self.recoveries, "mlflow_run_id": tracker.run_id,
+            "tracking_uri": tracker.uri,
         }
         tmp = self.out / "summary.json.tmp"
         tmp.write_text(json.dumps(summary, indent=1))
@@ -210,62 +297,3 @@ class Controller:
 
     def _set(self, **kw: Any) -> None:
         self._progress.update(kw)
-
-
-class _RayGroup:
-    """The real worker group behind the controller's narrow interface."""
-
-    def __init__(self, spec: JobSpec, dims: ParallelDims, placement: Placement,
-                 env: dict[str, str]):
-        from trainmesh.actors.worker_group import WorkerGroup
-
-        self.spec = spec
-        self.timeout = spec.runtime.collective_timeout_s
-        self.group = WorkerGroup(placement, env, ready_timeout_s=60,
-                                 cpu_threads=max(1, int(spec.runtime.cpus_per_rank)))
-        self.backend = self.group.setup_process_group(spec.runtime.device, self.timeout)
-
-    def rank_nodes(self) -> list[str]:
-        return [info["node_id"] for info in self.group.call("node_info", timeout_s=60)]
-
-    def build(self, spec_json: str, dims: ParallelDims, data_dir: str) -> None:
-        d = {"pp": dims.pp, "dp": dims.dp, "tp": dims.tp}
-        self.group.call("build", spec_json, d, data_dir, timeout_s=self.timeout + 120)
-
-    def train_step(self) -> list[dict]:
-        return self.group.call("train_step", timeout_s=self.timeout * 2)
-
-    def save(self, directory: str) -> bytes | None:
-        return self.group.call("save", directory, timeout_s=self.timeout * 2)[0]
-
-    def load(self, directory: str, step: int, rng: bytes | None) -> None:
-        self.group.call("load", directory, step, rng, timeout_s=self.timeout * 2)
-
-    def save_to(self, directory: str) -> None:
-        """A raw collective save (no manifest): for inspection and tests."""
-        self.group.call("save", directory, timeout_s=self.timeout * 2)
-
-    def full_state(self) -> dict:
-        """Every parameter, unsharded, merged over the pipeline stages."""
-        return {k: v for d in self.group.call("full_state", timeout_s=self.timeout)
-                for k, v in d.items()}
-
-    def timelines(self) -> list[list]:
-        return self.group.call("timeline", timeout_s=self.timeout)
-
-    def memory_stats(self) -> list[dict]:
-        return self.group.call("memory_stats", timeout_s=self.timeout)
-
-    def full_grads(self) -> dict:
-        return {k: v for d in self.group.call("full_grads", timeout_s=self.timeout)
-                for k, v in d.items()}
-
-    def shutdown(self) -> None:
-        self.group.shutdown()
-
-
-def _live_topology(spec: JobSpec) -> Topology:
-    device = "cpu" if spec.runtime.device == "cpu" else spec.topology.device
-    topo = topology_from_ray(device, spec.runtime.cpus_per_rank)
-    return topo.with_overrides(spec.topology.overrides())
-

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from trainmesh.jobs.spec import JobSpec
 from trainmesh.parallel.dims import ParallelDims
+from trainmesh.platform.cost_model import Candidate
 from trainmesh.platform.planner import PlanRequest, PlanResult, plan, summarize_rejections
 from trainmesh.platform.topology import Topology
 
@@ -61,3 +62,32 @@ def _first_ranks(topo: Topology, world: int) -> Topology:
         nodes.append(Node(n.node_id, take))
         left -= take
     return replace(topo, nodes=tuple(nodes))
+
+
+def effective_spec(spec: JobSpec, c: Candidate) -> JobSpec:
+    """The spec with the plan's choices written in: what the ranks build and run."""
+    par = spec.parallelism.model_copy(update={
+        "auto": False, "tp": c.tp, "pp": c.pp, "dp": c.dp, "vpp": c.vpp,
+        "sequence_parallel": c.sequence_parallel and c.tp > 1})
+    update = {"parallelism": par,
+              "schedule": spec.schedule.model_copy(update={"name": c.schedule}),
+              "training": spec.training.model_copy(update={"microbatch_size": c.microbatch_size})}
+    if spec.parallelism.auto and c.recompute == "full":
+        update["activation_checkpoint"] = spec.activation_checkpoint.model_copy(
+            update={"mode": "full"})
+    return spec.model_copy(update=update)
+
+
+def replan_job(spec: JobSpec, topo: Topology) -> tuple[ParallelDims, PlanResult, JobSpec]:
+    """After a failure or resize: any degrees that fit the accelerators left, with the same
+    global batch and microbatch size (so gradient accumulation absorbs the dp change)."""
+    auto = spec.model_copy(update={"parallelism": spec.parallelism.model_copy(
+        update={"auto": True})})
+    req = request_for(auto, runnable_only=True)
+    req.fixed["microbatch_size"] = spec.training.microbatch_size
+    result = plan(req, topo)
+    if not result.plans:
+        raise PlanError("parallelism: no feasible plan on the accelerators left: "
+                        + summarize_rejections(result.rejected))
+    best = result.best.candidate
+    return ParallelDims(pp=best.pp, dp=best.dp, tp=best.tp), result, effective_spec(spec, best)

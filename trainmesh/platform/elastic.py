@@ -1,0 +1,83 @@
+"""Elastic policy: pure decisions about failures and resizes (no Ray, no torch).
+
+The controller asks; the policy answers with small frozen decision objects. The unit of
+sizing is a whole model replica (tp × pp): a re-plan keeps whole replicas and re-plans dp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from dataclasses import dataclass
+
+from trainmesh.jobs.spec import ElasticConfig
+from trainmesh.platform.topology import Node, Topology
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """One recovery, as logged to MLflow and summary.json."""
+
+    step: int  # the step training resumed from
+    cause: str
+    old_mesh: dict
+    new_mesh: dict
+    downtime_s: float
+    steps_lost: int
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class Retry:
+    backoff_s: float
+
+
+@dataclass(frozen=True)
+class GiveUp:
+    report: str
+
+
+class JobFailed(RuntimeError):
+    """The job cannot continue; the message says why and which knob to change."""
+
+
+def on_failure(cfg: ElasticConfig, restarts_done: int, available: int,
+               errors: list[str]) -> Retry | GiveUp:
+    """Retry with exponential backoff while restarts and accelerators allow; else a report
+    that groups identical rank errors and names the knob to change."""
+    if restarts_done >= cfg.max_restarts:
+        return GiveUp(failure_report(errors, f"gave up after {restarts_done} restarts; raise "
+                                             "elastic.max_restarts to keep trying"))
+    if available < cfg.min_world_size:
+        return GiveUp(failure_report(
+            errors, f"only {available} accelerators are left, below elastic.min_world_size="
+                    f"{cfg.min_world_size}; lower elastic.min_world_size or add nodes"))
+    return Retry(backoff_s=min(30.0, 0.5 * 2**restarts_done))
+
+
+def failure_report(errors: list[str], verdict: str) -> str:
+    counts = Counter(e.strip().splitlines()[-1][:300] if e.strip() else "unknown error"
+                     for e in errors)
+    lines = [verdict] + [f"  {n} rank(s): {msg}" for msg, n in counts.most_common()]
+    return "\n".join(lines)
+
+
+def bounded_topology(topo: Topology, cfg: ElasticConfig, dead_nodes: set[str]) -> Topology:
+    """The alive nodes, capped at ``elastic.max_world_size`` accelerators."""
+    nodes, total = [], 0
+    cap = cfg.max_world_size or 10**9
+    for n in topo.nodes:
+        if n.node_id in dead_nodes or total >= cap:
+            continue
+        take = min(n.accelerators, cap - total)
+        nodes.append(Node(n.node_id, take))
+        total += take
+    return dataclasses.replace(topo, nodes=tuple(nodes))
+
+
+def should_scale_up(current_world: int, available: int, cfg: ElasticConfig) -> bool:
+    """At a checkpoint boundary: grow when more accelerators are usable than are in use."""
+    cap = cfg.max_world_size or 10**9
+    return min(available, cap) > current_world

@@ -1,0 +1,91 @@
+"""The controller's view of the rank actors: a WorkerGroup behind a narrow interface, the
+placement it needs, and the live topology."""
+
+from __future__ import annotations
+
+from trainmesh.jobs.spec import JobSpec
+from trainmesh.parallel.dims import ParallelDims
+from trainmesh.parallel.layout import Placement, plan_placement
+from trainmesh.platform.topology import Topology, topology_from_ray
+
+
+def placement_for(spec: JobSpec, dims: ParallelDims, topo: Topology) -> Placement:
+    """One bundle per node: a GPU per rank on accelerator clusters, CPUs otherwise."""
+    per_rank = {"CPU": spec.runtime.cpus_per_rank}
+    if topo.device.name != "cpu":
+        per_rank["GPU"] = 1.0
+    return plan_placement(dims, topo.per_node, per_rank)
+
+
+class RayWorkerGroup:
+    """The real worker group behind the controller's narrow interface."""
+
+    def __init__(self, spec: JobSpec, dims: ParallelDims, placement: Placement,
+                 env: dict[str, str]):
+        from trainmesh.actors.worker_group import WorkerGroup
+
+        self.spec = spec
+        self.timeout = spec.runtime.collective_timeout_s
+        self.group = WorkerGroup(placement, env, ready_timeout_s=60,
+                                 cpu_threads=max(1, int(spec.runtime.cpus_per_rank)))
+        self.backend = self.group.setup_process_group(spec.runtime.device, self.timeout)
+
+    def rank_nodes(self) -> list[str]:
+        return [info["node_id"] for info in self.group.call("node_info", timeout_s=60)]
+
+    def alive_ranks(self, timeout_s: float) -> set[int]:
+        """Ranks whose actor still answers."""
+        import ray
+
+        refs = {w.node_info.remote(): r for r, w in enumerate(self.group.workers)}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+        alive = set()
+        for ref in ready:
+            try:
+                ray.get(ref)
+                alive.add(refs[ref])
+            except ray.exceptions.RayError:
+                pass
+        return alive
+
+    def build(self, spec_json: str, dims: ParallelDims, data_dir: str) -> None:
+        d = {"pp": dims.pp, "dp": dims.dp, "tp": dims.tp}
+        self.group.call("build", spec_json, d, data_dir, timeout_s=self.timeout + 120)
+
+    def train_step(self) -> list[dict]:
+        return self.group.call("train_step", timeout_s=self.timeout * 2)
+
+    def save(self, directory: str) -> bytes | None:
+        return self.group.call("save", directory, timeout_s=self.timeout * 2)[0]
+
+    def load(self, directory: str, step: int, rng: bytes | None) -> None:
+        self.group.call("load", directory, step, rng, timeout_s=self.timeout * 2)
+
+    def save_to(self, directory: str) -> None:
+        """A raw collective save (no manifest): for inspection and tests."""
+        self.group.call("save", directory, timeout_s=self.timeout * 2)
+
+    def full_state(self) -> dict:
+        """Every parameter, unsharded, merged over the pipeline stages."""
+        return {k: v for d in self.group.call("full_state", timeout_s=self.timeout)
+                for k, v in d.items()}
+
+    def timelines(self) -> list[list]:
+        return self.group.call("timeline", timeout_s=self.timeout)
+
+    def memory_stats(self) -> list[dict]:
+        return self.group.call("memory_stats", timeout_s=self.timeout)
+
+    def full_grads(self) -> dict:
+        return {k: v for d in self.group.call("full_grads", timeout_s=self.timeout)
+                for k, v in d.items()}
+
+    def shutdown(self) -> None:
+        self.group.shutdown()
+
+
+def live_topology(spec: JobSpec) -> Topology:
+    device = "cpu" if spec.runtime.device == "cpu" else spec.topology.device
+    topo = topology_from_ray(device, spec.runtime.cpus_per_rank)
+    return topo.with_overrides(spec.topology.overrides())
+
