@@ -1,0 +1,51 @@
+"""The elastic policy is pure: decisions from numbers, reports from errors."""
+
+from __future__ import annotations
+
+from trainmesh.jobs.spec import ElasticConfig
+from trainmesh.platform.elastic import (
+    GiveUp,
+    Retry,
+    bounded_topology,
+    failure_report,
+    on_failure,
+    should_scale_up,
+)
+from trainmesh.platform.topology import Topology
+
+
+def test_retry_with_growing_backoff_until_the_restart_budget_is_spent():
+    cfg = ElasticConfig(min_world_size=2, max_restarts=3)
+    waits = [on_failure(cfg, n, available=4, errors=["x"]) for n in range(3)]
+    assert all(isinstance(w, Retry) for w in waits)
+    assert [w.backoff_s for w in waits] == sorted(w.backoff_s for w in waits)
+    final = on_failure(cfg, 3, available=4, errors=["x"])
+    assert isinstance(final, GiveUp) and "elastic.max_restarts" in final.report
+
+
+def test_below_minimum_gives_up_naming_the_knob():
+    d = on_failure(ElasticConfig(min_world_size=8), 0, available=4, errors=["boom"])
+    assert isinstance(d, GiveUp)
+    assert "elastic.min_world_size=8" in d.report and "add nodes" in d.report
+
+
+def test_report_groups_identical_rank_errors():
+    errs = ["Traceback...\nRuntimeError: Connection closed by peer"] * 3 + ["ActorDiedError"]
+    text = failure_report(errs, "verdict")
+    assert text.splitlines()[0] == "verdict"
+    assert "3 rank(s): RuntimeError: Connection closed by peer" in text
+    assert "1 rank(s): ActorDiedError" in text
+
+
+def test_bounded_topology_drops_dead_nodes_and_caps_the_world():
+    topo = Topology.uniform(3, 4, "h100")
+    alive = bounded_topology(topo, ElasticConfig(), {"node-1"})
+    assert [n.node_id for n in alive.nodes] == ["node-0", "node-2"] and alive.world_size == 8
+    capped = bounded_topology(topo, ElasticConfig(max_world_size=6), set())
+    assert capped.world_size == 6
+
+
+def test_scale_up_only_to_more_usable_accelerators():
+    assert should_scale_up(4, 8, ElasticConfig())
+    assert not should_scale_up(4, 8, ElasticConfig(max_world_size=4))
+    assert not should_scale_up(8, 8, ElasticConfig())
