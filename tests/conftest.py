@@ -10,6 +10,9 @@ os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
 os.environ.pop("MLFLOW_TRACKING_URI", None)
+# Triton kernels run in its interpreter on CPU; read when a kernel module is imported. The GPU
+# module (marker gpu) needs TRITON_INTERPRET=0 in the environment to compile for real.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 

@@ -21,9 +21,9 @@ BASE = ["model.preset=tiny", "training.global_batch_size=8", "training.microbatc
 ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
 
 
-def _parallel_run(spec, dims: ParallelDims, data_dir: str, steps: int = 3):
+def _parallel_run(spec, dims: ParallelDims, data_dir: str, steps: int = 3, env: dict | None = None):
     topo = Topology.uniform(1, dims.world_size, "cpu")
-    group = RayWorkerGroup(spec, dims, placement_for(spec, dims, topo), ENV)
+    group = RayWorkerGroup(spec, dims, placement_for(spec, dims, topo), {**ENV, **(env or {})})
     try:
         group.build(spec.model_dump_json(), dims, data_dir)
         losses, grads = [], None

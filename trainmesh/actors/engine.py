@@ -24,7 +24,7 @@ from trainmesh.checkpoint import dcp_io
 from trainmesh.data.dataset import TokenDataset
 from trainmesh.data.shards import read_tokens
 from trainmesh.jobs.spec import JobSpec
-from trainmesh.models.llama.model import Llama, LlamaArgs, cross_entropy_loss
+from trainmesh.models.llama.model import Llama, LlamaArgs
 from trainmesh.models.llama.parallelize import apply_activation_checkpointing, apply_tensor_parallel
 from trainmesh.models.llama.stage import PipelineStage, rank_model
 from trainmesh.parallel.dims import Axis
@@ -37,7 +37,7 @@ from trainmesh.parallel.zero import apply_zero3
 
 def build_model(spec: JobSpec, device: torch.device) -> Llama:
     """The whole single-device model, initialised from ``training.seed``."""
-    model = Llama(LlamaArgs.from_config(spec.model))
+    model = Llama(LlamaArgs.from_config(spec.model, device.type))
     model.init_weights(spec.training.seed)
     return model.to(device)
 
@@ -51,7 +51,8 @@ class Engine:
         dtype = getattr(torch, tr.dtype)
         pp = mesh.size(Axis.PP)
         # The Llama holding this rank's layers (all of them without PP): global names.
-        self.model, stage_ids = rank_model(LlamaArgs.from_config(spec.model), mesh.coord(Axis.PP),
+        self.model, stage_ids = rank_model(LlamaArgs.from_config(spec.model, device.type),
+                                           mesh.coord(Axis.PP),
                                            pp, par.vpp if pp > 1 else 1)
         self.model.init_weights(tr.seed)
         self.model.to(device)
@@ -86,8 +87,7 @@ class Engine:
                       act_shape=(tr.microbatch_size, seq, self.spec.model.dim), dtype=dtype,
                       device=self.device,
                       timeout=timedelta(seconds=self.spec.runtime.collective_timeout_s))
-        return PipelineExecutor(shape, actions, stages, p2p, cross_entropy_loss,
-                                self.loss_context)
+        return PipelineExecutor(shape, actions, stages, p2p, self.loss_context)
 
     def train_step(self) -> StepStats:
         tr = self.spec.training

@@ -17,8 +17,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from trainmesh.models.llama.model import cross_entropy_loss
-
 
 @dataclass(frozen=True)
 class StepStats:
@@ -100,7 +98,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
         if set_grad_sync is not None:
             set_grad_sync(i == n - 1)
         with loss_context():
-            loss = cross_entropy_loss(model(x), y) / n
+            loss = model(x, y) / n
             loss.backward()
         value = loss.detach()
         total += (value.full_tensor() if isinstance(value, DTensor) else value).float().cpu()

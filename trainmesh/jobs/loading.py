@@ -7,6 +7,7 @@ Every problem is a :class:`Problem` ``(path, what, fix)`` rendered as
 from __future__ import annotations
 
 import difflib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -230,4 +231,9 @@ def unsupported_problems(spec: JobSpec) -> list[Problem]:
     if par.sequence_parallel and par.tp == 1 and not par.auto:
         out.append(Problem("parallelism.sequence_parallel", "needs tensor parallel (tp > 1)",
                            "set it to false or raise parallelism.tp"))
+    if (spec.model.kernels == "triton" and spec.runtime.device == "cpu"
+            and os.environ.get("TRITON_INTERPRET") != "1"):
+        out.append(Problem("model.kernels", "triton kernels need a CUDA device (runtime.device is "
+                           "cpu)", "use model.kernels=auto, or TRITON_INTERPRET=1 to interpret "
+                           "them on CPU (slow)"))
     return out

@@ -31,6 +31,8 @@ class ModelConfig(_Section):
     norm_eps: float = Field(1e-5, gt=0)
     rope_theta: float = Field(10000.0, gt=0)
     tie_embeddings: bool = False
+    kernels: Literal["auto", "triton", "torch"] = Field(
+        "auto", description="fused ops: Triton kernels (auto: on CUDA) or the torch references")
 
     @model_validator(mode="before")
     @classmethod

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from trainmesh.kernels import KernelSet, kernel_set, resolve
 from trainmesh.models.llama import model_math
 
 
@@ -30,15 +31,22 @@ class LlamaArgs:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
+    kernels: str = "torch"  # a resolved kernel set: torch | triton
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
+    @property
+    def ops(self) -> KernelSet:
+        return kernel_set(self.kernels)
+
     @classmethod
-    def from_config(cls, cfg) -> LlamaArgs:
-        """From a ``trainmesh.jobs.spec.ModelConfig`` (or anything with the same fields)."""
-        return cls(**{f: getattr(cfg, f) for f in cls.__dataclass_fields__})
+    def from_config(cls, cfg, device_type: str = "cpu") -> LlamaArgs:
+        """From a ``trainmesh.jobs.spec.ModelConfig`` (or anything with the same fields), with
+        ``model.kernels`` resolved for ``device_type``."""
+        fields = {f: getattr(cfg, f) for f in cls.__dataclass_fields__ if f != "kernels"}
+        return cls(**fields, kernels=resolve(getattr(cfg, "kernels", "auto"), device_type))
 
     def num_params(self, include_embedding: bool = True) -> int:
         return model_math.num_params(self, include_embedding)
@@ -48,15 +56,13 @@ class LlamaArgs:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, ops: KernelSet):
         super().__init__()
-        self.eps = eps
+        self.eps, self.ops = eps, ops
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,18 +72,11 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Te
     return angles.cos().float(), angles.sin().float()
 
 
-def apply_rope(x_BTHD: torch.Tensor, cos_TD2: torch.Tensor, sin_TD2: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs (x[2i], x[2i+1]) by position-dependent angles."""
-    x1, x2 = x_BTHD.float().unflatten(-1, (-1, 2)).unbind(-1)
-    cos, sin = cos_TD2[:, None, :], sin_TD2[:, None, :]
-    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
-    return out.type_as(x_BTHD)
-
-
 class Attention(nn.Module):
     def __init__(self, args: LlamaArgs):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.ops = args.ops
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
@@ -90,7 +89,7 @@ class Attention(nn.Module):
         k = self.wk(x_BTD).view(B, T, -1, self.head_dim)
         v = self.wv(x_BTD).view(B, T, -1, self.head_dim)
         # Slice the tables here, where T is the whole sequence even under sequence parallel.
-        q, k = apply_rope(q, cos[:T], sin[:T]), apply_rope(k, cos[:T], sin[:T])
+        q, k = self.ops.rope(q, cos[:T], sin[:T]), self.ops.rope(k, cos[:T], sin[:T])
         rep = q.shape[2] // k.shape[2]
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
@@ -101,23 +100,24 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, dim: int, ffn_dim: int):
+    def __init__(self, dim: int, ffn_dim: int, ops: KernelSet):
         super().__init__()
+        self.ops = ops
         self.w1 = nn.Linear(dim, ffn_dim, bias=False)  # gate
         self.w3 = nn.Linear(dim, ffn_dim, bias=False)  # up
         self.w2 = nn.Linear(ffn_dim, dim, bias=False)  # down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(self.ops.swiglu(self.w1(x), self.w3(x)))
 
 
 class TransformerBlock(nn.Module):
     def __init__(self, args: LlamaArgs):
         super().__init__()
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps, args.ops)
         self.attention = Attention(args)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, args.ops)
+        self.feed_forward = FeedForward(args.dim, args.ffn_dim, args.ops)
         self.recompute = False  # activation checkpointing: recompute this block in backward
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -140,10 +140,11 @@ class Llama(nn.Module):
         ids = range(args.n_layers) if layer_ids is None else layer_ids
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim) if has_embedding else None
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in ids})
-        self.norm = RMSNorm(args.dim, args.norm_eps) if has_head else None
+        self.norm = RMSNorm(args.dim, args.norm_eps, args.ops) if has_head else None
         self.output = None
         if has_head and not args.tie_embeddings:
             self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.ops = args.ops
         cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -161,13 +162,17 @@ class Llama(nn.Module):
             std = depth_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
             p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * std)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return decoder_forward(self, self.layers.values(), h)
+    def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits, or with ``targets`` the mean next-token loss (what training calls: the fused
+        head then never materialises the logits)."""
+        return decoder_forward(self, self.layers.values(), h, targets)
 
 
-def decoder_forward(parts: nn.Module, layers, h: torch.Tensor) -> torch.Tensor:
-    """Embedding (if ``parts`` has one), ``layers`` in order, then norm and head (if any).
-    ``parts`` is a Llama or a pipeline stage holding a subset of its modules."""
+def decoder_forward(parts: nn.Module, layers, h: torch.Tensor,
+                    targets: torch.Tensor | None = None) -> torch.Tensor:
+    """Embedding (if ``parts`` has one), ``layers`` in order, then norm and head (if any) and,
+    given ``targets``, the loss. ``parts`` is a Llama or a pipeline stage holding a subset of
+    its modules (and ``ops``, its kernel set)."""
     if parts.tok_embeddings is not None:
         h = parts.tok_embeddings(h)
     for layer in layers:
@@ -175,9 +180,11 @@ def decoder_forward(parts: nn.Module, layers, h: torch.Tensor) -> torch.Tensor:
     if parts.norm is None:
         return h
     h = parts.norm(h)
-    if parts.output is not None:
-        return parts.output(h)
-    return F.linear(h, parts.tok_embeddings.weight)
+    head = parts.output if parts.output is not None else parts.tok_embeddings
+    if targets is not None and parts.ops.linear_cross_entropy is not None:
+        return parts.ops.linear_cross_entropy(h, head.weight, targets)
+    logits = parts.output(h) if parts.output is not None else F.linear(h, head.weight)
+    return logits if targets is None else cross_entropy_loss(logits, targets)
 
 
 def cross_entropy_loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:

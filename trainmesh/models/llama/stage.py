@@ -28,11 +28,13 @@ class PipelineStage(nn.Module):
         self.layers = nn.ModuleList([model.layers[str(i)] for i in ids])
         self.norm = model.norm if self.is_last else None
         self.output = model.output if self.is_last else None
+        self.ops = model.ops
         self.register_buffer("rope_cos", model.rope_cos, persistent=False)
         self.register_buffer("rope_sin", model.rope_sin, persistent=False)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return decoder_forward(self, self.layers, h)
+    def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Activations for the next stage; on the last stage, given ``targets``, the loss."""
+        return decoder_forward(self, self.layers, h, targets)
 
 
 def rank_model(model_args, pp_rank: int, pp: int, vpp: int) -> tuple[Llama, list[int]]:

@@ -35,10 +35,11 @@ class P2PSpec:
 
 class PipelineExecutor:
     def __init__(self, shape: PipeShape, actions: list[Action], stages: dict[int, nn.Module],
-                 p2p: P2PSpec, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 loss_context: Callable[[], AbstractContextManager] = nullcontext):
+                 p2p: P2PSpec, loss_context: Callable[[], AbstractContextManager] = nullcontext):
+        """``stages[s](x)`` runs stage s; the last stage is called as ``stages[s](x, y)`` and
+        returns the microbatch's mean loss."""
         self.shape, self.actions, self.stages, self.p2p = shape, actions, stages, p2p
-        self.loss_fn, self.loss_context = loss_fn, loss_context
+        self.loss_context = loss_context
         self.last_backward = {a.stage: a.microbatch for a in actions if a.op is Op.BACKWARD}
         self.timeline: list[tuple[str, float, float]] = []
 
@@ -84,9 +85,10 @@ class PipelineExecutor:
             inp = self._recv.pop((Op.RECV_FORWARD, a.stage, a.microbatch)).requires_grad_()
             self._inputs[key] = inp
         with self.loss_context():
-            out = stage(inp)
             if a.stage == self.shape.num_stages - 1:
-                out = self.loss_fn(out, y) / len(self._mbs)
+                out = stage(inp, y) / len(self._mbs)
+            else:
+                out = stage(inp)
         self._outputs[key] = out
         if a.stage == self.shape.num_stages - 1:
             value = out.detach()

@@ -1,0 +1,66 @@
+"""Shared by the interpreter and GPU kernel tests: each kernel against its torch reference,
+outputs and every input gradient, under one upstream gradient."""
+
+from __future__ import annotations
+
+import torch
+
+from trainmesh.kernels import kernel_set
+from trainmesh.kernels import reference as ref
+
+TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.bfloat16: {"rtol": 2e-2, "atol": 2e-2}}
+
+
+def check(kernel, reference, *inputs: torch.Tensor, dtype: torch.dtype = torch.float32,
+          out_dtype: torch.dtype | None = None) -> None:
+    """bf16 kernels (float32 inside, one rounding per store) are held to the float32
+    reference on the same bf16 values, within bf16 resolution."""
+    got_in = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
+    want_in = [(x.detach().float() if x.is_floating_point() else x).requires_grad_(x.is_floating_point())
+               for x in inputs]
+    got, want = kernel(*got_in), reference(*want_in)
+    assert got.dtype == (out_dtype or dtype) and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want, **TOL[dtype])
+    upstream = torch.randn(want.shape, generator=torch.Generator().manual_seed(1)).to(want)
+    (got * upstream.to(got.dtype)).sum().backward()
+    (want * upstream.to(got.dtype).float()).sum().backward()
+    for i, (g, w) in enumerate(zip(got_in, want_in, strict=True)):
+        if w.grad is not None:
+            assert g.grad is not None and g.grad.dtype == dtype, f"input {i}"
+            torch.testing.assert_close(g.grad.float(), w.grad, **TOL[dtype],
+                                       msg=lambda m, i=i: f"gradient of input {i}: {m}")
+
+
+def rand(*shape: int, dtype=torch.float32, device="cpu", seed: int = 0) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(device, dtype)
+
+
+def rms_norm_case(rows_shape, dim, dtype=torch.float32, device="cpu"):
+    k = kernel_set("triton")
+    x, w = rand(*rows_shape, dim, dtype=dtype, device=device), rand(dim, dtype=dtype, device=device, seed=2)
+    check(lambda a, b: k.rms_norm(a, b, 1e-5), lambda a, b: ref.rms_norm(a, b, 1e-5), x, w, dtype=dtype)
+
+
+def swiglu_case(shape, dtype=torch.float32, device="cpu"):
+    k = kernel_set("triton")
+    g, u = rand(*shape, dtype=dtype, device=device), rand(*shape, dtype=dtype, device=device, seed=3)
+    check(k.swiglu, ref.swiglu, g, u, dtype=dtype)
+
+
+def rope_case(b, t, h, d, dtype=torch.float32, device="cpu"):
+    from trainmesh.models.llama.model import rope_tables
+
+    k = kernel_set("triton")
+    cos, sin = (c[:t].to(device) for c in rope_tables(d, t + 3, 10000.0))
+    x = rand(b, t, h, d, dtype=dtype, device=device)
+    check(lambda a: k.rope(a, cos, sin), lambda a: ref.rope(a, cos, sin), x, dtype=dtype)
+
+
+def linear_cross_entropy_case(rows_shape, dim, vocab, dtype=torch.float32, device="cpu"):
+    k = kernel_set("triton")
+    h = rand(*rows_shape, dim, dtype=dtype, device=device)
+    w = rand(vocab, dim, dtype=dtype, device=device, seed=4) * 0.5
+    y = torch.randint(0, vocab, rows_shape, generator=torch.Generator().manual_seed(5)).to(device)
+    check(lambda a, b: k.linear_cross_entropy(a, b, y),
+          lambda a, b: ref.linear_cross_entropy(a.flatten(0, -2), b, y.flatten()), h, w, dtype=dtype,
+          out_dtype=torch.float32)  # the loss is float32 whatever the inputs

@@ -1,0 +1,85 @@
+"""Triton kernels under TRITON_INTERPRET=1 (set in conftest) against their torch references:
+outputs and every gradient, float32 and bf16, shapes with non-powers of two and single rows."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from kernel_cases import linear_cross_entropy_case, rms_norm_case, rope_case, swiglu_case
+
+from trainmesh.kernels import kernel_set, resolve
+from trainmesh.kernels.linear_cross_entropy import chunk_rows
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="these run the kernels in Triton's CPU interpreter")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "dim"), [((1,), 8), ((3, 5), 37), ((2, 16), 64), ((9,), 100)])
+def test_rms_norm(rows, dim, dtype):
+    rms_norm_case(rows, dim, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1), (3, 7, 19), (2, 16, 176), (1500,)])
+def test_swiglu(shape, dtype):
+    swiglu_case(shape, dtype)  # (1500,) spans two 1024-element blocks
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("b", "t", "h", "d"), [(1, 1, 1, 2), (2, 5, 3, 12), (2, 16, 4, 16), (1, 7, 2, 10)])
+def test_rope(b, t, h, d, dtype):
+    rope_case(b, t, h, d, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "dim", "vocab"), [((1,), 8, 5), ((2, 7), 16, 50), ((3, 11), 24, 1500),
+                                                    ((40,), 8, 264)])
+def test_linear_cross_entropy(rows, dim, vocab, dtype):
+    # (3, 11) × 1500 crosses a 1024-wide vocabulary block; (40,) × 264 with dim 8 takes
+    # several row chunks (the logits of one chunk are about the size of h).
+    linear_cross_entropy_case(rows, dim, vocab, dtype)
+
+
+def test_linear_cross_entropy_chunks_rows_so_logits_stay_small():
+    assert chunk_rows(40, 264, 8) == 2  # 33 chunks: 2 × 264 logits ≈ 40 × 8 inputs
+    assert chunk_rows(8192, 128_256, 4096) == 256
+    assert chunk_rows(3, 5, 64) == 3  # vocabulary smaller than dim: one chunk
+
+
+def test_rope_backward_is_in_place_on_a_contiguous_gradient():
+    k = kernel_set("triton")
+    cos, sin = torch.rand(4, 3), torch.rand(4, 3)
+    x = torch.randn(1, 4, 2, 6, requires_grad=True)
+    grad = torch.randn(1, 4, 2, 6)
+    seen = []
+    y = k.rope(x, cos, sin)
+    y.register_hook(lambda g: seen.append(g) or g)
+    y.backward(grad.clone())
+    # The buffer handed to rope's backward now holds the rotated gradient, not the incoming one.
+    torch.testing.assert_close(seen[0], x.grad, rtol=0, atol=0)
+    assert not torch.allclose(seen[0], grad)
+
+
+def test_kernel_selection():
+    assert resolve("auto", "cuda") == "triton" and resolve("auto", "cpu") == "torch"
+    assert resolve("torch", "cuda") == "torch"
+    assert resolve("triton", "cpu") == "triton"  # TRITON_INTERPRET=1 here
+    with pytest.raises(ValueError, match="model.kernels='fast'; use one of auto, triton, torch"):
+        resolve("fast", "cpu")
+    assert kernel_set("torch").linear_cross_entropy is None  # torch: logits through the head
+    assert kernel_set("triton").linear_cross_entropy is not None
+
+
+def test_triton_on_cpu_without_the_interpreter_is_refused(monkeypatch):
+    from trainmesh.jobs.loading import load_spec, unsupported_problems
+
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="model.kernels=triton needs a CUDA device"):
+        resolve("triton", "cpu")
+    spec = load_spec(None, ["model.kernels=triton", "runtime.device=cpu"])
+    [problem] = [p for p in unsupported_problems(spec) if p.path == "model.kernels"]
+    assert "TRITON_INTERPRET=1" in problem.fix
