@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from trainmesh.kernels import reference
+import trainmesh.kernels.reference as reference
 
 MODES = ("auto", "triton", "torch")
 

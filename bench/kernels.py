@@ -1,0 +1,233 @@
+"""Triton kernels against torch eager and torch.compile of their references, then a whole
+training step with and without them.
+
+    TRITON_INTERPRET=0 .venv/bin/python bench/kernels.py              # on a GPU
+    TRITON_INTERPRET=1 .venv/bin/python bench/kernels.py --smoke      # CPU: checks the script
+
+Part 1, per kernel at model-sized shapes (8k tokens × 4096 hidden, 14336 FFN, vocab 128k):
+forward + backward time for each implementation, the bytes each must move at least, the
+achieved GB/s against a measured device-to-device copy, and the peak memory the call adds.
+The fused linear + cross-entropy is matmul-bound; its point is memory (no tokens × vocab
+logits), so its GB/s column is left empty.
+
+Part 2: one rank training the `1b` preset (seq 2048, global batch 8, microbatch 2, bf16,
+ZeRO-3 over a 1-rank mesh: the production code path) with model.kernels = torch and triton:
+step time, tokens/s, MFU against the device table's dense bf16 peak, peak memory.
+
+--smoke runs tiny shapes in Triton's CPU interpreter (torch.compile and MFU are skipped): the
+numbers mean nothing, it only proves the script runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
+def _timer(device: str, reps: int) -> Callable[[Callable[[], object]], float]:
+    """Median seconds of ``fn()``: triton's do_bench (CUDA events, L2 flushed) on a GPU."""
+    import torch
+
+    if device == "cuda":
+        from triton.testing import do_bench
+
+        return lambda fn: do_bench(fn, warmup=5, rep=50, return_mode="median") / 1e3
+
+    def cpu(fn):
+        fn()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    _ = torch
+    return cpu
+
+
+def _fwd_bwd(fn: Callable, inputs: list, upstream):
+    """A closure running forward and backward of ``fn`` once (grads reset)."""
+
+    def run():
+        for x in inputs:
+            x.grad = None
+        out = fn(*inputs)
+        out.backward(upstream if out.dim() else None)
+
+    return run
+
+
+def _peak_bytes(run: Callable[[], None], device: str) -> int | None:
+    import torch
+
+    if device != "cuda":
+        return None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    run()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def kernel_table(device: str, smoke: bool, dtype_name: str) -> list[dict]:
+    import torch
+
+    from trainmesh.kernels import kernel_set
+    from trainmesh.kernels import reference as ref
+    from trainmesh.models.llama.model import rope_tables
+
+    dtype = getattr(torch, dtype_name)
+    timer = _timer(device, reps=2 if smoke else 20)
+    tri = kernel_set("triton")
+    if smoke:
+        tokens, dim, ffn, heads, head_dim, vocab = 64, 64, 176, 4, 16, 264
+    else:
+        tokens, dim, ffn, heads, head_dim, vocab = 8192, 4096, 14336, 32, 128, 128_256
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(shape, generator=gen, device=device) * scale).to(dtype).requires_grad_()
+
+    e = torch.finfo(dtype).bits // 8
+    copy_src = torch.empty(64 * 2**20 if not smoke else 2**20, dtype=torch.uint8, device=device)
+    copy_dst = torch.empty_like(copy_src)
+    copy_gbs = 2 * copy_src.numel() / timer(lambda: copy_dst.copy_(copy_src)) / 1e9
+
+    cos, sin = (t[:tokens // 4].to(device) for t in rope_tables(head_dim, tokens // 4, 10000.0))
+    cases = [
+        # name, {impl: fn}, inputs, bytes moved forward + backward (at least)
+        ("rms_norm", {"triton": lambda x, w: tri.rms_norm(x, w, 1e-5),
+                      "torch": lambda x, w: ref.rms_norm(x, w, 1e-5)},
+         [rand(tokens, dim), rand(dim)], e * tokens * dim * (2 + 3)),
+        ("swiglu", {"triton": tri.swiglu, "torch": ref.swiglu},
+         [rand(tokens, ffn), rand(tokens, ffn)], e * tokens * ffn * (3 + 5)),
+        ("rope", {"triton": lambda x: tri.rope(x, cos, sin), "torch": lambda x: ref.rope(x, cos, sin)},
+         [rand(4, tokens // 4, heads, head_dim)], e * tokens * heads * head_dim * (2 + 2)),
+    ]
+    targets = torch.randint(0, vocab, (tokens,), generator=gen, device=device)
+    cases.append(("linear_cross_entropy",
+                  {"triton": lambda h, w: tri.linear_cross_entropy(h, w, targets),
+                   "torch": lambda h, w: ref.linear_cross_entropy(h, w, targets)},
+                  [rand(tokens, dim), rand(vocab, dim, scale=0.02)], None))
+    rows = []
+    for name, impls, inputs, nbytes in cases:
+        if not smoke:
+            impls["torch.compile"] = torch.compile(impls["torch"])
+        out = impls["torch"](*inputs)
+        upstream = torch.randn(out.shape, generator=gen, device=device).to(out.dtype) if out.dim() else None
+        times = {}
+        for impl, fn in impls.items():
+            run = _fwd_bwd(fn, inputs, upstream)
+            run()  # compile / autotune / warm up
+            times[impl] = timer(run)
+            peak = _peak_bytes(run, device)
+            rows.append({"kernel": name, "impl": impl, "ms": times[impl] * 1e3,
+                         "gb_s": nbytes / times[impl] / 1e9 if nbytes else None,
+                         "of_copy": nbytes / times[impl] / 1e9 / copy_gbs if nbytes else None,
+                         "vs_eager": times["torch"] / times[impl] if "torch" in times else None,
+                         "peak_mib": peak / 2**20 if peak is not None else None})
+        for r in rows:
+            if r["kernel"] == name:
+                r["vs_eager"] = times["torch"] / (r["ms"] / 1e3)
+    print(f"\ndevice-to-device copy: {copy_gbs:.0f} GB/s  ({tokens} tokens, dim {dim}, ffn {ffn}, "
+          f"vocab {vocab}, {dtype_name}; forward + backward)")
+    return rows
+
+
+def step_table(device: str, smoke: bool, steps: int) -> list[dict]:
+    import torch
+    import torch.distributed as dist
+
+    from trainmesh.actors.engine import Engine
+    from trainmesh.data.shards import ensure_tiny_corpus
+    from trainmesh.jobs.loading import load_spec
+    from trainmesh.parallel.dims import ParallelDims
+    from trainmesh.parallel.mesh import Mesh
+    from trainmesh.platform.devices import device_spec
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", store=store, rank=0, world_size=1)
+    mesh = Mesh.build(ParallelDims(), device, 0)
+    shape = (["model.preset=tiny", "training.seq_len=32", "training.dtype=float32"] if smoke else
+             ["model.preset=1b", "training.seq_len=2048", "training.dtype=bfloat16"])
+    peak = device_spec("h100" if device == "cuda" else "cpu").peak_tflops
+    if device == "cuda":
+        name = torch.cuda.get_device_name().lower()
+        peak = device_spec("h200" if "h200" in name else "h100").peak_tflops
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        data_dir = str(ensure_tiny_corpus(os.path.join(tmp, "data")))
+        for kernels in ("torch", "triton"):
+            spec = load_spec(None, [*shape, "training.global_batch_size=8", "training.microbatch_size=2",
+                                    f"training.steps={steps + 1}", "optimizer.warmup_steps=1",
+                                    f"model.kernels={kernels}",
+                                    "tracking.enabled=false", f"runtime.device={device}"])
+            engine = Engine(spec, mesh, data_dir, torch.device(device))
+            engine.train_step()  # warm-up
+            if device == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                stats = engine.train_step()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            dt = (time.perf_counter() - t0) / steps
+            tokens_s = stats.tokens / dt
+            flops = engine.model.args.flops_per_token(spec.training.seq_len) * tokens_s
+            rows.append({"kernels": kernels, "step_s": dt, "tokens_s": tokens_s,
+                         "tflops": flops / 1e12, "mfu": flops / (peak * 1e12),
+                         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
+                         "loss": stats.loss})
+            del engine
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    dist.destroy_process_group()
+    return rows
+
+
+def _fmt(v, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, interpreted")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--steps", type=int, default=5)
+    args = ap.parse_args()
+    import torch
+
+    if args.smoke:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise SystemExit("--smoke needs TRITON_INTERPRET=1 in the environment")
+        device = "cpu"
+    elif not torch.cuda.is_available():
+        raise SystemExit("bench/kernels.py needs a CUDA GPU (or --smoke with TRITON_INTERPRET=1)")
+    else:
+        device = "cuda"
+    rows = kernel_table(device, args.smoke, "float32" if args.smoke else args.dtype)
+    print("| kernel | impl | ms | GB/s | of copy | speed-up vs eager | peak MiB |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['kernel']} | {r['impl']} | {r['ms']:.3f} | {_fmt(r['gb_s'], '.0f')} | "
+              f"{_fmt(r['of_copy'], '.2f')} | {r['vs_eager']:.2f} | {_fmt(r['peak_mib'], '.0f')} |")
+    steps = step_table(device, args.smoke, 2 if args.smoke else args.steps)
+    print("\n| model.kernels | step s | tokens/s | TFLOP/s | MFU | peak GiB | loss |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    base = steps[0]["step_s"]
+    for r in steps:
+        print(f"| {r['kernels']} | {r['step_s']:.3f} ({base / r['step_s']:.2f}×) | {r['tokens_s']:.0f} | "
+              f"{r['tflops']:.1f} | {r['mfu']:.1%} | {_fmt(r['peak_gib'], '.1f')} | {r['loss']:.4f} |")
+
+
+if __name__ == "__main__":
+    main()
