@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from trainmesh.jobs import plan_cli, schedule_cli
+from trainmesh.jobs import k8s_cli, plan_cli, schedule_cli
 from trainmesh.jobs.loading import SpecError, load_spec, unsupported_problems
 
 EXIT_BAD_INPUT = 2
@@ -30,6 +30,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     plan_cli.add_parser(sub)
     schedule_cli.add_parser(sub)
+    k8s_cli.add_parser(sub)
     data = sub.add_parser("data", help="dataset tools").add_subparsers(dest="data_cmd", required=True)
     p = data.add_parser("prepare", help="tokenize text files into Parquet token shards")
     p.add_argument("inputs", nargs="+", help="UTF-8 text files, one document each")
@@ -49,6 +50,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return plan_cli.run(args)
         if args.command == "schedule":
             return schedule_cli.run(args)
+        if args.command == "k8s":
+            return k8s_cli.run(args)
         if args.command == "data":
             return _data_prepare(args)
     except SpecError as err:

@@ -38,9 +38,16 @@ class SpecError(ValueError):
         super().__init__("\n".join(str(p) for p in problems))
 
 
+ENV_PREFIX = "env:"  # a spec in an environment variable: how submitted jobs carry theirs
+
+
 def load_spec(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> JobSpec:
-    """Read ``path`` (None: all defaults), apply ``key.path=value`` overrides, validate."""
-    raw = _read_yaml(Path(path)) if path is not None else {}
+    """Read ``path`` (None: all defaults; ``env:NAME``: the YAML or JSON text in environment
+    variable NAME), apply ``key.path=value`` overrides, validate."""
+    if isinstance(path, str) and path.startswith(ENV_PREFIX):
+        raw = _read_env(path[len(ENV_PREFIX):])
+    else:
+        raw = _read_yaml(Path(path)) if path is not None else {}
     for item in overrides:
         _apply_override(raw, item)
     return spec_from_dict(raw)
@@ -57,6 +64,14 @@ def spec_from_dict(raw: dict[str, Any]) -> JobSpec:
     return spec
 
 
+def _read_env(name: str) -> dict[str, Any]:
+    where = f"{ENV_PREFIX}{name}"
+    if name not in os.environ:
+        raise SpecError([Problem(where, "environment variable not set",
+                                 "set it to the job spec's YAML, or pass a file")])
+    return _parse_yaml(os.environ[name], where)
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
     where = str(path)
     if not path.exists():
@@ -67,6 +82,10 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as err:
         raise SpecError([Problem(where, f"cannot be read ({err})", "pass a readable UTF-8 YAML file")]) from None
+    return _parse_yaml(text, where)
+
+
+def _parse_yaml(text: str, where: str) -> dict[str, Any]:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as err:
