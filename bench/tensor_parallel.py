@@ -34,7 +34,7 @@ def main() -> None:
     from trainmesh.platform.ray_group import RayWorkerGroup, placement_for
     from trainmesh.platform.topology import Topology
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         data_dir = str(ensure_tiny_corpus(os.path.join(tmp, "data")))

@@ -24,7 +24,7 @@ def ray_local():
     import ray
 
     ray.shutdown()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
              configure_logging=False)
     yield ray
     ray.shutdown()

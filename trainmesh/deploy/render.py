@@ -17,11 +17,11 @@ from typing import Any
 import yaml
 
 from trainmesh.deploy import kuberay
+from trainmesh.jobs.loading import SPEC_ENV
 from trainmesh.jobs.spec import JobSpec
 from trainmesh.platform.job_plan import plan_job
 from trainmesh.platform.topology import Topology
 
-SPEC_ENV = "TRAINMESH_SPEC"
 RAY_VERSION = "2.60.0"
 SHARED_MOUNT = "/mnt/trainmesh"
 NCCL_ENV = {

@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from trainmesh.jobs import k8s_cli, plan_cli, schedule_cli
+from trainmesh.jobs import k8s_cli, plan_cli, schedule_cli, submit_cli
 from trainmesh.jobs.loading import SpecError, load_spec, unsupported_problems
 
 EXIT_BAD_INPUT = 2
@@ -31,6 +31,7 @@ def _parser() -> argparse.ArgumentParser:
     plan_cli.add_parser(sub)
     schedule_cli.add_parser(sub)
     k8s_cli.add_parser(sub)
+    submit_cli.add_parsers(sub)
     data = sub.add_parser("data", help="dataset tools").add_subparsers(dest="data_cmd", required=True)
     p = data.add_parser("prepare", help="tokenize text files into Parquet token shards")
     p.add_argument("inputs", nargs="+", help="UTF-8 text files, one document each")
@@ -52,11 +53,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             return schedule_cli.run(args)
         if args.command == "k8s":
             return k8s_cli.run(args)
+        if args.command == "submit":
+            return submit_cli.submit(args)
+        if args.command == "jobs":
+            return submit_cli.jobs(args)
         if args.command == "data":
             return _data_prepare(args)
     except SpecError as err:
         for problem in err.problems:
             print(problem, file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except submit_cli.JobsError as err:
+        print(err, file=sys.stderr)
         return EXIT_BAD_INPUT
     return 1
 

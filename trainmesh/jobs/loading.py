@@ -39,6 +39,7 @@ class SpecError(ValueError):
 
 
 ENV_PREFIX = "env:"  # a spec in an environment variable: how submitted jobs carry theirs
+SPEC_ENV = "TRAINMESH_SPEC"  # the variable `trainmesh submit` and `k8s render` put it in
 
 
 def load_spec(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> JobSpec:

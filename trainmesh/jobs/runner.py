@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -47,7 +49,8 @@ def ray_session(spec: JobSpec) -> Iterator[bool]:
         return
     if spec.runtime.ray_address == LOCAL:
         need = math.ceil(spec.parallelism.world_size * spec.runtime.cpus_per_rank)
-        ray.init(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False,
+        # address="local": always a new instance, never one that happens to run on this machine
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False,
                  log_to_driver=False, configure_logging=False)
     else:
         ray.init(address=spec.runtime.ray_address, log_to_driver=False)
@@ -82,9 +85,32 @@ def run_job(spec: JobSpec, environ: Mapping[str, str], show_progress: bool = Tru
             ref = actor.run.remote()
             if show_progress:
                 _follow(actor, ref)
+            else:
+                _report(actor, ref)
             return ray.get(ref)
         finally:
             ray.kill(actor)
+
+
+def _report(actor, ref, every_s: float = 10.0) -> None:
+    """Without a terminal (submitted jobs, logs): a progress line every ``every_s`` and every
+    notice as it comes."""
+    import ray
+
+    seen, last = 0, 0.0
+    while True:
+        done, _ = ray.wait([ref], timeout=1.0)
+        p = ray.get(actor.progress.remote())
+        for text in p["notices"][seen:]:
+            print(f"warning: {text}", file=sys.stderr, flush=True)
+        seen = len(p["notices"])
+        if time.monotonic() - last >= every_s and p["step"]:
+            loss = f" loss {p['loss']:.4f}" if "loss" in p else ""
+            tps = f" {p['tokens_per_s']:,.0f} tok/s" if "tokens_per_s" in p else ""
+            print(f"{p['state']} step {p['step']}/{p['steps']}{loss}{tps}", flush=True)
+            last = time.monotonic()
+        if done:
+            return
 
 
 def _follow(actor, ref) -> None:
@@ -104,6 +130,7 @@ def _follow(actor, ref) -> None:
                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
     with Progress(*columns, transient=False) as bar:
         task = bar.add_task("train", total=None, state="starting", loss="-", tps="-")
+        seen = 0
         while True:
             done, _ = ray.wait([ref], timeout=0.5)
             p = ray.get(actor.progress.remote())
@@ -111,5 +138,8 @@ def _follow(actor, ref) -> None:
             tps = f"{p['tokens_per_s']:,.0f}" if "tokens_per_s" in p else "-"
             bar.update(task, total=p["steps"], completed=p["step"], state=p["state"], loss=loss,
                        tps=tps)
+            for text in p["notices"][seen:]:
+                bar.console.print(f"[yellow]warning:[/] {text}")
+            seen = len(p["notices"])
             if done:
                 break

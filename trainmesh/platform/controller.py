@@ -64,6 +64,7 @@ class Controller:
         self.rank_nodes: list[str] = []
         self._progress: dict[str, Any] = {"state": "starting", "step": 0,
                                           "steps": self.spec.training.steps}
+        self.notices: list[str] = []  # warnings for the person running the job
         self.losses: list[float] = []
         self.checkpoints: list[int] = []
         self.recoveries: list[dict[str, Any]] = []
@@ -73,7 +74,11 @@ class Controller:
 
     # -- public ----------------------------------------------------------------------------
     def progress(self) -> dict[str, Any]:
-        return dict(self._progress)
+        """Where the run is, and every notice so far (the driver prints the new ones)."""
+        return {**self._progress, "notices": list(self.notices)}
+
+    def _notice(self, text: str) -> None:
+        self.notices.append(text)
 
     def run(self) -> dict[str, Any]:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -277,7 +282,7 @@ class Controller:
         from trainmesh.tracking.mlflow_tracker import MlflowTracker
 
         return MlflowTracker(self.tracking_uri, self.spec.tracking.experiment, self.spec.name,
-                             run_id=run_id)
+                             run_id=run_id, on_warning=self._notice)
 
     def _write_summary(self, dims: ParallelDims, tracker, status: str) -> dict[str, Any]:
         summary = {

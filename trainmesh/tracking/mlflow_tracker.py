@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -72,49 +74,143 @@ def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 class MlflowTracker:
-    """One MLflow run, created or (after a restart) re-opened by id."""
+    """One MLflow run, created or (after a restart) re-opened by id.
 
-    def __init__(self, uri: str, experiment: str, run_name: str, run_id: str | None = None):
+    A lost tracking server never stops training: every call is queued in order and sent when
+    the server answers; while it does not, calls are buffered (metrics keep the time they were
+    logged at) and retried at most every ``retry_interval_s``, with one warning when it goes
+    and one when it comes back. ``finish`` waits up to ``flush_timeout_s`` for the backlog.
+    MLflow's own HTTP retries (minutes of back-off per call) are turned down for this process
+    unless the environment sets them, so a step is never held up by more than one timeout.
+    """
+
+    def __init__(self, uri: str, experiment: str, run_name: str, run_id: str | None = None,
+                 retry_interval_s: float = 5.0, flush_timeout_s: float = 120.0,
+                 on_warning: Callable[[str], None] | None = None):
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
         from mlflow.tracking import MlflowClient
 
         self.uri = uri
+        self._on_warning = on_warning
+        self.retry_interval_s, self.flush_timeout_s = retry_interval_s, flush_timeout_s
         self.client = MlflowClient(tracking_uri=uri)
-        if run_id is not None:
-            self.run_id = self.client.get_run(run_id).info.run_id
-            self.client.update_run(self.run_id, status="RUNNING")
-        else:
-            exp = self.client.get_experiment_by_name(experiment)
-            exp_id = exp.experiment_id if exp else self.client.create_experiment(experiment)
-            self.run_id = self.client.create_run(exp_id, run_name=run_name).info.run_id
+        self._pending: deque[tuple[str, Callable[[], object]]] = deque()
+        self._down_since: float | None = None
+        self._next_try = 0.0
+        self.peak_backlog = 0  # most calls ever waiting for the server (reports and tests)
+        try:
+            if run_id is not None:
+                self.run_id = self.client.get_run(run_id).info.run_id
+                self.client.update_run(self.run_id, status="RUNNING")
+            else:
+                exp = self.client.get_experiment_by_name(experiment)
+                exp_id = exp.experiment_id if exp else self.client.create_experiment(experiment)
+                self.run_id = self.client.create_run(exp_id, run_name=run_name).info.run_id
+        except Exception as err:  # noqa: BLE001 - any failure here means no run to log to
+            raise RuntimeError(f"tracking.uri: cannot open an MLflow run at {uri} ({_short(err)}); "
+                               "start the tracking server, fix the URI, or set "
+                               "tracking.enabled=false") from None
         self._events: list[dict[str, Any]] = []
 
+    # -- the queue -----------------------------------------------------------------------------
+    def _submit(self, what: str, call: Callable[[], object]) -> None:
+        self._pending.append((what, call))
+        self._drain()
+        self.peak_backlog = max(self.peak_backlog, len(self._pending))
+
+    def _drain(self, force: bool = False) -> bool:
+        """Send queued calls in order; False when the server is (still) unreachable."""
+        if self._down_since is not None and not force and time.monotonic() < self._next_try:
+            return False
+        while self._pending:
+            what, call = self._pending[0]
+            try:
+                call()
+            except Exception as err:  # noqa: BLE001 - classified below
+                if _rejected(err):  # the server answered "no": retrying cannot help
+                    self._warn(f"MLflow rejected {what}: {_short(err)}")
+                    self._pending.popleft()
+                    continue
+                if self._down_since is None:
+                    self._down_since = time.monotonic()
+                    self._warn(f"MLflow tracking server at {self.uri} is unreachable ({_short(err)}); "
+                               "training goes on, metrics are buffered and retried every "
+                               f"{self.retry_interval_s:.0f} s")
+                self._next_try = time.monotonic() + self.retry_interval_s
+                return False
+            self._pending.popleft()
+        if self._down_since is not None:
+            self._warn(f"MLflow tracking server at {self.uri} is back after "
+                       f"{time.monotonic() - self._down_since:.0f} s; buffered calls sent")
+            self._down_since = None
+        return True
+
+    def _warn(self, text: str) -> None:
+        log.warning(text)
+        if self._on_warning is not None:
+            self._on_warning(text)
+
+    @property
+    def backlog(self) -> int:
+        return len(self._pending)
+
+    # -- the Tracker interface -----------------------------------------------------------------
     def log_params(self, params: Mapping[str, Any]) -> None:
         from mlflow.entities import Param
 
-        existing = self.client.get_run(self.run_id).data.params
-        items = [Param(k, str(v)[:6000]) for k, v in flatten(params).items() if k not in existing]
-        for i in range(0, len(items), 100):
-            self.client.log_batch(self.run_id, params=items[i:i + 100])
+        def call():
+            existing = self.client.get_run(self.run_id).data.params
+            items = [Param(k, str(v)[:6000]) for k, v in flatten(params).items() if k not in existing]
+            for i in range(0, len(items), 100):
+                self.client.log_batch(self.run_id, params=items[i:i + 100])
+
+        self._submit("params", call)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         from mlflow.entities import Metric
 
-        now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step)
-                                                    for k, v in metrics.items()])
+        now = int(time.time() * 1000)  # when it happened, not when the server got it
+        batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
+        self._submit(f"metrics of step {step}", lambda: self.client.log_batch(self.run_id, metrics=batch))
 
     def log_dict(self, obj: Any, artifact_file: str) -> None:
-        self.client.log_dict(self.run_id, obj, artifact_file)
+        self._submit(artifact_file, lambda: self.client.log_dict(self.run_id, obj, artifact_file))
 
     def log_artifact(self, path: str | Path) -> None:
-        self.client.log_artifact(self.run_id, str(path))
+        self._submit(str(path), lambda: self.client.log_artifact(self.run_id, str(path)))
 
     def event(self, kind: str, **fields: Any) -> None:
         """A job event (start, checkpoint, resume, ...): kept in ``events.json`` and as a tag."""
         self._events.append({"time": time.time(), "kind": kind, **fields})
-        self.client.set_tag(self.run_id, "trainmesh.last_event", json.dumps(self._events[-1]))
+        value = json.dumps(self._events[-1])
+        self._submit(f"event {kind}", lambda: self.client.set_tag(self.run_id, "trainmesh.last_event", value))
 
     def finish(self, status: str) -> None:
         if self._events:
-            self.client.log_dict(self.run_id, self._events, "events.json")
-        self.client.set_terminated(self.run_id, status=status)
+            events = list(self._events)
+            self._submit("events.json", lambda: self.client.log_dict(self.run_id, events, "events.json"))
+        self._submit("run status", lambda: self.client.set_terminated(self.run_id, status=status))
+        deadline = time.monotonic() + self.flush_timeout_s
+        while not self._drain(force=True):
+            if time.monotonic() >= deadline:
+                self._warn(f"MLflow tracking server at {self.uri} did not come back within "
+                           f"{self.flush_timeout_s:.0f} s; {len(self._pending)} buffered calls were "
+                           "not sent")
+                return
+            time.sleep(min(self.retry_interval_s, max(0.0, deadline - time.monotonic())))
+
+
+def _rejected(err: Exception) -> bool:
+    """The server answered and refused (4xx): not a reason to wait for it."""
+    from mlflow.exceptions import MlflowException, RestException
+
+    if isinstance(err, RestException):
+        return 400 <= err.get_http_status_code() < 500
+    return isinstance(err, MlflowException) and 400 <= err.get_http_status_code() < 500 and \
+        "Max retries" not in str(err) and "Connection" not in str(err)
+
+
+def _short(err: Exception) -> str:
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return text[:200]

@@ -1,0 +1,151 @@
+"""Real servers for tests, on 127.0.0.1 only: an MLflow tracking server that can be stopped
+and started again on the same port and store, and a Ray head with its dashboard/job API."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_http(url: str, timeout_s: float, proc: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: server exited ({proc.returncode}): {log.read_text()[-2000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(f"{url} not healthy after {timeout_s} s: {log.read_text()[-2000:]}")
+
+
+class MlflowServer:
+    """``mlflow server`` on loopback, one worker, sqlite store under ``root``."""
+
+    def __init__(self, root: Path):
+        self.root, self.port = root, free_port()
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+        root.mkdir(parents=True, exist_ok=True)
+
+    def start(self, timeout_s: float = 90) -> None:
+        log = self.root / "server.log"
+        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+        self.proc = subprocess.Popen(
+            [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(self.port),
+             "--workers", "1", "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
+             "--artifacts-destination", str(self.root / "artifacts")],
+            stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        _wait_http(f"{self.uri}/health", timeout_s, self.proc, log)
+
+    def stop(self) -> None:
+        """Kill the server and everything it started (its process group)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+        self.proc = None
+
+
+class RayHead:
+    """``ray start --head`` on loopback with the dashboard (job API) on 127.0.0.1."""
+
+    def __init__(self, root: Path, num_cpus: int = 4):
+        self.root, self.num_cpus = root, num_cpus
+        self.port, self.dashboard_port = free_port(), free_port()
+        self.address = f"http://127.0.0.1:{self.dashboard_port}"
+        self.env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "GLOO_SOCKET_IFNAME": "lo",
+                    "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+        self.env.pop("RAY_ADDRESS", None)
+        # Every process of this head inherits the marker, so stop() can find its workers too.
+        self.marker = f"TRAINMESH_TEST_RAY_HEAD={root}"
+        self.env["TRAINMESH_TEST_RAY_HEAD"] = str(root)
+        # Token authentication, with a token of this head's own (clients need the same two).
+        self.auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
+        self.env.update(self.auth)
+
+    def start(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        subprocess.run(
+            [str(BIN / "ray"), "start", "--head", "--node-ip-address", "127.0.0.1",
+             "--port", str(self.port), "--dashboard-host", "127.0.0.1",
+             "--dashboard-port", str(self.dashboard_port), "--num-cpus", str(self.num_cpus),
+             "--temp-dir", str(self.root), "--disable-usage-stats"],
+            check=True, env=self.env, capture_output=True, timeout=180)
+        self._wait_for_job_agent()
+
+    def _wait_for_job_agent(self, timeout_s: float = 180) -> None:
+        """The job API answers before the node's job agent registers ("No available agent"):
+        wait until a trivial job is accepted and finishes."""
+        from ray.job_submission import JobSubmissionClient
+
+        saved = {k: os.environ.get(k) for k in self.auth}
+        os.environ.update(self.auth)
+        try:
+            client = JobSubmissionClient(self.address)
+            deadline = time.monotonic() + timeout_s
+            while True:
+                try:
+                    job = client.submit_job(entrypoint="true")
+                    break
+                except RuntimeError as err:
+                    if time.monotonic() > deadline:
+                        logs = sorted(self.root.glob("session_*/logs/dashboard_agent*"))
+                        tail = logs[-1].read_text()[-2000:] if logs else "(no agent log)"
+                        raise TimeoutError(f"Ray job agent not ready: {err}\n{tail}") from None
+                    time.sleep(1.0)
+            while str(client.get_job_status(job)).split(".")[-1] not in ("SUCCEEDED", "FAILED", "STOPPED"):
+                time.sleep(0.5)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    def stop(self) -> None:
+        """End this head's processes only (``ray stop`` would end every Ray on the machine):
+        those whose command line names its temp dir, then their orphaned workers."""
+        for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 1.0)):
+            pids = self._pids()
+            for pid in pids:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            deadline = time.monotonic() + wait
+            while self._pids() and time.monotonic() < deadline:
+                time.sleep(0.2)
+        if not os.environ.get("TRAINMESH_KEEP_TEST_LOGS"):
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    def _pids(self) -> list[int]:
+        mine = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                env = (entry / "environ").read_bytes()
+            except OSError:
+                continue
+            if str(self.root) in cmd or self.marker.encode() in env:
+                mine.append(int(entry.name))
+        return [p for p in mine if p != os.getpid()]

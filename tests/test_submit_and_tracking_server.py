@@ -1,0 +1,145 @@
+"""Where users run it: a real Ray head (`ray start --head`, dashboard and job API on 127.0.0.1,
+token authentication) and a real `mlflow server` on loopback. `trainmesh submit --follow` runs
+the tiny job there; `trainmesh jobs ...` inspect and stop jobs; a tracking server killed in the
+middle of a run neither stops training nor loses the metrics logged while it was away."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from servers import MlflowServer, RayHead
+
+from trainmesh.jobs.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / "jobs" / "tiny-cpu.yaml")
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory):
+    head = RayHead(Path(f"/tmp/trainmesh-test-ray-{uuid.uuid4().hex[:8]}"))
+    saved = {k: os.environ.get(k) for k in head.auth}
+    os.environ.update(head.auth)  # this process is the job API's client
+    try:
+        head.start()
+        yield head
+    finally:
+        head.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _runs(uri: str, experiment: str):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name(experiment)
+    return client, (client.search_runs([exp.experiment_id]) if exp else [])
+
+
+@pytest.mark.timeout(400)
+def test_submit_follow_runs_the_tiny_job_and_tracks_it_on_the_server(ray_head, mlflow_server, tmp_path,
+                                                                      capsys):
+    rc = main(["submit", TINY, "--address", ray_head.address, "--follow",
+               "--set", "training.steps=12", "--set", "checkpoint.every=6", "--set", "optimizer.warmup_steps=2",
+               "--set", f"runtime.output_dir={tmp_path / 'out'}",
+               "--set", f"tracking.uri={mlflow_server.uri}", "--set", "tracking.experiment=submitted"])
+    out, err = capsys.readouterr()
+    assert rc == 0, (out + err)[-3000:]
+    assert "SUCCEEDED" in out.splitlines()[-1]
+    client, runs = _runs(mlflow_server.uri, "submitted")
+    [run] = runs
+    assert run.info.status == "FINISHED"
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == list(range(1, 13))
+    assert (tmp_path / "out" / "summary.json").exists()
+
+
+@pytest.mark.timeout(400)
+def test_jobs_list_status_logs_and_stop(ray_head, tmp_path, capsys):
+    job_id = f"tm-{uuid.uuid4().hex[:8]}"
+    assert main(["submit", TINY, "--address", ray_head.address, "--submission-id", job_id,
+                 "--set", "training.steps=100000", "--set", "tracking.enabled=false",
+                 "--set", f"runtime.output_dir={tmp_path / 'long'}"]) == 0
+    assert capsys.readouterr().out.startswith(f"submitted {job_id}")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # running, and training: its log shows steps
+        main(["jobs", "logs", job_id, "--address", ray_head.address])
+        if "step" in capsys.readouterr().out:
+            break
+        time.sleep(2)
+    assert main(["jobs", "status", job_id, "--address", ray_head.address]) == 0
+    assert capsys.readouterr().out.startswith(f"{job_id}: RUNNING")
+    assert main(["jobs", "list", "--address", ray_head.address]) == 0
+    listed = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert [job_id, "RUNNING", "tiny-cpu"] in [row[:3] for row in listed]
+    assert main(["jobs", "stop", job_id, "--address", ray_head.address]) == 0
+    assert capsys.readouterr().out.strip() == f"{job_id}: stopped (STOPPED)"
+    assert main(["jobs", "status", "no-such-job", "--address", ray_head.address]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["no-such-job: no such job on this cluster; see `trainmesh jobs list`"]
+
+
+def test_submit_refuses_a_bad_spec_and_a_dead_address(capsys, tmp_path):
+    assert main(["submit", TINY, "--set", "training.stepz=3", "--address", "http://127.0.0.1:9"]) == 2
+    assert capsys.readouterr().err.startswith("training.stepz: unknown field")
+    assert main(["submit", TINY, "--address", "http://127.0.0.1:9"]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("--address http://127.0.0.1:9: cannot reach a Ray job API there")
+
+
+@pytest.mark.timeout(500)
+def test_killing_the_tracking_server_mid_run_loses_nothing(tmp_path):
+    server = MlflowServer(tmp_path / "mlflow")
+    server.start()
+    steps = 400
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    job = subprocess.Popen(
+        [sys.executable, "-m", "trainmesh.jobs.cli", "run", TINY, "--no-progress",
+         "--set", f"training.steps={steps}", "--set", "checkpoint.every=1000",
+         "--set", "parallelism.dp=1", "--set", "training.global_batch_size=4",
+         "--set", f"runtime.output_dir={out}", "--set", f"tracking.uri={server.uri}",
+         "--set", "tracking.experiment=outage"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
+    try:
+        client, run = None, None
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:  # wait until training is visibly logging
+            client, runs = _runs(server.uri, "outage")
+            if runs and len(client.get_metric_history(runs[0].info.run_id, "loss")) >= 5:
+                run = runs[0]
+                break
+            time.sleep(1)
+        assert run is not None, "the job never logged 5 steps"
+        server.stop()
+        time.sleep(5)  # steps go on while nothing listens
+        assert job.poll() is None, "the job ended while the server was down"
+        server.start()
+        log, _ = job.communicate(timeout=400)
+        assert job.returncode == 0, log[-3000:]
+        assert "unreachable" in log and "is back" in log
+        client, [run] = _runs(server.uri, "outage")
+        history = client.get_metric_history(run.info.run_id, "loss")
+        assert sorted(m.step for m in history) == list(range(1, steps + 1))
+        assert run.info.status == "FINISHED"
+    finally:
+        if job.poll() is None:
+            job.kill()
+        server.stop()
