@@ -4,7 +4,6 @@ and started again on the same port and store, and a Ray head with its dashboard/
 from __future__ import annotations
 
 import os
-import secrets
 import shutil
 import signal
 import socket
@@ -77,12 +76,17 @@ class RayHead:
         # Every process of this head inherits the marker, so stop() can find its workers too.
         self.marker = f"TRAINMESH_TEST_RAY_HEAD={root}"
         self.env["TRAINMESH_TEST_RAY_HEAD"] = str(root)
-        # Token authentication, with a token of this head's own (clients need the same two).
-        self.auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
+        # Token authentication with this user's default token (~/.ray/auth_token, the one Ray
+        # uses for local clusters and caches per process): clients need RAY_AUTH_MODE=token.
+        self.auth = {"RAY_AUTH_MODE": "token"}
         self.env.update(self.auth)
+        for k in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+            self.env.pop(k, None)
 
     def start(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
+        subprocess.run([str(BIN / "ray"), "get-auth-token", "--generate"], check=True,
+                       env=self.env, capture_output=True, timeout=60)
         subprocess.run(
             [str(BIN / "ray"), "start", "--head", "--node-ip-address", "127.0.0.1",
              "--port", str(self.port), "--dashboard-host", "127.0.0.1",

@@ -79,17 +79,31 @@ def test_scale_up_at_the_next_checkpoint_when_a_node_joins(cluster, tmp_path):
     assert ups[0]["steps_lost"] == 0 and ups[0]["step"] % 2 == 0
 
 
-@pytest.mark.timeout(600)
-def test_node_death_replans_onto_survivors_and_matches_uninterrupted(cluster, tmp_path):
-    assert len(_gpu_nodes(cluster)) == 2
-    args = [*COMMON, "parallelism.pp=2", "parallelism.vpp=2", "parallelism.tp=2",
-            "parallelism.dp=2", "parallelism.sequence_parallel=true",
-            "schedule.name=interleaved-1f1b", "training.steps=8", "checkpoint.every=2"]
-    full = run_job(load_spec(None, [*args, f"runtime.output_dir={tmp_path / 'full'}"]),
-                   environ={}, show_progress=False)
-    assert full["mesh"]["world_size"] == 8
+ARGS_3D = [*COMMON, "parallelism.pp=2", "parallelism.vpp=2", "parallelism.tp=2", "parallelism.dp=2",
+           "parallelism.sequence_parallel=true", "schedule.name=interleaved-1f1b", "training.steps=8",
+           "checkpoint.every=2"]
 
-    spec = load_spec(None, [*args, f"runtime.output_dir={tmp_path / 'killed'}"])
+
+@pytest.fixture(scope="module")
+def uninterrupted(cluster, tmp_path_factory):
+    """The 8-rank 3D run on the original 2-node mesh, for the killed runs to match."""
+    while len(_gpu_nodes(cluster)) < 2:
+        cluster.add_node(num_cpus=4, num_gpus=4)
+    out = tmp_path_factory.mktemp("full")
+    full = run_job(load_spec(None, [*ARGS_3D, f"runtime.output_dir={out}"]), environ={},
+                   show_progress=False)
+    assert full["mesh"]["world_size"] == 8
+    return full
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mode", ["warm", "cold"])
+def test_node_death_replans_onto_survivors_and_matches_uninterrupted(cluster, uninterrupted,
+                                                                      tmp_path, mode):
+    while len(_gpu_nodes(cluster)) < 2:
+        cluster.add_node(num_cpus=4, num_gpus=4)
+    spec = load_spec(None, [*ARGS_3D, f"elastic.warm_recovery={str(mode == 'warm').lower()}",
+                            f"runtime.output_dir={tmp_path / 'killed'}"])
     thread, box = _in_background(spec)
     _wait_for_checkpoint(tmp_path / "killed" / "checkpoints", 2)
     cluster.remove_node(_gpu_nodes(cluster)[-1])
@@ -100,9 +114,14 @@ def test_node_death_replans_onto_survivors_and_matches_uninterrupted(cluster, tm
     assert s["mesh"]["world_size"] == 4  # the surviving node's ranks, re-planned
     (rec,) = [r for r in s["recoveries"] if r["cause"] != "scale-up"]
     assert rec["old_mesh"]["world_size"] == 8 and rec["new_mesh"]["world_size"] == 4
-    assert rec["step"] >= 2 and rec["downtime_s"] > 0
+    assert rec["step"] >= 2 and rec["downtime_s"] > 0 and rec["mode"] == mode
+    before, after = (set(p) for p in s["rank_pids"][-2:])
+    if mode == "warm":  # the survivors' processes carried on, with torch still imported
+        assert after <= before and len(after) == 4
+    else:
+        assert not after & before
     # Same samples in the same order: the losses equal the uninterrupted run's.
-    torch.testing.assert_close(torch.tensor(s["losses"]), torch.tensor(full["losses"]),
+    torch.testing.assert_close(torch.tensor(s["losses"]), torch.tensor(uninterrupted["losses"]),
                                rtol=1e-4, atol=0)
     from mlflow.tracking import MlflowClient
 

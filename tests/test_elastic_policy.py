@@ -10,6 +10,7 @@ from trainmesh.platform.elastic import (
     failure_report,
     on_failure,
     should_scale_up,
+    warm_assignment,
 )
 from trainmesh.platform.topology import Topology
 
@@ -49,3 +50,24 @@ def test_scale_up_only_to_more_usable_accelerators():
     assert should_scale_up(4, 8, ElasticConfig())
     assert not should_scale_up(4, 8, ElasticConfig(max_world_size=4))
     assert not should_scale_up(8, 8, ElasticConfig())
+
+
+def test_warm_assignment_keeps_a_bundle_on_one_surviving_node():
+    # 8 old ranks, 4 per node; node B died. New plan: 4 ranks in one bundle.
+    nodes = ["A"] * 4 + ["B"] * 4
+    assert warm_assignment((0, 0, 0, 0), nodes, alive={0, 1, 2, 3}) == [0, 1, 2, 3]
+    # Node A died instead: the survivors of B become ranks 0..3, in order.
+    assert warm_assignment((0, 0, 0, 0), nodes, alive={4, 5, 6, 7}) == [4, 5, 6, 7]
+    # Two bundles of 2 from 3 nodes with 3, 2 and 1 survivors: never split a bundle.
+    nodes3 = ["A"] * 3 + ["B"] * 3 + ["C"] * 3
+    keep = warm_assignment((0, 0, 1, 1), nodes3, alive={0, 1, 2, 3, 4, 6})
+    assert len(keep) == 4 and len(set(keep)) == 4
+    assert nodes3[keep[0]] == nodes3[keep[1]] and nodes3[keep[2]] == nodes3[keep[3]]
+    assert nodes3[keep[0]] != nodes3[keep[2]]
+
+
+def test_warm_assignment_refuses_when_new_actors_are_needed():
+    nodes = ["A"] * 4 + ["B"] * 4
+    assert warm_assignment((0, 0, 0, 0, 1, 1, 1, 1), nodes, alive={0, 1, 2, 3}) is None
+    # 4 survivors spread 2 + 2 cannot hold one bundle of 4 (TP group of 4 on one node).
+    assert warm_assignment((0, 0, 0, 0), nodes, alive={0, 1, 4, 5}) is None

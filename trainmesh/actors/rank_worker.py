@@ -39,6 +39,19 @@ class RankWorker:
         return {"rank": self.rank, "node_id": ctx.get_node_id(), "pid": os.getpid(),
                 "ip": ray.util.get_node_ip_address()}
 
+    def reset(self, rank: int, world_size: int) -> int:
+        """Warm recovery: drop the model and the (possibly broken) process group and take a
+        new rank, keeping the process (torch stays imported). Returns the pid."""
+        import gc
+
+        self.engine = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self._store = None
+        self.rank, self.world_size = rank, world_size
+        gc.collect()
+        return os.getpid()
+
     def create_store(self, timeout_s: float) -> tuple[str, int]:
         """Rank 0 only: a TCPStore on an OS-chosen port; returns (host, port)."""
         host = ray.util.get_node_ip_address()

@@ -58,6 +58,9 @@ class WorkerGroup:
         return backends[0]
 
     def shutdown(self) -> None:
+        """End every rank and release the placement group (safe to call twice)."""
+        if self.pg is None:
+            return
         try:
             self.call("shutdown", timeout_s=30)
         except Exception:  # noqa: BLE001 - best effort: dead ranks are killed below anyway
@@ -65,3 +68,4 @@ class WorkerGroup:
         for w in self.workers:
             ray.kill(w)
         remove_placement_group(self.pg)
+        self.pg = None

@@ -136,6 +136,9 @@ class ElasticConfig(_Section):
     min_world_size: int = Field(1, ge=1)
     max_world_size: int | None = Field(None, ge=1)
     max_restarts: int = Field(3, ge=0)
+    warm_recovery: bool = Field(True, description="after a failure, keep the surviving rank "
+                                "actors (new process group, new model part) instead of "
+                                "restarting every rank; falls back to a cold restart")
 
 
 class TrackingConfig(_Section):

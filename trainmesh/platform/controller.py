@@ -28,6 +28,7 @@ from trainmesh.platform.elastic import (
     bounded_topology,
     on_failure,
     should_scale_up,
+    warm_assignment,
 )
 from trainmesh.platform.job_plan import effective_spec, plan_job, replan_job
 from trainmesh.platform.ray_group import RayWorkerGroup, live_topology, placement_for
@@ -65,6 +66,8 @@ class Controller:
         self._progress: dict[str, Any] = {"state": "starting", "step": 0,
                                           "steps": self.spec.training.steps}
         self.notices: list[str] = []  # warnings for the person running the job
+        self.pid_history: list[list[int]] = []  # the ranks' processes, per (re)start
+        self._marks: dict[str, float] = {}  # wall times of the current recovery's phases
         self.losses: list[float] = []
         self.checkpoints: list[int] = []
         self.recoveries: list[dict[str, Any]] = []
@@ -99,41 +102,62 @@ class Controller:
 
     def _run_with_recovery(self, tracker) -> None:
         """RUNNING until done; on a rank's death, a failed step or a scale-up: RECOVERING
-        (stop every rank, re-read the topology, re-plan, restore the newest checkpoint)."""
+        (re-read the topology, re-plan, restore the newest checkpoint). After a failure the
+        surviving actors are kept when they can hold the new plan (warm: new process group,
+        new model part, same processes); otherwise, or if that fails, every rank restarts."""
         restarts, failure = 0, None  # failure: (cause, time, step reached, old mesh)
-        while True:
-            group = None
-            try:
-                group, start = self._start(tracker, replan=failure is not None)
-                if failure is not None:
-                    self._record_recovery(tracker, failure, start)
-                self._train(group, self.dims, tracker, start)
-                if self.dims.pp > 1:
-                    self._log_pipeline(group, self.dims, tracker)
-                return
-            except _ScaleUp as up:
-                failure = ("scale-up", time.monotonic(), up.step, self.dims.as_dict())
-            except RECOVERABLE as err:
-                failure = (type(err).__name__, time.monotonic(), len(self.losses),
-                           self.dims.as_dict())
-                self._set(state="recovering")
-                self.dead_nodes |= self._dead_nodes(group)
-                available = bounded_topology(self._topology_fn(self.spec), self.spec.elastic,
-                                             self.dead_nodes).world_size
-                decision = on_failure(self.spec.elastic, restarts, available, [str(err)])
-                tracker.event("failure", cause=failure[0], step=failure[2],
-                              dead_nodes=sorted(self.dead_nodes), error=str(err)[-2000:])
-                if isinstance(decision, GiveUp):
-                    raise JobFailed(decision.report) from err
-                restarts += 1
-                time.sleep(decision.backoff_s)
-            finally:
-                if group is not None:
-                    group.shutdown()
+        group, alive = None, set()
+        try:
+            while True:
+                try:
+                    mode = "cold"
+                    if group is not None:
+                        group = self._warm_start(group, alive, tracker)
+                        mode = "warm" if group is not None else "cold"
+                    if group is None:
+                        group = self._start(tracker, replan=failure is not None)
+                    start = self._prepare(group, tracker)
+                    self._marks["restored"] = time.time()
+                    on_first = None
+                    if failure is not None:
+                        def on_first(failure=failure, start=start, mode=mode):
+                            self._record_recovery(tracker, failure, start, mode)
+                    self._train(group, self.dims, tracker, start, on_first)
+                    if self.dims.pp > 1:
+                        self._log_pipeline(group, self.dims, tracker)
+                    return
+                except _ScaleUp as up:
+                    failure = ("scale-up", time.monotonic(), up.step, self.dims.as_dict())
+                    self._marks = {"failed": time.time()}
+                    group = self._drop(group)
+                except RECOVERABLE as err:
+                    failure = (type(err).__name__, time.monotonic(), len(self.losses),
+                               self.dims.as_dict())
+                    self._marks = {"failed": time.time()}
+                    self._set(state="recovering")
+                    alive = self._alive(group)
+                    self.dead_nodes |= {n for r, n in enumerate(self.rank_nodes) if r not in alive}
+                    available = bounded_topology(self._topology_fn(self.spec), self.spec.elastic,
+                                                 self.dead_nodes).world_size
+                    decision = on_failure(self.spec.elastic, restarts, available, [str(err)])
+                    tracker.event("failure", cause=failure[0], step=failure[2],
+                                  dead_nodes=sorted(self.dead_nodes), error=str(err)[-2000:])
+                    if isinstance(decision, GiveUp):
+                        raise JobFailed(decision.report) from err
+                    if not (self.spec.elastic.warm_recovery and alive):
+                        group = self._drop(group)
+                    restarts += 1
+                    time.sleep(decision.backoff_s)
+        finally:
+            self._drop(group)
 
-    def _start(self, tracker, replan: bool):
-        """Plan (or re-plan) for the accelerators alive now, place the ranks, build their
-        model parts, restore the newest complete checkpoint. Returns (group, start step)."""
+    @staticmethod
+    def _drop(group) -> None:
+        if group is not None:
+            group.shutdown()
+
+    def _plan(self, replan: bool) -> Topology:
+        """Plan (or re-plan) for the accelerators alive now; returns that topology."""
         topo = bounded_topology(self._topology_fn(self.spec), self.spec.elastic, self.dead_nodes)
         if replan or self.spec.parallelism.auto:
             self.dims, result, self.eff = replan_job(self.spec, topo)
@@ -142,39 +166,82 @@ class Controller:
             self.eff = effective_spec(self.spec, result.best.candidate)
         self.peak_tflops = topo.device.peak_tflops
         self.plan_row = result.best.as_row()
-        self._set(state="placing")
-        group = self._group_factory(self.eff, self.dims,
-                                    placement_for(self.eff, self.dims, topo), self.worker_env)
-        try:
-            self.rank_nodes = group.rank_nodes()
-            tracker.log_dict({**self.dims.as_dict(), "plan": self.plan_row,
-                              "rank_to_node": self.rank_nodes}, "mesh.json")
-            self._set(state="building")
-            group.build(self.eff.model_dump_json(), self.dims, self._data_dir())
-            start = self._restore(group, self._find_resume(), tracker)
-        except BaseException:
-            group.shutdown()
-            raise
-        tracker.event("start", step=start, mesh=self.dims.as_dict())
-        return group, start
+        self._marks["planned"] = time.time()
+        return topo
 
-    def _record_recovery(self, tracker, failure, start: int) -> None:
+    def _start(self, tracker, replan: bool):
+        """Cold: place a new group of rank actors for the plan."""
+        topo = self._plan(replan)
+        self._set(state="placing")
+        group = self._group_factory(self.eff, self.dims, placement_for(self.eff, self.dims, topo),
+                                    self.worker_env)
+        self._marks["group"] = time.time()
+        return group
+
+    def _warm_start(self, group, alive: set[int], tracker):
+        """Warm: the survivors take the new plan's ranks, or None (then restart cold)."""
+        try:
+            topo = self._plan(replan=True)
+            keep = warm_assignment(placement_for(self.eff, self.dims, topo).rank_bundle,
+                                   self.rank_nodes, alive)
+            if keep is None:
+                self._notice(f"warm recovery: the {len(alive)} surviving ranks cannot hold the "
+                             f"new plan {self.dims.as_dict()}; restarting every rank")
+                group.shutdown()
+                return None
+            self._set(state="re-forming")
+            group.reform(keep, timeout_s=self.spec.runtime.collective_timeout_s * 2 + 30)
+            self._marks["group"] = time.time()
+            return group
+        except Exception as err:  # noqa: BLE001 - any failure here means: restart cold
+            self._notice(f"warm recovery failed ({str(err).strip().splitlines()[-1][:200]}); "
+                         "restarting every rank")
+            tracker.event("warm-recovery-failed", error=str(err)[-2000:])
+            group.shutdown()
+            return None
+
+    def _prepare(self, group, tracker) -> int:
+        """Build the ranks' model parts for the plan and restore the newest complete
+        checkpoint; returns the step to start from."""
+        infos = group.rank_infos()
+        self.rank_nodes = [i["node_id"] for i in infos]
+        self.pid_history.append([i["pid"] for i in infos])  # warm recovery keeps processes
+        tracker.log_dict({**self.dims.as_dict(), "plan": self.plan_row,
+                          "rank_to_node": self.rank_nodes}, "mesh.json")
+        self._set(state="building")
+        group.build(self.eff.model_dump_json(), self.dims, self._data_dir())
+        start = self._restore(group, self._find_resume(), tracker)
+        tracker.event("start", step=start, mesh=self.dims.as_dict())
+        return start
+
+    def _record_recovery(self, tracker, failure, start: int, mode: str) -> None:
         cause, t_fail, reached, old_mesh = failure
+        m = {**self._marks, "first_step": time.time()}
+        phases = {}
+        for name, a, b in (("decide_s", "failed", "planned"), ("reform_s", "planned", "group"),
+                           ("restore_s", "group", "restored"), ("first_step_s", "restored", "first_step")):
+            if a in m and b in m:
+                phases[name] = round(m[b] - m[a], 3)
         rec = Recovery(step=start, cause=cause, old_mesh=old_mesh, new_mesh=self.dims.as_dict(),
-                       downtime_s=time.monotonic() - t_fail, steps_lost=max(0, reached - start))
+                       downtime_s=time.monotonic() - t_fail, steps_lost=max(0, reached - start),
+                       mode=mode, failed_at=m.get("failed", 0.0), phases=phases)
         self.recoveries.append(rec.as_dict())
         tracker.event("recovery", **rec.as_dict())
         tracker.log_metrics({"recovery_downtime_s": rec.downtime_s,
                              "recovery_steps_lost": rec.steps_lost}, step=start)
 
-    def _dead_nodes(self, group) -> set[str]:
+    def _alive(self, group) -> set[int]:
+        """Ranks whose actor answers; a survivor stuck in a collective answers once the
+        collective times out, hence the wait."""
         if group is None:
             return set()
-        alive = group.alive_ranks(timeout_s=10)
-        return {node for rank, node in enumerate(self.rank_nodes) if rank not in alive}
+        return group.alive_ranks(timeout_s=self.spec.runtime.collective_timeout_s + 5)
 
     # -- steps -----------------------------------------------------------------------------
-    def _train(self, group, dims: ParallelDims, tracker, start: int) -> None:
+    def _train(self, group, dims: ParallelDims, tracker, start: int,
+               on_first_step: Callable[[], None] | None = None) -> None:
+        """Steps from ``start`` to the end; ``on_first_step`` runs once the first one is done
+        (a recovery is complete, and measured, only then)."""
         tr = self.spec.training
         fpt = flops_per_token(self.spec.model, tr.seq_len)
         peak = self.peak_tflops * 1e12
@@ -193,11 +260,16 @@ class Controller:
                        "mfu": fpt * tps / (dims.world_size * peak)}
             tracker.log_metrics(metrics, step=step + 1)
             self._set(step=step + 1, loss=s0["loss"], tokens_per_s=tps)
+            if on_first_step is not None:
+                on_first_step()
+                on_first_step = None
             last = step + 1 == tr.steps
             if (every and (step + 1) % every == 0) or (last and self.spec.checkpoint.save_final):
                 self._checkpoint(group, dims, step + 1, tracker)
                 if not last and self._may_grow(dims):
                     raise _ScaleUp(step + 1)
+        if on_first_step is not None:  # resumed at the end: nothing left to run
+            on_first_step()
 
     def _may_grow(self, dims: ParallelDims) -> bool:
         """Scale up only where the spec allows it: auto parallelism or a max_world_size."""
@@ -292,7 +364,8 @@ class Controller:
             "plan": self.plan_row, "rank_to_node": self.rank_nodes,
             "checkpoints": [str(manifest.step_dir(self.ckpt_root, s)) for s in self.checkpoints
                             if manifest.step_dir(self.ckpt_root, s).exists()],
-            "recoveries": self.recoveries, "mlflow_run_id": tracker.run_id,
+            "recoveries": self.recoveries, "rank_pids": self.pid_history,
+            "mlflow_run_id": tracker.run_id,
             "tracking_uri": tracker.uri,
         }
         tmp = self.out / "summary.json.tmp"

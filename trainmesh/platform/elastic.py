@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from trainmesh.jobs.spec import ElasticConfig
 from trainmesh.platform.topology import Node, Topology
@@ -24,6 +24,11 @@ class Recovery:
     new_mesh: dict
     downtime_s: float
     steps_lost: int
+    mode: str = "cold"  # warm: the surviving rank actors were kept; cold: every rank restarted
+    failed_at: float = 0.0  # wall time the controller saw the failure
+    # seconds: decide (health check, backoff, re-plan), reform (process group: new actors and
+    # placement when cold), restore (build model parts, load the checkpoint), first_step
+    phases: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -75,6 +80,30 @@ def bounded_topology(topo: Topology, cfg: ElasticConfig, dead_nodes: set[str]) -
         nodes.append(Node(n.node_id, take))
         total += take
     return dataclasses.replace(topo, nodes=tuple(nodes))
+
+
+def warm_assignment(rank_bundle: tuple[int, ...], rank_nodes: list[str], alive: set[int]
+                    ) -> list[int] | None:
+    """Which surviving old ranks become the new ranks 0..n-1, or None when the survivors cannot
+    cover the new placement (new actors are needed: restart cold).
+
+    ``rank_bundle[r]`` is the bundle (one node) of new rank r; ``rank_nodes[o]`` the node of
+    old rank o. Each bundle takes one surviving node with enough live ranks, so a bundle's
+    ranks (a TP group, a pipeline stage) share a node as they did before."""
+    need: dict[int, int] = Counter(rank_bundle)
+    by_node: dict[str, list[int]] = {}
+    for old in sorted(alive):
+        by_node.setdefault(rank_nodes[old], []).append(old)
+    free = sorted(by_node, key=lambda n: (-len(by_node[n]), min(by_node[n])))
+    chosen: dict[int, list[int]] = {}
+    for bundle in sorted(need, key=lambda b: -need[b]):
+        node = next((n for n in free if len(by_node[n]) >= need[bundle]), None)
+        if node is None:
+            return None
+        free.remove(node)
+        chosen[bundle] = by_node[node][: need[bundle]]
+    taken = {b: iter(v) for b, v in chosen.items()}
+    return [next(taken[b]) for b in rank_bundle]
 
 
 def should_scale_up(current_world: int, available: int, cfg: ElasticConfig) -> bool:

@@ -30,8 +30,9 @@ class RayWorkerGroup:
                                  cpu_threads=max(1, int(spec.runtime.cpus_per_rank)))
         self.backend = self.group.setup_process_group(spec.runtime.device, self.timeout)
 
-    def rank_nodes(self) -> list[str]:
-        return [info["node_id"] for info in self.group.call("node_info", timeout_s=60)]
+    def rank_infos(self) -> list[dict]:
+        """Per rank: node id, pid, ip."""
+        return self.group.call("node_info", timeout_s=60)
 
     def alive_ranks(self, timeout_s: float) -> set[int]:
         """Ranks whose actor still answers."""
@@ -47,6 +48,21 @@ class RayWorkerGroup:
             except ray.exceptions.RayError:
                 pass
         return alive
+
+    def reform(self, keep: list[int], timeout_s: float) -> None:
+        """Warm recovery: old ranks ``keep`` become the new ranks 0..n-1 (every other actor is
+        ended) and join a new process group on a fresh port. A survivor still blocked in a
+        collective answers once its collective timeout fires."""
+        import ray
+
+        old = self.group.workers
+        for i, w in enumerate(old):
+            if i not in keep:
+                ray.kill(w)
+        self.group.workers = [old[i] for i in keep]
+        ray.get([w.reset.remote(r, len(keep)) for r, w in enumerate(self.group.workers)],
+                timeout=timeout_s)
+        self.backend = self.group.setup_process_group(self.spec.runtime.device, self.timeout)
 
     def build(self, spec_json: str, dims: ParallelDims, data_dir: str) -> None:
         d = {"pp": dims.pp, "dp": dims.dp, "tp": dims.tp}

@@ -1,0 +1,295 @@
+"""Recovery after a node's death, trainmesh (warm and cold) beside Ray Train v2, and checkpoint
+save/restore bandwidth beside plain sequential file IO of the same bytes.
+
+    .venv/bin/python bench/recovery.py [--skip-ray-train] [--ckpt-mib 256]
+
+Part 1 runs on a simulated cluster (ray.cluster_utils.Cluster: a head and 2 nodes advertising
+4 GPUs each, real ranks on gloo). trainmesh trains the tiny model in 3D (pp 2 × vpp 2 × tp 2 ×
+dp 2 = 8 ranks over both nodes), checkpointing every 2 steps; one node is removed after the
+step-4 checkpoint. The controller re-plans onto the 4 surviving ranks and resumes. Reported:
+the time from the removal to the next completed step, split into detection (removal → the
+controller sees the failure), decide (health check of the survivors, backoff, re-plan), reform
+(process group: the survivors' own when warm; a new placement group and new actors when
+cold), restore (build the model parts, load the checkpoint) and the first step; and the steps
+lost. Ray Train v2 (TorchTrainer, FailureConfig) trains the same model data-parallel (DDP, 4
+workers spread over the 2 nodes, checkpoint every 2 steps through ray.train.report) and gets
+the same fault: it restarts its 4 workers on the surviving node from its latest checkpoint.
+The workloads differ (8 → 4 re-planned ranks vs 4 → 4 restarted ones); what is compared is
+the recovery path.
+
+Part 2: DCP save and load of a state dict of --ckpt-mib MiB (one process) against writing the
+same bytes to one file with a sequential write + fsync, and reading them back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+COMMON = ["model.preset=tiny", "training.global_batch_size=16", "training.microbatch_size=2",
+          "training.seq_len=32", "optimizer.warmup_steps=1", "runtime.device=auto",
+          "runtime.cpus_per_rank=0.5", "runtime.collective_timeout_s=15", "elastic.max_restarts=3",
+          "parallelism.pp=2", "parallelism.vpp=2", "parallelism.tp=2", "parallelism.dp=2",
+          "parallelism.sequence_parallel=true", "schedule.name=interleaved-1f1b",
+          "training.steps=12", "checkpoint.every=2", "tracking.enabled=false"]
+KILL_AFTER_STEP = 4
+
+
+def _gpu_nodes(cluster):
+    return list(cluster.worker_nodes)
+
+
+def _ensure_two(cluster):
+    while len(_gpu_nodes(cluster)) < 2:
+        cluster.add_node(num_cpus=4, num_gpus=4)
+    cluster.wait_for_nodes()
+
+
+def trainmesh_recovery(cluster, mode: str, tmp: Path) -> dict:
+    from trainmesh.checkpoint import manifest
+    from trainmesh.jobs.loading import load_spec
+    from trainmesh.jobs.runner import run_job
+
+    _ensure_two(cluster)
+    out = tmp / f"trainmesh-{mode}"
+    spec = load_spec(None, [*COMMON, f"elastic.warm_recovery={str(mode == 'warm').lower()}",
+                            f"runtime.output_dir={out}"])
+    box: dict = {}
+
+    def target():
+        try:
+            box["summary"] = run_job(spec, environ={}, show_progress=False)
+        except Exception as err:  # noqa: BLE001
+            box["error"] = err
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    mark = manifest.step_dir(out / "checkpoints", KILL_AFTER_STEP) / manifest.MANIFEST
+    while not mark.exists():
+        if not thread.is_alive():
+            raise RuntimeError(f"trainmesh {mode}: ended before step {KILL_AFTER_STEP}: {box}")
+        time.sleep(0.05)
+    t_kill = time.time()
+    cluster.remove_node(_gpu_nodes(cluster)[-1])
+    thread.join(600)
+    if "error" in box:
+        raise box["error"]
+    [rec] = [r for r in box["summary"]["recoveries"] if r["cause"] != "scale-up"]
+    if rec["mode"] != mode:
+        raise RuntimeError(f"asked for a {mode} recovery, got {rec['mode']}")
+    ph = rec["phases"]
+    detection = rec["failed_at"] - t_kill
+    return {"system": f"trainmesh {mode}", "detection": detection, **ph,
+            "total": detection + sum(ph.values()), "steps_lost": rec["steps_lost"],
+            "mesh": f"{rec['old_mesh']['world_size']} → {rec['new_mesh']['world_size']} ranks"}
+
+
+def _ray_train_loop(config):
+    """DDP on the tiny Llama, the data order of trainmesh's sampler, checkpoint every 2."""
+    import ray.train
+    import torch
+    import torch.distributed as dist
+    from ray.train import Checkpoint
+    from torch.nn.parallel import DistributedDataParallel
+
+    from trainmesh.actors.step import build_lr_scheduler, build_optimizer
+    from trainmesh.data.dataset import TokenDataset
+    from trainmesh.data.shards import read_tokens
+    from trainmesh.jobs.loading import load_spec
+    from trainmesh.models.llama.model import Llama, LlamaArgs
+
+    spec = load_spec(None, config["spec"])
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = Llama(LlamaArgs.from_config(spec.model))
+    model.init_weights(spec.training.seed)
+    opt = build_optimizer(model, spec.optimizer)
+    sched = build_lr_scheduler(opt, spec.optimizer, spec.training.steps)
+    start = 0
+    ckpt = ray.train.get_checkpoint()
+    if ckpt is not None:
+        with ckpt.as_directory() as d:
+            state = torch.load(os.path.join(d, "state.pt"), weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
+        start = state["step"]
+    ddp = DistributedDataParallel(model)
+    tr = spec.training
+    data = TokenDataset(read_tokens(config["data_dir"]), tr.seq_len)
+    log = Path(config["log"])
+    if rank == 0:
+        with log.open("a") as f:
+            f.write(json.dumps({"event": "start", "step": start, "time": time.time()}) + "\n")
+    for step in range(start, tr.steps):
+        opt.zero_grad(set_to_none=True)
+        mbs = data.microbatches(tr.seed, step, tr.global_batch_size, rank, world, tr.microbatch_size)
+        for x, y in mbs:
+            (ddp(x, y) / len(mbs)).backward()
+        opt.step()
+        sched.step()
+        ckpt = None
+        tmp = None
+        if (step + 1) % 2 == 0 and rank == 0:
+            tmp = tempfile.mkdtemp()
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                        "sched": sched.state_dict(), "step": step + 1}, os.path.join(tmp, "state.pt"))
+            ckpt = Checkpoint.from_directory(tmp)
+        ray.train.report({"step": step + 1}, checkpoint=ckpt)
+        if rank == 0:
+            with log.open("a") as f:
+                f.write(json.dumps({"event": "step", "step": step + 1, "time": time.time(),
+                                    "checkpointed": ckpt is not None}) + "\n")
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def ray_train_recovery(cluster, tmp: Path) -> dict:
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from trainmesh.data.shards import ensure_tiny_corpus
+
+    _ensure_two(cluster)
+    log = tmp / "ray-train-log.jsonl"
+    spec = [a for a in COMMON if not a.startswith(("parallelism", "schedule"))]
+    trainer = TorchTrainer(
+        _ray_train_loop,
+        train_loop_config={"spec": spec, "log": str(log),
+                           "data_dir": str(ensure_tiny_corpus(tmp / "data"))},
+        scaling_config=ScalingConfig(num_workers=4, use_gpu=False, placement_strategy="SPREAD",
+                                     resources_per_worker={"CPU": 0.5, "GPU": 1}),
+        run_config=RunConfig(name="bench-recovery", storage_path=str(tmp / "ray-train"),
+                             failure_config=FailureConfig(max_failures=3)))
+    box: dict = {}
+
+    def target():
+        try:
+            box["result"] = trainer.fit()
+        except Exception as err:  # noqa: BLE001
+            box["error"] = err
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+
+    def events():
+        return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+    while not any(e["event"] == "step" and e["step"] >= KILL_AFTER_STEP and e["checkpointed"]
+                  for e in events()):
+        if not thread.is_alive():
+            raise RuntimeError(f"Ray Train ended before step {KILL_AFTER_STEP}: {box}")
+        time.sleep(0.05)
+    t_kill = time.time()
+    reached = max(e["step"] for e in events() if e["event"] == "step")
+    cluster.remove_node(_gpu_nodes(cluster)[-1])
+    thread.join(600)
+    if "error" in box:
+        raise box["error"]
+    ev = events()
+    restart = next(e for e in ev if e["event"] == "start" and e["time"] > t_kill)
+    first = next(e for e in ev if e["event"] == "step" and e["time"] > restart["time"])
+    reached = max([reached] + [e["step"] for e in ev if e["event"] == "step" and e["time"] <= t_kill])
+    return {"system": "Ray Train v2 (DDP)", "detection": None, "decide_s": None,
+            "reform_s": None, "restore_s": restart["time"] - t_kill,
+            "first_step_s": first["time"] - restart["time"], "total": first["time"] - t_kill,
+            "steps_lost": max(0, reached - restart["step"]), "mesh": "4 → 4 workers"}
+
+
+def checkpoint_bandwidth(mib: int, tmp: Path, reps: int = 3) -> list[dict]:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    n_tensors = 32
+    per = mib * 2**20 // 4 // n_tensors
+    state = {f"layer{i}.weight": torch.randn(per) for i in range(n_tensors)}
+    nbytes = sum(t.numel() * 4 for t in state.values())
+    rows: dict[str, list[float]] = {"dcp save": [], "plain write + fsync": [], "dcp load": [],
+                                     "plain read": []}
+    for r in range(reps):
+        d = tmp / f"dcp-{r}"
+        t0 = time.perf_counter()
+        dcp.save(state, checkpoint_id=str(d))
+        rows["dcp save"].append(time.perf_counter() - t0)
+        target = {k: torch.empty_like(v) for k, v in state.items()}
+        t0 = time.perf_counter()
+        dcp.load(target, checkpoint_id=str(d))
+        rows["dcp load"].append(time.perf_counter() - t0)
+        f = tmp / f"plain-{r}.bin"
+        t0 = time.perf_counter()
+        with f.open("wb") as fh:
+            for v in state.values():
+                fh.write(memoryview(v.numpy()).cast("B"))
+            fh.flush()
+            os.fsync(fh.fileno())
+        rows["plain write + fsync"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        with f.open("rb") as fh:
+            for v in target.values():
+                fh.readinto(memoryview(v.numpy()).cast("B"))
+        rows["plain read"].append(time.perf_counter() - t0)
+        shutil.rmtree(d)
+        f.unlink()
+    out = []
+    for name, times in rows.items():
+        s = statistics.median(times)
+        out.append({"op": name, "s": s, "gb_s": nbytes / s / 1e9})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--skip-ray-train", action="store_true")
+    ap.add_argument("--ckpt-mib", type=int, default=256)
+    args = ap.parse_args()
+    import ray
+    from ray.cluster_utils import Cluster
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmpdir:
+        tmp = Path(tmpdir)
+        cluster = Cluster(initialize_head=True, connect=False,
+                          head_node_args={"num_cpus": 1, "include_dashboard": False})
+        try:
+            _ensure_two(cluster)
+            ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
+            for mode in ("warm", "cold"):
+                rows.append(trainmesh_recovery(cluster, mode, tmp))
+            if not args.skip_ray_train:
+                rows.append(ray_train_recovery(cluster, tmp))
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+        ckpt = checkpoint_bandwidth(args.ckpt_mib, tmp)
+
+    def f(v):
+        return "-" if v is None else f"{v:.2f}"
+
+    base = rows[0]["total"]
+    print("\n| system | mesh | detection s | decide s | reform s | restore s | first step s | "
+          "death → next step s | vs trainmesh warm | steps lost |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['system']} | {r['mesh']} | {f(r['detection'])} | {f(r.get('decide_s'))} | "
+              f"{f(r.get('reform_s'))} | {f(r.get('restore_s'))} | {f(r.get('first_step_s'))} | "
+              f"{r['total']:.2f} | {r['total'] / base:.2f}× | {r['steps_lost']} |")
+    print(f"\n| checkpoint op ({args.ckpt_mib} MiB) | s | GB/s | vs plain |")
+    print("|---|---:|---:|---:|")
+    plain = {"dcp save": "plain write + fsync", "dcp load": "plain read"}
+    by = {r["op"]: r for r in ckpt}
+    for r in ckpt:
+        ref = by.get(plain.get(r["op"], r["op"]))
+        print(f"| {r['op']} | {r['s']:.3f} | {r['gb_s']:.2f} | {r['gb_s'] / ref['gb_s']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
