@@ -51,7 +51,9 @@ def _gpu_nodes(cluster):
 
 def _ensure_two(cluster):
     while len(_gpu_nodes(cluster)) < 2:
-        cluster.add_node(num_cpus=4, num_gpus=4)
+        # "slot": the same 4 accelerators as a custom resource, for Ray Train's CPU workers
+        # (Ray Train refuses GPU resources without use_gpu, which would switch it to NCCL).
+        cluster.add_node(num_cpus=4, num_gpus=4, resources={"slot": 4})
     cluster.wait_for_nodes()
 
 
@@ -167,7 +169,7 @@ def ray_train_recovery(cluster, tmp: Path) -> dict:
         train_loop_config={"spec": spec, "log": str(log),
                            "data_dir": str(ensure_tiny_corpus(tmp / "data"))},
         scaling_config=ScalingConfig(num_workers=4, use_gpu=False, placement_strategy="SPREAD",
-                                     resources_per_worker={"CPU": 0.5, "GPU": 1}),
+                                     resources_per_worker={"CPU": 0.5, "slot": 1}),
         run_config=RunConfig(name="bench-recovery", storage_path=str(tmp / "ray-train"),
                              failure_config=FailureConfig(max_failures=3)))
     box: dict = {}

@@ -105,8 +105,16 @@ def test_node_death_replans_onto_survivors_and_matches_uninterrupted(cluster, un
     spec = load_spec(None, [*ARGS_3D, f"elastic.warm_recovery={str(mode == 'warm').lower()}",
                             f"runtime.output_dir={tmp_path / 'killed'}"])
     thread, box = _in_background(spec)
-    _wait_for_checkpoint(tmp_path / "killed" / "checkpoints", 2)
-    cluster.remove_node(_gpu_nodes(cluster)[-1])
+    root = tmp_path / "killed" / "checkpoints"
+    if mode == "warm":  # the node dies between checkpoints
+        _wait_for_checkpoint(root, 2)
+        cluster.remove_node(_gpu_nodes(cluster)[-1])
+    else:  # the node dies while the step-4 checkpoint is being written
+        _wait_for_checkpoint(root, 2)
+        writing = root / "step-000004.partial"
+        while not writing.exists():
+            assert thread.is_alive(), box
+        cluster.remove_node(_gpu_nodes(cluster)[-1], allow_graceful=False)
     thread.join(500)
     assert "error" not in box, box.get("error")
     s = box["summary"]
@@ -115,6 +123,8 @@ def test_node_death_replans_onto_survivors_and_matches_uninterrupted(cluster, un
     (rec,) = [r for r in s["recoveries"] if r["cause"] != "scale-up"]
     assert rec["old_mesh"]["world_size"] == 8 and rec["new_mesh"]["world_size"] == 4
     assert rec["step"] >= 2 and rec["downtime_s"] > 0 and rec["mode"] == mode
+    if mode == "cold":  # the interrupted save never became a checkpoint: step 2 was used
+        assert rec["step"] == 2 and rec["steps_lost"] == 2
     before, after = (set(p) for p in s["rank_pids"][-2:])
     if mode == "warm":  # the survivors' processes carried on, with torch still imported
         assert after <= before and len(after) == 4

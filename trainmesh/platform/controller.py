@@ -231,11 +231,11 @@ class Controller:
                              "recovery_steps_lost": rec.steps_lost}, step=start)
 
     def _alive(self, group) -> set[int]:
-        """Ranks whose actor answers; a survivor stuck in a collective answers once the
-        collective times out, hence the wait."""
+        """Ranks whose actor is not dead (busy ones count as alive: a survivor stuck in a
+        collective is free again once that collective times out)."""
         if group is None:
             return set()
-        return group.alive_ranks(timeout_s=self.spec.runtime.collective_timeout_s + 5)
+        return group.alive_ranks(timeout_s=10)
 
     # -- steps -----------------------------------------------------------------------------
     def _train(self, group, dims: ParallelDims, tracker, start: int,

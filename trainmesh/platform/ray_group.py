@@ -35,19 +35,20 @@ class RayWorkerGroup:
         return self.group.call("node_info", timeout_s=60)
 
     def alive_ranks(self, timeout_s: float) -> set[int]:
-        """Ranks whose actor still answers."""
+        """Ranks whose actor is not dead: a call to a dead actor fails within seconds, while a
+        live one may be busy (blocked in a collective until its timeout) and answer later, so
+        only a call that fails within ``timeout_s`` marks a rank dead."""
         import ray
 
         refs = {w.node_info.remote(): r for r, w in enumerate(self.group.workers)}
         ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
-        alive = set()
+        dead = set()
         for ref in ready:
             try:
                 ray.get(ref)
-                alive.add(refs[ref])
             except ray.exceptions.RayError:
-                pass
-        return alive
+                dead.add(refs[ref])
+        return set(refs.values()) - dead
 
     def reform(self, keep: list[int], timeout_s: float) -> None:
         """Warm recovery: old ranks ``keep`` become the new ranks 0..n-1 (every other actor is
