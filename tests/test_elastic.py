@@ -110,11 +110,24 @@ def test_node_death_replans_onto_survivors_and_matches_uninterrupted(cluster, un
         _wait_for_checkpoint(root, 2)
         cluster.remove_node(_gpu_nodes(cluster)[-1])
     else:  # the node dies while the step-4 checkpoint is being written
+        import os
+        import signal
+
         _wait_for_checkpoint(root, 2)
+        node = _gpu_nodes(cluster)[-1]
+        raylet = node.all_processes["raylet"][0].process.pid
         writing = root / "step-000004.partial"
         while not writing.exists():
             assert thread.is_alive(), box
-        cluster.remove_node(_gpu_nodes(cluster)[-1], allow_graceful=False)
+        # Freeze that node's ranks inside the save (they can neither finish it nor answer),
+        # then take the node away; frozen processes are killed here, as the node's end would.
+        ranks = [p for p in _rank_worker_pids() if _parent(p) == raylet]
+        for pid in ranks:
+            os.kill(pid, signal.SIGSTOP)
+        assert len(ranks) == 4
+        cluster.remove_node(node, allow_graceful=False)
+        for pid in ranks:
+            os.kill(pid, signal.SIGKILL)
     thread.join(500)
     assert "error" not in box, box.get("error")
     s = box["summary"]
@@ -139,9 +152,56 @@ def test_node_death_replans_onto_survivors_and_matches_uninterrupted(cluster, un
     assert client.get_metric_history(s["mlflow_run_id"], "recovery_downtime_s")
 
 
+def _parent(pid: int) -> int:
+    from pathlib import Path
+
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _rank_worker_pids() -> list[int]:
+    from pathlib import Path
+
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if (entry / "cmdline").read_bytes().startswith(b"ray::RankWorker"):
+                    pids.append(int(entry.name))
+            except OSError:
+                pass
+    return pids
+
+
+@pytest.mark.timeout(400)
+def test_preemption_notice_checkpoints_first_then_continues_without_the_node(cluster, tmp_path):
+    import os
+    import signal
+
+    while len(_gpu_nodes(cluster)) < 2:
+        cluster.add_node(num_cpus=4, num_gpus=4)
+    spec = load_spec(None, [*COMMON, "parallelism.dp=8", "training.steps=7", "checkpoint.every=2",
+                            "checkpoint.keep_last=10", f"runtime.output_dir={tmp_path}"])
+    thread, box = _in_background(spec)
+    _wait_for_checkpoint(tmp_path / "checkpoints", 2)
+    [victim, *_] = _rank_worker_pids()
+    os.kill(victim, signal.SIGTERM)  # what a spot reclaim or a node drain sends
+    thread.join(360)
+    assert "error" not in box, box.get("error")
+    s = box["summary"]
+    assert s["status"] == "FINISHED" and s["steps_done"] == 7
+    (rec,) = s["recoveries"]
+    assert rec["cause"] == "preemption" and rec["steps_lost"] == 0
+    assert rec["old_mesh"]["world_size"] == 8 and rec["new_mesh"]["world_size"] == 4
+    # The notice was acted on at the next step boundary, with a checkpoint taken there.
+    assert rec["step"] > 2 and manifest.read_manifest(manifest.step_dir(tmp_path / "checkpoints",
+                                                                          rec["step"])) is not None
+    assert victim not in s["rank_pids"][-1]
+
+
 @pytest.mark.timeout(300)
 def test_below_min_world_size_fails_with_a_clear_report(cluster, tmp_path):
-    assert len(_gpu_nodes(cluster)) == 1
+    while len(_gpu_nodes(cluster)) > 1:
+        cluster.remove_node(_gpu_nodes(cluster)[-1])
     spec = load_spec(None, [*COMMON, "parallelism.dp=4", "elastic.min_world_size=4",
                             "training.steps=40", "checkpoint.every=2",
                             f"runtime.output_dir={tmp_path}"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 from datetime import timedelta
 
 import ray
@@ -32,6 +33,16 @@ class RankWorker:
         torch.set_num_threads(max(1, cpu_threads))
         self._store: dist.TCPStore | None = None
         self.engine = None
+        # A preemption notice (SIGTERM: a spot reclaim, a node drain) does not end the rank at
+        # once: it is reported with the next step so the controller can checkpoint first.
+        self.preempted = False
+        try:
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+        except ValueError:  # not the main thread: keep Ray's own handling
+            pass
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self.preempted = True
 
     # -- process group ---------------------------------------------------------------------
     def node_info(self) -> dict:
@@ -81,7 +92,7 @@ class RankWorker:
         return sum(p.numel() for p in self.engine.model.parameters())
 
     def train_step(self) -> dict:
-        return dataclasses.asdict(self.engine.train_step())
+        return {**dataclasses.asdict(self.engine.train_step()), "preempted": self.preempted}
 
     def save(self, directory: str) -> bytes | None:
         """Collective save; rank 0 returns the RNG state for the manifest's sidecar."""

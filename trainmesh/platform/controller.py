@@ -49,6 +49,12 @@ class _ScaleUp(Exception):  # noqa: N818 - a control-flow signal, not an error
         self.step = step
 
 
+class _Preempted(Exception):  # noqa: N818 - a control-flow signal, not an error
+    def __init__(self, step: int, ranks: list[int]):
+        super().__init__(f"preemption notice from ranks {ranks} at step {step}")
+        self.step, self.ranks = step, ranks
+
+
 class Controller:
     def __init__(self, spec_json: str, tracking_uri: str | None, worker_env: dict[str, str],
                  group_factory: Callable[..., Any] | None = None,
@@ -130,6 +136,23 @@ class Controller:
                     failure = ("scale-up", time.monotonic(), up.step, self.dims.as_dict())
                     self._marks = {"failed": time.time()}
                     group = self._drop(group)
+                except _Preempted as pre:
+                    # Checkpointed already; the notified ranks' nodes are going away: drain them
+                    # and go on without them (not a failure: no restart budget, no backoff).
+                    failure = ("preemption", time.monotonic(), pre.step, self.dims.as_dict())
+                    self._marks = {"failed": time.time()}
+                    self._set(state="recovering")
+                    leaving = {self.rank_nodes[r] for r in pre.ranks}
+                    self.dead_nodes |= leaving
+                    alive = {r for r in self._alive(group) if self.rank_nodes[r] not in leaving}
+                    tracker.event("preemption", step=pre.step, ranks=pre.ranks, nodes=sorted(leaving))
+                    available = bounded_topology(self._topology_fn(self.spec), self.spec.elastic,
+                                                 self.dead_nodes).world_size
+                    decision = on_failure(self.spec.elastic, 0, available, [str(pre)])
+                    if isinstance(decision, GiveUp):
+                        raise JobFailed(decision.report) from pre
+                    if not (self.spec.elastic.warm_recovery and alive):
+                        group = self._drop(group)
                 except RECOVERABLE as err:
                     failure = (type(err).__name__, time.monotonic(), len(self.losses),
                                self.dims.as_dict())
@@ -264,6 +287,12 @@ class Controller:
                 on_first_step()
                 on_first_step = None
             last = step + 1 == tr.steps
+            notified = [r for r, s in enumerate(stats) if s.get("preempted")]
+            if notified and not last:  # checkpoint now, then let those ranks go
+                self._notice(f"preemption notice from rank(s) {notified} after step {step + 1}: "
+                             "checkpointing, then continuing without their node(s)")
+                self._checkpoint(group, dims, step + 1, tracker)
+                raise _Preempted(step + 1, notified)
             if (every and (step + 1) % every == 0) or (last and self.spec.checkpoint.save_final):
                 self._checkpoint(group, dims, step + 1, tracker)
                 if not last and self._may_grow(dims):
