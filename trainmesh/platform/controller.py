@@ -31,6 +31,7 @@ from trainmesh.platform.elastic import (
     warm_assignment,
 )
 from trainmesh.platform.job_plan import effective_spec, plan_job, replan_job
+from trainmesh.platform.pipeline_artifacts import write_pipeline_artifacts
 from trainmesh.platform.ray_group import RayWorkerGroup, live_topology, placement_for
 from trainmesh.platform.topology import Topology
 
@@ -326,25 +327,8 @@ class Controller:
         tracker.event("checkpoint", step=step, path=str(final), pruned=pruned)
 
     def _log_pipeline(self, group, dims: ParallelDims, tracker) -> None:
-        """The planned schedule (grid + simulated PNG) beside the measured per-rank timeline of
-        the last step (Chrome/Perfetto trace), in OUTPUT/ and MLflow."""
-        from trainmesh.parallel.pipeline.ir import grid
-        from trainmesh.parallel.pipeline.schedules import build_schedule
-        from trainmesh.parallel.pipeline.simulate import simulate
-        from trainmesh.parallel.pipeline.trace import chrome_trace, plot_schedule, write_json
-
-        tr, vpp = self.eff.training, self.eff.parallelism.vpp
-        m = tr.global_batch_size // (dims.dp * tr.microbatch_size)
-        sched = build_schedule(self.eff.schedule.name, dims.pp, vpp, m)
-        (self.out / "pipeline_schedule.txt").write_text(grid(sched) + "\n")
-        plot_schedule(simulate(sched, dims.pp * vpp, m), self.eff.schedule.name,
-                      self.out / "pipeline_schedule.png")
-        # One row per pipeline rank: the ranks with dp = tp = 0.
-        rows = group.timelines()
-        stage_ranks = [dims.rank_of(i, 0, 0) for i in range(dims.pp)]
-        write_json(chrome_trace([rows[r] for r in stage_ranks]), self.out / "pipeline_trace.json")
-        for name in ("pipeline_schedule.txt", "pipeline_schedule.png", "pipeline_trace.json"):
-            tracker.log_artifact(self.out / name)
+        for path in write_pipeline_artifacts(self.out, self.eff, dims, group.timelines()):
+            tracker.log_artifact(path)
 
     # -- resume ----------------------------------------------------------------------------
     def _find_resume(self) -> tuple[Path, dict[str, Any]] | None:
