@@ -3,6 +3,7 @@ and started again on the same port and store, and a Ray head with its dashboard/
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -100,9 +101,7 @@ class RayHead:
         wait until a trivial job is accepted and finishes."""
         from ray.job_submission import JobSubmissionClient
 
-        saved = {k: os.environ.get(k) for k in self.auth}
-        os.environ.update(self.auth)
-        try:
+        with self.client_env():
             client = JobSubmissionClient(self.address)
             deadline = time.monotonic() + timeout_s
             while True:
@@ -117,6 +116,14 @@ class RayHead:
                     time.sleep(1.0)
             while str(client.get_job_status(job)).split(".")[-1] not in ("SUCCEEDED", "FAILED", "STOPPED"):
                 time.sleep(0.5)
+
+    @contextlib.contextmanager
+    def client_env(self):
+        """This process as a client of the head (its auth settings), restored afterwards."""
+        saved = {k: os.environ.get(k) for k in self.auth}
+        os.environ.update(self.auth)
+        try:
+            yield
         finally:
             for k, v in saved.items():
                 if v is None:

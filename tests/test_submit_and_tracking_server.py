@@ -32,18 +32,12 @@ def mlflow_server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ray_head(tmp_path_factory):
     head = RayHead(Path(f"/tmp/trainmesh-test-ray-{uuid.uuid4().hex[:8]}"))
-    saved = {k: os.environ.get(k) for k in head.auth}
-    os.environ.update(head.auth)  # this process is the job API's client
-    try:
-        head.start()
-        yield head
-    finally:
-        head.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with head.client_env():  # this process is the job API's client
+        try:
+            head.start()
+            yield head
+        finally:
+            head.stop()
 
 
 def _runs(uri: str, experiment: str):

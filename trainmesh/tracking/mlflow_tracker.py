@@ -98,7 +98,6 @@ class MlflowTracker:
         self._pending: deque[tuple[str, Callable[[], object]]] = deque()
         self._down_since: float | None = None
         self._next_try = 0.0
-        self.peak_backlog = 0  # most calls ever waiting for the server (reports and tests)
         try:
             if run_id is not None:
                 self.run_id = self.client.get_run(run_id).info.run_id
@@ -117,7 +116,6 @@ class MlflowTracker:
     def _submit(self, what: str, call: Callable[[], object]) -> None:
         self._pending.append((what, call))
         self._drain()
-        self.peak_backlog = max(self.peak_backlog, len(self._pending))
 
     def _drain(self, force: bool = False) -> bool:
         """Send queued calls in order; False when the server is (still) unreachable."""
@@ -150,10 +148,6 @@ class MlflowTracker:
         log.warning(text)
         if self._on_warning is not None:
             self._on_warning(text)
-
-    @property
-    def backlog(self) -> int:
-        return len(self._pending)
 
     # -- the Tracker interface -----------------------------------------------------------------
     def log_params(self, params: Mapping[str, Any]) -> None:
