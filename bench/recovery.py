@@ -18,7 +18,9 @@ The workloads differ (8 → 4 re-planned ranks vs 4 → 4 restarted ones); what 
 the recovery path.
 
 Part 2: DCP save and load of a state dict of --ckpt-mib MiB (one process) against writing the
-same bytes to one file with a sequential write + fsync, and reading them back.
+same bytes to one file with a sequential write + fsync, and reading them back; and DCP's async
+save (``checkpoint.async_save``): how long the caller is blocked (the copy to host memory) and
+how long until the write is done.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def _ensure_two(cluster):
 
 
 def trainmesh_recovery(cluster, mode: str, tmp: Path) -> dict:
-    from trainmesh.checkpoint import manifest
+    from trainmesh.checkpoint.manifest import CheckpointStore
     from trainmesh.jobs.loading import load_spec
     from trainmesh.jobs.runner import run_job
 
@@ -76,8 +78,8 @@ def trainmesh_recovery(cluster, mode: str, tmp: Path) -> dict:
 
     thread = threading.Thread(target=target, daemon=True)
     thread.start()
-    mark = manifest.step_dir(out / "checkpoints", KILL_AFTER_STEP) / manifest.MANIFEST
-    while not mark.exists():
+    store = CheckpointStore(out / "checkpoints")
+    while not store.exists(KILL_AFTER_STEP):
         if not thread.is_alive():
             raise RuntimeError(f"trainmesh {mode}: ended before step {KILL_AFTER_STEP}: {box}")
         time.sleep(0.05)
@@ -215,13 +217,20 @@ def checkpoint_bandwidth(mib: int, tmp: Path, reps: int = 3) -> list[dict]:
     per = mib * 2**20 // 4 // n_tensors
     state = {f"layer{i}.weight": torch.randn(per) for i in range(n_tensors)}
     nbytes = sum(t.numel() * 4 for t in state.values())
-    rows: dict[str, list[float]] = {"dcp save": [], "plain write + fsync": [], "dcp load": [],
-                                     "plain read": []}
+    rows: dict[str, list[float]] = {"dcp save": [], "dcp async save: caller blocked": [],
+                                     "dcp async save: until written": [],
+                                     "plain write + fsync": [], "dcp load": [], "plain read": []}
     for r in range(reps):
         d = tmp / f"dcp-{r}"
         t0 = time.perf_counter()
         dcp.save(state, checkpoint_id=str(d))
         rows["dcp save"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        fut = dcp.async_save(state, checkpoint_id=str(tmp / f"dcp-async-{r}"))
+        rows["dcp async save: caller blocked"].append(time.perf_counter() - t0)
+        fut.result()
+        rows["dcp async save: until written"].append(time.perf_counter() - t0)
+        shutil.rmtree(tmp / f"dcp-async-{r}")
         target = {k: torch.empty_like(v) for k, v in state.items()}
         t0 = time.perf_counter()
         dcp.load(target, checkpoint_id=str(d))
@@ -286,7 +295,8 @@ def main() -> None:
               f"{r['total']:.2f} | {r['total'] / base:.2f}× | {r['steps_lost']} |")
     print(f"\n| checkpoint op ({args.ckpt_mib} MiB) | s | GB/s | vs plain |")
     print("|---|---:|---:|---:|")
-    plain = {"dcp save": "plain write + fsync", "dcp load": "plain read"}
+    plain = {"dcp save": "plain write + fsync", "dcp async save: caller blocked": "plain write + fsync",
+             "dcp async save: until written": "plain write + fsync", "dcp load": "plain read"}
     by = {r["op"]: r for r in ckpt}
     for r in ckpt:
         ref = by.get(plain.get(r["op"], r["op"]))

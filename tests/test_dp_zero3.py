@@ -9,7 +9,7 @@ import pytest
 import torch
 from reference import load_checkpoint_params, reference_run
 
-from trainmesh.checkpoint import manifest
+from trainmesh.checkpoint.manifest import CheckpointStore
 from trainmesh.jobs.loading import load_spec
 from trainmesh.jobs.runner import run_job
 
@@ -41,52 +41,39 @@ def test_dp2_zero3_matches_single_process(ray_local, tmp_path):
     torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(ref_losses),
                                rtol=1e-5, atol=0)
     # Every parameter after 3 optimizer steps (read back from the sharded checkpoint).
-    final = manifest.step_dir(tmp_path / "checkpoints", 3)
+    final = tmp_path / "checkpoints" / "step-000003"
     _assert_params_close(load_checkpoint_params(spec, str(final)), ref_params)
 
 
 @pytest.mark.timeout(300)
 def test_resume_from_step2_reaches_uninterrupted_step4(ray_local, tmp_path):
+    """Run b writes its checkpoints in the background, to a ``file://`` URI (DCP's fsspec
+    storage, the manifest through fsspec): its step-2 checkpoint is identical to run a's
+    synchronous local one, although training went on while it was written, and resuming from
+    it reaches the uninterrupted run's step 4."""
     run_a, run_b = tmp_path / "a", tmp_path / "b"
+    ckpt_b = run_b / "ckpt"
     spec_a = _spec(run_a, "parallelism.dp=2", "training.steps=4", "checkpoint.every=2")
-    spec_b = _spec(run_b, "parallelism.dp=2", "training.steps=4", "checkpoint.every=2")
+    spec_b = _spec(run_b, "parallelism.dp=2", "training.steps=4", "checkpoint.every=2",
+                   "checkpoint.async_save=true", f"checkpoint.dir=file://{ckpt_b}")
     full = run_job(spec_a, environ={}, show_progress=False)
 
     first = run_job(spec_b, environ={}, show_progress=False)
-    assert manifest.complete_steps(run_b / "checkpoints") == [2, 4]
+    store_b = CheckpointStore(f"file://{ckpt_b}")
+    assert store_b.complete_steps() == [2, 4]
+    assert first["checkpoints"] == [f"file://{ckpt_b}/step-000002", f"file://{ckpt_b}/step-000004"]
+    a2 = load_checkpoint_params(spec_a, str(run_a / "checkpoints" / "step-000002"))
+    b2 = load_checkpoint_params(spec_b, store_b.step_dir(2))
+    assert a2.keys() == b2.keys() and all(torch.equal(a2[k], b2[k]) for k in a2)
     # Lose everything after step 2, as a job killed right after its step-2 save would.
-    shutil.rmtree(manifest.step_dir(run_b / "checkpoints", 4))
+    shutil.rmtree(store_b.step_dir(4))
     resumed = run_job(spec_b, environ={}, show_progress=False)
 
     assert resumed["steps_done"] == 4
     assert resumed["losses"][:2] == first["losses"][:2]  # kept from before the resume
     torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"]),
                                rtol=1e-6, atol=0)
-    got = load_checkpoint_params(spec_b, str(manifest.step_dir(run_b / "checkpoints", 4)))
-    want = load_checkpoint_params(spec_a, str(manifest.step_dir(run_a / "checkpoints", 4)))
+    got = load_checkpoint_params(spec_b, store_b.step_dir(4))
+    want = load_checkpoint_params(spec_a, str(run_a / "checkpoints" / "step-000004"))
     _assert_params_close(got, want, rtol=1e-6, atol=1e-7)
     assert os.path.exists(run_b / "summary.json")
-
-
-@pytest.mark.timeout(240)
-def test_bf16_compute_tracks_fp32(ray_local, tmp_path):
-    """bf16 parameters in compute (fp32 master weights, fp32 reduction) stay close to fp32."""
-    spec = _spec(tmp_path, "parallelism.dp=2", "training.steps=2", "training.dtype=bfloat16",
-                 "checkpoint.save_final=false")
-    summary = run_job(spec, environ={}, show_progress=False)
-    ref_losses, _ = reference_run(spec, str(tmp_path / "data" / "tiny-corpus"), steps=2)
-    got = torch.tensor(summary["losses"])
-    assert not torch.allclose(got, torch.tensor(ref_losses), rtol=1e-6, atol=0)  # really bf16
-    torch.testing.assert_close(got, torch.tensor(ref_losses), rtol=2e-2, atol=0)
-
-
-@pytest.mark.timeout(240)
-def test_parallelism_auto_plans_for_the_live_cluster(ray_local, tmp_path):
-    """`parallelism: auto` asks the planner, which sees the session cluster's 4 CPU ranks."""
-    spec = _spec(tmp_path, "parallelism=auto", "training.steps=2", "checkpoint.save_final=false",
-                 "training.global_batch_size=16")
-    summary = run_job(spec, environ={}, show_progress=False)
-    assert summary["status"] == "FINISHED"
-    assert summary["mesh"]["world_size"] == 4 and summary["mesh"]["dp"] == 4
-    assert summary["plan"]["dp"] == 4 and summary["plan"]["tp"] == 1
-    assert len(summary["rank_to_node"]) == 4

@@ -11,7 +11,7 @@ import pytest
 import ray
 import torch
 
-from trainmesh.checkpoint import manifest
+from trainmesh.checkpoint.manifest import CheckpointStore
 from trainmesh.jobs.loading import load_spec
 from trainmesh.jobs.runner import run_job
 
@@ -56,7 +56,8 @@ def _in_background(spec):
 
 def _wait_for_checkpoint(root, step, timeout=240):
     t0 = time.monotonic()
-    while not (manifest.step_dir(root, step) / manifest.MANIFEST).exists():
+    store = CheckpointStore(root)
+    while not store.exists(step):
         assert time.monotonic() - t0 < timeout, f"no checkpoint {step} after {timeout} s"
         time.sleep(0.2)
 
@@ -193,8 +194,8 @@ def test_preemption_notice_checkpoints_first_then_continues_without_the_node(clu
     assert rec["cause"] == "preemption" and rec["steps_lost"] == 0
     assert rec["old_mesh"]["world_size"] == 8 and rec["new_mesh"]["world_size"] == 4
     # The notice was acted on at the next step boundary, with a checkpoint taken there.
-    assert rec["step"] > 2 and manifest.read_manifest(manifest.step_dir(tmp_path / "checkpoints",
-                                                                          rec["step"])) is not None
+    store = CheckpointStore(tmp_path / "checkpoints")
+    assert rec["step"] > 2 and store.read_manifest(store.step_dir(rec["step"])) is not None
     assert victim not in s["rank_pids"][-1]
 
 

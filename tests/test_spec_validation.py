@@ -140,7 +140,9 @@ def test_cli_subprocess_never_tracebacks(tmp_path):
 
 @pytest.mark.parametrize(("override", "field"), [("parallelism.sequence_parallel=true",
                                                   "parallelism.sequence_parallel"),
-                                                 ("model.preset=1b", "model.tie_embeddings")])
+                                                 ("model.preset=1b", "model.tie_embeddings"),
+                                                 ("checkpoint.dir=nosuchfs://bucket/run",
+                                                  "checkpoint.dir")])
 def test_run_refuses_what_this_version_cannot_run(capsys, override, field):
     extra = ["--set", "parallelism.pp=2", "--set", "parallelism.dp=1"] if "1b" in override else []
     assert main(["run", "jobs/tiny-cpu.yaml", "--set", override, *extra]) == 2

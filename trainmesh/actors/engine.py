@@ -6,6 +6,7 @@ No Ray here: :class:`trainmesh.actors.rank_worker.RankWorker` hosts an Engine in
 from __future__ import annotations
 
 import contextlib
+from concurrent.futures import Future
 from datetime import timedelta
 
 import torch
@@ -127,6 +128,9 @@ class Engine:
 
     def save(self, directory: str) -> None:
         dcp_io.save(directory, self.model, self.optimizer)
+
+    def async_save(self, directory: str, group) -> Future:
+        return dcp_io.async_save(directory, self.model, self.optimizer, group)
 
     def load(self, directory: str, step: int, rng_state: torch.Tensor | None) -> None:
         """Restore model + optimizer shards, then the schedule position and RNG."""

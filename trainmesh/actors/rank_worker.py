@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import os
 import signal
@@ -32,7 +33,12 @@ class RankWorker:
         self.rank, self.world_size = rank, world_size
         torch.set_num_threads(max(1, cpu_threads))
         self._store: dist.TCPStore | None = None
+        self._timeout_s = 60.0
         self.engine = None
+        # Background checkpoint writes: their own gloo group (created at the first one) and the
+        # future of the write in flight.
+        self._save_group: dist.ProcessGroup | None = None
+        self._saving: concurrent.futures.Future | None = None
         # A preemption notice (SIGTERM: a spot reclaim, a node drain) does not end the rank at
         # once: it is reported with the next step so the controller can checkpoint first.
         self.preempted = False
@@ -55,9 +61,11 @@ class RankWorker:
         new rank, keeping the process (torch stays imported). Returns the pid."""
         import gc
 
-        self.engine = None
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        # A background write still going fails fast once its peers are gone (or at the group
+        # timeout); let it end before its group goes.
+        self.wait_save(timeout_s=self._timeout_s + 5)
+        self._saving, self._save_group, self.engine = None, None, None
+        _abandon_process_groups()
         self._store = None
         self.rank, self.world_size = rank, world_size
         gc.collect()
@@ -73,6 +81,7 @@ class RankWorker:
     def init_process_group(self, host: str, port: int, device: str, timeout_s: float) -> str:
         """Join the job's process group; returns the backend used."""
         self.device = select_device(device)
+        self._timeout_s = timeout_s
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         store = self._store or dist.TCPStore(host, port, self.world_size, is_master=False,
                                              timeout=timedelta(seconds=timeout_s))
@@ -92,12 +101,43 @@ class RankWorker:
         return sum(p.numel() for p in self.engine.model.parameters())
 
     def train_step(self) -> dict:
-        return {**dataclasses.asdict(self.engine.train_step()), "preempted": self.preempted}
+        return {**dataclasses.asdict(self.engine.train_step()), "preempted": self.preempted,
+                "save": self.save_status()}
 
-    def save(self, directory: str) -> bytes | None:
-        """Collective save; rank 0 returns the RNG state for the manifest's sidecar."""
-        self.engine.save(directory)
+    # -- checkpoints -----------------------------------------------------------------------
+    def save(self, directory: str, background: bool = False) -> bytes | None:
+        """Collective save; rank 0 returns the RNG state for the manifest's sidecar. In the
+        background, this rank's shards are copied to host memory before it returns and a
+        thread writes them while training goes on (``save_status`` says how that went)."""
+        self.wait_save()
+        if not background:
+            self.engine.save(directory)
+        else:
+            if self._save_group is None:
+                self._save_group = dist.new_group(backend="gloo",
+                                                  timeout=timedelta(seconds=self._timeout_s))
+            self._saving = self.engine.async_save(directory, self._save_group)
         return torch.random.get_rng_state().numpy().tobytes() if self.rank == 0 else None
+
+    def save_status(self) -> str | None:
+        """The background save's state: None (none), "running", "done" or "failed: why"."""
+        f = self._saving
+        if f is None:
+            return None
+        if not f.done():
+            return "running"
+        err = f.exception()
+        return "done" if err is None else f"failed: {err!r}"[:2000]
+
+    def wait_save(self, timeout_s: float | None = None) -> str | None:
+        """Wait (at most ``timeout_s``) for the background save; returns ``save_status``, and
+        forgets the save once it has ended."""
+        if self._saving is not None:
+            concurrent.futures.wait([self._saving], timeout=timeout_s)
+        status = self.save_status()
+        if status != "running":
+            self._saving = None
+        return status
 
     def load(self, directory: str, step: int, rng_state: bytes | None) -> None:
         rng = torch.frombuffer(bytearray(rng_state), dtype=torch.uint8) if rng_state else None
@@ -122,7 +162,22 @@ class RankWorker:
         return stats
 
     def shutdown(self) -> None:
+        self.wait_save(timeout_s=self._timeout_s + 5)
         if dist.is_initialized():
             dist.destroy_process_group()
         self.engine = None
 
+
+def _abandon_process_groups() -> None:
+    """Leave every process group, even a broken one: abort them (NCCL communicators must be
+    aborted, not destroyed, when a peer died — destroying one can hang; gloo aborts too),
+    destroying them as the fallback. torch.distributed is uninitialised afterwards."""
+    if not dist.is_initialized():
+        return
+    from torch.distributed.distributed_c10d import _abort_process_group
+
+    try:
+        _abort_process_group()
+    except Exception:  # noqa: BLE001 - a backend without abort: destroy instead
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,10 +1,12 @@
-"""Checkpoint directories and their manifests (pure file handling, no torch).
+"""Checkpoint directories and their manifests, on any fsspec filesystem (no torch).
 
 Layout: ``ROOT/step-NNNNNN/`` holds the Distributed Checkpoint files and ``manifest.json``.
-A save goes to ``ROOT/step-NNNNNN.partial/``; the manifest (sizes and sha256 of every file)
-is written last, atomically, and only then is the directory renamed to its final name. So a
-crash at any point leaves every complete checkpoint as it was, and restore skips anything
-without a manifest that matches its files.
+ROOT is a local path or a URI (``file://``, ``s3://``, ``gs://``, ... — whatever fsspec has an
+implementation installed for). A save goes to ``ROOT/step-NNNNNN.partial/``; the manifest
+(size and sha256 of every file) is written last, in one atomic write, and only then is the
+directory published under its final name. A crash at any point leaves every complete
+checkpoint as it was, and restore skips anything without a manifest that matches its files —
+which also covers object stores, where publishing is a copy rather than an atomic rename.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ import hashlib
 import json
 import logging
 import os
-import shutil
-from pathlib import Path
 from typing import Any
+
+from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
 
 log = logging.getLogger(__name__)
 
@@ -24,102 +27,138 @@ _PREFIX = "step-"
 _PARTIAL = ".partial"
 
 
-def step_dir(root: str | Path, step: int) -> Path:
-    return Path(root) / f"{_PREFIX}{step:06d}"
+def is_uri(root: str) -> bool:
+    return "://" in root
 
 
-def partial_dir(root: str | Path, step: int) -> Path:
-    """A fresh, empty directory to save ``step`` into (leftovers of a crashed save removed)."""
-    p = Path(root) / f"{_PREFIX}{step:06d}{_PARTIAL}"
-    if p.exists():
-        shutil.rmtree(p)
-    p.mkdir(parents=True)
-    return p
+class CheckpointStore:
+    """The checkpoints under one root. Paths it returns are the filesystem's own paths (plain
+    absolute paths on a local disk); ``uri`` turns one into what DCP and users are given."""
 
+    def __init__(self, root: str | os.PathLike):
+        self.root_uri = str(root)
+        self.fs, self.root = url_to_fs(self.root_uri)
+        self.local = isinstance(self.fs, LocalFileSystem)
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    def uri(self, path: str) -> str:
+        return self.fs.unstrip_protocol(path) if is_uri(self.root_uri) else path
 
+    def step_dir(self, step: int) -> str:
+        return f"{self.root}/{_PREFIX}{step:06d}"
 
-def _payload_files(d: Path) -> list[Path]:
-    return sorted(p for p in d.rglob("*") if p.is_file() and p.name != MANIFEST)
+    def partial_dir(self, step: int) -> str:
+        """A fresh, empty directory to save ``step`` into (leftovers of a crashed save removed)."""
+        p = self.step_dir(step) + _PARTIAL
+        if self.fs.exists(p):
+            self.fs.rm(p, recursive=True)
+        self.fs.makedirs(p, exist_ok=True)
+        return p
 
+    def discard(self, partial: str) -> None:
+        """Remove an abandoned save (one that failed or was never committed)."""
+        if partial.endswith(_PARTIAL) and self.fs.exists(partial):
+            self.fs.rm(partial, recursive=True)
 
-def commit(partial: Path, meta: dict[str, Any]) -> Path:
-    """Write the manifest last and atomically, then publish the directory. Returns it."""
-    files = {str(p.relative_to(partial)): {"size": p.stat().st_size, "sha256": _sha256(p)}
-             for p in _payload_files(partial)}
-    tmp = partial / (MANIFEST + ".tmp")
-    with tmp.open("w") as f:
-        json.dump({**meta, "files": files}, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, partial / MANIFEST)
-    final = partial.with_name(partial.name[: -len(_PARTIAL)])
-    if final.exists():  # the same step saved before (a resumed run): keep the older copy
-        shutil.rmtree(partial)
+    def write_bytes(self, directory: str, name: str, data: bytes) -> None:
+        self.fs.makedirs(directory, exist_ok=True)
+        self.fs.pipe_file(f"{directory}/{name}", data)
+
+    def read_bytes(self, directory: str, name: str) -> bytes | None:
+        path = f"{directory}/{name}"
+        return self.fs.cat_file(path) if self.fs.exists(path) else None
+
+    def _sha256(self, path: str) -> str:
+        h = hashlib.sha256()
+        with self.fs.open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        return h.hexdigest()
+
+    def _payload_files(self, d: str) -> dict[str, int]:
+        """{path relative to d: size} of every file but the manifest."""
+        found = self.fs.find(d, detail=True)
+        return {p[len(d) + 1:]: int(info["size"]) for p, info in sorted(found.items())
+                if info["type"] == "file" and p.rsplit("/", 1)[-1] != MANIFEST}
+
+    def commit(self, partial: str, meta: dict[str, Any]) -> str:
+        """Write the manifest last and atomically, then publish the directory. Returns it."""
+        self.fs.invalidate_cache(partial)
+        files = {rel: {"size": size, "sha256": self._sha256(f"{partial}/{rel}")}
+                 for rel, size in self._payload_files(partial).items()}
+        data = json.dumps({**meta, "files": files}, indent=1, sort_keys=True).encode()
+        if self.local:  # write, fsync, rename: atomic on a POSIX filesystem
+            tmp = f"{partial}/{MANIFEST}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, f"{partial}/{MANIFEST}")
+        else:  # one object PUT: atomic on object stores
+            self.fs.pipe_file(f"{partial}/{MANIFEST}", data)
+        final = partial[: -len(_PARTIAL)]
+        if self.fs.exists(final):  # the same step saved before (a resumed run): keep that copy
+            self.fs.rm(partial, recursive=True)
+            return final
+        self.fs.mv(partial, final, recursive=True)
+        if self.local:
+            _fsync_dir(os.path.dirname(final))
         return final
-    os.rename(partial, final)
-    _fsync_dir(final.parent)
-    return final
+
+    def read_manifest(self, d: str, verify: bool = True) -> dict[str, Any] | None:
+        """The manifest of a complete, intact checkpoint, else None (with a warning why)."""
+        try:
+            meta = json.loads(self.fs.cat_file(f"{d}/{MANIFEST}"))
+        except (OSError, ValueError) as err:
+            log.warning("skipping checkpoint %s: no readable manifest (%s)", self.uri(d), err)
+            return None
+        if not verify:
+            return meta
+        have = self._payload_files(d)
+        for rel, want in meta.get("files", {}).items():
+            if have.get(rel) != want["size"] or self._sha256(f"{d}/{rel}") != want["sha256"]:
+                log.warning("skipping checkpoint %s: %s is missing or corrupt", self.uri(d), rel)
+                return None
+        return meta
+
+    def complete_steps(self) -> list[int]:
+        """Steps with a published directory (newest last); not yet verified."""
+        self.fs.invalidate_cache(self.root)
+        if not self.fs.isdir(self.root):
+            return []
+        steps = []
+        for info in self.fs.ls(self.root, detail=True):
+            name = info["name"].rstrip("/").rsplit("/", 1)[-1]
+            if info["type"] == "directory" and name.startswith(_PREFIX) and name[len(_PREFIX):].isdigit():
+                steps.append(int(name[len(_PREFIX):]))
+        return sorted(steps)
+
+    def latest(self) -> tuple[str, dict[str, Any]] | None:
+        """The newest intact checkpoint and its manifest, skipping corrupt or partial ones."""
+        for step in reversed(self.complete_steps()):
+            d = self.step_dir(step)
+            meta = self.read_manifest(d)
+            if meta is not None:
+                return d, meta
+        return None
+
+    def prune(self, keep_last: int) -> list[int]:
+        """Delete all but the newest ``keep_last`` published checkpoints; returns deleted steps."""
+        steps = self.complete_steps()
+        doomed = steps[:-keep_last] if keep_last > 0 else []
+        for s in doomed:
+            try:
+                self.fs.rm(self.step_dir(s), recursive=True)
+            except FileNotFoundError:
+                pass
+        return doomed
+
+    def exists(self, step: int) -> bool:
+        return self.fs.exists(f"{self.step_dir(step)}/{MANIFEST}")
 
 
-def _fsync_dir(d: Path) -> None:
+def _fsync_dir(d: str) -> None:
     fd = os.open(d, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def read_manifest(d: Path, verify: bool = True) -> dict[str, Any] | None:
-    """The manifest of a complete, intact checkpoint, else None (with a warning why)."""
-    try:
-        meta = json.loads((d / MANIFEST).read_text())
-    except (OSError, ValueError) as err:
-        log.warning("skipping checkpoint %s: no readable manifest (%s)", d, err)
-        return None
-    if not verify:
-        return meta
-    for rel, want in meta.get("files", {}).items():
-        p = d / rel
-        if not p.is_file() or p.stat().st_size != want["size"] or _sha256(p) != want["sha256"]:
-            log.warning("skipping checkpoint %s: %s is missing or corrupt", d, rel)
-            return None
-    return meta
-
-
-def complete_steps(root: str | Path) -> list[int]:
-    """Steps with a published directory (newest last); not yet verified."""
-    r = Path(root)
-    if not r.is_dir():
-        return []
-    steps = []
-    for p in r.iterdir():
-        name = p.name
-        if p.is_dir() and name.startswith(_PREFIX) and name[len(_PREFIX):].isdigit():
-            steps.append(int(name[len(_PREFIX):]))
-    return sorted(steps)
-
-
-def latest(root: str | Path) -> tuple[Path, dict[str, Any]] | None:
-    """The newest intact checkpoint and its manifest, skipping corrupt or partial ones."""
-    for step in reversed(complete_steps(root)):
-        d = step_dir(root, step)
-        meta = read_manifest(d)
-        if meta is not None:
-            return d, meta
-    return None
-
-
-def prune(root: str | Path, keep_last: int) -> list[int]:
-    """Delete all but the newest ``keep_last`` published checkpoints; returns deleted steps."""
-    steps = complete_steps(root)
-    doomed = steps[:-keep_last] if keep_last > 0 else []
-    for s in doomed:
-        shutil.rmtree(step_dir(root, s), ignore_errors=True)
-    return doomed

@@ -256,4 +256,14 @@ def unsupported_problems(spec: JobSpec) -> list[Problem]:
         out.append(Problem("model.kernels", "triton kernels need a CUDA device (runtime.device is "
                            "cpu)", "use model.kernels=auto, or TRITON_INTERPRET=1 to interpret "
                            "them on CPU (slow)"))
+    ckpt_dir = spec.checkpoint.dir
+    if ckpt_dir and "://" in ckpt_dir:
+        from fsspec.core import url_to_fs
+
+        try:
+            url_to_fs(ckpt_dir)
+        except (ImportError, ValueError) as err:
+            out.append(Problem("checkpoint.dir", f"no filesystem for {ckpt_dir!r} ({err})",
+                               "install the fsspec implementation it names (s3fs, gcsfs, adlfs) "
+                               "or give a local path"))
     return out

@@ -122,9 +122,16 @@ class TrainingConfig(_Section):
 
 
 class CheckpointConfig(_Section):
-    """Sharded Distributed Checkpoints under ``OUTPUT/checkpoints/step-NNNNNN/``."""
+    """Sharded Distributed Checkpoints under ``DIR/step-NNNNNN/`` (DIR: ``OUTPUT/checkpoints``
+    unless ``dir`` says otherwise)."""
 
+    dir: str | None = Field(None, description="a local path or an fsspec URI (s3://bucket/run, "
+                            "gs://..., file:///mnt/ckpt; the filesystem's package must be "
+                            "installed); every rank and the controller must reach it")
     every: int = Field(0, ge=0, description="save every N steps; 0 saves only at the end")
+    async_save: bool = Field(False, description="write in the background: a step's shards are "
+                             "copied to host memory, training goes on while a thread writes "
+                             "them, and the manifest is committed once every rank is done")
     resume: Literal["auto", "never"] = "auto"
     keep_last: int = Field(3, ge=1)
     save_final: bool = True

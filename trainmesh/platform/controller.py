@@ -17,10 +17,10 @@ from typing import Any
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from trainmesh.actors.worker_group import PlacementTimeout
-from trainmesh.checkpoint import manifest
 from trainmesh.jobs.spec import JobSpec
 from trainmesh.models.llama.model_math import flops_per_token
 from trainmesh.parallel.dims import ParallelDims
+from trainmesh.platform.checkpointing import Checkpointer
 from trainmesh.platform.elastic import (
     GiveUp,
     JobFailed,
@@ -36,8 +36,6 @@ from trainmesh.platform.ray_group import RayWorkerGroup, live_topology, placemen
 from trainmesh.platform.topology import Topology
 
 log = logging.getLogger(__name__)
-
-RNG_FILE = "rng_state.bin"
 
 # What a recovery handles: a rank's actor died, a rank's step raised (a peer's death surfaces
 # as a collective error), a step overran its timeout, or the new placement could not be made.
@@ -62,7 +60,7 @@ class Controller:
                  topology_fn: Callable[[JobSpec], Topology] | None = None):
         self.spec = JobSpec.model_validate_json(spec_json)
         self.out = Path(self.spec.resolved_output_dir())
-        self.ckpt_root = self.out / "checkpoints"
+        self.ckpts = Checkpointer(self.spec, self.out, on_warning=self._notice)
         self.tracking_uri = tracking_uri
         self.worker_env = worker_env
         self._group_factory = group_factory or RayWorkerGroup
@@ -76,7 +74,6 @@ class Controller:
         self.pid_history: list[list[int]] = []  # the ranks' processes, per (re)start
         self._marks: dict[str, float] = {}  # wall times of the current recovery's phases
         self.losses: list[float] = []
-        self.checkpoints: list[int] = []
         self.recoveries: list[dict[str, Any]] = []
         self.dead_nodes: set[str] = set()
         self.dims = ParallelDims()
@@ -92,7 +89,7 @@ class Controller:
 
     def run(self) -> dict[str, Any]:
         self.out.mkdir(parents=True, exist_ok=True)
-        resume = self._find_resume()
+        resume = self.ckpts.latest()
         tracker = self._make_tracker(resume[1].get("mlflow_run_id") if resume else None)
         status = "FAILED"
         try:
@@ -233,8 +230,9 @@ class Controller:
         tracker.log_dict({**self.dims.as_dict(), "plan": self.plan_row,
                           "rank_to_node": self.rank_nodes}, "mesh.json")
         self._set(state="building")
+        self.ckpts.forget()  # a save in flight when the job stopped never counts
         group.build(self.eff.model_dump_json(), self.dims, self._data_dir())
-        start = self._restore(group, self._find_resume(), tracker)
+        start = self._restore(group, self.ckpts.latest(), tracker)
         tracker.event("start", step=start, mesh=self.dims.as_dict())
         return start
 
@@ -278,6 +276,7 @@ class Controller:
             tokens = tr.global_batch_size * tr.seq_len
             s0 = stats[0]
             self.losses.append(s0["loss"])
+            self.ckpts.poll([s.get("save") for s in stats], tracker)
             tps = tokens / dt
             metrics = {"loss": s0["loss"], "lr": s0["lr"], "grad_norm": s0["grad_norm"],
                        "tokens_per_s": tps, "step_time_s": dt,
@@ -292,12 +291,15 @@ class Controller:
             if notified and not last:  # checkpoint now, then let those ranks go
                 self._notice(f"preemption notice from rank(s) {notified} after step {step + 1}: "
                              "checkpointing, then continuing without their node(s)")
-                self._checkpoint(group, dims, step + 1, tracker)
+                self._checkpoint(group, dims, step + 1, tracker, background=False)
                 raise _Preempted(step + 1, notified)
             if (every and (step + 1) % every == 0) or (last and self.spec.checkpoint.save_final):
-                self._checkpoint(group, dims, step + 1, tracker)
+                self._checkpoint(group, dims, step + 1, tracker,
+                                 background=self.spec.checkpoint.async_save and not last)
                 if not last and self._may_grow(dims):
+                    self.ckpts.settle(group, tracker)  # the resize restores from this one
                     raise _ScaleUp(step + 1)
+        self.ckpts.settle(group, tracker)
         if on_first_step is not None:  # resumed at the end: nothing left to run
             on_first_step()
 
@@ -309,46 +311,31 @@ class Controller:
         available = bounded_topology(self._topology_fn(self.spec), el, self.dead_nodes).world_size
         return should_scale_up(dims.world_size, available, el)
 
-    def _checkpoint(self, group, dims: ParallelDims, step: int, tracker) -> None:
-        partial = manifest.partial_dir(self.ckpt_root, step)
-        rng = group.save(str(partial))
-        if rng is not None:
-            (partial / RNG_FILE).write_bytes(rng)
+    def _checkpoint(self, group, dims: ParallelDims, step: int, tracker, background: bool) -> None:
         tr = self.spec.training
-        meta = {"step": step, "mesh": dims.as_dict(), "losses": list(self.losses),
+        meta = {"mesh": dims.as_dict(), "losses": list(self.losses),
                 "data_position": {"seed": tr.seed, "step": step,
                                   "samples_consumed": step * tr.global_batch_size},
                 "mlflow_run_id": tracker.run_id, "spec": json.loads(self.eff.model_dump_json()),
                 "recoveries": list(self.recoveries)}
-        final = manifest.commit(partial, meta)
-        if step not in self.checkpoints:
-            self.checkpoints.append(step)
-        pruned = manifest.prune(self.ckpt_root, self.spec.checkpoint.keep_last)
-        tracker.event("checkpoint", step=step, path=str(final), pruned=pruned)
+        self.ckpts.save(group, step, meta, tracker, background)
 
     def _log_pipeline(self, group, dims: ParallelDims, tracker) -> None:
         for path in write_pipeline_artifacts(self.out, self.eff, dims, group.timelines()):
             tracker.log_artifact(path)
 
     # -- resume ----------------------------------------------------------------------------
-    def _find_resume(self) -> tuple[Path, dict[str, Any]] | None:
-        if self.spec.checkpoint.resume != "auto":
-            return None
-        return manifest.latest(self.ckpt_root)
-
     def _restore(self, group, resume, tracker) -> int:
         if resume is None:
             return 0
         directory, meta = resume
-        rng_path = directory / RNG_FILE
-        rng = rng_path.read_bytes() if rng_path.exists() else None
+        uri, rng = self.ckpts.restored(directory)
         step = int(meta["step"])
-        group.load(str(directory), step, rng)
+        group.load(uri, step, rng)
         self.losses = list(meta.get("losses", []))[:step]
         if not self.recoveries:
             self.recoveries = list(meta.get("recoveries", []))
-        self.checkpoints = manifest.complete_steps(self.ckpt_root)
-        tracker.event("resume", step=step, path=str(directory), from_mesh=meta.get("mesh"))
+        tracker.event("resume", step=step, path=uri, from_mesh=meta.get("mesh"))
         return step
 
     # -- helpers ---------------------------------------------------------------------------
@@ -375,8 +362,7 @@ class Controller:
             "losses": self.losses, "final_loss": self.losses[-1] if self.losses else None,
             "mesh": {**dims.as_dict(), "vpp": self.plan_row.get("vpp", 1)},
             "plan": self.plan_row, "rank_to_node": self.rank_nodes,
-            "checkpoints": [str(manifest.step_dir(self.ckpt_root, s)) for s in self.checkpoints
-                            if manifest.step_dir(self.ckpt_root, s).exists()],
+            "checkpoints": self.ckpts.published(),
             "recoveries": self.recoveries, "rank_pids": self.pid_history,
             "mlflow_run_id": tracker.run_id,
             "tracking_uri": tracker.uri,

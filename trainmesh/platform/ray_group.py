@@ -72,8 +72,14 @@ class RayWorkerGroup:
     def train_step(self) -> list[dict]:
         return self.group.call("train_step", timeout_s=self.timeout * 2)
 
-    def save(self, directory: str) -> bytes | None:
-        return self.group.call("save", directory, timeout_s=self.timeout * 2)[0]
+    def save(self, directory: str, background: bool = False) -> bytes | None:
+        """Collective save (in the background: returns once every rank has its shards in
+        host memory); rank 0's RNG state."""
+        return self.group.call("save", directory, background, timeout_s=self.timeout * 2)[0]
+
+    def wait_save(self) -> list[str | None]:
+        """Every rank's background save, waited for: "done", "failed: ..." or None."""
+        return self.group.call("wait_save", self.timeout * 2, timeout_s=self.timeout * 3)
 
     def load(self, directory: str, step: int, rng: bytes | None) -> None:
         self.group.call("load", directory, step, rng, timeout_s=self.timeout * 2)

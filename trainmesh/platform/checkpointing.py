@@ -1,0 +1,118 @@
+"""The controller's side of checkpoints: where they go, when a save counts, background saves.
+
+A save counts only once its manifest is committed, and that happens only after every rank has
+written its part: at once for a synchronous save; for a background one, after the first step
+at which every rank reports its write done (or when the controller has to wait: before the
+next save, at the end, before a resize). A background save that fails, or that a failure
+interrupts, is dropped and the previous checkpoint stays the newest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from trainmesh.checkpoint.manifest import CheckpointStore, is_uri
+from trainmesh.jobs.spec import JobSpec
+
+RNG_FILE = "rng_state.bin"
+
+
+@dataclasses.dataclass
+class _Pending:
+    step: int
+    partial: str
+    meta: dict[str, Any]
+    background: bool
+    t0: float  # when the save began
+    blocked_s: float = 0.0  # how long training waited for it
+    steps_during: int = 0  # training steps run while it was being written
+
+
+class Checkpointer:
+    def __init__(self, spec: JobSpec, out: Path, on_warning: Callable[[str], None]):
+        root = spec.checkpoint.dir or out / "checkpoints"
+        if not is_uri(str(root)):
+            root = Path(root).resolve()
+        self.store = CheckpointStore(root)
+        self.cfg = spec.checkpoint
+        self._warn = on_warning
+        self.pending: _Pending | None = None
+        self.steps: list[int] = []  # committed steps this job knows of
+
+    def save(self, group, step: int, meta: dict[str, Any], tracker, background: bool) -> None:
+        """Collective over ``group``; in the background the commit comes later (``poll``)."""
+        self.settle(group, tracker)
+        t0 = time.perf_counter()
+        partial = self.store.partial_dir(step)
+        rng = group.save(self.store.uri(partial), background)
+        if rng is not None:
+            self.store.write_bytes(partial, RNG_FILE, rng)
+        self.pending = _Pending(step, partial, {"step": step, **meta}, background, t0,
+                                blocked_s=time.perf_counter() - t0)
+        if not background:
+            self._commit(tracker)
+
+    def poll(self, statuses: list[str | None], tracker) -> None:
+        """After a step (``statuses``: each rank's background save): commit the save in
+        flight once every rank is done with it, drop it if any rank failed."""
+        if self.pending is None:
+            return
+        self.pending.steps_during += 1
+        if all(s == "done" for s in statuses):
+            self._commit(tracker)
+        elif any(s is not None and s.startswith("failed") for s in statuses):
+            self._drop(next(s for s in statuses if s and s.startswith("failed")), tracker)
+
+    def settle(self, group, tracker) -> None:
+        """Wait for the background save in flight (if any) and commit or drop it."""
+        if self.pending is None:
+            return
+        t0 = time.perf_counter()
+        statuses = group.wait_save()
+        self.pending.blocked_s += time.perf_counter() - t0
+        self.pending.steps_during -= 1  # poll counts a step; this is a wait, not a step
+        self.poll(statuses, tracker)
+        if self.pending is not None:  # still running after the wait: give up on it
+            self._drop(f"not finished in time: {statuses}", tracker)
+
+    def forget(self) -> None:
+        """A failure interrupted the job: the save in flight never counts (its partial
+        directory is cleared when that step is saved again)."""
+        self.pending = None
+
+    def _commit(self, tracker) -> None:
+        p, self.pending = self.pending, None
+        final = self.store.commit(p.partial, p.meta)
+        if p.step not in self.steps:
+            self.steps.append(p.step)
+        pruned = self.store.prune(self.cfg.keep_last)
+        tracker.event("checkpoint", step=p.step, path=self.store.uri(final), pruned=pruned,
+                      background=p.background, blocked_s=round(p.blocked_s, 4),
+                      total_s=round(time.perf_counter() - p.t0, 4), steps_during=p.steps_during)
+        tracker.log_metrics({"checkpoint_blocked_s": p.blocked_s}, step=p.step)
+
+    def _drop(self, why: str, tracker) -> None:
+        p, self.pending = self.pending, None
+        self._warn(f"checkpoint of step {p.step} was not saved ({why[:300]}); the previous "
+                   "one stays the newest")
+        tracker.event("checkpoint-failed", step=p.step, error=why[-2000:])
+        self.store.discard(p.partial)
+
+    # -- resume ----------------------------------------------------------------------------
+    def latest(self) -> tuple[str, dict[str, Any]] | None:
+        """The newest intact checkpoint (and its manifest), unless resuming is off."""
+        if self.cfg.resume != "auto":
+            return None
+        return self.store.latest()
+
+    def restored(self, directory: str) -> tuple[str, bytes | None]:
+        """After choosing ``directory``: the URI the ranks load from, and the RNG state."""
+        self.steps = self.store.complete_steps()
+        return self.store.uri(directory), self.store.read_bytes(directory, RNG_FILE)
+
+    def published(self) -> list[str]:
+        return [self.store.uri(self.store.step_dir(s)) for s in self.steps if self.store.exists(s)]
