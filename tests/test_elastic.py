@@ -103,7 +103,10 @@ def test_node_death_replans_onto_survivors_and_matches_uninterrupted(cluster, un
                                                                       tmp_path, mode):
     while len(_gpu_nodes(cluster)) < 2:
         cluster.add_node(num_cpus=4, num_gpus=4)
+    # The warm run writes its checkpoints in the background: a save may be in flight when the
+    # node dies (it never counts), and what it restores must still match the synchronous run.
     spec = load_spec(None, [*ARGS_3D, f"elastic.warm_recovery={str(mode == 'warm').lower()}",
+                            f"checkpoint.async_save={str(mode == 'warm').lower()}",
                             f"runtime.output_dir={tmp_path / 'killed'}"])
     thread, box = _in_background(spec)
     root = tmp_path / "killed" / "checkpoints"
@@ -174,9 +177,16 @@ def _rank_worker_pids() -> list[int]:
 
 
 @pytest.mark.timeout(400)
-def test_preemption_notice_checkpoints_first_then_continues_without_the_node(cluster, tmp_path):
+@pytest.mark.parametrize("notice", ["sigterm", "drain"])
+def test_preemption_notice_checkpoints_first_then_continues_without_the_node(cluster, tmp_path,
+                                                                              notice):
+    """A notice that a node is going (SIGTERM to one of its ranks: a spot reclaim; or Ray
+    draining the node: the autoscaler, KubeRay, ``ray drain-node``) is acted on at the next
+    step boundary: checkpoint there, then go on without that node."""
     import os
     import signal
+
+    from ray.core.generated import autoscaler_pb2
 
     while len(_gpu_nodes(cluster)) < 2:
         cluster.add_node(num_cpus=4, num_gpus=4)
@@ -185,8 +195,18 @@ def test_preemption_notice_checkpoints_first_then_continues_without_the_node(clu
     thread, box = _in_background(spec)
     _wait_for_checkpoint(tmp_path / "checkpoints", 2)
     [victim, *_] = _rank_worker_pids()
-    os.kill(victim, signal.SIGTERM)  # what a spot reclaim or a node drain sends
+    node = _gpu_nodes(cluster)[-1]
+    if notice == "sigterm":
+        os.kill(victim, signal.SIGTERM)
+    else:
+        gcs = ray._raylet.GcsClient(address=cluster.gcs_address)
+        reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")
+        accepted, why = gcs.drain_node(node.node_id, reason, "test: spot reclaim",
+                                       int(time.time() * 1000) + 120_000)
+        assert accepted, why
     thread.join(360)
+    if notice == "drain":
+        cluster.remove_node(node)  # what the drain's deadline would bring
     assert "error" not in box, box.get("error")
     s = box["summary"]
     assert s["status"] == "FINISHED" and s["steps_done"] == 7
@@ -196,7 +216,10 @@ def test_preemption_notice_checkpoints_first_then_continues_without_the_node(clu
     # The notice was acted on at the next step boundary, with a checkpoint taken there.
     store = CheckpointStore(tmp_path / "checkpoints")
     assert rec["step"] > 2 and store.read_manifest(store.step_dir(rec["step"])) is not None
-    assert victim not in s["rank_pids"][-1]
+    if notice == "sigterm":
+        assert victim not in s["rank_pids"][-1]
+    else:
+        assert node.node_id not in s["rank_to_node"] and len(s["rank_to_node"]) == 4
 
 
 @pytest.mark.timeout(300)

@@ -32,7 +32,7 @@ from trainmesh.platform.elastic import (
 )
 from trainmesh.platform.job_plan import effective_spec, plan_job, replan_job
 from trainmesh.platform.pipeline_artifacts import write_pipeline_artifacts
-from trainmesh.platform.ray_group import RayWorkerGroup, live_topology, placement_for
+from trainmesh.platform.ray_group import RayWorkerGroup, draining_nodes, live_topology, placement_for
 from trainmesh.platform.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -144,8 +144,7 @@ class Controller:
                     self.dead_nodes |= leaving
                     alive = {r for r in self._alive(group) if self.rank_nodes[r] not in leaving}
                     tracker.event("preemption", step=pre.step, ranks=pre.ranks, nodes=sorted(leaving))
-                    available = bounded_topology(self._topology_fn(self.spec), self.spec.elastic,
-                                                 self.dead_nodes).world_size
+                    available = self._available().world_size
                     decision = on_failure(self.spec.elastic, 0, available, [str(pre)])
                     if isinstance(decision, GiveUp):
                         raise JobFailed(decision.report) from pre
@@ -158,8 +157,7 @@ class Controller:
                     self._set(state="recovering")
                     alive = self._alive(group)
                     self.dead_nodes |= {n for r, n in enumerate(self.rank_nodes) if r not in alive}
-                    available = bounded_topology(self._topology_fn(self.spec), self.spec.elastic,
-                                                 self.dead_nodes).world_size
+                    available = self._available().world_size
                     decision = on_failure(self.spec.elastic, restarts, available, [str(err)])
                     tracker.event("failure", cause=failure[0], step=failure[2],
                                   dead_nodes=sorted(self.dead_nodes), error=str(err)[-2000:])
@@ -177,9 +175,14 @@ class Controller:
         if group is not None:
             group.shutdown()
 
+    def _available(self) -> Topology:
+        """The accelerators the job may use now: not on a dead node, nor on one being drained."""
+        gone = self.dead_nodes | set(draining_nodes())
+        return bounded_topology(self._topology_fn(self.spec), self.spec.elastic, gone)
+
     def _plan(self, replan: bool) -> Topology:
         """Plan (or re-plan) for the accelerators alive now; returns that topology."""
-        topo = bounded_topology(self._topology_fn(self.spec), self.spec.elastic, self.dead_nodes)
+        topo = self._available()
         if replan or self.spec.parallelism.auto:
             self.dims, result, self.eff = replan_job(self.spec, topo)
         else:
@@ -287,9 +290,9 @@ class Controller:
                 on_first_step()
                 on_first_step = None
             last = step + 1 == tr.steps
-            notified = [r for r, s in enumerate(stats) if s.get("preempted")]
+            notified = self._notified(stats)
             if notified and not last:  # checkpoint now, then let those ranks go
-                self._notice(f"preemption notice from rank(s) {notified} after step {step + 1}: "
+                self._notice(f"preemption notice for rank(s) {notified} after step {step + 1}: "
                              "checkpointing, then continuing without their node(s)")
                 self._checkpoint(group, dims, step + 1, tracker, background=False)
                 raise _Preempted(step + 1, notified)
@@ -303,12 +306,18 @@ class Controller:
         if on_first_step is not None:  # resumed at the end: nothing left to run
             on_first_step()
 
+    def _notified(self, stats: list[dict]) -> list[int]:
+        """Ranks with a preemption notice: a SIGTERM to the rank, or its node being drained."""
+        draining = draining_nodes()
+        return [r for r, s in enumerate(stats)
+                if s.get("preempted") or self.rank_nodes[r] in draining]
+
     def _may_grow(self, dims: ParallelDims) -> bool:
         """Scale up only where the spec allows it: auto parallelism or a max_world_size."""
         el = self.spec.elastic
         if not (self.spec.parallelism.auto or el.max_world_size):
             return False
-        available = bounded_topology(self._topology_fn(self.spec), el, self.dead_nodes).world_size
+        available = self._available().world_size
         return should_scale_up(dims.world_size, available, el)
 
     def _checkpoint(self, group, dims: ParallelDims, step: int, tracker, background: bool) -> None:

@@ -3,6 +3,8 @@ placement it needs, and the live topology."""
 
 from __future__ import annotations
 
+import functools
+
 from trainmesh.jobs.spec import JobSpec
 from trainmesh.parallel.dims import ParallelDims
 from trainmesh.parallel.layout import Placement, plan_placement
@@ -112,3 +114,21 @@ def live_topology(spec: JobSpec) -> Topology:
     topo = topology_from_ray(device, spec.runtime.cpus_per_rank)
     return topo.with_overrides(spec.topology.overrides())
 
+
+
+def draining_nodes() -> dict[str, int]:
+    """Nodes Ray is draining — a preemption or scale-down notice from the autoscaler, KubeRay
+    or ``ray drain-node`` — with their deadlines (ms since the epoch; 0 when none). The ranks
+    there still run; new work is no longer placed there. Empty when the GCS cannot say."""
+    try:
+        return dict(_gcs_client().get_draining_nodes(timeout=5))
+    except Exception:  # noqa: BLE001 - no answer is not a drain
+        return {}
+
+
+@functools.cache
+def _gcs_client():
+    import ray
+
+    # The GCS client Ray's own libraries (Serve) read draining nodes through.
+    return ray._raylet.GcsClient(address=ray.get_runtime_context().gcs_address)
