@@ -81,7 +81,7 @@ def test_scale_up_at_the_next_checkpoint_when_a_node_joins(cluster, tmp_path):
 
 
 ARGS_3D = [*COMMON, "parallelism.pp=2", "parallelism.vpp=2", "parallelism.tp=2", "parallelism.dp=2",
-           "parallelism.sequence_parallel=true", "schedule.name=interleaved-1f1b", "training.steps=8",
+           "parallelism.sequence_parallel=true", "schedule.name=interleaved-1f1b", "training.steps=6",
            "checkpoint.every=2"]
 
 
@@ -135,7 +135,7 @@ def test_node_death_replans_onto_survivors_and_matches_uninterrupted(cluster, un
     thread.join(500)
     assert "error" not in box, box.get("error")
     s = box["summary"]
-    assert s["status"] == "FINISHED" and s["steps_done"] == 8
+    assert s["status"] == "FINISHED" and s["steps_done"] == 6
     assert s["mesh"]["world_size"] == 4  # the surviving node's ranks, re-planned
     (rec,) = [r for r in s["recoveries"] if r["cause"] != "scale-up"]
     assert rec["old_mesh"]["world_size"] == 8 and rec["new_mesh"]["world_size"] == 4
@@ -190,7 +190,7 @@ def test_preemption_notice_checkpoints_first_then_continues_without_the_node(clu
 
     while len(_gpu_nodes(cluster)) < 2:
         cluster.add_node(num_cpus=4, num_gpus=4)
-    spec = load_spec(None, [*COMMON, "parallelism.dp=8", "training.steps=7", "checkpoint.every=2",
+    spec = load_spec(None, [*COMMON, "parallelism.dp=8", "training.steps=5", "checkpoint.every=2",
                             "checkpoint.keep_last=10", f"runtime.output_dir={tmp_path}"])
     thread, box = _in_background(spec)
     _wait_for_checkpoint(tmp_path / "checkpoints", 2)
@@ -209,7 +209,7 @@ def test_preemption_notice_checkpoints_first_then_continues_without_the_node(clu
         cluster.remove_node(node)  # what the drain's deadline would bring
     assert "error" not in box, box.get("error")
     s = box["summary"]
-    assert s["status"] == "FINISHED" and s["steps_done"] == 7
+    assert s["status"] == "FINISHED" and s["steps_done"] == 5
     (rec,) = s["recoveries"]
     assert rec["cause"] == "preemption" and rec["steps_lost"] == 0
     assert rec["old_mesh"]["world_size"] == 8 and rec["new_mesh"]["world_size"] == 4
