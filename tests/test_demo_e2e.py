@@ -52,3 +52,9 @@ def test_demo_job_through_cli_lands_in_mlflow(tmp_path):
         assert len(client.get_metric_history(run.info.run_id, name)) == 150, name
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"spec.json", "mesh.json", "summary.json", "events.json"} <= artifacts
+    events = json.loads(Path(client.download_artifacts(run.info.run_id, "events.json", str(tmp_path)))
+                        .read_text())
+    saves = {e["step"]: e for e in events if e["kind"] == "checkpoint"}
+    assert sorted(saves) == [50, 100, 150]
+    # The demo saves in the background (the final save waits: nothing is left to overlap).
+    assert saves[50]["background"] and saves[100]["background"] and not saves[150]["background"]

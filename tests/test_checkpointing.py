@@ -1,0 +1,105 @@
+"""When a save counts: the controller's commit/drop policy for synchronous and background saves,
+on a real checkpoint directory. The rank actors are stood in for by ``_Ranks``, which writes a
+shard per rank the way DCP would and reports each rank's background-save state as the test
+sets it (the real ranks' background saves run in tests/test_dp_zero3.py and test_elastic.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from trainmesh.checkpoint.manifest import CheckpointStore
+from trainmesh.jobs.loading import load_spec
+from trainmesh.platform.checkpointing import RNG_FILE, Checkpointer
+
+
+class _Ranks:
+    def __init__(self, world: int = 2):
+        self.world = world
+        self.statuses: list[str | None] = [None] * world
+
+    def save(self, uri: str, background: bool) -> bytes:
+        for r in range(self.world):
+            (Path(uri) / f"__{r}_0.distcp").write_bytes(bytes([r]) * 64)
+        self.statuses = ["running"] * self.world if background else [None] * self.world
+        return b"rng-of-rank-0"
+
+    def wait_save(self) -> list[str | None]:
+        return list(self.statuses)
+
+
+class _Events:
+    def __init__(self):
+        self.events: list[tuple[str, dict]] = []
+        self.metrics: list[tuple[dict, int]] = []
+
+    def event(self, kind: str, **fields) -> None:
+        self.events.append((kind, fields))
+
+    def log_metrics(self, metrics: dict, step: int) -> None:
+        self.metrics.append((metrics, step))
+
+
+def _setup(tmp_path, *overrides):
+    warnings: list[str] = []
+    spec = load_spec(None, [f"runtime.output_dir={tmp_path}", "checkpoint.keep_last=5", *overrides])
+    return Checkpointer(spec, tmp_path, warnings.append), _Ranks(), _Events(), warnings
+
+
+def test_synchronous_save_is_committed_at_once(tmp_path):
+    ck, ranks, tracker, _ = _setup(tmp_path)
+    ck.save(ranks, 2, {"losses": [1.0, 0.9]}, tracker, background=False)
+    assert ck.pending is None and ck.steps == [2]
+    d, meta = ck.latest()
+    assert meta["step"] == 2 and meta["losses"] == [1.0, 0.9]
+    assert set(meta["files"]) == {"__0_0.distcp", "__1_0.distcp", RNG_FILE}
+    assert ck.restored(d) == (d, b"rng-of-rank-0")
+    [(kind, ev)] = tracker.events
+    assert kind == "checkpoint" and ev["background"] is False and ev["steps_during"] == 0
+
+
+def test_background_save_counts_only_once_every_rank_is_done(tmp_path):
+    ck, ranks, tracker, _ = _setup(tmp_path, "checkpoint.async_save=true")
+    ck.save(ranks, 2, {}, tracker, background=True)
+    assert ck.latest() is None  # nothing counts yet
+    ck.poll(["done", "running"], tracker)  # a step later, one rank still writing
+    assert ck.latest() is None and ck.pending is not None
+    ck.poll(["done", "done"], tracker)
+    assert ck.latest()[1]["step"] == 2 and ck.pending is None
+    [(kind, ev)] = tracker.events
+    assert ev["background"] is True and ev["steps_during"] == 2
+    assert tracker.metrics[0][1] == 2 and "checkpoint_blocked_s" in tracker.metrics[0][0]
+
+
+def test_failed_background_save_is_dropped_and_the_previous_stays(tmp_path):
+    ck, ranks, tracker, warnings = _setup(tmp_path)
+    ck.save(ranks, 2, {}, tracker, background=False)
+    ck.save(ranks, 4, {}, tracker, background=True)
+    partial = ck.pending.partial
+    ck.poll(["done", "failed: OSError(28, 'No space left on device')"], tracker)
+    assert ck.pending is None and not Path(partial).exists()
+    assert ck.latest()[1]["step"] == 2 and ck.published() == [ck.store.step_dir(2)]
+    assert "step 4 was not saved" in warnings[0] and "No space left" in warnings[0]
+    assert tracker.events[-1][0] == "checkpoint-failed"
+
+
+def test_settle_waits_then_commits_or_drops(tmp_path):
+    ck, ranks, tracker, warnings = _setup(tmp_path)
+    ck.save(ranks, 2, {}, tracker, background=True)
+    ranks.statuses = ["done", "done"]  # what waiting on the ranks returns
+    ck.settle(ranks, tracker)
+    assert ck.latest()[1]["step"] == 2 and tracker.events[-1][1]["steps_during"] == 0
+    ck.save(ranks, 4, {}, tracker, background=True)
+    ck.settle(ranks, tracker)  # a rank's write outlived the wait: it does not count
+    assert ck.latest()[1]["step"] == 2 and "not finished in time" in warnings[0]
+
+
+def test_a_save_interrupted_by_a_failure_never_counts(tmp_path):
+    ck, ranks, tracker, _ = _setup(tmp_path)
+    ck.save(ranks, 2, {}, tracker, background=False)
+    ck.save(ranks, 4, {}, tracker, background=True)
+    ck.forget()  # the job failed while step 4 was being written
+    assert ck.latest()[1]["step"] == 2
+    ck.save(ranks, 4, {}, tracker, background=False)  # saved again after the recovery
+    assert ck.latest()[1]["step"] == 4
+    assert CheckpointStore(tmp_path / "checkpoints").complete_steps() == [2, 4]
