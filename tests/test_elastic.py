@@ -78,6 +78,12 @@ def test_scale_up_at_the_next_checkpoint_when_a_node_joins(cluster, tmp_path):
     ups = [r for r in s["recoveries"] if r["cause"] == "scale-up"]
     assert ups and ups[0]["old_mesh"]["world_size"] == 4 and ups[0]["new_mesh"]["world_size"] == 8
     assert ups[0]["steps_lost"] == 0 and ups[0]["step"] % 2 == 0
+    # Warm growth: the 4 running actors were kept (same processes), 4 new ones started only
+    # for the new node's accelerators.
+    assert ups[0]["mode"] == "warm"
+    before, after = (set(p) for p in s["rank_pids"][-2:])
+    assert before < after and len(after) == 8
+    assert len(set(s["rank_to_node"][:4])) == 1 and len(set(s["rank_to_node"])) == 2
 
 
 ARGS_3D = [*COMMON, "parallelism.pp=2", "parallelism.vpp=2", "parallelism.tp=2", "parallelism.dp=2",

@@ -66,8 +66,14 @@ def test_warm_assignment_keeps_a_bundle_on_one_surviving_node():
     assert nodes3[keep[0]] != nodes3[keep[2]]
 
 
-def test_warm_assignment_refuses_when_new_actors_are_needed():
+def test_warm_assignment_starts_new_actors_only_for_bundles_no_survivor_holds():
     nodes = ["A"] * 4 + ["B"] * 4
-    assert warm_assignment((0, 0, 0, 0, 1, 1, 1, 1), nodes, alive={0, 1, 2, 3}) is None
-    # 4 survivors spread 2 + 2 cannot hold one bundle of 4 (TP group of 4 on one node).
+    # Scale-up from node A's 4 ranks to 8 ranks on 2 nodes: A's actors keep bundle 0.
+    assert warm_assignment((0, 0, 0, 0, 1, 1, 1, 1), nodes[:4], alive={0, 1, 2, 3}) == [
+        0, 1, 2, 3, None, None, None, None]
+    # A node died and a spare one joined: survivors keep their bundle, the other is new.
+    assert warm_assignment((0, 0, 0, 0, 1, 1, 1, 1), nodes, alive={4, 5, 6, 7}) == [
+        4, 5, 6, 7, None, None, None, None]
+    # 4 survivors spread 2 + 2 cannot hold one bundle of 4 (TP group of 4 on one node): no
+    # survivor is kept, so the restart is cold.
     assert warm_assignment((0, 0, 0, 0), nodes, alive={0, 1, 4, 5}) is None

@@ -22,26 +22,57 @@ class WorkerGroup:
     def __init__(self, placement: Placement, env_vars: dict[str, str], ready_timeout_s: float,
                  cpu_threads: int = 1):
         self.placement = placement
-        self.pg = placement_group(list(placement.bundles), strategy=placement.strategy)
-        ready, _ = ray.wait([self.pg.ready()], timeout=ready_timeout_s)
-        if not ready:
-            remove_placement_group(self.pg)
-            raise PlacementTimeout(
-                f"placement group {list(placement.bundles)} ({placement.strategy}) was not "
-                f"placed within {ready_timeout_s:.0f} s: the cluster lacks the resources; "
-                "lower the parallel degrees or add nodes")
+        self._env_vars, self._ready_timeout_s, self._cpu_threads = env_vars, ready_timeout_s, cpu_threads
+        self.pgs: list = []  # the first group's, then one per regroup that needed new actors
         world = len(placement.rank_bundle)
-        res = placement.resources_per_rank
+        self.workers = self._start(placement.bundles, placement.strategy,
+                                   list(enumerate(placement.rank_bundle)), world)
+
+    def _start(self, bundles, strategy: str, ranks: list[tuple[int, int]], world: int) -> list:
+        """A placement group of ``bundles`` and an actor for each (rank, bundle index)."""
+        pg = placement_group(list(bundles), strategy=strategy)
+        ready, _ = ray.wait([pg.ready()], timeout=self._ready_timeout_s)
+        if not ready:
+            remove_placement_group(pg)
+            raise PlacementTimeout(
+                f"placement group {list(bundles)} ({strategy}) was not placed within "
+                f"{self._ready_timeout_s:.0f} s: the cluster lacks the resources; lower the "
+                "parallel degrees or add nodes")
+        self.pgs.append(pg)
+        res = self.placement.resources_per_rank
         cls = ray.remote(RankWorker)
-        self.workers = [
+        return [
             cls.options(
                 num_cpus=res.get("CPU", 0), num_gpus=res.get("GPU", 0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self.pg, placement_group_bundle_index=b),
-                runtime_env={"env_vars": env_vars},
-            ).remote(rank, world, cpu_threads)
-            for rank, b in enumerate(placement.rank_bundle)
+                    pg, placement_group_bundle_index=b),
+                runtime_env={"env_vars": self._env_vars},
+            ).remote(rank, world, self._cpu_threads)
+            for rank, b in ranks
         ]
+
+    def regroup(self, assignment: list[int | None], placement: Placement, timeout_s: float) -> None:
+        """Warm re-formation for a new plan: new rank r is old rank ``assignment[r]``'s actor,
+        reset in place (same process), or — where that is None — a new actor, placed in a new
+        placement group holding just the bundles such ranks need. Other old actors are ended.
+        A kept actor still blocked in a collective answers once that collective times out."""
+        old = self.workers
+        for i, w in enumerate(old):
+            if i not in assignment:
+                ray.kill(w)
+        world = len(assignment)
+        self.placement = placement
+        fresh: dict[int, Any] = {}
+        new_bundles = sorted({placement.rank_bundle[r] for r, o in enumerate(assignment) if o is None})
+        if new_bundles:
+            index = {b: i for i, b in enumerate(new_bundles)}
+            ranks = [(r, index[placement.rank_bundle[r]]) for r, o in enumerate(assignment) if o is None]
+            strategy = placement.strategy if len(new_bundles) > 1 else "PACK"
+            actors = self._start([placement.bundles[b] for b in new_bundles], strategy, ranks, world)
+            fresh = {r: a for (r, _), a in zip(ranks, actors, strict=True)}
+        self.workers = [fresh[r] if o is None else old[o] for r, o in enumerate(assignment)]
+        ray.get([old[o].reset.remote(r, world) for r, o in enumerate(assignment) if o is not None],
+                timeout=timeout_s)
 
     @property
     def world_size(self) -> int:
@@ -58,8 +89,8 @@ class WorkerGroup:
         return backends[0]
 
     def shutdown(self) -> None:
-        """End every rank and release the placement group (safe to call twice)."""
-        if self.pg is None:
+        """End every rank and release the placement groups (safe to call twice)."""
+        if not self.pgs:
             return
         try:
             self.call("shutdown", timeout_s=30)
@@ -67,5 +98,6 @@ class WorkerGroup:
             pass
         for w in self.workers:
             ray.kill(w)
-        remove_placement_group(self.pg)
-        self.pg = None
+        for pg in self.pgs:
+            remove_placement_group(pg)
+        self.pgs = []

@@ -131,9 +131,13 @@ class Controller:
                         self._log_pipeline(group, self.dims, tracker)
                     return
                 except _ScaleUp as up:
+                    # Checkpointed already; every current rank is kept when warm, and new
+                    # actors are started only for the new accelerators.
                     failure = ("scale-up", time.monotonic(), up.step, self.dims.as_dict())
                     self._marks = {"failed": time.time()}
-                    group = self._drop(group)
+                    alive = set(range(self.dims.world_size))
+                    if not self.spec.elastic.warm_recovery:
+                        group = self._drop(group)
                 except _Preempted as pre:
                     # Checkpointed already; the notified ranks' nodes are going away: drain them
                     # and go on without them (not a failure: no restart budget, no backoff).
@@ -203,18 +207,20 @@ class Controller:
         return group
 
     def _warm_start(self, group, alive: set[int], tracker):
-        """Warm: the survivors take the new plan's ranks, or None (then restart cold)."""
+        """Warm: the surviving actors take the new plan's ranks (new actors only for new
+        accelerators), or None (then restart cold)."""
         try:
             topo = self._plan(replan=True)
-            keep = warm_assignment(placement_for(self.eff, self.dims, topo).rank_bundle,
-                                   self.rank_nodes, alive)
-            if keep is None:
-                self._notice(f"warm recovery: the {len(alive)} surviving ranks cannot hold the "
-                             f"new plan {self.dims.as_dict()}; restarting every rank")
+            placement = placement_for(self.eff, self.dims, topo)
+            assignment = warm_assignment(placement.rank_bundle, self.rank_nodes, alive)
+            if assignment is None:
+                self._notice(f"warm recovery: the {len(alive)} surviving ranks cannot hold any "
+                             f"part of the new plan {self.dims.as_dict()}; restarting every rank")
                 group.shutdown()
                 return None
             self._set(state="re-forming")
-            group.reform(keep, timeout_s=self.spec.runtime.collective_timeout_s * 2 + 30)
+            group.reform(assignment, placement,
+                         timeout_s=self.spec.runtime.collective_timeout_s * 2 + 30)
             self._marks["group"] = time.time()
             return group
         except Exception as err:  # noqa: BLE001 - any failure here means: restart cold

@@ -83,9 +83,10 @@ def bounded_topology(topo: Topology, cfg: ElasticConfig, dead_nodes: set[str]) -
 
 
 def warm_assignment(rank_bundle: tuple[int, ...], rank_nodes: list[str], alive: set[int]
-                    ) -> list[int] | None:
-    """Which surviving old ranks become the new ranks 0..n-1, or None when the survivors cannot
-    cover the new placement (new actors are needed: restart cold).
+                    ) -> list[int | None] | None:
+    """Which surviving old ranks become the new ranks 0..n-1: ``result[r]`` is the old rank
+    that takes new rank r, or None where a new actor must be started (a bundle no surviving
+    node can hold: new accelerators). None when no survivor is kept at all (restart cold).
 
     ``rank_bundle[r]`` is the bundle (one node) of new rank r; ``rank_nodes[o]`` the node of
     old rank o. Each bundle takes one surviving node with enough live ranks, so a bundle's
@@ -98,12 +99,13 @@ def warm_assignment(rank_bundle: tuple[int, ...], rank_nodes: list[str], alive: 
     chosen: dict[int, list[int]] = {}
     for bundle in sorted(need, key=lambda b: -need[b]):
         node = next((n for n in free if len(by_node[n]) >= need[bundle]), None)
-        if node is None:
-            return None
-        free.remove(node)
-        chosen[bundle] = by_node[node][: need[bundle]]
+        if node is not None:
+            free.remove(node)
+            chosen[bundle] = by_node[node][: need[bundle]]
+    if not chosen:
+        return None
     taken = {b: iter(v) for b, v in chosen.items()}
-    return [next(taken[b]) for b in rank_bundle]
+    return [next(taken[b]) if b in taken else None for b in rank_bundle]
 
 
 def should_scale_up(current_world: int, available: int, cfg: ElasticConfig) -> bool:

@@ -52,19 +52,11 @@ class RayWorkerGroup:
                 dead.add(refs[ref])
         return set(refs.values()) - dead
 
-    def reform(self, keep: list[int], timeout_s: float) -> None:
-        """Warm recovery: old ranks ``keep`` become the new ranks 0..n-1 (every other actor is
-        ended) and join a new process group on a fresh port. A survivor still blocked in a
-        collective answers once its collective timeout fires."""
-        import ray
-
-        old = self.group.workers
-        for i, w in enumerate(old):
-            if i not in keep:
-                ray.kill(w)
-        self.group.workers = [old[i] for i in keep]
-        ray.get([w.reset.remote(r, len(keep)) for r, w in enumerate(self.group.workers)],
-                timeout=timeout_s)
+    def reform(self, assignment: list[int | None], placement: Placement, timeout_s: float) -> None:
+        """Warm recovery or growth: kept old ranks take their new ranks in the same processes,
+        new actors start only where ``assignment`` has None; all join a new process group on a
+        fresh port."""
+        self.group.regroup(assignment, placement, timeout_s)
         self.backend = self.group.setup_process_group(self.spec.runtime.device, self.timeout)
 
     def build(self, spec_json: str, dims: ParallelDims, data_dir: str) -> None:
