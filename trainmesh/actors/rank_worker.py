@@ -169,15 +169,15 @@ class RankWorker:
 
 
 def _abandon_process_groups() -> None:
-    """Leave every process group, even a broken one: abort them (NCCL communicators must be
-    aborted, not destroyed, when a peer died — destroying one can hang; gloo aborts too),
-    destroying them as the fallback. torch.distributed is uninitialised afterwards."""
+    """Leave every process group, even a broken one. NCCL communicators are aborted (destroying
+    one whose peer died can hang); gloo groups are destroyed — torch documents its abort for
+    NCCL only, and destroying a broken gloo group was measured to work (ENVIRONMENT.md).
+    torch.distributed is uninitialised afterwards."""
     if not dist.is_initialized():
         return
-    from torch.distributed.distributed_c10d import _abort_process_group
+    if dist.get_backend() == "nccl":
+        from torch.distributed.distributed_c10d import _abort_process_group
 
-    try:
         _abort_process_group()
-    except Exception:  # noqa: BLE001 - a backend without abort: destroy instead
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    else:
+        dist.destroy_process_group()

@@ -23,6 +23,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from trainmesh.checkpoint.manifest import is_uri
+
 # Optimizer state flattened to one key per parameter and field ("state.layers.0...exp_avg",
 # "param_groups.layers.0....lr"): no per-rank param_groups lists, so a rank holding other
 # pipeline stages after a re-plan still finds every entry it needs.
@@ -31,7 +33,7 @@ _OPTS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 def _writer(directory: str | Path):
     d = str(directory)
-    if "://" in d:
+    if is_uri(d):
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
         return FsspecWriter(d)
@@ -40,7 +42,7 @@ def _writer(directory: str | Path):
 
 def _reader(directory: str | Path):
     d = str(directory)
-    if "://" in d:
+    if is_uri(d):
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
         return FsspecReader(d)
