@@ -59,13 +59,9 @@ class Checkpointer:
     def poll(self, statuses: list[str | None], tracker) -> None:
         """After a step (``statuses``: each rank's background save): commit the save in
         flight once every rank is done with it, drop it if any rank failed."""
-        if self.pending is None:
-            return
-        self.pending.steps_during += 1
-        if all(s == "done" for s in statuses):
-            self._commit(tracker)
-        elif any(s is not None and s.startswith("failed") for s in statuses):
-            self._drop(next(s for s in statuses if s and s.startswith("failed")), tracker)
+        if self.pending is not None:
+            self.pending.steps_during += 1
+            self._resolve(statuses, tracker)
 
     def settle(self, group, tracker) -> None:
         """Wait for the background save in flight (if any) and commit or drop it."""
@@ -74,10 +70,15 @@ class Checkpointer:
         t0 = time.perf_counter()
         statuses = group.wait_save()
         self.pending.blocked_s += time.perf_counter() - t0
-        self.pending.steps_during -= 1  # poll counts a step; this is a wait, not a step
-        self.poll(statuses, tracker)
+        self._resolve(statuses, tracker)
         if self.pending is not None:  # still running after the wait: give up on it
             self._drop(f"not finished in time: {statuses}", tracker)
+
+    def _resolve(self, statuses: list[str | None], tracker) -> None:
+        if all(s == "done" for s in statuses):
+            self._commit(tracker)
+        elif failed := [s for s in statuses if s is not None and s.startswith("failed")]:
+            self._drop(failed[0], tracker)
 
     def forget(self) -> None:
         """A failure interrupted the job: the save in flight never counts (its partial
