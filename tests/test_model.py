@@ -66,3 +66,39 @@ def test_stage_split_keeps_global_names_and_values():
     assert "layers.3.attention.wq.weight" in last.state_dict()
     x = torch.randint(0, args.vocab_size, (2, 8))
     torch.testing.assert_close(last(first(x)), whole(x))
+
+
+def test_any_block_of_a_tensor_fills_exactly_as_the_whole_tensor():
+    """Mesh-independent init: shards (row and column blocks, chunk boundaries crossed) fill
+    with the same values as the whole tensor — the property every mesh's build relies on."""
+    from trainmesh.models.llama.init import CHUNK_ELEMENTS, fill_slice_
+
+    cols = CHUNK_ELEMENTS // 3 + 5  # 2 rows per chunk: blocks straddle chunks
+    shape = (11, cols)
+    whole = torch.empty(shape)
+    fill_slice_(whole, (0, 0), shape, seed=7, std=0.02)
+    assert abs(float(whole.std()) - 0.02) < 1e-3
+    for (r0, r1), (c0, c1) in [((0, 3), (0, cols)), ((3, 11), (5, 900)), ((5, 6), (cols - 7, cols)),
+                               ((1, 10), (0, cols // 2))]:
+        block = torch.empty(r1 - r0, c1 - c0)
+        fill_slice_(block, (r0, c0), shape, seed=7, std=0.02)
+        assert torch.equal(block, whole[r0:r1, c0:c1])
+    other = torch.empty(shape)
+    fill_slice_(other, (0, 0), shape, seed=8, std=0.02)
+    assert not torch.equal(other, whole)
+
+
+def test_meta_build_then_materialise_equals_the_eager_model():
+    args = _args("tiny")
+    eager = Llama(args)
+    eager.init_weights(3)
+    with torch.device("meta"):
+        lazy = Llama(args)
+    assert all(p.is_meta for p in lazy.parameters())
+    lazy.to_empty(device="cpu")
+    lazy.init_weights(3)
+    lazy.init_buffers()
+    for (k, a), (_, b) in zip(eager.state_dict().items(), lazy.state_dict().items(), strict=True):
+        assert torch.equal(a, b), k
+    x = torch.randint(0, args.vocab_size, (2, 9))
+    assert torch.equal(eager(x), lazy(x))

@@ -51,12 +51,11 @@ class Engine:
         par, tr = spec.parallelism, spec.training
         dtype = getattr(torch, tr.dtype)
         pp = mesh.size(Axis.PP)
-        # The Llama holding this rank's layers (all of them without PP): global names.
-        self.model, stage_ids = rank_model(LlamaArgs.from_config(spec.model, device.type),
-                                           mesh.coord(Axis.PP),
-                                           pp, par.vpp if pp > 1 else 1)
-        self.model.init_weights(tr.seed)
-        self.model.to(device)
+        # The Llama holding this rank's layers (all of them without PP), with global names,
+        # built on the meta device: no process ever holds more than its own shards.
+        with torch.device("meta"):
+            self.model, stage_ids = rank_model(LlamaArgs.from_config(spec.model, device.type),
+                                               mesh.coord(Axis.PP), pp, par.vpp if pp > 1 else 1)
         self.loss_context = contextlib.nullcontext
         if mesh.size(Axis.TP) > 1:
             apply_tensor_parallel(self.model, mesh[Axis.TP], par.sequence_parallel)
@@ -71,6 +70,10 @@ class Engine:
             for stage in stages.values():
                 apply_zero3(stage, mesh[Axis.DP], dtype, reshard_after_forward=False)
             self.executor = self._build_executor(stages, dtype)
+        # Materialise the local shards only, then fill them from each parameter's global name.
+        self.model.to_empty(device=device)
+        self.model.init_weights(tr.seed)
+        self.model.init_buffers()
         self.optimizer = build_optimizer(self.model, spec.optimizer)
         self.scheduler = build_lr_scheduler(self.optimizer, spec.optimizer, tr.steps)
         self.dataset = TokenDataset(read_tokens(data_dir), tr.seq_len)

@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from trainmesh.kernels import KernelSet, kernel_set, resolve
 from trainmesh.models.llama import model_math
+from trainmesh.models.llama.init import fill_normal_
 
 
 @dataclass(frozen=True)
@@ -151,16 +152,26 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Deterministic init from ``seed`` and the parameter's global name alone, so any
-        split of the model across stages gets the same values as the whole model."""
+        """Deterministic init from ``seed`` and each parameter's global name alone, so any split
+        of the model (pipeline stages, TP/FSDP shards as DTensors) gets exactly the values the
+        whole model gets. A sharded parameter fills only its local shard (see ``init.py``)."""
         depth_std = 0.02 / math.sqrt(2 * self.args.n_layers)
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
                 continue
-            g = torch.Generator().manual_seed(seed * 1_000_003 + _stable_hash(name))
             std = depth_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
-            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * std)
+            fill_normal_(p, seed * 1_000_003 + _stable_hash(name), std)
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """(Re)compute the RoPE tables on the buffers' device: after a meta-device build and
+        ``to_empty`` they hold garbage."""
+        a = self.args
+        cos, sin = rope_tables(a.head_dim, a.max_seq_len, a.rope_theta)
+        device = self.rope_cos.device
+        self.rope_cos = cos.to(device)
+        self.rope_sin = sin.to(device)
 
     def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits, or with ``targets`` the mean next-token loss (what training calls: the fused

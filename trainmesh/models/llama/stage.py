@@ -29,8 +29,17 @@ class PipelineStage(nn.Module):
         self.norm = model.norm if self.is_last else None
         self.output = model.output if self.is_last else None
         self.ops = model.ops
-        self.register_buffer("rope_cos", model.rope_cos, persistent=False)
-        self.register_buffer("rope_sin", model.rope_sin, persistent=False)
+        # The RoPE tables stay the Llama's buffers (not a submodule: its other layers are not
+        # this stage's): read through, so they follow the Llama's materialisation.
+        object.__setattr__(self, "_owner", model)
+
+    @property
+    def rope_cos(self) -> torch.Tensor:
+        return self._owner.rope_cos
+
+    @property
+    def rope_sin(self) -> torch.Tensor:
+        return self._owner.rope_sin
 
     def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Activations for the next stage; on the last stage, given ``targets``, the loss."""
