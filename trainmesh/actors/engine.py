@@ -21,6 +21,7 @@ from trainmesh.actors.step import (
     finish_step,
     train_step,
 )
+from trainmesh.actors.memory import SavedActivations, peak_process_bytes, state_bytes
 from trainmesh.checkpoint import dcp_io
 from trainmesh.data.dataset import TokenDataset
 from trainmesh.data.shards import read_tokens
@@ -33,7 +34,7 @@ from trainmesh.parallel.mesh import Mesh
 from trainmesh.parallel.pipeline.executor import P2PSpec, PipelineExecutor
 from trainmesh.parallel.pipeline.ir import PipeShape
 from trainmesh.parallel.pipeline.schedules import build_schedule
-from trainmesh.parallel.zero import apply_zero3
+from trainmesh.parallel.zero import ZeroPolicy, apply_zero3
 
 
 def build_model(spec: JobSpec, device: torch.device) -> Llama:
@@ -63,12 +64,14 @@ class Engine:
         apply_activation_checkpointing(self.model, spec.activation_checkpoint.mode,
                                        spec.activation_checkpoint.stride)
         self.executor = None
+        self.zero = ZeroPolicy(keep_gathered=par.keep_gathered is not False, param_dtype=dtype,
+                               reduce_dtype=getattr(torch, par.reduce_dtype))
         if pp == 1:
-            apply_zero3(self.model, mesh[Axis.DP], dtype)
+            apply_zero3(self.model, mesh[Axis.DP], self.zero)
         else:
             stages = {s: PipelineStage(self.model, s, pp * par.vpp) for s in stage_ids}
             for stage in stages.values():
-                apply_zero3(stage, mesh[Axis.DP], dtype, reshard_after_forward=False)
+                apply_zero3(stage, mesh[Axis.DP], self.zero)
             self.executor = self._build_executor(stages, dtype)
         # Materialise the local shards only, then fill them from each parameter's global name.
         self.model.to_empty(device=device)
@@ -78,6 +81,7 @@ class Engine:
         self.scheduler = build_lr_scheduler(self.optimizer, spec.optimizer, tr.steps)
         self.dataset = TokenDataset(read_tokens(data_dir), tr.seq_len)
         self.step = 0  # optimizer steps done
+        self.activation_peak = 0  # bytes saved for backward, from the last measured step
 
     def _build_executor(self, stages: dict, dtype: torch.dtype) -> PipelineExecutor:
         par, tr, mesh = self.spec.parallelism, self.spec.training, self.mesh
@@ -91,9 +95,16 @@ class Engine:
                       act_shape=(tr.microbatch_size, seq, self.spec.model.dim), dtype=dtype,
                       device=self.device,
                       timeout=timedelta(seconds=self.spec.runtime.collective_timeout_s))
-        return PipelineExecutor(shape, actions, stages, p2p, self.loss_context)
+        return PipelineExecutor(shape, actions, stages, p2p, self.loss_context, self.zero)
 
-    def train_step(self) -> StepStats:
+    def train_step(self, measure_activations: bool = False) -> StepStats:
+        """One optimizer step. ``measure_activations``: count the bytes autograd saves for
+        backward (``memory_report``'s ``activations``) — for dry runs, not every step."""
+        if measure_activations:
+            with SavedActivations() as meter:
+                stats = self.train_step()
+            self.activation_peak = meter.peak
+            return stats
         tr = self.spec.training
         mbs = self.dataset.microbatches(tr.seed, self.step, tr.global_batch_size,
                                         self.mesh.coord(Axis.DP), self.mesh.size(Axis.DP),
@@ -101,7 +112,8 @@ class Engine:
         mbs = [(x.to(self.device), y.to(self.device)) for x, y in mbs]
         if self.executor is None:
             stats = train_step(self.model, self.optimizer, self.scheduler, mbs,
-                               self.spec.optimizer.grad_clip, self.model.set_requires_gradient_sync,
+                               self.spec.optimizer.grad_clip,
+                               lambda last: self.zero.before_backward(self.model, last),
                                self.loss_context)
         else:
             stats = self._pipeline_step(mbs)
@@ -117,6 +129,12 @@ class Engine:
         tokens = sum(y.numel() for _, y in mbs)
         return finish_step(self.model, self.optimizer, self.scheduler,
                            self.spec.optimizer.grad_clip, float(loss), tokens, across=pp_group)
+
+    def memory_report(self) -> dict[str, int]:
+        """Exact bytes of this rank's parameter, gradient and optimizer-state shards, the
+        activation peak of the last measured step, and the process's peak."""
+        return {**state_bytes(self.model, self.optimizer), "activations": self.activation_peak,
+                "peak": peak_process_bytes(self.device)}
 
     def timeline(self) -> list[tuple[str, float, float]]:
         """The last step's measured actions (name, start, end), for the pipeline trace."""

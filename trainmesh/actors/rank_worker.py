@@ -100,9 +100,15 @@ class RankWorker:
         self.engine = Engine(spec, mesh, data_dir, self.device)
         return sum(p.numel() for p in self.engine.model.parameters())
 
-    def train_step(self) -> dict:
-        return {**dataclasses.asdict(self.engine.train_step()), "preempted": self.preempted,
-                "save": self.save_status()}
+    def train_step(self, measure_activations: bool = False) -> dict:
+        return {**dataclasses.asdict(self.engine.train_step(measure_activations)),
+                "preempted": self.preempted, "save": self.save_status()}
+
+    def memory_report(self) -> dict:
+        """This rank's bytes by kind (``Engine.memory_report``) and where it runs."""
+        ctx = ray.get_runtime_context()
+        return {"rank": self.rank, "node": ctx.get_node_id(), "device": str(self.device),
+                **self.engine.memory_report()}
 
     # -- checkpoints -----------------------------------------------------------------------
     def save(self, directory: str, background: bool = False) -> bytes | None:

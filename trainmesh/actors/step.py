@@ -88,8 +88,9 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
                ) -> StepStats:
     """Accumulate gradients over ``microbatches`` (loss scaled by 1/len), clip, step.
 
-    ``set_grad_sync(is_last)`` lets a sharded model skip gradient reduction until the last
-    microbatch; ``loss_context`` wraps loss and backward (``loss_parallel`` under TP)."""
+    ``set_grad_sync(is_last)`` runs before each microbatch (a sharded model sets when it
+    gathers and reduces: ``ZeroPolicy.before_backward``); ``loss_context`` wraps loss and
+    backward (``loss_parallel`` under TP)."""
     optimizer.zero_grad(set_to_none=True)
     n = len(microbatches)
     total = torch.zeros(())

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from trainmesh.jobs import k8s_cli, plan_cli, schedule_cli, submit_cli
 from trainmesh.jobs.loading import SpecError, load_spec, unsupported_problems
+from trainmesh.platform.job_plan import PlanError
 
 EXIT_BAD_INPUT = 2
 
@@ -28,6 +29,11 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="train a job on a local or remote Ray cluster")
     _add_spec_args(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--dry-run", action="store_true",
+                   help="plan, place and build every rank, print each rank's memory beside the "
+                        "plan's prediction, and exit (no training, saving or tracking)")
+    p.add_argument("--step", action="store_true", help="with --dry-run: also run one step")
+    p.add_argument("--json", action="store_true", help="with --dry-run: JSON, one object per rank")
     plan_cli.add_parser(sub)
     schedule_cli.add_parser(sub)
     k8s_cli.add_parser(sub)
@@ -66,6 +72,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except submit_cli.JobsError as err:
         print(err, file=sys.stderr)
         return EXIT_BAD_INPUT
+    except PlanError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     return 1
 
 
@@ -78,14 +87,22 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if (args.step or args.json) and not args.dry_run:
+        raise SpecError(["--step and --json go with --dry-run; add --dry-run, or drop them to train"])
     spec = load_spec(args.spec, args.overrides)
     problems = unsupported_problems(spec)
     if problems:
         raise SpecError(problems)
-    from trainmesh.jobs.runner import loopback_environment, run_job
+    from trainmesh.jobs.runner import dry_run_job, loopback_environment, run_job
 
     if spec.runtime.ray_address == "local":
         loopback_environment(os.environ)
+    if args.dry_run:
+        from trainmesh.platform.dry_run import format_rows
+
+        rows = dry_run_job(spec, os.environ, step=args.step)
+        print(json.dumps(rows, indent=1) if args.json else format_rows(rows, args.step))
+        return 0
     summary = run_job(spec, os.environ, show_progress=not args.no_progress)
     out = spec.resolved_output_dir()
     print(f"done: {summary['steps_done']} steps, final loss {summary['final_loss']:.4f}; "

@@ -88,8 +88,40 @@ def run_job(spec: JobSpec, environ: Mapping[str, str], show_progress: bool = Tru
             else:
                 _report(actor, ref)
             return ray.get(ref)
+        except ray.exceptions.RayTaskError as err:
+            raise _user_error(err) from None
         finally:
             ray.kill(actor)
+
+
+def dry_run_job(spec: JobSpec, environ: Mapping[str, str], step: bool) -> list[dict[str, Any]]:
+    """Plan, place and build every rank (one step with ``step``); per-rank memory rows
+    (``trainmesh.platform.dry_run``). Nothing is trained, saved or tracked."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from trainmesh.platform.controller import Controller
+
+    spec = with_absolute_output(spec, Path.cwd())
+    with ray_session(spec) as local:
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        actor = ray.remote(Controller).options(num_cpus=0, scheduling_strategy=here).remote(
+            spec.model_dump_json(), None, worker_env(spec, local))
+        try:
+            return ray.get(actor.dry_run.remote(step))
+        except ray.exceptions.RayTaskError as err:
+            raise _user_error(err) from None
+        finally:
+            ray.kill(actor)
+
+
+def _user_error(err: Exception) -> Exception:
+    """A refusal raised inside the controller (a plan that cannot fit, ...) as itself: the
+    person gets its message, not a remote traceback."""
+    from trainmesh.platform.job_plan import PlanError
+
+    cause = getattr(err, "cause", None)
+    return cause if isinstance(cause, PlanError) else err
 
 
 def _report(actor, ref, every_s: float = 10.0) -> None:

@@ -72,6 +72,12 @@ class ParallelismConfig(_Section):
     dp: int = Field(1, ge=1, description="data-parallel replicas (ZeRO-3 over this axis)")
     vpp: int = Field(1, ge=1, description="virtual pipeline chunks per stage (interleaving)")
     sequence_parallel: bool = False
+    keep_gathered: bool | None = Field(
+        None, description="ZeRO-3: keep each rank's parameters gathered (and gradients "
+        "unsharded) across a step's microbatches, reduce-scattering once (less traffic, more "
+        "memory), or re-gather and reduce-scatter every microbatch; null: the planner chooses")
+    reduce_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="dtype of the ZeRO-3 gradient reduce-scatter")
 
     @model_validator(mode="before")
     @classmethod

@@ -1,6 +1,8 @@
-"""ZeRO-3 over the "dp" axis through FSDP2 ``fully_shard``."""
+"""ZeRO-3 over the "dp" axis through FSDP2 ``fully_shard``, with the planner's sharding policy."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -8,18 +10,40 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 
-def apply_zero3(model: nn.Module, dp_mesh: DeviceMesh, compute_dtype: torch.dtype = torch.float32,
-                reshard_after_forward: bool = True) -> nn.Module:
+@dataclass(frozen=True)
+class ZeroPolicy:
+    """How ZeRO-3 trades memory for communication within a step (a planner output).
+
+    ``keep_gathered``: each FSDP unit is gathered at its first forward of the step and stays
+    gathered, with unsharded fp32 gradients accumulating, until the last microbatch's backward
+    reduce-scatters once (one all-gather and one reduce-scatter per step; the rank's whole part
+    gathered all step). Otherwise parameters are freed after every forward and re-gathered for
+    backward, and gradients are reduce-scattered after every microbatch (two all-gathers and a
+    reduce-scatter per microbatch; only two blocks gathered at a time)."""
+
+    keep_gathered: bool = True
+    param_dtype: torch.dtype = torch.float32
+    reduce_dtype: torch.dtype = torch.float32
+
+    def before_backward(self, module: nn.Module, is_last: bool) -> None:
+        """Set ``module``'s FSDP flags for a microbatch's backward (``is_last``: the step's
+        last one for this module)."""
+        sync = is_last or not self.keep_gathered
+        module.set_is_last_backward(is_last)
+        module.set_requires_gradient_sync(sync)
+        module.set_reshard_after_backward(sync)
+
+
+def apply_zero3(model: nn.Module, dp_mesh: DeviceMesh, policy: ZeroPolicy) -> nn.Module:
     """Shard parameters, gradients and optimizer state over ``dp_mesh`` (``model`` is a Llama
-    or a pipeline stage of one): one FSDP unit per
-    transformer block (its all-gather overlaps the previous block's compute), then the root
-    for the embedding, final norm and head. Master weights and optimizer state stay float32;
-    with ``compute_dtype=bfloat16`` parameters are gathered in bf16 and gradients reduced in
-    fp32."""
-    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    or a pipeline stage of one): one FSDP unit per transformer block (its all-gather overlaps
+    the previous block's compute), then the root for the embedding, final norm and head.
+    Master weights and optimizer state stay float32; parameters are gathered in
+    ``policy.param_dtype`` and gradients reduced in ``policy.reduce_dtype``."""
+    mp = MixedPrecisionPolicy(param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype)
     blocks = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
     for block in blocks:
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=not policy.keep_gathered,
                     mp_policy=mp)
     # The root's parameters are needed again right at backward start: keep them gathered.
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp)

@@ -104,6 +104,21 @@ class Controller:
             self._set(state=status.lower())
         return summary
 
+    def dry_run(self, step: bool) -> list[dict]:
+        """Plan, place, build every rank's part (and run one step with ``step``), then report
+        each rank's memory beside the plan's prediction; no training, saving or tracking."""
+        from trainmesh.platform.dry_run import memory_rows
+
+        group = self._start(tracker=None, replan=False)
+        try:
+            group.build(self.eff.model_dump_json(), self.dims, self._data_dir())
+            if step:
+                group.train_step(measure_activations=True)
+            reports = group.memory_reports()
+        finally:
+            group.shutdown()
+        return memory_rows(reports, self.eff, self.candidate, self.dims, self.device, step)
+
     def _run_with_recovery(self, tracker) -> None:
         """RUNNING until done; on a rank's death, a failed step or a scale-up: RECOVERING
         (re-read the topology, re-plan, restore the newest checkpoint). After a failure the
@@ -193,6 +208,7 @@ class Controller:
             self.dims, result = plan_job(self.spec, topo)
             self.eff = effective_spec(self.spec, result.best.candidate)
         self.peak_tflops = topo.device.peak_tflops
+        self.device, self.candidate = topo.device, result.best.candidate
         self.plan_row = result.best.as_row()
         self._marks["planned"] = time.time()
         return topo

@@ -1,17 +1,28 @@
 """Memory and step-time estimates for one candidate plan (pure arithmetic, no torch).
 
-Memory per rank (bytes), on the heaviest pipeline stage (first: embedding; last: head + logits):
-  * ZeRO-3 states: fp32 master weights, fp32 gradients and two fp32 Adam moments = 16 bytes per
-    parameter, divided over tp (TP shards weights) and dp (ZeRO-3 shards the rest).
-  * Gathered working copies: the compute-dtype parameters of two transformer blocks (the one
-    computing and the one prefetched), divided by tp.
-  * Activations per microbatch and layer with a fused (flash) attention, after Korthikanti et al.
-    2022: s·b·h·(10 + 24/t) bytes without sequence parallel, s·b·h·34/t with it; full
-    recomputation keeps only each layer's input, 2·s·b·h (/t with SP). The first stage holds
-    ``in_flight`` microbatches: m for GPipe, min(m, p) for 1F1B, min(m, p + (p-1)/v) for
-    interleaved 1F1B (in units of a whole stage's activations).
-  * Logits in fp32 for one microbatch on the last stage (vocab / tp), and a fixed
-    framework/communication-buffer allowance.
+Memory per rank (bytes) counts what the runtime allocates (``rank_memory``; checked against
+the tensors a real rank holds by ``trainmesh run --dry-run`` and the memory-matrix test):
+  * Shards (ZeRO-3 over dp; TP shards the matrices, norms are replicated over tp): fp32 master
+    parameters (4 bytes each), fp32 gradients (4) and two fp32 Adam moments (8).
+  * FSDP2's gathered copies in the compute dtype. ``keep_gathered``: the rank's whole part
+    stays gathered all step (reshard after forward/backward off until the last microbatch)
+    and its gradients stay unsharded in fp32 until the one reduce-scatter at the last
+    microbatch. Otherwise: two blocks (computing + prefetched) plus the root's embedding /
+    norm / head, gradients reduce-scattered after every microbatch (one block's unsharded
+    fp32 gradients at a time). FSDP2 makes the gathered copy even at dp = 1.
+  * Activations autograd saves, counted from this implementation (torch ops, fused
+    attention), per layer and microbatch in units of s·b·h elements of the compute dtype,
+    f = ffn_dim / dim: without sequence parallel 6 + (5 + 4f)/t (block input, norm
+    statistics' inputs and outputs replicated; q, k and v after GQA expansion, attention out,
+    wo input; SwiGLU gate, up, silu(gate), w2 input sharded); with sequence parallel
+    2 + (9 + 4f)/t (the gathered norm outputs stay whole); full recomputation keeps only the
+    block input (1, or 1/t with sequence parallel) plus one block's activations while it is
+    recomputed. A rank holds ``in_flight_chunks`` microbatch-chunks at its peak (Megatron's
+    warm-up counts: GPipe m, 1F1B p − r, interleaved 2(p − r − 1) + (v − 1)p + 1).
+  * The last stage's final norm and, without the fused head kernel, the fp32 log-probabilities
+    of one microbatch (saved) and their gradient (transient): 2 × 4·s·b·V/t.
+  * A framework allowance per device (CUDA context, allocator slack, NCCL buffers; on CPU the
+    rank process with torch and Ray loaded).
 
 Step time (seconds):
   * compute = training FLOPs of the global batch / (world × peak × efficiency), × 4/3 with full
@@ -22,12 +33,11 @@ Step time (seconds):
     2(t-1)/t × bytes / intra-node bandwidth. Assumed not overlapped with compute.
   * PP: one activation send forward and one gradient send backward per stage boundary per
     microbatch (× v under interleaving) over inter-node bandwidth; assumed not overlapped.
-  * DP (ZeRO-3): parameters all-gathered for forward and backward (once per step when kept
-    gathered across microbatches, else once per microbatch) and gradients reduce-scattered once
-    per step: (gathers + 1) × stage bytes × (d-1)/d / bandwidth (intra-node when the DP group
-    fits in a node). Assumed overlapped with compute except what exceeds half the compute
-    time. Keeping parameters gathered costs the stage's unsharded parameters and gradients
-    in memory instead.
+  * DP (ZeRO-3): parameters all-gathered in the compute dtype (once per step when kept
+    gathered, else twice per microbatch: forward and backward) and gradients reduce-scattered
+    in the reduce dtype (once per step when kept gathered, else once per microbatch):
+    bytes × (d-1)/d / bandwidth (intra-node when the DP group fits in a node). Assumed
+    overlapped with compute except what exceeds half the compute time.
 """
 
 from __future__ import annotations
@@ -59,6 +69,11 @@ class Candidate:
     # ZeRO-3 gathers parameters once per step and keeps them (and unsharded gradients) across
     # microbatches (True), or re-gathers them for every microbatch (False).
     keep_gathered: bool = True
+    reduce_dtype: str = "float32"  # gradient reduce-scatter dtype (FSDP2's reduce_dtype)
+
+    @property
+    def reduce_bytes(self) -> int:
+        return 2 if self.reduce_dtype == "bfloat16" else 4
 
     @property
     def world_size(self) -> int:
@@ -88,42 +103,123 @@ def bubble_fraction(schedule: str, pp: int, vpp: int, m: int) -> float:
     return idle / (m + idle)
 
 
-def in_flight(schedule: str, pp: int, vpp: int, m: int) -> float:
-    """Microbatches of activations the first stage holds at its peak."""
+def in_flight_chunks(schedule: str, pp: int, vpp: int, m: int, pp_rank: int) -> int:
+    """Microbatch-chunks of activations rank ``pp_rank`` holds at its peak (a chunk is one of
+    its ``vpp`` model chunks; 1 chunk per rank without interleaving)."""
     if pp == 1:
-        return 1.0
+        return 1
     if schedule == "gpipe":
-        return float(m)
+        return m
     if schedule == "1f1b":
-        return float(min(m, pp))
-    return min(float(m), pp + (pp - 1) / vpp)
+        return min(m, pp - pp_rank)
+    return min(m * vpp, 2 * (pp - pp_rank - 1) + (vpp - 1) * pp + 1)
 
 
-def memory_bytes(model, c: Candidate, seq_len: int, compute_bytes: int = 2) -> float:
-    """Peak bytes on the heaviest rank (see module docstring)."""
-    h, V = model.dim, model.vocab_size
-    per_layer_params = layer_params(model)
-    layers = model.n_layers // c.pp
-    emb = V * h
-    head = 0 if model.tie_embeddings else V * h
-    first = layers * per_layer_params + emb + (head + h if c.pp == 1 else 0)
-    last = layers * per_layer_params + head + h + (emb if c.pp == 1 else 0)
-    stage_params = max(first, last)
-    states = 16.0 * stage_params / (c.tp * c.dp)
-    if c.keep_gathered and c.dp > 1:  # the stage's params and grads stay unsharded all step
-        working = (compute_bytes + 4) * stage_params / c.tp
-    else:  # two blocks in flight (computing + prefetched)
-        working = 2 * compute_bytes * per_layer_params / c.tp
-    sbh = seq_len * c.microbatch_size * h
-    if c.recompute == "full":
-        per_layer = 2.0 * sbh / (c.tp if c.sequence_parallel else 1)
-    elif c.sequence_parallel:
-        per_layer = 34.0 * sbh / c.tp
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes one rank holds at its peak in a step, by kind (see the module docstring)."""
+
+    params: float
+    grads: float  # at their peak within the step (unsharded while kept gathered)
+    optimizer: float
+    gathered: float
+    activations: float  # saved for backward, the last stage's fp32 log-probabilities included
+    transient: float  # the log-probabilities' gradient, briefly, on the last stage
+    framework: float
+
+    @property
+    def total(self) -> float:
+        return (self.params + self.grads + self.optimizer + self.gathered + self.activations
+                + self.transient + self.framework)
+
+    def as_gib(self) -> dict[str, float]:
+        out = {k: v / GIB for k, v in self.__dict__.items()}
+        out["total"] = self.total / GIB
+        return out
+
+
+@dataclass(frozen=True)
+class RankParams:
+    """Parameters of one rank's model part, split by how TP shards them."""
+
+    tp_sharded: int  # matrices (attention, MLP, embedding, head): divided over tp
+    replicated: int  # norm weights: whole on every tp rank
+    per_layer: int
+
+    def local(self, tp: int, dp: int) -> float:
+        """Elements of this rank's ZeRO-3 shards."""
+        return (self.tp_sharded / tp + self.replicated) / dp
+
+    def gathered(self, tp: int) -> float:
+        return self.tp_sharded / tp + self.replicated
+
+
+def rank_params(model, pp: int, pp_rank: int) -> RankParams:
+    d, V = model.dim, model.vocab_size
+    per_layer = layer_params(model)
+    layers = model.n_layers // pp
+    sharded = layers * (per_layer - 2 * d)
+    replicated = layers * 2 * d
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    if first:
+        sharded += V * d
+    if last:
+        replicated += d
+        if not (model.tie_embeddings and first):
+            sharded += V * d
+    return RankParams(sharded, replicated, per_layer)
+
+
+def activation_units(model, tp: int, sequence_parallel: bool, recompute: str) -> float:
+    """Saved activations of one layer and microbatch, in s·b·h elements (module docstring)."""
+    f = model.ffn_dim / model.dim
+    full = 2 + (9 + 4 * f) / tp if sequence_parallel and tp > 1 else 6 + (5 + 4 * f) / tp
+    if recompute == "full":
+        return 1.0 / tp if sequence_parallel and tp > 1 else 1.0
+    return full
+
+
+def rank_memory(model, c: Candidate, seq_len: int, pp_rank: int = 0, compute_bytes: int = 2,
+                framework_bytes: float = FRAMEWORK_BYTES, fused_head: bool = False,
+                ) -> MemoryBreakdown:
+    """Peak bytes of rank ``pp_rank`` of the pipeline (any dp/tp coordinate)."""
+    rp = rank_params(model, c.pp, pp_rank)
+    reduce_bytes = c.reduce_bytes
+    local = rp.local(c.tp, c.dp)
+    layer_gathered = (rp.per_layer - 2 * model.dim) / c.tp + 2 * model.dim
+    if c.keep_gathered:
+        gathered = compute_bytes * rp.gathered(c.tp)
+        grads = reduce_bytes * rp.gathered(c.tp) + 4 * local
     else:
-        per_layer = sbh * (10.0 + 24.0 / c.tp)
-    acts = per_layer * layers * in_flight(c.schedule, c.pp, c.vpp, c.num_microbatches)
-    logits = 4.0 * seq_len * c.microbatch_size * V / c.tp * 2  # logits + their gradient
-    return states + working + acts + logits + FRAMEWORK_BYTES
+        root = rp.gathered(c.tp) - (model.n_layers // c.pp) * layer_gathered
+        gathered = compute_bytes * (2 * layer_gathered + root)
+        grads = 4 * local + reduce_bytes * layer_gathered
+    sbh = seq_len * c.microbatch_size * model.dim
+    sp = c.sequence_parallel and c.tp > 1
+    per_layer = activation_units(model, c.tp, sp, c.recompute) * sbh * compute_bytes
+    layers_per_chunk = model.n_layers // (c.pp * c.vpp)
+    chunks = in_flight_chunks(c.schedule, c.pp, c.vpp, c.num_microbatches, pp_rank)
+    acts = per_layer * layers_per_chunk * chunks
+    if c.recompute == "full":  # one block's activations exist while it is recomputed
+        acts += activation_units(model, c.tp, sp, "none") * sbh * compute_bytes
+    transient = 0.0
+    if pp_rank == c.pp - 1:
+        acts += (2 / c.tp + 1 if sp else 3) * sbh * compute_bytes  # final norm
+        if not fused_head:  # fp32 log-probabilities (saved) and their gradient
+            transient = 4.0 * seq_len * c.microbatch_size * model.vocab_size / c.tp
+            acts += transient
+    return MemoryBreakdown(params=4 * local, grads=grads, optimizer=8 * local,
+                           gathered=gathered, activations=acts, transient=transient,
+                           framework=framework_bytes)
+
+
+def memory_bytes(model, c: Candidate, seq_len: int, compute_bytes: int = 2,
+                 framework_bytes: float = FRAMEWORK_BYTES) -> float:
+    """Peak bytes on the heaviest rank: the first pipeline rank (embedding, most activations
+    in flight) or the last (head, logits)."""
+    ranks = {0, c.pp - 1}
+    return max(rank_memory(model, c, seq_len, r, compute_bytes, framework_bytes).total
+               for r in ranks)
 
 
 def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: int,
@@ -150,13 +246,16 @@ def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: in
     if c.dp > 1:
         params_per_rank = model_params_per_stage(model, c.pp) / c.tp
         bw = device.intra_node_gbps if c.dp * c.tp <= per_node else device.inter_node_gbps
-        gathers = 2 if c.keep_gathered else 2 * c.num_microbatches
-        dp_time = (gathers + 1) * compute_bytes * params_per_rank * (c.dp - 1) / c.dp / (bw * 1e9)
+        gathers = 1 if c.keep_gathered else 2 * c.num_microbatches
+        reduces = 1 if c.keep_gathered else c.num_microbatches
+        moved = (gathers * compute_bytes + reduces * c.reduce_bytes) * params_per_rank
+        dp_time = moved * (c.dp - 1) / c.dp / (bw * 1e9)
         dp_exposed = max(0.0, dp_time - 0.5 * compute)
     step = compute + tp_comm + pp_comm + dp_exposed
     achieved = flops / step / c.world_size
     return Estimate(
-        memory_per_rank_gib=memory_bytes(model, c, seq_len, compute_bytes) / GIB,
+        memory_per_rank_gib=memory_bytes(model, c, seq_len, compute_bytes,
+                                         device.framework_gib * GIB) / GIB,
         step_time_s=step, tokens_per_s=tokens / step, tflops_per_gpu=achieved / 1e12,
         mfu=achieved / (device.peak_tflops * 1e12), bubble_fraction=bubble, compute_s=compute,
         tp_comm_s=tp_comm, pp_comm_s=pp_comm, dp_exposed_s=dp_exposed)

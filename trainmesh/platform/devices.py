@@ -12,6 +12,9 @@ class DeviceSpec:
     peak_tflops: float  # dense bf16 (fp32 for the CPU entry)
     intra_node_gbps: float  # per-device bandwidth to peers in the node, GB/s
     inter_node_gbps: float  # per-device bandwidth to other nodes, GB/s
+    # Memory a rank uses beyond its tensors: CUDA context, allocator slack and NCCL buffers on
+    # a GPU; on a CPU rank, the process itself with Python, torch and Ray loaded (measured).
+    framework_gib: float = 2.0
 
 
 DEVICES: dict[str, DeviceSpec] = {
@@ -22,7 +25,7 @@ DEVICES: dict[str, DeviceSpec] = {
     "b200": DeviceSpec("b200", 192, 2250.0, 900.0, 50.0),
     "l40s": DeviceSpec("l40s", 48, 362.0, 32.0, 12.5),
     # One CPU rank (one core's share): a nominal fp32 figure so MFU has a denominator.
-    "cpu": DeviceSpec("cpu", 8, 0.1, 5.0, 1.0),
+    "cpu": DeviceSpec("cpu", 8, 0.1, 5.0, 1.0, framework_gib=0.65),
 }
 
 

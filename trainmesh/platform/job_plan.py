@@ -23,7 +23,11 @@ def request_for(spec: JobSpec, runnable_only: bool) -> PlanRequest:
     if not par.auto:
         fixed.update(tp=par.tp, pp=par.pp, dp=par.dp, vpp=par.vpp,
                      microbatch_size=tr.microbatch_size, schedule=spec.schedule.name,
-                     sequence_parallel=par.sequence_parallel)
+                     sequence_parallel=par.sequence_parallel,
+                     recompute="full" if spec.activation_checkpoint.mode == "full" else "none")
+    if par.keep_gathered is not None:
+        fixed["keep_gathered"] = par.keep_gathered
+    fixed["reduce_dtype"] = par.reduce_dtype
     if runnable_only:
         fixed.update(RUNTIME_FIXED)
     compute_bytes = 2 if tr.dtype == "bfloat16" else 4
@@ -68,13 +72,14 @@ def effective_spec(spec: JobSpec, c: Candidate) -> JobSpec:
     """The spec with the plan's choices written in: what the ranks build and run."""
     par = spec.parallelism.model_copy(update={
         "auto": False, "tp": c.tp, "pp": c.pp, "dp": c.dp, "vpp": c.vpp,
-        "sequence_parallel": c.sequence_parallel and c.tp > 1})
+        "sequence_parallel": c.sequence_parallel and c.tp > 1,
+        "keep_gathered": c.keep_gathered, "reduce_dtype": c.reduce_dtype})
     update = {"parallelism": par,
               "schedule": spec.schedule.model_copy(update={"name": c.schedule}),
               "training": spec.training.model_copy(update={"microbatch_size": c.microbatch_size})}
-    if spec.parallelism.auto and c.recompute == "full":
+    if spec.parallelism.auto:  # the planner chose recomputation too
         update["activation_checkpoint"] = spec.activation_checkpoint.model_copy(
-            update={"mode": "full"})
+            update={"mode": c.recompute})
     return spec.model_copy(update=update)
 
 

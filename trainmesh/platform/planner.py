@@ -35,6 +35,7 @@ class RankedPlan:
         return {"tp": c.tp, "pp": c.pp, "dp": c.dp, "vpp": c.vpp, "schedule": c.schedule,
                 "microbatch_size": c.microbatch_size, "num_microbatches": c.num_microbatches,
                 "recompute": c.recompute, "keep_gathered": c.keep_gathered,
+                "reduce_dtype": c.reduce_dtype, "sequence_parallel": c.sequence_parallel,
                 "memory_per_rank_gib": round(e.memory_per_rank_gib, 3),
                 "step_time_s": e.step_time_s, "tokens_per_s": e.tokens_per_s,
                 "tflops_per_gpu": e.tflops_per_gpu, "mfu": e.mfu,
@@ -139,8 +140,13 @@ def _inner(req: PlanRequest, tp: int, pp: int, dp: int) -> Iterator[Candidate | 
                     if "recompute" in fixed and rc != fixed["recompute"]:
                         continue
                     sp = bool(fixed.get("sequence_parallel", tp > 1))
-                    for keep in (True, False) if dp > 1 and n_micro > 1 else (dp > 1,):
-                        yield Candidate(tp, pp, dp, vpp, schedule, mbs, n_micro, rc, sp, keep)
+                    keeps = (True, False)  # FSDP2 gathers a copy even at dp = 1
+                    if "keep_gathered" in fixed:
+                        keeps = (bool(fixed["keep_gathered"]),)
+                    reduce = str(fixed.get("reduce_dtype", "float32"))
+                    for keep in keeps:
+                        yield Candidate(tp, pp, dp, vpp, schedule, mbs, n_micro, rc, sp, keep,
+                                        reduce)
 
 
 def plan(req: PlanRequest, topo: Topology) -> PlanResult:
@@ -151,7 +157,8 @@ def plan(req: PlanRequest, topo: Topology) -> PlanResult:
         if isinstance(c, Rejection):
             rejected.append(c)
             continue
-        mem = memory_bytes(req.model, c, req.seq_len, req.compute_bytes)
+        mem = memory_bytes(req.model, c, req.seq_len, req.compute_bytes,
+                           topo.device.framework_gib * 1024**3)
         if mem > limit:
             rejected.append(Rejection(c, f"memory: {mem / 1024**3:.1f} GiB per rank exceeds "
                                          f"{limit / 1024**3:.1f} GiB ({MEMORY_HEADROOM:.0%} of "

@@ -63,8 +63,11 @@ class RayWorkerGroup:
         d = {"pp": dims.pp, "dp": dims.dp, "tp": dims.tp}
         self.group.call("build", spec_json, d, data_dir, timeout_s=self.timeout + 120)
 
-    def train_step(self) -> list[dict]:
-        return self.group.call("train_step", timeout_s=self.timeout * 2)
+    def train_step(self, measure_activations: bool = False) -> list[dict]:
+        return self.group.call("train_step", measure_activations, timeout_s=self.timeout * 2)
+
+    def memory_reports(self) -> list[dict]:
+        return self.group.call("memory_report", timeout_s=self.timeout)
 
     def save(self, directory: str, background: bool = False) -> bytes | None:
         """Collective save (in the background: returns once every rank has its shards in

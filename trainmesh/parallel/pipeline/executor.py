@@ -4,7 +4,7 @@ Consecutive communication actions go out as one ``batch_isend_irecv``; a batch's
 waited for before the next compute, its sends only at the end of the step, so sends overlap
 with compute. Messages carry a tag unique to (direction, stage, microbatch), so ranks need not
 post them in the same order. Gradients accumulate across microbatches; a ZeRO-3 stage reduces
-its gradients only on its last backward of the step.
+its gradients as its ``ZeroPolicy`` says (once per step when kept gathered).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from trainmesh.parallel.pipeline.ir import Action, Op, PipeShape
+from trainmesh.parallel.zero import ZeroPolicy
 
 
 @dataclass(frozen=True)
@@ -35,11 +36,13 @@ class P2PSpec:
 
 class PipelineExecutor:
     def __init__(self, shape: PipeShape, actions: list[Action], stages: dict[int, nn.Module],
-                 p2p: P2PSpec, loss_context: Callable[[], AbstractContextManager] = nullcontext):
+                 p2p: P2PSpec, loss_context: Callable[[], AbstractContextManager] = nullcontext,
+                 zero: ZeroPolicy | None = None):
         """``stages[s](x)`` runs stage s; the last stage is called as ``stages[s](x, y)`` and
         returns the microbatch's mean loss."""
         self.shape, self.actions, self.stages, self.p2p = shape, actions, stages, p2p
         self.loss_context = loss_context
+        self.zero = zero  # the stages' ZeRO-3 policy (None: stages are not sharded)
         self.last_backward = {a.stage: a.microbatch for a in actions if a.op is Op.BACKWARD}
         self.timeline: list[tuple[str, float, float]] = []
 
@@ -98,10 +101,8 @@ class PipelineExecutor:
     def _backward(self, a: Action) -> None:
         stage = self.stages[a.stage]
         last = self.last_backward[a.stage] == a.microbatch
-        if hasattr(stage, "set_requires_gradient_sync"):  # ZeRO-3: reduce once per step
-            stage.set_is_last_backward(last)
-            stage.set_requires_gradient_sync(last)
-            stage.set_reshard_after_backward(last)
+        if self.zero is not None:  # ZeRO-3: when this stage gathers and reduce-scatters
+            self.zero.before_backward(stage, last)
         key = (a.stage, a.microbatch)
         out = self._outputs.pop(key)
         with self.loss_context():

@@ -1,0 +1,53 @@
+"""``trainmesh run --dry-run``: what every rank really holds after building its part (and
+after one step with ``--step``), next to what the planner predicted for it."""
+
+from __future__ import annotations
+
+from trainmesh.jobs.spec import JobSpec
+from trainmesh.parallel.dims import Axis, ParallelDims
+from trainmesh.platform.cost_model import GIB, Candidate, rank_memory
+from trainmesh.platform.devices import DeviceSpec
+
+
+def memory_rows(reports: list[dict], spec: JobSpec, c: Candidate, dims: ParallelDims,
+                device: DeviceSpec, stepped: bool) -> list[dict]:
+    """One row per rank: measured bytes (from ``RankWorker.memory_report``) beside the cost
+    model's prediction for that rank. Before any step a rank holds its parameter shards only
+    (FSDP2 gathers lazily, optimizer state is created by the first step): that is what is
+    predicted then."""
+    tr = spec.training
+    compute_bytes = 2 if tr.dtype == "bfloat16" else 4
+    fused = spec.model.kernels == "triton" or (spec.model.kernels == "auto"
+                                               and device.name != "cpu")
+    rows = []
+    for r in reports:
+        pp_rank = dims.coords(r["rank"])[Axis.PP]
+        pred = rank_memory(spec.model, c, tr.seq_len, pp_rank, compute_bytes,
+                           device.framework_gib * GIB, fused_head=fused)
+        predicted = pred.total if stepped else pred.params + pred.framework
+        rows.append({
+            "rank": r["rank"], "node": r["node"], "device": r["device"], "pp_rank": pp_rank,
+            "predicted_gib": predicted / GIB, "measured_peak_gib": r["peak"] / GIB,
+            "params_gib": r["params"] / GIB, "grads_gib": r["grads"] / GIB,
+            "optimizer_gib": r["optimizer"] / GIB, "activations_gib": r["activations"] / GIB,
+            "predicted": pred.as_gib(),
+        })
+    return rows
+
+
+def format_rows(rows: list[dict], stepped: bool) -> str:
+    """A table for people: one line per rank, GiB."""
+    head = (f"{'rank':>4} {'node':<10} {'pp':>2} {'params':>8} {'grads':>8} {'optim':>8} "
+            f"{'acts':>8} {'peak':>8} {'predicted':>9}  (GiB; {'after one step' if stepped else 'built, no step'})")
+    lines = [head]
+    for r in rows:
+        p = r["predicted"]
+        lines.append(f"{r['rank']:>4} {r['node'][:10]:<10} {r['pp_rank']:>2} "
+                     f"{r['params_gib']:>8.3f} {r['grads_gib']:>8.3f} {r['optimizer_gib']:>8.3f} "
+                     f"{r['activations_gib']:>8.3f} {r['measured_peak_gib']:>8.3f} "
+                     f"{r['predicted_gib']:>9.3f}")
+        if r["rank"] == 0:
+            lines.append(f"     predicted for rank 0: params {p['params']:.3f}, grads {p['grads']:.3f}, "
+                         f"optimizer {p['optimizer']:.3f}, gathered {p['gathered']:.3f}, "
+                         f"activations {p['activations']:.3f}, framework {p['framework']:.3f}")
+    return "\n".join(lines)
