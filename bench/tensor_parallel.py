@@ -55,12 +55,13 @@ def main() -> None:
                 for _ in range(args.steps):
                     group.train_step()
                 dt = (time.perf_counter() - t0) / args.steps
-                mem = group.memory_stats()
+                mem = group.memory_reports()
             finally:
                 group.shutdown()
             tokens = args.batch * args.seq_len
-            rows.append((tp, dt, tokens / dt, max(m["peak_rss_mib"] for m in mem),
-                         max(m.get("cuda_peak_mib", 0.0) for m in mem)))
+            peak = max(m["peak"] for m in mem) / 2**20
+            on_gpu = mem[0]["device"].startswith("cuda")
+            rows.append((tp, dt, tokens / dt, 0.0 if on_gpu else peak, peak if on_gpu else 0.0))
     ray.shutdown()
     base = rows[0][2]
     print(f"model={args.preset} seq={args.seq_len} batch={args.batch} backend={group.backend}")

@@ -40,10 +40,9 @@ def _brute_force_best(req: PlanRequest, topo: Topology) -> float:
         n = req.global_batch_size // (dp * mbs)
         if pp > 1 and n < pp or (sched == "interleaved-1f1b" and n % pp):
             continue
-        if keep != (dp > 1) and not (dp > 1 and n > 1):
-            continue
         c = cost_model.Candidate(tp, pp, dp, vpp, sched, mbs, n, rc, tp > 1, keep)
-        if cost_model.memory_bytes(m, c, req.seq_len, req.compute_bytes) > limit:
+        if cost_model.memory_bytes(m, c, req.seq_len, req.compute_bytes,
+                                   topo.device.framework_gib * 1024**3) > limit:
             continue
         est = cost_model.estimate(m, c, req.seq_len, topo.device, topo.per_node, req.compute_bytes)
         best = max(best, est.tokens_per_s)
@@ -166,3 +165,53 @@ def test_spec_topology_overrides_change_the_plan(capsys):
     assert faster["tokens_per_s"] > 1.5 * base["tokens_per_s"]
     assert main([*args, "--set", "topology.memory_gib=4"]) == 2  # nothing fits in 4 GiB
     assert "memory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b"])
+def test_in_flight_chunks_are_what_the_schedule_simulator_holds(schedule):
+    """The cost model's closed form for activations held per pipeline rank = the peak the
+    simulator finds running the very action lists the executor runs."""
+    from trainmesh.parallel.pipeline.schedules import build_schedule
+    from trainmesh.parallel.pipeline.simulate import simulate
+
+    for pp, vpp, m in itertools.product((2, 3, 4), (1, 2, 3), (4, 6, 8, 12)):
+        v = vpp if schedule == "interleaved-1f1b" else 1
+        if (schedule == "interleaved-1f1b") != (vpp > 1) or m % pp and v > 1:
+            continue
+        peaks = simulate(build_schedule(schedule, pp, v, m), pp * v, m).peak_in_flight
+        assert peaks == [cost_model.in_flight_chunks(schedule, pp, v, m, r) for r in range(pp)]
+
+
+def test_the_plan_reaches_the_runtime_through_the_effective_spec():
+    """What the planner decided about memory and time is what the ranks build: sharding
+    policy, reduce dtype and recomputation; what the user pinned is kept."""
+    from trainmesh.platform.job_plan import effective_spec
+
+    topo = Topology.uniform(1, 4, "cpu")
+    spec = load_spec(None, ["parallelism.dp=4", "parallelism.keep_gathered=false",
+                            "parallelism.reduce_dtype=bfloat16", "activation_checkpoint.mode=full"])
+    _, result = plan_job(spec, topo)
+    c = result.best.candidate
+    assert (c.keep_gathered, c.reduce_dtype, c.recompute) == (False, "bfloat16", "full")
+    eff = effective_spec(spec, c)
+    assert eff.parallelism.keep_gathered is False and eff.parallelism.reduce_dtype == "bfloat16"
+    assert eff.activation_checkpoint.mode == "full"
+    auto = load_spec(None, ["parallelism=auto", "activation_checkpoint.mode=full"])
+    _, result = plan_job(auto, topo)
+    eff = effective_spec(auto, result.best.candidate)
+    assert eff.parallelism.keep_gathered == result.best.candidate.keep_gathered
+    assert eff.activation_checkpoint.mode == result.best.candidate.recompute
+
+
+def test_keeping_parameters_gathered_costs_the_stage_unsharded():
+    """keep_gathered holds the rank's whole part gathered plus its unsharded fp32 gradients;
+    resharding holds two blocks (plus the root) — the memory the runtime's choice implies."""
+    m = _model("8b")
+    keep = cost_model.Candidate(1, 1, 8, 1, "1f1b", 1, 4, "none", False, True)
+    reshard = cost_model.Candidate(1, 1, 8, 1, "1f1b", 1, 4, "none", False, False)
+    a = cost_model.rank_memory(m, keep, 4096)
+    b = cost_model.rank_memory(m, reshard, 4096)
+    n = cost_model.rank_params(m, 1, 0).gathered(1)
+    assert a.gathered == pytest.approx(2 * n) and a.grads == pytest.approx(4 * n + 4 * n / 8)
+    assert b.gathered < 0.2 * a.gathered and b.grads < 0.2 * a.grads
+    assert a.params == b.params == pytest.approx(4 * n / 8)

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from trainmesh.actors.memory import SavedActivations, peak_process_bytes, state_bytes
 from trainmesh.actors.step import (
     StepStats,
     build_lr_scheduler,
@@ -21,7 +22,6 @@ from trainmesh.actors.step import (
     finish_step,
     train_step,
 )
-from trainmesh.actors.memory import SavedActivations, peak_process_bytes, state_bytes
 from trainmesh.checkpoint import dcp_io
 from trainmesh.data.dataset import TokenDataset
 from trainmesh.data.shards import read_tokens

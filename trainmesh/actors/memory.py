@@ -64,14 +64,17 @@ class SavedActivations:
         local = _local(t)
         if local.device.type == "meta" or _is_parameter(t):
             return holder
-        storage = local.untyped_storage()
-        key = storage.data_ptr()
+        try:
+            storage = local.untyped_storage()
+            key, nbytes = storage.data_ptr(), storage.nbytes()
+        except RuntimeError:  # no real storage (a wrapper made by a transform): by identity
+            key, nbytes = id(holder), local.numel() * local.element_size()
         if key == 0:
             return holder
         if key not in self._refs:
             self._refs[key] = 0
-            self._sizes[key] = storage.nbytes()
-            self.live += storage.nbytes()
+            self._sizes[key] = nbytes
+            self.live += nbytes
             self.peak = max(self.peak, self.live)
         self._refs[key] += 1
         weakref.finalize(holder, self._release, key)

@@ -158,15 +158,6 @@ class RankWorker:
     def timeline(self) -> list:
         return self.engine.timeline()
 
-    def memory_stats(self) -> dict:
-        """Peak memory of this rank: process RSS, and CUDA allocations when on a GPU."""
-        import resource
-
-        stats = {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-        if self.engine is not None and self.engine.device.type == "cuda":
-            stats["cuda_peak_mib"] = torch.cuda.max_memory_allocated(self.engine.device) / 2**20
-        return stats
-
     def shutdown(self) -> None:
         self.wait_save(timeout_s=self._timeout_s + 5)
         if dist.is_initialized():

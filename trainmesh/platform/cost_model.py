@@ -124,7 +124,7 @@ class MemoryBreakdown:
     optimizer: float
     gathered: float
     activations: float  # saved for backward, the last stage's fp32 log-probabilities included
-    transient: float  # the log-probabilities' gradient, briefly, on the last stage
+    transient: float  # briefly, in backward: a recomputed block's activations, log-prob grads
     framework: float
 
     @property
@@ -200,14 +200,15 @@ def rank_memory(model, c: Candidate, seq_len: int, pp_rank: int = 0, compute_byt
     layers_per_chunk = model.n_layers // (c.pp * c.vpp)
     chunks = in_flight_chunks(c.schedule, c.pp, c.vpp, c.num_microbatches, pp_rank)
     acts = per_layer * layers_per_chunk * chunks
-    if c.recompute == "full":  # one block's activations exist while it is recomputed
-        acts += activation_units(model, c.tp, sp, "none") * sbh * compute_bytes
     transient = 0.0
+    if c.recompute == "full":  # one block's activations exist while it is recomputed
+        transient += activation_units(model, c.tp, sp, "none") * sbh * compute_bytes
     if pp_rank == c.pp - 1:
         acts += (2 / c.tp + 1 if sp else 3) * sbh * compute_bytes  # final norm
         if not fused_head:  # fp32 log-probabilities (saved) and their gradient
-            transient = 4.0 * seq_len * c.microbatch_size * model.vocab_size / c.tp
-            acts += transient
+            logprobs = 4.0 * seq_len * c.microbatch_size * model.vocab_size / c.tp
+            acts += logprobs
+            transient += logprobs
     return MemoryBreakdown(params=4 * local, grads=grads, optimizer=8 * local,
                            gathered=gathered, activations=acts, transient=transient,
                            framework=framework_bytes)

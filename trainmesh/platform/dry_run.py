@@ -37,8 +37,9 @@ def memory_rows(reports: list[dict], spec: JobSpec, c: Candidate, dims: Parallel
 
 def format_rows(rows: list[dict], stepped: bool) -> str:
     """A table for people: one line per rank, GiB."""
+    when = "after one step" if stepped else "built, no step"
     head = (f"{'rank':>4} {'node':<10} {'pp':>2} {'params':>8} {'grads':>8} {'optim':>8} "
-            f"{'acts':>8} {'peak':>8} {'predicted':>9}  (GiB; {'after one step' if stepped else 'built, no step'})")
+            f"{'acts':>8} {'peak':>8} {'predicted':>9}  (GiB; {when})")
     lines = [head]
     for r in rows:
         p = r["predicted"]

@@ -93,9 +93,6 @@ class RayWorkerGroup:
     def timelines(self) -> list[list]:
         return self.group.call("timeline", timeout_s=self.timeout)
 
-    def memory_stats(self) -> list[dict]:
-        return self.group.call("memory_stats", timeout_s=self.timeout)
-
     def full_grads(self) -> dict:
         return {k: v for d in self.group.call("full_grads", timeout_s=self.timeout)
                 for k, v in d.items()}
