@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install lint clean
+.PHONY: demo test install lint clean gpu-check
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -24,6 +24,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
+
+# On a machine with a CUDA GPU and trainmesh importable (no venv is made: use the GPU's torch).
+gpu-check:
+	PYTHONPATH=$(CURDIR):$$PYTHONPATH $(PY) bench/gpu_check.py --append bench/RESULTS.md
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -15,12 +15,14 @@ the tensors a real rank holds by ``trainmesh run --dry-run`` and the memory-matr
     f = ffn_dim / dim: without sequence parallel 6 + (5 + 4f)/t (block input, norm
     statistics' inputs and outputs replicated; q, k and v after GQA expansion, attention out,
     wo input; SwiGLU gate, up, silu(gate), w2 input sharded); with sequence parallel
-    2 + (9 + 4f)/t (the gathered norm outputs stay whole); full recomputation keeps only the
+    2 + (9 + 4f)/t (the gathered norm outputs stay whole). The Triton kernels keep less:
+    4 + (5 + 3f)/t, or 2 + (7 + 3f)/t with sequence parallel. Full recomputation keeps only the
     block input (1, or 1/t with sequence parallel) plus one block's activations while it is
     recomputed. A rank holds ``in_flight_chunks`` microbatch-chunks at its peak (Megatron's
     warm-up counts: GPipe m, 1F1B p − r, interleaved 2(p − r − 1) + (v − 1)p + 1).
   * The last stage's final norm and, without the fused head kernel, the fp32 log-probabilities
-    of one microbatch (saved) and their gradient (transient): 2 × 4·s·b·V/t.
+    of one microbatch (saved) and their gradient (transient): 2 × 4·s·b·V/t; with it, the
+    input and head-weight gradients it computes in forward (s·b·h + V·h/t).
   * A framework allowance per device (CUDA context, allocator slack, NCCL buffers; on CPU the
     rank process with torch and Ray loaded).
 
@@ -170,19 +172,26 @@ def rank_params(model, pp: int, pp_rank: int) -> RankParams:
     return RankParams(sharded, replicated, per_layer)
 
 
-def activation_units(model, tp: int, sequence_parallel: bool, recompute: str) -> float:
-    """Saved activations of one layer and microbatch, in s·b·h elements (module docstring)."""
-    f = model.ffn_dim / model.dim
-    full = 2 + (9 + 4 * f) / tp if sequence_parallel and tp > 1 else 6 + (5 + 4 * f) / tp
+def activation_units(model, tp: int, sequence_parallel: bool, recompute: str,
+                     fused: bool = False) -> float:
+    """Saved activations of one layer and microbatch, in s·b·h elements (module docstring).
+    ``fused``: the Triton kernels, whose RMSNorm keeps only its input (not the normalised
+    copy) and whose SwiGLU keeps gate and up only."""
     if recompute == "full":
         return 1.0 / tp if sequence_parallel and tp > 1 else 1.0
-    return full
+    f = model.ffn_dim / model.dim
+    norm = 1 if fused else 2  # per norm, besides the output the next matmul keeps
+    mlp = (3 if fused else 4) * f
+    if sequence_parallel and tp > 1:
+        return 2 + (2 * norm + 5 + mlp) / tp
+    return 2 + 2 * norm + (5 + mlp) / tp
 
 
 def rank_memory(model, c: Candidate, seq_len: int, pp_rank: int = 0, compute_bytes: int = 2,
                 framework_bytes: float = FRAMEWORK_BYTES, fused_head: bool = False,
                 ) -> MemoryBreakdown:
-    """Peak bytes of rank ``pp_rank`` of the pipeline (any dp/tp coordinate)."""
+    """Peak bytes of rank ``pp_rank`` of the pipeline (any dp/tp coordinate); ``fused_head``:
+    the Triton kernels run (RMSNorm, SwiGLU, RoPE and the fused linear + cross-entropy)."""
     rp = rank_params(model, c.pp, pp_rank)
     reduce_bytes = c.reduce_bytes
     local = rp.local(c.tp, c.dp)
@@ -196,16 +205,19 @@ def rank_memory(model, c: Candidate, seq_len: int, pp_rank: int = 0, compute_byt
         grads = 4 * local + reduce_bytes * layer_gathered
     sbh = seq_len * c.microbatch_size * model.dim
     sp = c.sequence_parallel and c.tp > 1
-    per_layer = activation_units(model, c.tp, sp, c.recompute) * sbh * compute_bytes
+    per_layer = activation_units(model, c.tp, sp, c.recompute, fused_head) * sbh * compute_bytes
     layers_per_chunk = model.n_layers // (c.pp * c.vpp)
     chunks = in_flight_chunks(c.schedule, c.pp, c.vpp, c.num_microbatches, pp_rank)
     acts = per_layer * layers_per_chunk * chunks
     transient = 0.0
     if c.recompute == "full":  # one block's activations exist while it is recomputed
-        transient += activation_units(model, c.tp, sp, "none") * sbh * compute_bytes
+        transient += activation_units(model, c.tp, sp, "none", fused_head) * sbh * compute_bytes
     if pp_rank == c.pp - 1:
-        acts += (2 / c.tp + 1 if sp else 3) * sbh * compute_bytes  # final norm
-        if not fused_head:  # fp32 log-probabilities (saved) and their gradient
+        norm = 1 if fused_head else 2
+        acts += (norm / c.tp + 1 if sp else norm + 1) * sbh * compute_bytes  # final norm
+        if fused_head:  # the fused loss computes its gradients in forward and keeps them
+            acts += (sbh / (c.tp if sp else 1) + model.vocab_size * model.dim / c.tp) * compute_bytes
+        else:  # fp32 log-probabilities (saved) and their gradient
             logprobs = 4.0 * seq_len * c.microbatch_size * model.vocab_size / c.tp
             acts += logprobs
             transient += logprobs

@@ -1,0 +1,157 @@
+"""The GPU check kit: what only a GPU can show, in one command, well inside 9 minutes on one
+H100/H200, appended to bench/RESULTS.md as a dated section.
+
+    make gpu-check            # = python3 bench/gpu_check.py --append bench/RESULTS.md
+
+1. The GPU test module (Triton kernels compiled for real against the torch references).
+2. bench/kernels.py: kernel GB/s against a device copy, eager and torch.compile; the `1b`
+   step time, tokens/s and MFU with model.kernels torch vs triton.
+3. Planned vs measured CUDA memory: one rank builds the `1b` preset the way a job does (meta
+   build, FSDP2 over a 1-rank mesh, bf16, seq 2048) and runs one step, for both ZeRO-3
+   policies; its tensors' peak (torch's max allocated) and the activations autograd saved are
+   set beside the cost model's prediction. A 1-rank mesh: NCCL runs, but no collective
+   crosses a device (multi-rank NCCL needs more GPUs than the kit assumes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GIB = 1024**3
+
+
+def _run(cmd: list[str], timeout_s: float, env: dict[str, str]) -> tuple[int, str, float]:
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **env}, capture_output=True,
+                           text=True, timeout=timeout_s)
+        return p.returncode, p.stdout + p.stderr, time.perf_counter() - t0
+    except subprocess.TimeoutExpired as err:
+        out = (err.stdout or b"").decode() if isinstance(err.stdout, bytes) else (err.stdout or "")
+        return 124, out + f"\n(timed out after {timeout_s:.0f} s)", time.perf_counter() - t0
+
+
+def environment() -> list[str]:
+    import torch
+    import triton
+
+    p = torch.cuda.get_device_properties(0)
+    return [f"- device: {p.name}, {p.total_memory / GIB:.0f} GiB, {p.multi_processor_count} SMs",
+            f"- torch {torch.__version__} (CUDA {torch.version.cuda}, NCCL "
+            f"{'.'.join(map(str, torch.cuda.nccl.version()))}), triton {triton.__version__}"]
+
+
+def gpu_tests() -> list[str]:
+    rc, out, dt = _run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+                        "tests/test_kernels_gpu.py"], 240, {"TRITON_INTERPRET": "0"})
+    last = [ln for ln in out.strip().splitlines() if ln.strip()][-1:] or ["(no output)"]
+    lines = [f"- `pytest -m gpu tests/test_kernels_gpu.py`: {last[0].strip('= ')} ({dt:.0f} s)"]
+    if rc != 0:
+        lines += ["", "```", *out.strip().splitlines()[-30:], "```"]
+    return lines
+
+
+def kernel_bench() -> list[str]:
+    rc, out, dt = _run([sys.executable, "bench/kernels.py", "--steps", "5"], 330,
+                       {"TRITON_INTERPRET": "0"})
+    tables = [ln for ln in out.splitlines() if ln.startswith("|") or not ln.strip()]
+    if rc != 0:
+        return [f"bench/kernels.py failed (exit {rc}, {dt:.0f} s):", "", "```",
+                *out.strip().splitlines()[-30:], "```"]
+    return [f"bench/kernels.py ({dt:.0f} s):", "", *tables]
+
+
+def memory_check() -> list[str]:
+    """One 1b rank per ZeRO-3 policy: predicted vs measured (see the module docstring)."""
+    import torch
+    import torch.distributed as dist
+
+    from trainmesh.actors.engine import Engine
+    from trainmesh.data.shards import ensure_tiny_corpus
+    from trainmesh.jobs.loading import load_spec
+    from trainmesh.parallel.dims import ParallelDims
+    from trainmesh.parallel.mesh import Mesh
+    from trainmesh.platform.devices import device_spec
+    from trainmesh.platform.dry_run import memory_rows
+    from trainmesh.platform.job_plan import effective_spec, plan_job
+    from trainmesh.platform.topology import Topology
+
+    name = "h200" if "h200" in torch.cuda.get_device_name().lower() else "h100"
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1)
+    mesh = Mesh.build(ParallelDims(), "cuda", 0)
+    device = torch.device("cuda", 0)
+    lines = ["| ZeRO-3 policy | kernels | predicted tensors GiB | measured max allocated GiB | "
+             "ratio | predicted activations GiB | measured saved GiB | ratio | max reserved GiB |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    with tempfile.TemporaryDirectory() as tmp:
+        data_dir = str(ensure_tiny_corpus(os.path.join(tmp, "data")))
+        for keep in (True, False):
+            for kernels in ("triton", "torch"):
+                spec = load_spec(None, ["model.preset=1b", "training.seq_len=2048",
+                                        "training.dtype=bfloat16", "training.global_batch_size=8",
+                                        "training.microbatch_size=2", f"model.kernels={kernels}",
+                                        f"parallelism.keep_gathered={str(keep).lower()}",
+                                        "optimizer.warmup_steps=1", "training.steps=2",
+                                        "tracking.enabled=false", "runtime.device=cuda"])
+                dims, result = plan_job(spec, Topology.uniform(1, 1, name))
+                eff = effective_spec(spec, result.best.candidate)
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+                engine = Engine(eff, mesh, data_dir, device)
+                engine.train_step(measure_activations=True)
+                torch.cuda.synchronize()
+                report = {"rank": 0, "node": "local", "device": "cuda:0", **engine.memory_report()}
+                row = memory_rows([report], eff, result.best.candidate, dims, device_spec(name),
+                                  stepped=True)[0]
+                p = row["predicted"]
+                tensors = p["total"] - p["framework"]
+                reserved = torch.cuda.max_memory_reserved() / GIB
+                lines.append(
+                    f"| {'keep gathered' if keep else 'reshard per microbatch'} | {kernels} | "
+                    f"{tensors:.2f} | {row['measured_peak_gib']:.2f} | "
+                    f"{row['measured_peak_gib'] / tensors:.2f} | {p['activations']:.2f} | "
+                    f"{row['activations_gib']:.2f} | {row['activations_gib'] / p['activations']:.2f} "
+                    f"| {reserved:.2f} |")
+                del engine
+    dist.destroy_process_group()
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--append", metavar="FILE", help="append the section to FILE (RESULTS.md)")
+    args = ap.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("the GPU check kit needs a CUDA GPU")
+    t0 = time.perf_counter()
+    today = datetime.date.today().isoformat()
+    out = [f"## GPU check kit, {today}", "", *environment(), ""]
+    for title, part in (("GPU tests", gpu_tests), ("Kernels and the 1b step", kernel_bench),
+                        ("1b memory: planned vs measured (one rank, bf16, seq 2048, microbatch 2 × 4)",
+                         memory_check)):
+        out += [f"### {title}", ""]
+        try:
+            out += part()
+        except Exception as err:  # noqa: BLE001 - a failed part is reported, the rest still run
+            out += [f"failed: {type(err).__name__}: {err}"]
+        out.append("")
+    out.append(f"(kit wall time {time.perf_counter() - t0:.0f} s)")
+    text = "\n".join(out) + "\n"
+    print(text)
+    if args.append:
+        with open(args.append, "a") as f:
+            f.write("\n" + text)
+
+
+if __name__ == "__main__":
+    main()
