@@ -12,9 +12,11 @@ TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.bfloat16: {"rtol": 2e-
 
 
 def check(kernel, reference, *inputs: torch.Tensor, dtype: torch.dtype = torch.float32,
-          out_dtype: torch.dtype | None = None) -> None:
+          out_dtype: torch.dtype | None = None, summed_rows: int = 1) -> None:
     """bf16 kernels (float32 inside, one rounding per store) are held to the float32
-    reference on the same bf16 values, within bf16 resolution."""
+    reference on the same bf16 values, within bf16 resolution. A 1-D input's gradient is a
+    sum over ``summed_rows`` rows: two fp32 summation orders differ by about √rows roundings
+    of the terms, so its absolute tolerance grows with √(rows / 64) beyond 64 rows."""
     got_in = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
     want_in = [(x.detach().float() if x.is_floating_point() else x).requires_grad_(x.is_floating_point())
                for x in inputs]
@@ -27,7 +29,10 @@ def check(kernel, reference, *inputs: torch.Tensor, dtype: torch.dtype = torch.f
     for i, (g, w) in enumerate(zip(got_in, want_in, strict=True)):
         if w.grad is not None:
             assert g.grad is not None and g.grad.dtype == dtype, f"input {i}"
-            torch.testing.assert_close(g.grad.float(), w.grad, **TOL[dtype],
+            tol = dict(TOL[dtype])
+            if g.ndim == 1:
+                tol["atol"] *= max(1.0, (summed_rows / 64) ** 0.5)
+            torch.testing.assert_close(g.grad.float(), w.grad, **tol,
                                        msg=lambda m, i=i: f"gradient of input {i}: {m}")
 
 
@@ -38,7 +43,8 @@ def rand(*shape: int, dtype=torch.float32, device="cpu", seed: int = 0) -> torch
 def rms_norm_case(rows_shape, dim, dtype=torch.float32, device="cpu"):
     k = kernel_set("triton")
     x, w = rand(*rows_shape, dim, dtype=dtype, device=device), rand(dim, dtype=dtype, device=device, seed=2)
-    check(lambda a, b: k.rms_norm(a, b, 1e-5), lambda a, b: ref.rms_norm(a, b, 1e-5), x, w, dtype=dtype)
+    check(lambda a, b: k.rms_norm(a, b, 1e-5), lambda a, b: ref.rms_norm(a, b, 1e-5), x, w, dtype=dtype,
+          summed_rows=x.numel() // dim)
 
 
 def swiglu_case(shape, dtype=torch.float32, device="cpu"):

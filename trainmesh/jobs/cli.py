@@ -32,7 +32,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true",
                    help="plan, place and build every rank, print each rank's memory beside the "
                         "plan's prediction, and exit (no training, saving or tracking)")
-    p.add_argument("--step", action="store_true", help="with --dry-run: also run one step")
+    p.add_argument("--step", action="store_true",
+                   help="with --dry-run: also train (one step creates the optimizer state, a "
+                        "second is measured: the steady-state peak)")
     p.add_argument("--json", action="store_true", help="with --dry-run: JSON, one object per rank")
     plan_cli.add_parser(sub)
     schedule_cli.add_parser(sub)

@@ -29,7 +29,9 @@ class ZeroPolicy:
         """Set ``module``'s FSDP flags for a microbatch's backward (``is_last``: the step's
         last one for this module)."""
         sync = is_last or not self.keep_gathered
-        module.set_is_last_backward(is_last)
+        # A backward that reduce-scatters must also wait for it, or every microbatch's
+        # reduce-scatter inputs (unsharded fp32 gradients) stay alive until the step's end.
+        module.set_is_last_backward(sync)
         module.set_requires_gradient_sync(sync)
         module.set_reshard_after_backward(sync)
 

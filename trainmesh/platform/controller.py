@@ -105,14 +105,15 @@ class Controller:
         return summary
 
     def dry_run(self, step: bool) -> list[dict]:
-        """Plan, place, build every rank's part (and run one step with ``step``), then report
+        """Plan, place, build every rank's part (and run steps with ``step``), then report
         each rank's memory beside the plan's prediction; no training, saving or tracking."""
         from trainmesh.platform.dry_run import memory_rows
 
         group = self._start(tracker=None, replan=False)
         try:
             group.build(self.eff.model_dump_json(), self.dims, self._data_dir())
-            if step:
+            if step:  # the first step creates the optimizer state; the second is measured
+                group.train_step()
                 group.train_step(measure_activations=True)
             reports = group.memory_reports()
         finally:

@@ -6,10 +6,14 @@ the tensors a real rank holds by ``trainmesh run --dry-run`` and the memory-matr
     parameters (4 bytes each), fp32 gradients (4) and two fp32 Adam moments (8).
   * FSDP2's gathered copies in the compute dtype. ``keep_gathered``: the rank's whole part
     stays gathered all step (reshard after forward/backward off until the last microbatch)
-    and its gradients stay unsharded in fp32 until the one reduce-scatter at the last
-    microbatch. Otherwise: two blocks (computing + prefetched) plus the root's embedding /
-    norm / head, gradients reduce-scattered after every microbatch (one block's unsharded
-    fp32 gradients at a time). FSDP2 makes the gathered copy even at dp = 1.
+    and its gradients accumulate unsharded, in the compute dtype, until the one
+    reduce-scatter at the last microbatch. Otherwise: two blocks (computing + prefetched)
+    plus the root's embedding / norm / head, gradients reduce-scattered after every
+    microbatch (one block's unsharded gradients at a time). FSDP2 makes the gathered copy
+    even at dp = 1.
+  * The peak is the larger of two moments: while microbatches run (gathered copies, their
+    gradients, activations, backward transients) and the step's end (the last
+    reduce-scatter, or AdamW's parameter-sized temporary), on top of parameters and moments.
   * Activations autograd saves, counted from this implementation (torch ops, fused
     attention), per layer and microbatch in units of s·b·h elements of the compute dtype,
     f = ffn_dim / dim: without sequence parallel 6 + (5 + 4f)/t (block input, norm
@@ -122,17 +126,19 @@ class MemoryBreakdown:
     """Bytes one rank holds at its peak in a step, by kind (see the module docstring)."""
 
     params: float
-    grads: float  # at their peak within the step (unsharded while kept gathered)
+    grads: float  # while microbatches run (unsharded, in the compute dtype, while kept gathered)
     optimizer: float
     gathered: float
     activations: float  # saved for backward, the last stage's fp32 log-probabilities included
     transient: float  # briefly, in backward: a recomputed block's activations, log-prob grads
+    end_of_step: float  # beyond params + optimizer at the last reduce-scatter / optimizer step
     framework: float
 
     @property
     def total(self) -> float:
-        return (self.params + self.grads + self.optimizer + self.gathered + self.activations
-                + self.transient + self.framework)
+        """The step's peak: the larger of while microbatches run and the step's end."""
+        running = self.grads + self.gathered + self.activations + self.transient
+        return self.params + self.optimizer + max(running, self.end_of_step) + self.framework
 
     def as_gib(self) -> dict[str, float]:
         out = {k: v / GIB for k, v in self.__dict__.items()}
@@ -196,13 +202,19 @@ def rank_memory(model, c: Candidate, seq_len: int, pp_rank: int = 0, compute_byt
     reduce_bytes = c.reduce_bytes
     local = rp.local(c.tp, c.dp)
     layer_gathered = (rp.per_layer - 2 * model.dim) / c.tp + 2 * model.dim
+    # Gradients of gathered parameters are in the compute dtype; FSDP2 casts one unit's to the
+    # reduce dtype for its reduce-scatter into the fp32 sharded gradients (4 × local). AdamW's
+    # foreach step makes one parameter-sized fp32 temporary.
+    reduce_unit = (compute_bytes + reduce_bytes) * layer_gathered
     if c.keep_gathered:
         gathered = compute_bytes * rp.gathered(c.tp)
-        grads = reduce_bytes * rp.gathered(c.tp) + 4 * local
+        grads = compute_bytes * rp.gathered(c.tp)
+        end_of_step = max(gathered + grads + 4 * local + reduce_unit, 8 * local)
     else:
         root = rp.gathered(c.tp) - (model.n_layers // c.pp) * layer_gathered
         gathered = compute_bytes * (2 * layer_gathered + root)
-        grads = 4 * local + reduce_bytes * layer_gathered
+        grads = 4 * local + reduce_unit
+        end_of_step = 8 * local
     sbh = seq_len * c.microbatch_size * model.dim
     sp = c.sequence_parallel and c.tp > 1
     per_layer = activation_units(model, c.tp, sp, c.recompute, fused_head) * sbh * compute_bytes
@@ -217,13 +229,13 @@ def rank_memory(model, c: Candidate, seq_len: int, pp_rank: int = 0, compute_byt
         acts += (norm / c.tp + 1 if sp else norm + 1) * sbh * compute_bytes  # final norm
         if fused_head:  # the fused loss computes its gradients in forward and keeps them
             acts += (sbh / (c.tp if sp else 1) + model.vocab_size * model.dim / c.tp) * compute_bytes
-        else:  # fp32 log-probabilities (saved) and their gradient
+        else:  # fp32 log-probabilities (saved), then their gradient in and out in backward
             logprobs = 4.0 * seq_len * c.microbatch_size * model.vocab_size / c.tp
             acts += logprobs
-            transient += logprobs
+            transient += 2 * logprobs
     return MemoryBreakdown(params=4 * local, grads=grads, optimizer=8 * local,
                            gathered=gathered, activations=acts, transient=transient,
-                           framework=framework_bytes)
+                           end_of_step=end_of_step, framework=framework_bytes)
 
 
 def memory_bytes(model, c: Candidate, seq_len: int, compute_bytes: int = 2,
