@@ -7,8 +7,9 @@ H100/H200, appended to bench/RESULTS.md as a dated section.
 2. bench/kernels.py: kernel GB/s against a device copy, eager and torch.compile; the `1b`
    step time, tokens/s and MFU with model.kernels torch vs triton.
 3. Planned vs measured CUDA memory: one rank builds the `1b` preset the way a job does (meta
-   build, FSDP2 over a 1-rank mesh, bf16, seq 2048) and runs two steps (the second, with
-   optimizer state, is measured), for both ZeRO-3 policies and both kernel sets; its
+   build, FSDP2 over a 1-rank mesh, bf16, seq 2048) and runs two steps (activations counted
+   in the first, the peak of the second: steady state, no counting hooks), for both ZeRO-3
+   policies and both kernel sets; its
    tensors' peak (torch's max allocated) and the activations autograd saved are set beside
    the cost model's prediction. A 1-rank mesh: NCCL runs, but no collective
    crosses a device (multi-rank NCCL needs more GPUs than the kit assumes).
@@ -107,8 +108,12 @@ def memory_check() -> list[str]:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
                 engine = Engine(eff, mesh, data_dir, device)
-                engine.train_step()  # creates the optimizer state: the next step is steady
+                # Activations counted in a first step (it creates the optimizer state), the
+                # peak taken in a second, steady one without the counting hooks.
                 engine.train_step(measure_activations=True)
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                engine.train_step()
                 torch.cuda.synchronize()
                 report = {"rank": 0, "node": "local", "device": "cuda:0", **engine.memory_report()}
                 row = memory_rows([report], eff, result.best.candidate, dims, device_spec(name),

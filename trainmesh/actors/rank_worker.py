@@ -104,6 +104,11 @@ class RankWorker:
         return {**dataclasses.asdict(self.engine.train_step(measure_activations)),
                 "preempted": self.preempted, "save": self.save_status()}
 
+    def reset_peak_memory(self) -> None:
+        """Start a new CUDA peak (the CPU's peak RSS cannot be reset)."""
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
     def memory_report(self) -> dict:
         """This rank's bytes by kind (``Engine.memory_report``) and where it runs."""
         ctx = ray.get_runtime_context()

@@ -112,9 +112,10 @@ class Controller:
         group = self._start(tracker=None, replan=False)
         try:
             group.build(self.eff.model_dump_json(), self.dims, self._data_dir())
-            if step:  # the first step creates the optimizer state; the second is measured
+            if step:  # activations counted in a first step (which creates the optimizer
+                group.train_step(measure_activations=True)  # state); the peak of a second
+                group.reset_peak_memory()  # one, without the counting hooks
                 group.train_step()
-                group.train_step(measure_activations=True)
             reports = group.memory_reports()
         finally:
             group.shutdown()

@@ -6,8 +6,8 @@ the tensors a real rank holds by ``trainmesh run --dry-run`` and the memory-matr
     parameters (4 bytes each), fp32 gradients (4) and two fp32 Adam moments (8).
   * FSDP2's gathered copies in the compute dtype. ``keep_gathered``: the rank's whole part
     stays gathered all step (reshard after forward/backward off until the last microbatch)
-    and its gradients accumulate unsharded, in the compute dtype, until the one
-    reduce-scatter at the last microbatch. Otherwise: two blocks (computing + prefetched)
+    and its gradients accumulate unsharded, in the reduce dtype (FSDP2 upcasts them), until
+    the one reduce-scatter at the last microbatch. Otherwise: two blocks (computing + prefetched)
     plus the root's embedding / norm / head, gradients reduce-scattered after every
     microbatch (one block's unsharded gradients at a time). FSDP2 makes the gathered copy
     even at dp = 1.
@@ -202,14 +202,19 @@ def rank_memory(model, c: Candidate, seq_len: int, pp_rank: int = 0, compute_byt
     reduce_bytes = c.reduce_bytes
     local = rp.local(c.tp, c.dp)
     layer_gathered = (rp.per_layer - 2 * model.dim) / c.tp + 2 * model.dim
-    # Gradients of gathered parameters are in the compute dtype; FSDP2 casts one unit's to the
-    # reduce dtype for its reduce-scatter into the fp32 sharded gradients (4 × local). AdamW's
-    # foreach step makes one parameter-sized fp32 temporary.
+    # A unit's gradients come out of backward in the compute dtype and are cast to the reduce
+    # dtype for its reduce-scatter into the fp32 sharded gradients (4 × local). Across
+    # microbatches without a reduce-scatter FSDP2 accumulates them unsharded in the reduce
+    # dtype. AdamW's foreach step makes one parameter-sized fp32 temporary.
     reduce_unit = (compute_bytes + reduce_bytes) * layer_gathered
-    if c.keep_gathered:
+    if c.keep_gathered and c.num_microbatches > 1:
         gathered = compute_bytes * rp.gathered(c.tp)
-        grads = compute_bytes * rp.gathered(c.tp)
+        grads = reduce_bytes * rp.gathered(c.tp) + compute_bytes * layer_gathered
         end_of_step = max(gathered + grads + 4 * local + reduce_unit, 8 * local)
+    elif c.keep_gathered:
+        gathered = compute_bytes * rp.gathered(c.tp)
+        grads = 4 * local + reduce_unit
+        end_of_step = 8 * local
     else:
         root = rp.gathered(c.tp) - (model.n_layers // c.pp) * layer_gathered
         gathered = compute_bytes * (2 * layer_gathered + root)

@@ -66,6 +66,9 @@ class RayWorkerGroup:
     def train_step(self, measure_activations: bool = False) -> list[dict]:
         return self.group.call("train_step", measure_activations, timeout_s=self.timeout * 2)
 
+    def reset_peak_memory(self) -> None:
+        self.group.call("reset_peak_memory", timeout_s=self.timeout)
+
     def memory_reports(self) -> list[dict]:
         return self.group.call("memory_report", timeout_s=self.timeout)
 
