@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import os
 import subprocess
 import sys
@@ -91,8 +92,9 @@ def memory_check() -> list[str]:
     mesh = Mesh.build(ParallelDims(), "cuda", 0)
     device = torch.device("cuda", 0)
     lines = ["| ZeRO-3 policy | kernels | predicted tensors GiB | measured max allocated GiB | "
-             "ratio | predicted activations GiB | measured saved GiB | ratio | max reserved GiB |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "ratio | predicted activations GiB | measured saved GiB | ratio | max reserved GiB | "
+             "allocated before GiB |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     with tempfile.TemporaryDirectory() as tmp:
         data_dir = str(ensure_tiny_corpus(os.path.join(tmp, "data")))
         for keep in (True, False):
@@ -105,7 +107,7 @@ def memory_check() -> list[str]:
                                         "tracking.enabled=false", "runtime.device=cuda"])
                 dims, result = plan_job(spec, Topology.uniform(1, 1, name))
                 eff = effective_spec(spec, result.best.candidate)
-                torch.cuda.empty_cache()
+                left = torch.cuda.memory_allocated() / GIB
                 torch.cuda.reset_peak_memory_stats()
                 engine = Engine(eff, mesh, data_dir, device)
                 # Activations counted in a first step (it creates the optimizer state), the
@@ -126,8 +128,10 @@ def memory_check() -> list[str]:
                     f"{tensors:.2f} | {row['measured_peak_gib']:.2f} | "
                     f"{row['measured_peak_gib'] / tensors:.2f} | {p['activations']:.2f} | "
                     f"{row['activations_gib']:.2f} | {row['activations_gib'] / p['activations']:.2f} "
-                    f"| {reserved:.2f} |")
-                del engine
+                    f"| {reserved:.2f} | {left:.2f} |")
+                del engine, report, row
+                gc.collect()  # the engine holds reference cycles: free it before the next one
+                torch.cuda.empty_cache()
     dist.destroy_process_group()
     return lines
 
