@@ -93,3 +93,11 @@ def test_dry_run_builds_a_1b_model_over_4_ranks_in_a_fraction_of_its_size(ray_lo
         assert r["params_gib"] == pytest.approx(r["predicted"]["params"], rel=0.01)
         assert r["measured_peak_gib"] < 0.5 * full_gib, r
         assert r["grads_gib"] == r["optimizer_gib"] == 0  # nothing before the first step
+
+
+def test_step_and_json_without_dry_run_are_refused(capsys):
+    from trainmesh.jobs.cli import main
+
+    assert main(["run", "jobs/tiny-cpu.yaml", "--step"]) == 2
+    err = capsys.readouterr().err
+    assert "--dry-run" in err and "Traceback" not in err

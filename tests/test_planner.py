@@ -41,10 +41,12 @@ def _brute_force_best(req: PlanRequest, topo: Topology) -> float:
         if pp > 1 and n < pp or (sched == "interleaved-1f1b" and n % pp):
             continue
         c = cost_model.Candidate(tp, pp, dp, vpp, sched, mbs, n, rc, tp > 1, keep)
+        fused = cost_model.uses_fused_kernels(req.kernels, topo.device.name)
         if cost_model.memory_bytes(m, c, req.seq_len, req.compute_bytes,
-                                   topo.device.framework_gib * 1024**3) > limit:
+                                   topo.device.framework_gib * 1024**3, fused) > limit:
             continue
-        est = cost_model.estimate(m, c, req.seq_len, topo.device, topo.per_node, req.compute_bytes)
+        est = cost_model.estimate(m, c, req.seq_len, topo.device, topo.per_node, req.compute_bytes,
+                                  fused)
         best = max(best, est.tokens_per_s)
     return best
 

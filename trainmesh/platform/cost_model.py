@@ -243,17 +243,22 @@ def rank_memory(model, c: Candidate, seq_len: int, pp_rank: int = 0, compute_byt
                            end_of_step=end_of_step, framework=framework_bytes)
 
 
+def uses_fused_kernels(kernels: str, device_name: str) -> bool:
+    """Whether ``model.kernels`` means the Triton kernels on this device (``auto``: on GPUs)."""
+    return kernels == "triton" or (kernels == "auto" and device_name != "cpu")
+
+
 def memory_bytes(model, c: Candidate, seq_len: int, compute_bytes: int = 2,
-                 framework_bytes: float = FRAMEWORK_BYTES) -> float:
+                 framework_bytes: float = FRAMEWORK_BYTES, fused: bool = False) -> float:
     """Peak bytes on the heaviest rank: the first pipeline rank (embedding, most activations
     in flight) or the last (head, logits)."""
     ranks = {0, c.pp - 1}
-    return max(rank_memory(model, c, seq_len, r, compute_bytes, framework_bytes).total
+    return max(rank_memory(model, c, seq_len, r, compute_bytes, framework_bytes, fused).total
                for r in ranks)
 
 
 def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: int,
-             compute_bytes: int = 2) -> Estimate:
+             compute_bytes: int = 2, fused: bool = False) -> Estimate:
     tokens = c.dp * c.num_microbatches * c.microbatch_size * seq_len
     flops = flops_per_token(model, seq_len) * tokens
     ideal = flops / (c.world_size * device.peak_tflops * 1e12 * MATMUL_EFFICIENCY)
@@ -285,7 +290,7 @@ def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: in
     achieved = flops / step / c.world_size
     return Estimate(
         memory_per_rank_gib=memory_bytes(model, c, seq_len, compute_bytes,
-                                         device.framework_gib * GIB) / GIB,
+                                         device.framework_gib * GIB, fused) / GIB,
         step_time_s=step, tokens_per_s=tokens / step, tflops_per_gpu=achieved / 1e12,
         mfu=achieved / (device.peak_tflops * 1e12), bubble_fraction=bubble, compute_s=compute,
         tp_comm_s=tp_comm, pp_comm_s=pp_comm, dp_exposed_s=dp_exposed)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from trainmesh.jobs.spec import JobSpec
 from trainmesh.parallel.dims import Axis, ParallelDims
-from trainmesh.platform.cost_model import GIB, Candidate, rank_memory
+from trainmesh.platform.cost_model import GIB, Candidate, rank_memory, uses_fused_kernels
 from trainmesh.platform.devices import DeviceSpec
 
 
@@ -17,8 +17,7 @@ def memory_rows(reports: list[dict], spec: JobSpec, c: Candidate, dims: Parallel
     predicted then."""
     tr = spec.training
     compute_bytes = 2 if tr.dtype == "bfloat16" else 4
-    fused = spec.model.kernels == "triton" or (spec.model.kernels == "auto"
-                                               and device.name != "cpu")
+    fused = uses_fused_kernels(spec.model.kernels, device.name)
     rows = []
     for r in reports:
         pp_rank = dims.coords(r["rank"])[Axis.PP]

@@ -31,7 +31,8 @@ def request_for(spec: JobSpec, runnable_only: bool) -> PlanRequest:
     if runnable_only:
         fixed.update(RUNTIME_FIXED)
     compute_bytes = 2 if tr.dtype == "bfloat16" else 4
-    return PlanRequest(spec.model, tr.global_batch_size, tr.seq_len, compute_bytes, fixed)
+    return PlanRequest(spec.model, tr.global_batch_size, tr.seq_len, compute_bytes, fixed,
+                       spec.model.kernels)
 
 
 def plan_job(spec: JobSpec, topo: Topology, runnable_only: bool = True) -> tuple[ParallelDims, PlanResult]:

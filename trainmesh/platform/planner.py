@@ -6,7 +6,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from trainmesh.platform.cost_model import RECOMPUTE, SCHEDULES, Candidate, Estimate, estimate, memory_bytes
+from trainmesh.platform.cost_model import (
+    RECOMPUTE,
+    SCHEDULES,
+    Candidate,
+    Estimate,
+    estimate,
+    memory_bytes,
+    uses_fused_kernels,
+)
 from trainmesh.platform.topology import Topology
 
 MEMORY_HEADROOM = 0.9  # plan within this fraction of device memory
@@ -23,6 +31,7 @@ class PlanRequest:
     seq_len: int
     compute_bytes: int = 2  # bf16
     fixed: dict[str, int | str | bool] = field(default_factory=dict)  # e.g. {"tp": 2}
+    kernels: str = "auto"  # model.kernels: the Triton kernels keep fewer activations
 
 
 @dataclass(frozen=True)
@@ -152,19 +161,21 @@ def _inner(req: PlanRequest, tp: int, pp: int, dp: int) -> Iterator[Candidate | 
 def plan(req: PlanRequest, topo: Topology) -> PlanResult:
     """All feasible plans ranked by predicted tokens/s (best first), and every rejection."""
     limit = topo.device.memory_gib * MEMORY_HEADROOM * 1024**3
+    fused = uses_fused_kernels(req.kernels, topo.device.name)
     ranked, rejected = [], []
     for c in candidates(req, topo):
         if isinstance(c, Rejection):
             rejected.append(c)
             continue
         mem = memory_bytes(req.model, c, req.seq_len, req.compute_bytes,
-                           topo.device.framework_gib * 1024**3)
+                           topo.device.framework_gib * 1024**3, fused)
         if mem > limit:
             rejected.append(Rejection(c, f"memory: {mem / 1024**3:.1f} GiB per rank exceeds "
                                          f"{limit / 1024**3:.1f} GiB ({MEMORY_HEADROOM:.0%} of "
                                          f"{topo.device.memory_gib:g} GiB {topo.device.name})"))
             continue
-        est = estimate(req.model, c, req.seq_len, topo.device, topo.per_node, req.compute_bytes)
+        est = estimate(req.model, c, req.seq_len, topo.device, topo.per_node, req.compute_bytes,
+                       fused)
         ranked.append(RankedPlan(c, est))
     ranked.sort(key=lambda p: (-p.estimate.tokens_per_s, p.estimate.memory_per_rank_gib))
     return PlanResult(ranked, rejected)
