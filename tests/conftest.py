@@ -46,3 +46,13 @@ def gpu_cluster():
     yield cluster
     ray.shutdown()
     cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def rank_pool(ray_local):
+    """Rank actors shared by a module's multi-rank tests (``rank_pool.RankPool``)."""
+    from rank_pool import RankPool
+
+    pool = RankPool()
+    yield pool
+    pool.close()

@@ -33,7 +33,9 @@ def test_three_steps_on_triton_kernels_equal_the_torch_model(tmp_path):
     want = reference_run(_spec(tmp_path, "torch"), data_dir, steps=3, grads_after=1)
     torch.testing.assert_close(torch.tensor(got[0]), torch.tensor(want[0]), rtol=1e-5, atol=0)
     _close(got[2], want[2])
-    _close(got[1], want[1], rtol=1e-5, atol=1e-5)  # after AdamW, as in the TP tests
+    # After AdamW: kernels reassociate float32 sums, and AdamW's 1/sqrt(v) turns a
+    # rounding-level gradient element into an update of up to ~lr·0.01 (see below).
+    _close(got[1], want[1], rtol=1e-5, atol=5e-5)
 
 
 CASES = {
@@ -44,13 +46,13 @@ CASES = {
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("case", list(CASES))
-def test_parallel_run_on_triton_kernels_matches_the_torch_reference(ray_local, tmp_path, case):
+def test_parallel_run_on_triton_kernels_matches_the_torch_reference(rank_pool, tmp_path, case):
     dims, extra = CASES[case]
     degrees = [f"parallelism.pp={dims.pp}", f"parallelism.tp={dims.tp}", f"parallelism.dp={dims.dp}",
                *extra]
     data_dir = str(ensure_tiny_corpus(tmp_path / "data"))
-    losses, grads, params = _parallel_run(_spec(tmp_path, "triton", degrees), dims, data_dir,
-                                          env={"TRITON_INTERPRET": "1"})
+    losses, grads, params = _parallel_run(rank_pool, _spec(tmp_path, "triton", degrees), dims,
+                                          data_dir, env={"TRITON_INTERPRET": "1"})
     ref_losses, ref_params, ref_grads = reference_run(_spec(tmp_path, "torch"), data_dir, steps=3,
                                                       grads_after=1)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)

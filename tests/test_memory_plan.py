@@ -1,6 +1,6 @@
 """Planned memory = real memory: real ranks build their parts on the meta device (as the
 planner's effective spec says) and run a step; the bytes they hold are compared with the cost
-model's prediction for each rank. One group of 4 rank actors is re-formed for every plan."""
+model's prediction for each rank. The same 4 rank actors are re-formed for every plan."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from trainmesh.models.llama.model_math import num_params
 from trainmesh.platform.devices import device_spec
 from trainmesh.platform.dry_run import memory_rows
 from trainmesh.platform.job_plan import effective_spec, plan_job
-from trainmesh.platform.ray_group import RayWorkerGroup, placement_for
 from trainmesh.platform.topology import Topology
 
 GIB = 1024**3
@@ -21,7 +20,6 @@ BASE = ["model.preset=tiny", "model.dim=128", "model.ffn_dim=352", "training.glo
         "training.microbatch_size=2", "training.seq_len=64", "tracking.enabled=false",
         "runtime.device=cpu", "runtime.collective_timeout_s=60", "training.steps=2",
         "optimizer.warmup_steps=1"]
-ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
 
 PLANS = {  # every plan on 4 ranks
     "dp4-keep-gathered": ["parallelism.dp=4", "parallelism.keep_gathered=true"],
@@ -40,22 +38,18 @@ PLANS = {  # every plan on 4 ranks
 
 
 @pytest.mark.timeout(600)
-def test_planned_memory_matches_what_ranks_hold(ray_local, tmp_path):
+def test_planned_memory_matches_what_ranks_hold(rank_pool, tmp_path):
     """Parameter + gradient + optimizer shards within 10% of the prediction for every rank of
     every plan; the activations autograd saved within 25%."""
     data_dir = str(ensure_tiny_corpus(tmp_path / "data"))
     topo = Topology.uniform(1, 4, "cpu")
-    group, failures = None, []
-    try:
-        for name, extra in PLANS.items():
-            spec = load_spec(None, [*BASE, *extra, f"runtime.output_dir={tmp_path}"])
-            dims, result = plan_job(spec, topo)
-            eff = effective_spec(spec, result.best.candidate)
-            placement = placement_for(eff, dims, topo)
-            if group is None:
-                group = RayWorkerGroup(eff, dims, placement, ENV)
-            else:
-                group.reform(list(range(4)), placement, timeout_s=120)
+    failures = []
+    for name, extra in PLANS.items():
+        spec = load_spec(None, [*BASE, *extra, f"runtime.output_dir={tmp_path}"])
+        dims, result = plan_job(spec, topo)
+        eff = effective_spec(spec, result.best.candidate)
+        group = rank_pool.group_for(eff, dims)
+        try:
             group.build(eff.model_dump_json(), dims, data_dir)
             group.train_step(measure_activations=True)
             rows = memory_rows(group.memory_reports(), eff, result.best.candidate, dims,
@@ -71,16 +65,16 @@ def test_planned_memory_matches_what_ranks_hold(ray_local, tmp_path):
                     failures.append(f"{name} rank {row['rank']}: activations "
                                     f"{row['activations_gib'] * GIB:.0f} B, planned "
                                     f"{p['activations'] * GIB:.0f} B")
-    finally:
-        if group is not None:
-            group.shutdown()
+        finally:
+            rank_pool.release(group)
     assert not failures, "\n".join(failures)
 
 
 @pytest.mark.timeout(600)
-def test_dry_run_builds_a_1b_model_over_4_ranks_in_a_fraction_of_its_size(ray_local, tmp_path):
+def test_dry_run_builds_a_1b_model_over_4_ranks_in_a_fraction_of_its_size(rank_pool, tmp_path):
     """The meta build: no rank ever holds the whole model. 1b in fp32 is 4.6 GiB; each of 4
     ZeRO-3 ranks holds a quarter of it, and its peak RSS stays far below the whole."""
+    rank_pool.close()  # this test starts ranks of its own
     spec = load_spec(None, ["model.preset=1b", "parallelism.dp=4", "training.seq_len=128",
                             "training.microbatch_size=1", "training.global_batch_size=4",
                             "topology.memory_gib=16", "tracking.enabled=false",

@@ -12,15 +12,15 @@ from trainmesh.data.shards import ensure_tiny_corpus
 from trainmesh.jobs.loading import load_spec
 from trainmesh.parallel.dims import ParallelDims
 
-CASES = {
-    "pp2-gpipe": (ParallelDims(pp=2), ["schedule.name=gpipe"]),
-    "pp2-1f1b": (ParallelDims(pp=2), ["schedule.name=1f1b"]),
-    "pp2-vpp2-interleaved": (ParallelDims(pp=2), ["schedule.name=interleaved-1f1b",
-                                                  "parallelism.vpp=2"]),
+CASES = {  # largest meshes first: the rank pool then only shrinks
     "pp4-gpipe": (ParallelDims(pp=4), ["schedule.name=gpipe"]),
     "pp4-1f1b": (ParallelDims(pp=4), ["schedule.name=1f1b"]),
     "pp4-vpp2-interleaved": (ParallelDims(pp=4), ["schedule.name=interleaved-1f1b",
                                                   "parallelism.vpp=2", "model.n_layers=8"]),
+    "pp2-gpipe": (ParallelDims(pp=2), ["schedule.name=gpipe"]),
+    "pp2-1f1b": (ParallelDims(pp=2), ["schedule.name=1f1b"]),
+    "pp2-vpp2-interleaved": (ParallelDims(pp=2), ["schedule.name=interleaved-1f1b",
+                                                  "parallelism.vpp=2"]),
     "3d-pp2-vpp2-tp2-dp2": (ParallelDims(pp=2, dp=2, tp=2),
                             ["schedule.name=interleaved-1f1b", "parallelism.vpp=2",
                              "parallelism.sequence_parallel=true", "runtime.cpus_per_rank=0.5"]),
@@ -29,22 +29,23 @@ CASES = {
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("case", list(CASES))
-def test_pipeline_matches_single_process(ray_local, tmp_path, case):
+def test_pipeline_matches_single_process(rank_pool, tmp_path, case):
     dims, extra = CASES[case]
     spec = load_spec(None, [*BASE, f"parallelism.pp={dims.pp}", f"parallelism.tp={dims.tp}",
                             f"parallelism.dp={dims.dp}", f"runtime.output_dir={tmp_path}", *extra])
     data_dir = str(ensure_tiny_corpus(tmp_path / "data"))
-    losses, grads, params = _parallel_run(spec, dims, data_dir)
+    losses, grads, params = _parallel_run(rank_pool, spec, dims, data_dir)
     ref_losses, ref_params, ref_grads = reference_run(spec, data_dir, steps=3, grads_after=1)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     _close(grads, ref_grads)
-    _close(params, ref_params, rtol=1e-5, atol=1e-5)
+    _close(params, ref_params, rtol=1e-5, atol=5e-5)  # after AdamW: see test_tensor_parallel
 
 
 @pytest.mark.timeout(200)
-def test_a_rank_dying_mid_schedule_makes_the_others_raise(ray_local, tmp_path):
+def test_a_rank_dying_mid_schedule_makes_the_others_raise(rank_pool, tmp_path):
     """Kill the last stage while the first waits on it: the first raises within the
     collective timeout instead of hanging."""
+    rank_pool.close()  # this test starts ranks of its own
     import time
 
     import ray

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_tensor_parallel import BASE, ENV
+from test_tensor_parallel import BASE
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from trainmesh.data.shards import ensure_tiny_corpus
 from trainmesh.jobs.loading import load_spec
 from trainmesh.parallel.dims import ParallelDims
-from trainmesh.platform.ray_group import RayWorkerGroup, placement_for
-from trainmesh.platform.topology import Topology
 
 SOURCE = (ParallelDims(pp=2, tp=2), ["parallelism.vpp=2", "schedule.name=interleaved-1f1b",
                                      "parallelism.sequence_parallel=true"])
@@ -31,9 +29,8 @@ def _spec(dims: ParallelDims, extra, tmp_path):
                             f"runtime.output_dir={tmp_path}", *extra])
 
 
-def _group(spec, dims, data_dir):
-    g = RayWorkerGroup(spec, dims, placement_for(spec, dims, Topology.uniform(1, dims.world_size, "cpu")),
-                  ENV)
+def _group(pool, spec, dims, data_dir):
+    g = pool.group_for(spec, dims)
     g.build(spec.model_dump_json(), dims, data_dir)
     return g
 
@@ -45,33 +42,34 @@ def _flat(directory, tmp_path, name) -> dict:
 
 
 @pytest.fixture(scope="module")
-def source_checkpoint(ray_local, tmp_path_factory):
+def source_checkpoint(rank_pool, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("src")
     dims, extra = SOURCE
     spec = _spec(dims, extra, tmp)
     data_dir = str(ensure_tiny_corpus(tmp / "data"))
-    g = _group(spec, dims, data_dir)
+    g = _group(rank_pool, spec, dims, data_dir)
     try:
         for _ in range(2):  # non-trivial Adam moments
             g.train_step()
         g.save_to(str(tmp / "ckpt"))
     finally:
-        g.shutdown()
+        rank_pool.release(g)
     return tmp / "ckpt", data_dir, _flat(tmp / "ckpt", tmp, "src")
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("target", list(TARGETS))
-def test_restore_under_another_plan_is_bit_identical(source_checkpoint, tmp_path, target):
+def test_restore_under_another_plan_is_bit_identical(rank_pool, source_checkpoint, tmp_path,
+                                                     target):
     ckpt, data_dir, want = source_checkpoint
     dims, extra = TARGETS[target]
     spec = _spec(dims, extra, tmp_path)
-    g = _group(spec, dims, data_dir)
+    g = _group(rank_pool, spec, dims, data_dir)
     try:
         g.load(str(ckpt), 2, None)
         g.save_to(str(tmp_path / "again"))
     finally:
-        g.shutdown()
+        rank_pool.release(g)
     got = _flat(tmp_path / "again", tmp_path, "again")
     assert set(got["model"]) == set(want["model"])
     for k, v in want["model"].items():

@@ -1,0 +1,52 @@
+"""Rank actors kept across a test module: each run re-forms the same processes for its mesh
+(the warm-recovery path: new ranks, a new process group, a new model part); a larger mesh
+than the one running starts a new group. Importing torch in a new actor is the
+slowest part of a small multi-rank test on 2 cores."""
+
+from __future__ import annotations
+
+from trainmesh.parallel.dims import ParallelDims
+from trainmesh.platform.ray_group import RayWorkerGroup, placement_for
+from trainmesh.platform.topology import Topology
+
+ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+
+
+class RankPool:
+    def __init__(self, max_ranks: int = 4):
+        self.max_ranks = max_ranks  # beyond this (or another env), a group of its own
+        self.group: RayWorkerGroup | None = None
+        self.env: dict[str, str] = {}
+
+    def group_for(self, spec, dims: ParallelDims, env: dict[str, str] | None = None) -> RayWorkerGroup:
+        """A worker group for ``spec``'s mesh, with the process group formed; call ``release``
+        on it when done (it stays running for the next test when it came from the pool)."""
+        env = {**ENV, **(env or {})}
+        placement = placement_for(spec, dims, Topology.uniform(1, dims.world_size, "cpu"))
+        if dims.world_size > self.max_ranks or spec.runtime.cpus_per_rank != 1:
+            self.close()  # its CPUs are needed
+            return RayWorkerGroup(spec, dims, placement, env)
+        # Growing would need the node's whole bundle again while the kept ranks hold part of
+        # it: start afresh instead (order a module's cases largest mesh first).
+        if self.group is not None and (env != self.env
+                                       or dims.world_size > self.group.group.world_size):
+            self.close()
+        if self.group is None:
+            self.group, self.env = RayWorkerGroup(spec, dims, placement, env), env
+        else:
+            have = self.group.group.world_size
+            self.group.spec, self.group.timeout = spec, spec.runtime.collective_timeout_s
+            self.group.reform([r if r < have else None for r in range(dims.world_size)],
+                              placement, timeout_s=120)
+        return self.group
+
+    def release(self, group: RayWorkerGroup) -> None:
+        """Done with ``group``: a group of the pool stays for the next test, another ends."""
+        if group is not self.group:
+            group.shutdown()
+
+    def close(self) -> None:
+        """End the pool's actors (a test that starts its own ranks calls this first)."""
+        if self.group is not None:
+            self.group.shutdown()
+            self.group = None
