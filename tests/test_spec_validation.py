@@ -59,6 +59,10 @@ BAD_SPECS = [
     ("'just a string'", "spec.yaml"),
     ("", "spec.yaml"),
     ("model: {dim: [1, 2}", "spec.yaml"),
+    ("training: {steps: 5}\ntraining: {steps: 6}", "spec.yaml"),  # a key given twice
+    ("training: {steps: 5, steps: 6}", "spec.yaml"),
+    ("a: " + "[" * 5000 + "]" * 5000, "spec.yaml"),  # nested past the parser's recursion
+    ("parallelism: {pp: 2, vpp: 2}\nschedule: {name: 1f1b}", "schedule.name"),
 ]
 
 
@@ -147,3 +151,16 @@ def test_run_refuses_what_this_version_cannot_run(capsys, override, field):
     extra = ["--set", "parallelism.pp=2", "--set", "parallelism.dp=1"] if "1b" in override else []
     assert main(["run", "jobs/tiny-cpu.yaml", "--set", override, *extra]) == 2
     assert capsys.readouterr().err.startswith(f"{field}: ")
+
+
+def test_duplicate_keys_name_both_lines(tmp_path, capsys):
+    path = tmp_path / "spec.yaml"
+    path.write_text("name: a\ntraining:\n  steps: 5\n  seed: 1\n  steps: 7\n")
+    assert main(["validate", str(path)]) == 2
+    assert "key 'steps' appears twice (lines 3 and 5)" in capsys.readouterr().err
+
+
+def test_vpp_above_one_means_interleaved_unless_a_schedule_is_named():
+    spec = load_spec(None, ["parallelism.pp=2", "parallelism.vpp=2"])
+    assert spec.schedule.name == "interleaved-1f1b"
+    assert load_spec(None, ["parallelism.pp=2"]).schedule.name == "1f1b"

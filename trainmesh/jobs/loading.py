@@ -55,6 +55,7 @@ def load_spec(path: str | Path | None, overrides: list[str] | tuple[str, ...] = 
 
 
 def spec_from_dict(raw: dict[str, Any]) -> JobSpec:
+    _default_schedule(raw)
     try:
         spec = JobSpec.model_validate(raw)
     except ValidationError as err:
@@ -63,6 +64,15 @@ def spec_from_dict(raw: dict[str, Any]) -> JobSpec:
     if problems:
         raise SpecError(problems)
     return spec
+
+
+def _default_schedule(raw: dict[str, Any]) -> None:
+    """``parallelism.vpp > 1`` means interleaved 1F1B unless a schedule is named."""
+    par, sched = raw.get("parallelism"), raw.get("schedule")
+    vpp = par.get("vpp") if isinstance(par, dict) else None
+    named = isinstance(sched, dict) and "name" in sched
+    if isinstance(vpp, int) and vpp > 1 and not named and (sched is None or isinstance(sched, dict)):
+        raw["schedule"] = {**(sched or {}), "name": "interleaved-1f1b"}
 
 
 def _read_env(name: str) -> dict[str, Any]:
@@ -86,9 +96,33 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return _parse_yaml(text, where)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """Safe YAML that refuses a key given twice in one mapping (plain YAML keeps the last one
+    silently: a classic way to run the wrong experiment)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[object, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise _DuplicateKey(f"key {key!r} appears twice (lines {seen[key]} and {line})")
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+class _DuplicateKey(yaml.YAMLError):
+    pass
+
+
 def _parse_yaml(text: str, where: str) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except _DuplicateKey as err:
+        raise SpecError([Problem(where, str(err), "keep one of them")]) from None
+    except RecursionError:
+        raise SpecError([Problem(where, "is nested too deeply to be a job spec",
+                                 "write the spec as `section: {field: value}` mappings")]) from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -220,6 +254,9 @@ def consistency_problems(spec: JobSpec) -> list[Problem]:
              "choose pp and vpp whose product divides model.n_layers")
         need(par.vpp == 1 or par.pp > 1, "parallelism.vpp", "vpp > 1 needs pp > 1",
              "set parallelism.vpp=1 or parallelism.pp>1")
+        need(par.vpp == 1 or spec.schedule.name == "interleaved-1f1b", "schedule.name",
+             f"{spec.schedule.name} runs one model chunk per stage but parallelism.vpp={par.vpp}",
+             "use schedule.name=interleaved-1f1b (the default when vpp > 1), or set vpp=1")
         world = par.world_size
         need(world >= el.min_world_size, "elastic.min_world_size",
              f"{el.min_world_size} exceeds the planned world size {world}",

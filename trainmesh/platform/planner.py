@@ -71,6 +71,9 @@ class PlanResult:
 
 def summarize_rejections(rejected: list[Rejection]) -> str:
     """Counts per kind, and the example that came closest for memory."""
+    if not rejected:
+        return ("no candidate plan matches the pinned settings together (degrees, vpp, schedule, "
+                "microbatch size, recompute)")
     kinds: dict[str, int] = {}
     for r in rejected:
         kind = r.reason.split(":")[0]
