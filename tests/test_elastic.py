@@ -69,7 +69,19 @@ def test_scale_up_at_the_next_checkpoint_when_a_node_joins(cluster, tmp_path):
                             f"runtime.output_dir={tmp_path}"])
     thread, box = _in_background(spec)
     _wait_for_checkpoint(tmp_path / "checkpoints", 2)
-    cluster.add_node(num_cpus=4, num_gpus=4)
+    # The ranks are held still while the node starts (seconds; the job's steps take less),
+    # so the node is there before the job ends, at whatever speed this machine runs.
+    import os
+    import signal
+
+    ranks = _rank_worker_pids()
+    for pid in ranks:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        cluster.add_node(num_cpus=4, num_gpus=4)
+    finally:
+        for pid in ranks:
+            os.kill(pid, signal.SIGCONT)
     thread.join(360)
     assert "error" not in box, box.get("error")
     s = box["summary"]

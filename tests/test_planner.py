@@ -11,9 +11,10 @@ import pytest
 from trainmesh.jobs.cli import main
 from trainmesh.jobs.loading import load_spec
 from trainmesh.platform import cost_model
+from trainmesh.platform.devices import device_spec
 from trainmesh.platform.job_plan import PlanError, plan_job
 from trainmesh.platform.planner import MEMORY_HEADROOM, PlanRequest, explain, plan
-from trainmesh.platform.topology import Topology, topology_from_nodes
+from trainmesh.platform.topology import Node, Topology, topology_from_nodes
 
 
 def _model(preset, **kw):
@@ -21,18 +22,18 @@ def _model(preset, **kw):
 
 
 def _brute_force_best(req: PlanRequest, topo: Topology) -> float:
-    """Every tuple of degrees and options, filtered only by the documented rules."""
+    """Every tuple of degrees and options, filtered only by the documented rules: tp divides
+    a node's accelerators, tp × pp × dp whole TP groups fit the nodes (the rest idle)."""
     m, world = req.model, topo.world_size
     limit = topo.device.memory_gib * MEMORY_HEADROOM * 1024**3
     best = 0.0
-    for tp, pp, vpp, mbs, sched, rc, keep in itertools.product(
-            range(1, world + 1), range(1, world + 1), (1, 2, 4), (1, 2, 4, 8),
+    for tp, pp, dp, vpp, mbs, sched, rc, keep in itertools.product(
+            range(1, world + 1), range(1, world + 1), range(1, world + 1), (1, 2, 4), (1, 2, 4, 8),
             cost_model.SCHEDULES, cost_model.RECOMPUTE, (True, False)):
-        if world % (tp * pp):
-            continue
-        dp = world // (tp * pp)
-        rules = [m.n_heads % tp == 0, m.n_kv_heads % tp == 0, tp <= topo.per_node,
-                 m.n_layers % (pp * vpp) == 0, req.global_batch_size % (dp * mbs) == 0,
+        groups = sum(n.accelerators // tp for n in topo.nodes)
+        rules = [m.n_heads % tp == 0, m.n_kv_heads % tp == 0, topo.largest_node % tp == 0,
+                 pp * dp <= groups, m.n_layers % (pp * vpp) == 0,
+                 req.global_batch_size % (dp * mbs) == 0,
                  (vpp > 1) == (sched == "interleaved-1f1b"), pp > 1 or sched == "1f1b",
                  pp > 1 or vpp == 1]
         if not all(rules):
@@ -45,7 +46,8 @@ def _brute_force_best(req: PlanRequest, topo: Topology) -> float:
         if cost_model.memory_bytes(m, c, req.seq_len, req.compute_bytes,
                                    topo.device.framework_gib * 1024**3, fused) > limit:
             continue
-        est = cost_model.estimate(m, c, req.seq_len, topo.device, topo.per_node, req.compute_bytes,
+        first_node = min(topo.largest_node // tp * tp, tp * pp * dp)
+        est = cost_model.estimate(m, c, req.seq_len, topo.device, first_node, req.compute_bytes,
                                   fused)
         best = max(best, est.tokens_per_s)
     return best
@@ -54,10 +56,13 @@ def _brute_force_best(req: PlanRequest, topo: Topology) -> float:
 @pytest.mark.parametrize(("preset", "nodes", "per_node", "device", "batch", "seq"), [
     ("tiny", 1, 4, "cpu", 16, 64), ("small", 2, 4, "l40s", 32, 512),
     ("1b", 2, 4, "a100-40gb", 64, 2048), ("8b", 2, 8, "h100", 64, 4096),
-    ("8b", 1, 8, "a100-40gb", 32, 4096)])
+    ("8b", 1, 8, "a100-40gb", 32, 4096), ("small", 3, 4, "l40s", 24, 512),
+    ("small", 0, 0, "l40s", 20, 512)])
 def test_planner_matches_brute_force(preset, nodes, per_node, device, batch, seq):
+    """(nodes = 0: a heterogeneous cluster of 3, 4 and 6 accelerators.)"""
     req = PlanRequest(_model(preset), batch, seq)
-    topo = Topology.uniform(nodes, per_node, device)
+    topo = Topology.uniform(nodes, per_node, device) if nodes else Topology(
+        tuple(Node(f"n{i}", k) for i, k in enumerate((3, 4, 6))), device_spec(device))
     result = plan(req, topo)
     assert result.plans
     assert result.best.estimate.tokens_per_s == pytest.approx(_brute_force_best(req, topo))
@@ -71,9 +76,10 @@ def test_plan_properties(preset, nodes, per_node, device):
     limit = topo.device.memory_gib * MEMORY_HEADROOM
     for p in result.plans:
         c = p.candidate
-        assert c.tp * c.pp * c.dp == topo.world_size
+        assert c.world_size + p.idle == topo.world_size and sum(p.node_ranks) == c.world_size
+        assert all(n % c.tp == 0 for n in p.node_ranks) and per_node % c.tp == 0
         assert p.estimate.memory_per_rank_gib <= limit
-        assert c.tp <= per_node and c.dp * c.microbatch_size * c.num_microbatches == 96
+        assert c.dp * c.microbatch_size * c.num_microbatches == 96
     assert result.rejected
     for r in result.rejected:
         assert r.reason.split(":")[0] in {"memory", "divisibility", "topology"}, r.reason
@@ -218,3 +224,69 @@ def test_keeping_parameters_gathered_costs_the_stage_unsharded():
     assert a.gathered == pytest.approx(2 * n) and a.grads == pytest.approx(4 * n + 2 * layer)
     assert b.gathered < 0.2 * a.gathered and b.grads < 0.2 * a.grads
     assert a.params == b.params == pytest.approx(4 * n / 8)
+
+
+def _replan(spec_args, nodes, per_node=8, device="h100"):
+    from trainmesh.platform.job_plan import replan_job
+
+    spec = load_spec("jobs/llama-70b.yaml", spec_args)
+    return replan_job(spec, Topology.uniform(nodes, per_node, device))
+
+
+@pytest.mark.parametrize("nodes", [127, 120])
+def test_70b_on_a_shrunk_cluster_plans_with_spares(nodes, capsys):
+    """1 or 8 of 128 nodes lost: 1016 or 960 accelerators do not split the global batch of
+    1024, so a plan leaves some idle and says how many."""
+    args = ["plan", "jobs/llama-70b.yaml", "--set", "parallelism=auto", "--nodes", str(nodes),
+            "--gpus-per-node", "8", "--json", "--top", "50"]
+    assert main(args) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows and all(r["world_size"] + r["idle"] == nodes * 8 for r in rows)
+    assert rows[0]["idle"] > 0 and rows[0]["world_size"] >= 512
+    # The job's pinned layout after the loss: tp and pp kept, only dp changed.
+    new = _replan([], nodes)
+    c = new.result.best.candidate
+    assert (c.tp, c.pp, c.vpp, c.schedule) == (8, 8, 2, "interleaved-1f1b") and new.changed is None
+    assert c.dp == 8 and new.result.best.idle == nodes * 8 - 512
+    assert new.spec.parallelism.dp == 8 and new.spec.training.global_batch_size == 1024
+    text = explain(new.result)
+    assert f"leaves {nodes * 8 - 512} accelerator(s) idle" in text
+
+
+def test_replan_changes_pinned_degrees_only_when_they_no_longer_fit():
+    new = _replan(["model.preset=8b", "parallelism.pp=2", "parallelism.vpp=1",
+                   "schedule.name=1f1b", "parallelism.dp=4", "training.seq_len=2048",
+                   "elastic.min_world_size=1"], nodes=1, per_node=4)
+    c = new.result.best.candidate
+    assert c.tp != 8 and new.changed is not None
+    assert "tp=8, pp=2" in new.changed and f"re-planned to tp={c.tp}" in new.changed
+    with pytest.raises(PlanError, match="elastic.min_world_size"):
+        _replan(["model.preset=8b", "training.seq_len=2048"], nodes=40)  # 320 < 512
+
+
+def test_tp_always_divides_the_node():
+    """The Megatron 145.6B shape on 192 nodes of 8 A100: no ranked plan has tp = 3 or 6
+    (a TP group would straddle two nodes)."""
+    m = SimpleNamespace(dim=12288, n_layers=80, n_heads=96, n_kv_heads=96, ffn_dim=49152,
+                        vocab_size=51200, tie_embeddings=False)
+    result = plan(PlanRequest(m, 1536, 2048), Topology.uniform(192, 8, "a100-80gb"))
+    assert result.plans and {p.candidate.tp for p in result.plans} <= {1, 2, 4, 8}
+    pinned = plan(PlanRequest(m, 1536, 2048, fixed={"tp": 6}), Topology.uniform(192, 8, "a100-80gb"))
+    assert not pinned.plans and "does not divide the 8 accelerators" in pinned.rejected[0].reason
+
+
+def test_heterogeneous_nodes_are_planned_around_not_capping_every_node():
+    """A head with 1 CPU and two nodes with 4: tp=2 runs on the two big nodes; the head is a
+    spare rather than the limit for every node."""
+    topo = Topology((Node("head", 1), Node("a", 4), Node("b", 4)), device_spec("cpu"))
+    spec = load_spec(None, ["parallelism.tp=2", "parallelism.dp=4"])
+    dims, result = plan_job(spec, topo)
+    assert (dims.tp, dims.dp) == (2, 4) and result.best.node_ranks == (4, 4)
+    assert result.best.idle == 1
+    from trainmesh.platform.ray_group import placement_for
+
+    placement = placement_for(spec, dims, topo)
+    assert [b["CPU"] for b in placement.bundles] == [4.0, 4.0]
+    odd = Topology((Node("a", 2), Node("b", 1), Node("c", 1)), device_spec("cpu"))
+    with pytest.raises(PlanError, match="dp=2 needs more than the 1 replicas"):  # 4 of 4, but
+        plan_job(load_spec(None, ["parallelism.tp=2", "parallelism.dp=2"]), odd)  # 1+1 split

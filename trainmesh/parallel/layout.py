@@ -3,6 +3,7 @@ worker group turns it into a Ray placement group."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from trainmesh.parallel.dims import ParallelDims
@@ -22,21 +23,18 @@ class Placement:
 
 
 
-def plan_placement(dims: ParallelDims, ranks_per_node: int,
+def plan_placement(dims: ParallelDims, node_ranks: Sequence[int],
                    resources_per_rank: dict[str, float]) -> Placement:
-    """Fill nodes with consecutive ranks. With ``ranks_per_node`` a multiple of tp, every TP
-    group is inside one node; with it a multiple of dp × tp, every pipeline stage is too."""
+    """Consecutive ranks fill the nodes in order, ``node_ranks[b]`` ranks in bundle ``b``.
+    With every count a multiple of tp, each TP group is inside one node; with every count a
+    multiple of dp × tp, each pipeline stage is too."""
     world = dims.world_size
-    if ranks_per_node < 1:
-        raise ValueError(f"ranks_per_node={ranks_per_node} must be at least 1")
-    per_node = min(ranks_per_node, world)
-    if per_node % dims.tp and dims.tp <= ranks_per_node:
-        raise ValueError(f"{per_node} ranks per node would split TP groups of {dims.tp}")
-    n_nodes = -(-world // per_node)
-    bundles = []
-    for b in range(n_nodes):
-        n = min(per_node, world - b * per_node)
-        bundles.append({k: v * n for k, v in resources_per_rank.items() if v})
-    rank_bundle = tuple(r // per_node for r in range(world))
-    return Placement(bundles=tuple(bundles), rank_bundle=rank_bundle,
+    if sum(node_ranks) != world or any(n < 1 for n in node_ranks):
+        raise ValueError(f"ranks per node {list(node_ranks)} do not add up to the world of "
+                         f"{world} (tp×pp×dp)")
+    if any(n % dims.tp for n in node_ranks):
+        raise ValueError(f"ranks per node {list(node_ranks)} would split TP groups of {dims.tp}")
+    bundles = tuple({k: v * n for k, v in resources_per_rank.items() if v} for n in node_ranks)
+    rank_bundle = tuple(b for b, n in enumerate(node_ranks) for _ in range(n))
+    return Placement(bundles=bundles, rank_bundle=rank_bundle,
                      resources_per_rank=dict(resources_per_rank))

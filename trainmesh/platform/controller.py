@@ -30,7 +30,7 @@ from trainmesh.platform.elastic import (
     should_scale_up,
     warm_assignment,
 )
-from trainmesh.platform.job_plan import effective_spec, plan_job, replan_job
+from trainmesh.platform.job_plan import PlanError, effective_spec, plan_job, replan_job
 from trainmesh.platform.pipeline_artifacts import write_pipeline_artifacts
 from trainmesh.platform.ray_group import RayWorkerGroup, draining_nodes, live_topology, placement_for
 from trainmesh.platform.topology import Topology
@@ -205,13 +205,24 @@ class Controller:
         """Plan (or re-plan) for the accelerators alive now; returns that topology."""
         topo = self._available()
         if replan or self.spec.parallelism.auto:
-            self.dims, result, self.eff = replan_job(self.spec, topo)
+            try:
+                new = replan_job(self.spec, topo)
+            except PlanError as err:
+                if not replan:
+                    raise
+                raise JobFailed(f"re-plan after a failure or resize found nothing: {err}") from None
+            self.dims, result, self.eff = new.dims, new.result, new.spec
+            if new.changed:
+                self._notice(f"re-plan: {new.changed}")
         else:
             self.dims, result = plan_job(self.spec, topo)
             self.eff = effective_spec(self.spec, result.best.candidate)
         self.peak_tflops = topo.device.peak_tflops
         self.device, self.candidate = topo.device, result.best.candidate
         self.plan_row = result.best.as_row()
+        if result.best.idle:
+            self._notice(f"plan: {self.dims.world_size} of {topo.world_size} accelerators used, "
+                         f"{result.best.idle} left idle as spares")
         self._marks["planned"] = time.time()
         return topo
 
@@ -241,6 +252,9 @@ class Controller:
                          timeout_s=self.spec.runtime.collective_timeout_s * 2 + 30)
             self._marks["group"] = time.time()
             return group
+        except JobFailed:  # nothing to plan: restarting cold would not help
+            group.shutdown()
+            raise
         except Exception as err:  # noqa: BLE001 - any failure here means: restart cold
             self._notice(f"warm recovery failed ({str(err).strip().splitlines()[-1][:200]}); "
                          "restarting every rank")
@@ -341,8 +355,11 @@ class Controller:
         el = self.spec.elastic
         if not (self.spec.parallelism.auto or el.max_world_size):
             return False
-        available = self._available().world_size
-        return should_scale_up(dims.world_size, available, el)
+        try:  # what a re-plan would use now (spares need not mean a bigger mesh)
+            planned = replan_job(self.spec, self._available()).dims.world_size
+        except PlanError:
+            return False
+        return should_scale_up(dims.world_size, planned, el)
 
     def _checkpoint(self, group, dims: ParallelDims, step: int, tracker, background: bool) -> None:
         tr = self.spec.training

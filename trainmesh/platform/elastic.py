@@ -108,7 +108,8 @@ def warm_assignment(rank_bundle: tuple[int, ...], rank_nodes: list[str], alive: 
     return [next(taken[b]) if b in taken else None for b in rank_bundle]
 
 
-def should_scale_up(current_world: int, available: int, cfg: ElasticConfig) -> bool:
-    """At a checkpoint boundary: grow when more accelerators are usable than are in use."""
+def should_scale_up(current_world: int, planned_world: int, cfg: ElasticConfig) -> bool:
+    """At a checkpoint boundary: grow when a re-plan on the accelerators available now would
+    use more of them than are in use (spares it would leave idle do not count)."""
     cap = cfg.max_world_size or 10**9
-    return min(available, cap) > current_world
+    return min(planned_world, cap) > current_world

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from trainmesh.jobs.spec import JobSpec
 from trainmesh.parallel.dims import ParallelDims
 from trainmesh.platform.cost_model import Candidate
@@ -36,14 +38,12 @@ def request_for(spec: JobSpec, runnable_only: bool) -> PlanRequest:
 
 
 def plan_job(spec: JobSpec, topo: Topology, runnable_only: bool = True) -> tuple[ParallelDims, PlanResult]:
-    """Explicit degrees are checked against the cluster; ``auto`` takes the planner's best."""
+    """Explicit degrees are checked against the cluster; ``auto`` takes the planner's best.
+    Either may leave accelerators idle (``RankedPlan.idle``)."""
     par = spec.parallelism
-    if not par.auto:
-        world = par.world_size
-        if world > topo.world_size:
-            raise PlanError(f"parallelism: tp×pp×dp = {world} ranks but the cluster has "
-                            f"{topo.world_size} accelerators; lower the degrees or add nodes")
-        topo = _first_ranks(topo, world)
+    if not par.auto and par.world_size > topo.world_size:
+        raise PlanError(f"parallelism: tp×pp×dp = {par.world_size} ranks but the cluster has "
+                        f"{topo.world_size} accelerators; lower the degrees or add nodes")
     result = plan(request_for(spec, runnable_only), topo)
     if not result.plans:
         raise PlanError("parallelism: no feasible plan on this cluster: "
@@ -51,22 +51,6 @@ def plan_job(spec: JobSpec, topo: Topology, runnable_only: bool = True) -> tuple
                         + "; lower the degrees, shorten the sequence or add accelerators")
     best = result.best.candidate
     return ParallelDims(pp=best.pp, dp=best.dp, tp=best.tp), result
-
-
-def _first_ranks(topo: Topology, world: int) -> Topology:
-    """The nodes (fewest first-listed) holding ``world`` ranks, for explicit degrees."""
-    from dataclasses import replace
-
-    from trainmesh.platform.topology import Node
-
-    nodes, left = [], world
-    for n in topo.nodes:
-        if left <= 0:
-            break
-        take = min(n.accelerators, left)
-        nodes.append(Node(n.node_id, take))
-        left -= take
-    return replace(topo, nodes=tuple(nodes))
 
 
 def effective_spec(spec: JobSpec, c: Candidate) -> JobSpec:
@@ -84,16 +68,52 @@ def effective_spec(spec: JobSpec, c: Candidate) -> JobSpec:
     return spec.model_copy(update=update)
 
 
-def replan_job(spec: JobSpec, topo: Topology) -> tuple[ParallelDims, PlanResult, JobSpec]:
-    """After a failure or resize: any degrees that fit the accelerators left, with the same
-    global batch and microbatch size (so gradient accumulation absorbs the dp change)."""
-    auto = spec.model_copy(update={"parallelism": spec.parallelism.model_copy(
-        update={"auto": True})})
-    req = request_for(auto, runnable_only=True)
+@dataclass(frozen=True)
+class Replan:
+    """A re-plan after a failure or resize: the new degrees, the plans, the effective spec,
+    and what changed beyond dp (None when the pinned degrees were kept)."""
+
+    dims: ParallelDims
+    result: PlanResult
+    spec: JobSpec
+    changed: str | None = None
+
+
+def replan_job(spec: JobSpec, topo: Topology) -> Replan:
+    """After a failure or resize, with the same global batch and microbatch size (gradient
+    accumulation absorbs the dp change). Degrees the user pinned (tp, pp, vpp, schedule,
+    recompute) are kept and only dp changes when they still fit; otherwise any degrees that
+    fit, and ``changed`` says what changed and why. A plan below ``elastic.min_world_size``
+    is refused."""
+    par = spec.parallelism
+    req = request_for(spec, runnable_only=True)
     req.fixed["microbatch_size"] = spec.training.microbatch_size
-    result = plan(req, topo)
+    changed, result = None, None
+    if not par.auto:
+        req.fixed.pop("dp")
+        result = plan(req, topo)
+        if not result.plans:
+            changed = (f"the pinned tp={par.tp}, pp={par.pp}, vpp={par.vpp} no longer fit the "
+                       f"{topo.world_size} accelerators left ("
+                       f"{summarize_rejections(result.rejected)})")
+    if result is None or not result.plans:
+        auto = spec.model_copy(update={"parallelism": par.model_copy(update={"auto": True})})
+        req = request_for(auto, runnable_only=True)
+        req.fixed["microbatch_size"] = spec.training.microbatch_size
+        result = plan(req, topo)
     if not result.plans:
         raise PlanError("parallelism: no feasible plan on the accelerators left: "
                         + summarize_rejections(result.rejected))
-    best = result.best.candidate
-    return ParallelDims(pp=best.pp, dp=best.dp, tp=best.tp), result, effective_spec(spec, best)
+    best = result.best
+    c = best.candidate
+    floor = spec.elastic.min_world_size
+    if c.world_size < floor:
+        raise PlanError(f"elastic.min_world_size: the best plan on the {topo.world_size} "
+                        f"accelerators left uses {c.world_size} (tp={c.tp} × pp={c.pp} × "
+                        f"dp={c.dp}: dp must divide the global batch "
+                        f"{spec.training.global_batch_size}), below elastic.min_world_size="
+                        f"{floor}; lower elastic.min_world_size or add nodes")
+    if changed:
+        changed += f"; re-planned to tp={c.tp}, pp={c.pp}, vpp={c.vpp}, dp={c.dp}"
+    return Replan(ParallelDims(pp=c.pp, dp=c.dp, tp=c.tp), result, effective_spec(spec, c),
+                  changed)

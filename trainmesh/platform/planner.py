@@ -38,10 +38,13 @@ class PlanRequest:
 class RankedPlan:
     candidate: Candidate
     estimate: Estimate
+    idle: int = 0  # accelerators of the cluster this plan leaves unused (spares)
+    node_ranks: tuple[int, ...] = ()  # ranks on each node used (Topology.allocate)
 
     def as_row(self) -> dict[str, object]:
         c, e = self.candidate, self.estimate
-        return {"tp": c.tp, "pp": c.pp, "dp": c.dp, "vpp": c.vpp, "schedule": c.schedule,
+        return {"tp": c.tp, "pp": c.pp, "dp": c.dp, "world_size": c.world_size,
+                "idle": self.idle, "vpp": c.vpp, "schedule": c.schedule,
                 "microbatch_size": c.microbatch_size, "num_microbatches": c.num_microbatches,
                 "recompute": c.recompute, "keep_gathered": c.keep_gathered,
                 "reduce_dtype": c.reduce_dtype, "sequence_parallel": c.sequence_parallel,
@@ -95,30 +98,75 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidates(req: PlanRequest, topo: Topology) -> Iterator[Candidate | Rejection]:
-    """Every (tp, pp, dp, vpp, schedule, microbatch size, recompute) over the whole world,
-    yielding a Rejection (with its reason) for the structurally impossible ones."""
-    m, world, fixed = req.model, topo.world_size, req.fixed
-    for tp in _divisors(world):
-        if "tp" in fixed and tp != fixed["tp"]:
-            continue
+    """Every (tp, pp, dp, vpp, schedule, microbatch size, recompute) that fits the cluster,
+    yielding a Rejection (with its reason) for the structurally impossible ones.
+
+    A plan need not use every accelerator: tp divides the accelerators of the largest node
+    and TP groups stay whole inside nodes (``Topology.usable``), and tp × pp × dp may be
+    less than what is usable — dp divides the global batch, which is always kept — so the
+    rest stay idle (spares)."""
+    m, fixed = req.model, req.fixed
+    largest = topo.largest_node
+    tps = [int(fixed["tp"])] if "tp" in fixed else _divisors(largest)
+    for tp in tps:
         if m.n_heads % tp or m.n_kv_heads % tp:
             yield Rejection(None, f"divisibility: tp={tp} does not divide n_heads={m.n_heads} "
                                   f"and n_kv_heads={m.n_kv_heads}")
             continue
-        if tp > topo.per_node:
-            yield Rejection(None, f"topology: tp={tp} exceeds {topo.per_node} accelerators per "
-                                  "node (TP stays inside a node)")
+        if largest % tp:
+            yield Rejection(None, f"topology: tp={tp} does not divide the {largest} "
+                                  "accelerators of a node (TP groups stay whole inside a node)")
             continue
-        for pp in _divisors(world // tp):
-            if "pp" in fixed and pp != fixed["pp"]:
+        usable = topo.usable(tp).world_size
+        pps = [int(fixed["pp"])] if "pp" in fixed else _divisors(m.n_layers)
+        for pp in pps:
+            if tp * pp > usable:
+                yield Rejection(None, f"topology: tp×pp = {tp}×{pp} exceeds the {usable} "
+                                      f"accelerators usable in whole TP groups of {tp}")
                 continue
-            dp = world // (tp * pp)
-            if "dp" in fixed and dp != fixed["dp"]:
-                continue
-            yield from _inner(req, tp, pp, dp)
+            yield from _inner(req, tp, pp, usable // (tp * pp))
 
 
-def _inner(req: PlanRequest, tp: int, pp: int, dp: int) -> Iterator[Candidate | Rejection]:
+def _dp_choices(req: PlanRequest, pp: int, mbs: int, max_dp: int, interleaved: bool
+                ) -> Iterator[int | Rejection]:
+    """The data-parallel degrees that split the global batch into whole microbatches and
+    fill the pipeline, at most ``max_dp`` (the replicas the usable accelerators hold)."""
+    B, fixed = req.global_batch_size, req.fixed
+    if "dp" in fixed:
+        dp = int(fixed["dp"])
+        if dp > max_dp:
+            yield Rejection(None, f"topology: dp={dp} needs more than the {max_dp} replicas of "
+                                  f"tp×pp the usable accelerators hold")
+            return
+        dps = [dp]
+    else:
+        dps = [d for d in _divisors(B // mbs) if d <= max_dp] if B % mbs == 0 else []
+    found = False
+    for dp in dps:
+        if B % (dp * mbs):
+            if "dp" in fixed:
+                yield Rejection(None, f"divisibility: global batch {B} is not divisible by "
+                                      f"dp × microbatch = {dp}×{mbs}")
+            continue
+        n_micro = B // (dp * mbs)
+        if pp > 1 and n_micro < pp:
+            if "dp" in fixed:
+                yield Rejection(None, f"divisibility: {n_micro} microbatches cannot fill "
+                                      f"{pp} pipeline stages")
+            continue
+        if interleaved and n_micro % pp:
+            if "dp" in fixed:
+                yield Rejection(None, f"divisibility: interleaved 1F1B needs microbatches "
+                                      f"({n_micro}) to be a multiple of pp={pp}")
+            continue
+        found = True
+        yield dp
+    if not found and "dp" not in fixed:
+        yield Rejection(None, f"divisibility: no dp ≤ {max_dp} splits the global batch {B} into "
+                              f"microbatches of {mbs} that fill {pp} pipeline stage(s)")
+
+
+def _inner(req: PlanRequest, tp: int, pp: int, max_dp: int) -> Iterator[Candidate | Rejection]:
     m, fixed, B = req.model, req.fixed, req.global_batch_size
     for vpp in VPP_CHOICES:
         if ("vpp" in fixed and vpp != fixed["vpp"]) or (pp == 1 and vpp > 1):
@@ -135,30 +183,27 @@ def _inner(req: PlanRequest, tp: int, pp: int, dp: int) -> Iterator[Candidate | 
             for mbs in MICROBATCH_SIZES:
                 if "microbatch_size" in fixed and mbs != fixed["microbatch_size"]:
                     continue
-                if B % (dp * mbs):
-                    yield Rejection(None, f"divisibility: global batch {B} is not divisible by "
-                                          f"dp × microbatch = {dp}×{mbs}")
-                    continue
-                n_micro = B // (dp * mbs)
-                if pp > 1 and n_micro < pp:
-                    yield Rejection(None, f"divisibility: {n_micro} microbatches cannot fill "
-                                          f"{pp} pipeline stages")
-                    continue
-                if schedule == "interleaved-1f1b" and n_micro % pp:
-                    yield Rejection(None, f"divisibility: interleaved 1F1B needs microbatches "
-                                          f"({n_micro}) to be a multiple of pp={pp}")
-                    continue
-                for rc in RECOMPUTE:
-                    if "recompute" in fixed and rc != fixed["recompute"]:
+                for dp in _dp_choices(req, pp, mbs, max_dp, schedule == "interleaved-1f1b"):
+                    if isinstance(dp, Rejection):
+                        yield dp
                         continue
-                    sp = bool(fixed.get("sequence_parallel", tp > 1))
-                    keeps = (True, False)  # FSDP2 gathers a copy even at dp = 1
-                    if "keep_gathered" in fixed:
-                        keeps = (bool(fixed["keep_gathered"]),)
-                    reduce = str(fixed.get("reduce_dtype", "float32"))
-                    for keep in keeps:
-                        yield Candidate(tp, pp, dp, vpp, schedule, mbs, n_micro, rc, sp, keep,
-                                        reduce)
+                    yield from _options(req, tp, pp, dp, vpp, schedule, mbs, B // (dp * mbs))
+
+
+def _options(req: PlanRequest, tp: int, pp: int, dp: int, vpp: int, schedule: str, mbs: int,
+             n_micro: int) -> Iterator[Candidate]:
+    """Recomputation and ZeRO-3 policy for one layout."""
+    fixed = req.fixed
+    sp = bool(fixed.get("sequence_parallel", tp > 1))
+    keeps = (True, False)  # FSDP2 gathers a copy even at dp = 1
+    if "keep_gathered" in fixed:
+        keeps = (bool(fixed["keep_gathered"]),)
+    reduce = str(fixed.get("reduce_dtype", "float32"))
+    for rc in RECOMPUTE:
+        if "recompute" in fixed and rc != fixed["recompute"]:
+            continue
+        for keep in keeps:
+            yield Candidate(tp, pp, dp, vpp, schedule, mbs, n_micro, rc, sp, keep, reduce)
 
 
 def plan(req: PlanRequest, topo: Topology) -> PlanResult:
@@ -166,6 +211,7 @@ def plan(req: PlanRequest, topo: Topology) -> PlanResult:
     limit = topo.device.memory_gib * MEMORY_HEADROOM * 1024**3
     fused = uses_fused_kernels(req.kernels, topo.device.name)
     ranked, rejected = [], []
+    layouts: dict[tuple[int, int], tuple[int, ...]] = {}
     for c in candidates(req, topo):
         if isinstance(c, Rejection):
             rejected.append(c)
@@ -177,10 +223,14 @@ def plan(req: PlanRequest, topo: Topology) -> PlanResult:
                                          f"{limit / 1024**3:.1f} GiB ({MEMORY_HEADROOM:.0%} of "
                                          f"{topo.device.memory_gib:g} GiB {topo.device.name})"))
             continue
-        est = estimate(req.model, c, req.seq_len, topo.device, topo.per_node, req.compute_bytes,
+        key = (c.tp, c.world_size)
+        if key not in layouts:
+            layouts[key] = topo.allocate(c.tp, c.world_size)
+        node_ranks = layouts[key]
+        est = estimate(req.model, c, req.seq_len, topo.device, node_ranks[0], req.compute_bytes,
                        fused)
-        ranked.append(RankedPlan(c, est))
-    ranked.sort(key=lambda p: (-p.estimate.tokens_per_s, p.estimate.memory_per_rank_gib))
+        ranked.append(RankedPlan(c, est, topo.world_size - c.world_size, node_ranks))
+    ranked.sort(key=lambda p: (-p.estimate.tokens_per_s, p.idle, p.estimate.memory_per_rank_gib))
     return PlanResult(ranked, rejected)
 
 
@@ -192,6 +242,10 @@ def explain(result: PlanResult) -> str:
              f"{c.microbatch_size} × {c.num_microbatches}, recompute {c.recompute}) is predicted "
              f"fastest at {e.tokens_per_s:,.0f} tokens/s and {e.mfu:.1%} MFU, using "
              f"{e.memory_per_rank_gib:.1f} GiB per rank."]
+    if best.idle:
+        parts.append(f"It runs {c.world_size} ranks on {len(best.node_ranks)} node(s) and leaves "
+                     f"{best.idle} accelerator(s) idle: TP groups stay whole inside a node and "
+                     f"dp divides the global batch of {c.dp * c.num_microbatches * c.microbatch_size}.")
     parts.append(f"Of its {e.step_time_s:.3g} s step, compute is {e.compute_s:.3g} s "
                  f"(bubble {e.bubble_fraction:.1%}), TP communication {e.tp_comm_s:.3g} s, "
                  f"PP {e.pp_comm_s:.3g} s and exposed ZeRO-3 traffic {e.dp_exposed_s:.3g} s.")

@@ -12,11 +12,12 @@ from trainmesh.platform.topology import Topology, topology_from_ray
 
 
 def placement_for(spec: JobSpec, dims: ParallelDims, topo: Topology) -> Placement:
-    """One bundle per node: a GPU per rank on accelerator clusters, CPUs otherwise."""
+    """One bundle per node used (whole TP groups, largest nodes first): a GPU per rank on
+    accelerator clusters, CPUs otherwise."""
     per_rank = {"CPU": spec.runtime.cpus_per_rank}
     if topo.device.name != "cpu":
         per_rank["GPU"] = 1.0
-    return plan_placement(dims, topo.per_node, per_rank)
+    return plan_placement(dims, topo.allocate(dims.tp, dims.world_size), per_rank)
 
 
 class RayWorkerGroup:

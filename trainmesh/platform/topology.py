@@ -39,8 +39,13 @@ class Topology:
 
     @property
     def per_node(self) -> int:
-        """Accelerators on the smallest node (what a TP group may rely on)."""
+        """Accelerators on the smallest node."""
         return min(n.accelerators for n in self.nodes)
+
+    @property
+    def largest_node(self) -> int:
+        """Accelerators on the largest node: TP degrees are its divisors."""
+        return max(n.accelerators for n in self.nodes)
 
     def with_overrides(self, overrides: Mapping[str, Any]) -> Topology:
         """Replace device facts (``memory_gib``, ``peak_tflops``, ...) that are not None."""
@@ -52,6 +57,22 @@ class Topology:
         nodes = tuple(Node(n.node_id, n.accelerators // unit * unit) for n in self.nodes
                       if n.accelerators >= unit)
         return dataclasses.replace(self, nodes=nodes)
+
+    def allocate(self, unit: int, world: int) -> tuple[int, ...]:
+        """Ranks per node for ``world`` ranks in whole groups of ``unit`` (a TP group never
+        crosses a node): the largest nodes first, each filled before the next. The nodes
+        left out, and any remainder below ``unit``, stay idle (spares)."""
+        counts, left = [], world
+        for n in sorted(self.usable(unit).nodes, key=lambda n: -n.accelerators):
+            if left <= 0:
+                break
+            take = min(n.accelerators, left)
+            counts.append(take)
+            left -= take
+        if left > 0 or world % unit:
+            raise ValueError(f"{world} ranks in groups of {unit} do not fit on nodes with "
+                             f"{[n.accelerators for n in self.nodes]} accelerators")
+        return tuple(counts)
 
 
 def topology_from_nodes(ray_nodes: Iterable[Mapping[str, Any]], device: str | None,
