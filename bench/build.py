@@ -30,9 +30,9 @@ class FullBuild:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
-        from trainmesh.jobs.spec import JobSpec
         from trainmesh.models.llama.model import Llama, LlamaArgs
         from trainmesh.parallel.zero import ZeroPolicy, apply_zero3
+        from trainmesh.spec.job import JobSpec
 
         torch.set_num_threads(1)
         spec = JobSpec.model_validate_json(spec_json)

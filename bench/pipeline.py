@@ -32,11 +32,11 @@ class TorchPipelineWorker(RankWorker):
         from torch.distributed.pipelining import PipelineStage as TorchStage
         from torch.distributed.pipelining import Schedule1F1B, ScheduleInterleaved1F1B
 
-        from trainmesh.jobs.spec import JobSpec
         from trainmesh.models.llama.model import LlamaArgs, cross_entropy_loss
         from trainmesh.models.llama.stage import PipelineStage, rank_model
         from trainmesh.parallel.dims import Axis, ParallelDims
         from trainmesh.parallel.mesh import Mesh
+        from trainmesh.spec.job import JobSpec
 
         self.build(spec_json, dims, data_dir)  # our engine, for data and comparison
         spec = JobSpec.model_validate_json(spec_json)

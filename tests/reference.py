@@ -8,7 +8,7 @@ from trainmesh.actors.engine import build_model
 from trainmesh.actors.step import build_lr_scheduler, build_optimizer, train_step
 from trainmesh.data.dataset import TokenDataset
 from trainmesh.data.shards import read_tokens
-from trainmesh.jobs.spec import JobSpec
+from trainmesh.spec.job import JobSpec
 
 
 def reference_run(spec: JobSpec, data_dir: str, steps: int, grads_after: int | None = None

@@ -71,8 +71,11 @@ class RayHead:
         self.root, self.num_cpus = root, num_cpus
         self.port, self.dashboard_port = free_port(), free_port()
         self.address = f"http://127.0.0.1:{self.dashboard_port}"
+        # Started by its full path with the venv NOT on PATH (no `trainmesh` or `python` of
+        # the venv there), as a user who never activated it would: jobs must still run.
+        path = [p for p in os.environ.get("PATH", "").split(os.pathsep) if Path(p) != BIN]
         self.env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "GLOO_SOCKET_IFNAME": "lo",
-                    "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+                    "PATH": os.pathsep.join(path)}
         self.env.pop("RAY_ADDRESS", None)
         # Every process of this head inherits the marker, so stop() can find its workers too.
         self.marker = f"TRAINMESH_TEST_RAY_HEAD={root}"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainmesh.checkpoint.manifest import CheckpointStore
+from trainmesh.checkpoint.manifest import CheckpointStore, bad_files, file_digests, split_by_size
 from trainmesh.jobs.loading import load_spec
 from trainmesh.platform.checkpointing import RNG_FILE, Checkpointer
 
@@ -19,6 +19,7 @@ class _Ranks:
         self.statuses: list[str | None] = [None] * world
 
     def save(self, uri: str, background: bool) -> bytes:
+        self.uri = uri
         for r in range(self.world):
             (Path(uri) / f"__{r}_0.distcp").write_bytes(bytes([r]) * 64)
         self.statuses = ["running"] * self.world if background else [None] * self.world
@@ -26,6 +27,15 @@ class _Ranks:
 
     def wait_save(self) -> list[str | None]:
         return list(self.statuses)
+
+    def saved_files(self) -> dict:
+        """What real ranks report: each digests the files it wrote (here with a marker, so a
+        test sees whether the manifest took the ranks' digests or hashed again)."""
+        digests = file_digests(self.uri, [f"__{r}_0.distcp" for r in range(self.world)])
+        return {k: {**v, "by": "ranks"} for k, v in digests.items()}
+
+    def bad_files(self, uri: str, files: dict) -> list[str]:
+        return sorted(b for share in split_by_size(files, self.world) for b in bad_files(uri, share))
 
 
 class _Events:
@@ -62,9 +72,9 @@ def test_background_save_counts_only_once_every_rank_is_done(tmp_path):
     ck, ranks, tracker, _ = _setup(tmp_path, "checkpoint.async_save=true")
     ck.save(ranks, 2, {}, tracker, background=True)
     assert ck.latest() is None  # nothing counts yet
-    ck.poll(["done", "running"], tracker)  # a step later, one rank still writing
+    ck.poll(ranks, ["done", "running"], tracker)  # a step later, one rank still writing
     assert ck.latest() is None and ck.pending is not None
-    ck.poll(["done", "done"], tracker)
+    ck.poll(ranks, ["done", "done"], tracker)
     assert ck.latest()[1]["step"] == 2 and ck.pending is None
     [(kind, ev)] = tracker.events
     assert ev["background"] is True and ev["steps_during"] == 2
@@ -76,7 +86,7 @@ def test_failed_background_save_is_dropped_and_the_previous_stays(tmp_path):
     ck.save(ranks, 2, {}, tracker, background=False)
     ck.save(ranks, 4, {}, tracker, background=True)
     partial = ck.pending.partial
-    ck.poll(["done", "failed: OSError(28, 'No space left on device')"], tracker)
+    ck.poll(ranks, ["done", "failed: OSError(28, 'No space left on device')"], tracker)
     assert ck.pending is None and not Path(partial).exists()
     assert ck.latest()[1]["step"] == 2 and ck.published() == [ck.store.step_dir(2)]
     assert "step 4 was not saved" in warnings[0] and "No space left" in warnings[0]
@@ -103,3 +113,37 @@ def test_a_save_interrupted_by_a_failure_never_counts(tmp_path):
     ck.save(ranks, 4, {}, tracker, background=False)  # saved again after the recovery
     assert ck.latest()[1]["step"] == 4
     assert CheckpointStore(tmp_path / "checkpoints").complete_steps() == [2, 4]
+
+
+def test_the_manifest_takes_the_ranks_digests_and_the_ranks_catch_corruption(tmp_path):
+    """The controller hashes only its own file (the RNG state); the shards' digests are the
+    ranks'. On restore the ranks check the digests, a share each: a shard corrupted in place
+    (same size) is caught, set aside, and the checkpoint before it is used."""
+    ck, ranks, tracker, warnings = _setup(tmp_path)
+    ck.save(ranks, 2, {}, tracker, background=False)
+    ck.save(ranks, 4, {}, tracker, background=False)
+    d4, meta = ck.latest(ranks)
+    assert meta["step"] == 4
+    assert {k for k, v in meta["files"].items() if v.get("by") == "ranks"} == {
+        "__0_0.distcp", "__1_0.distcp"}
+    assert "by" not in meta["files"][RNG_FILE]
+    shard = Path(d4) / "__1_0.distcp"
+    shard.write_bytes(b"x" * shard.stat().st_size)
+    assert ck.latest()[1]["step"] == 4  # sizes alone cannot tell
+    d, meta = ck.latest(ranks)
+    assert meta["step"] == 2 and "__1_0.distcp" in warnings[0]
+    assert not Path(d4).exists() and list(Path(d4).parent.glob("step-000004.corrupt-*"))
+    ck.save(ranks, 4, {}, tracker, background=False)  # the step can be saved again
+    assert ck.latest(ranks)[1]["step"] == 4
+
+
+def test_files_the_ranks_wrote_elsewhere_are_not_a_checkpoint(tmp_path):
+    """A rank reports a file the controller cannot see (node-local storage): nothing is
+    published and the previous checkpoint stays the newest."""
+    ck, ranks, tracker, warnings = _setup(tmp_path)
+    ck.save(ranks, 2, {}, tracker, background=False)
+    elsewhere = ranks.saved_files
+    ranks.saved_files = lambda: {**elsewhere(), "__2_0.distcp": {"size": 1, "sha256": "0"}}
+    ck.save(ranks, 4, {}, tracker, background=False)
+    assert ck.latest()[1]["step"] == 2 and "not in" in warnings[0]
+    assert "checkpoint.dir" in warnings[0]

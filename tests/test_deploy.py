@@ -14,10 +14,12 @@ import pytest
 import yaml
 
 from trainmesh.deploy import kuberay
-from trainmesh.deploy.render import SPEC_ENV, RenderOptions, render_rayjob
+from trainmesh.deploy.render import RenderOptions
 from trainmesh.jobs.cli import main
+from trainmesh.jobs.k8s_cli import rayjob as render_rayjob
 from trainmesh.jobs.loading import load_spec, spec_from_dict
 from trainmesh.platform.job_plan import PlanError
+from trainmesh.spec.job import SPEC_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "helm" / "trainmesh"
@@ -90,7 +92,7 @@ def test_rendered_rayjob_carries_the_spec_the_cluster_will_run(monkeypatch):
     assert "secret@" not in yaml.safe_dump(doc)
     env = yaml.safe_load(doc["spec"]["runtimeEnvYAML"])["env_vars"]
     monkeypatch.setenv(SPEC_ENV, env[SPEC_ENV])
-    assert doc["spec"]["entrypoint"] == f"trainmesh run env:{SPEC_ENV} --no-progress"
+    assert doc["spec"]["entrypoint"] == f"python -m trainmesh run env:{SPEC_ENV} --no-progress"
     carried = load_spec(f"env:{SPEC_ENV}")
     assert carried.runtime.ray_address == "auto" and carried.tracking.uri is None
     assert carried.model == spec.model and carried.parallelism == spec.parallelism

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from trainmesh.jobs.spec import ElasticConfig
 from trainmesh.platform.elastic import (
     GiveUp,
     Retry,
@@ -13,6 +12,7 @@ from trainmesh.platform.elastic import (
     warm_assignment,
 )
 from trainmesh.platform.topology import Topology
+from trainmesh.spec.job import ElasticConfig
 
 
 def test_retry_with_growing_backoff_until_the_restart_budget_is_spent():

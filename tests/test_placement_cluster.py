@@ -59,8 +59,8 @@ def test_plan_cli_plans_for_the_live_cluster(gpu_cluster, tmp_path):
         capture_output=True, text=True, timeout=240, env=dict(os.environ))
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(proc.stdout)
-    assert rows and all(r["tp"] * r["pp"] * r["dp"] == 8 for r in rows)
-    assert max(r["tp"] for r in rows) <= 4  # 4 GPUs per node bound TP
+    assert rows and all(r["tp"] * r["pp"] * r["dp"] + r["idle"] == 8 for r in rows)
+    assert rows[0]["idle"] == 0 and max(r["tp"] for r in rows) <= 4  # TP inside a node
 
 
 @pytest.mark.timeout(400)
@@ -93,3 +93,39 @@ def test_run_3d_across_two_simulated_nodes(gpu_cluster, tmp_path):
     trace = json.loads((tmp_path / "pipeline_trace.json").read_text())
     computed = {e["name"] for e in trace["traceEvents"] if e.get("cat") == "compute"}
     assert {"0F0", "2F1", "3B1", "1B0"} <= computed  # every stage's work was measured
+
+
+@pytest.mark.timeout(300)
+def test_checkpoint_dir_the_nodes_do_not_share_is_refused(gpu_cluster, tmp_path):
+    """The controller (on the head) writes a probe to ``checkpoint.dir`` and every rank node
+    reads it back. ``memory://`` stands in for node-local storage: each process sees its own
+    (as each node would see its own disk). Refused before training, naming the field."""
+    from trainmesh.jobs.runner import run_job
+    from trainmesh.platform.elastic import JobFailed
+
+    spec = load_spec(None, ["model.preset=tiny", "parallelism.dp=2", "training.steps=2",
+                            "training.global_batch_size=4", "training.seq_len=16",
+                            "runtime.device=auto", "tracking.enabled=false",
+                            "checkpoint.dir=memory://node-local", f"runtime.output_dir={tmp_path}"])
+    with pytest.raises(JobFailed, match="checkpoint.dir: memory://node-local is not shared"):
+        run_job(spec, environ={}, show_progress=False)
+
+
+def test_doctor_reports_the_cluster_and_each_problem_with_its_fix(gpu_cluster, tmp_path, capsys):
+    from trainmesh.jobs.cli import main
+
+    blocked = tmp_path / "file"
+    blocked.write_text("a file where a directory should be")
+    rc = main(["doctor", "jobs/tiny-cpu.yaml", "--set", "runtime.device=auto",
+               "--set", "parallelism.tp=2", "--set", "parallelism.dp=2",
+               "--set", f"runtime.ray_address={gpu_cluster.address}",
+               "--set", "tracking.uri=http://127.0.0.1:9", "--set", f"checkpoint.dir={blocked}/ck"])
+    lines = capsys.readouterr().out.splitlines()
+    assert rc == 1 and lines[-1] == "2 problem(s)"
+    by = {line.split()[1]: line for line in lines[:-1]}
+    assert by["ray"].startswith("ok") and "3 alive node(s)" in by["ray"]
+    assert "8 h100 rank slot(s) on 2 node(s)" in by["accelerators"]
+    assert by["plan"].startswith("ok") and "tp=2 pp=1 dp=2: 4 rank(s), 4 idle" in by["plan"]
+    assert by["tracking"].startswith("FAIL") and "unreachable" in by["tracking"]
+    assert "fix: start the MLflow server" in by["tracking"]
+    assert by["checkpoints"].startswith("FAIL") and "fix: set checkpoint.dir" in by["checkpoints"]

@@ -90,6 +90,20 @@ def test_jobs_list_status_logs_and_stop(ray_head, tmp_path, capsys):
     assert err == ["no-such-job: no such job on this cluster; see `trainmesh jobs list`"]
 
 
+def test_submit_probes_that_the_cluster_has_this_trainmesh(ray_head, capsys, monkeypatch):
+    """The head runs from a venv that is not on PATH (tests/servers.py): the probe job finds
+    that interpreter; a client of another version is told what to install, nothing runs."""
+    import trainmesh
+
+    monkeypatch.setattr(trainmesh, "__version__", "9.9.9")
+    assert main(["submit", TINY, "--address", ray_head.address]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    from importlib.metadata import version
+
+    assert f"the cluster has trainmesh {version('trainmesh')}, this client 9.9.9" in line
+    assert "pip install trainmesh==9.9.9" in line
+
+
 def test_submit_refuses_a_bad_spec_and_a_dead_address(capsys, tmp_path):
     assert main(["submit", TINY, "--set", "training.stepz=3", "--address", "http://127.0.0.1:9"]) == 2
     assert capsys.readouterr().err.startswith("training.stepz: unknown field")

@@ -25,7 +25,6 @@ from trainmesh.actors.step import (
 from trainmesh.checkpoint import dcp_io
 from trainmesh.data.dataset import TokenDataset
 from trainmesh.data.shards import read_tokens
-from trainmesh.jobs.spec import JobSpec
 from trainmesh.models.llama.model import Llama, LlamaArgs
 from trainmesh.models.llama.parallelize import apply_activation_checkpointing, apply_tensor_parallel
 from trainmesh.models.llama.stage import PipelineStage, rank_model
@@ -35,6 +34,7 @@ from trainmesh.parallel.pipeline.executor import P2PSpec, PipelineExecutor
 from trainmesh.parallel.pipeline.ir import PipeShape
 from trainmesh.parallel.pipeline.schedules import build_schedule
 from trainmesh.parallel.zero import ZeroPolicy, apply_zero3
+from trainmesh.spec.job import JobSpec
 
 
 def build_model(spec: JobSpec, device: torch.device) -> Llama:
@@ -147,8 +147,8 @@ class Engine:
         dist.all_reduce(t, group=self.mesh[Axis.DP].get_group())
         return float(t.item()) / self.mesh.size(Axis.DP)
 
-    def save(self, directory: str) -> None:
-        dcp_io.save(directory, self.model, self.optimizer)
+    def save(self, directory: str) -> dict:
+        return dcp_io.save(directory, self.model, self.optimizer)
 
     def async_save(self, directory: str, group) -> Future:
         return dcp_io.async_save(directory, self.model, self.optimizer, group)

@@ -12,8 +12,8 @@ import ray
 import torch
 import torch.distributed as dist
 
-from trainmesh.jobs.spec import JobSpec
 from trainmesh.parallel.dims import ParallelDims
+from trainmesh.spec.job import JobSpec
 
 
 def select_device(requested: str) -> torch.device:
@@ -39,6 +39,7 @@ class RankWorker:
         # future of the write in flight.
         self._save_group: dist.ProcessGroup | None = None
         self._saving: concurrent.futures.Future | None = None
+        self._saved_files: dict = {}
         # A preemption notice (SIGTERM: a spot reclaim, a node drain) does not end the rank at
         # once: it is reported with the next step so the controller can checkpoint first.
         self.preempted = False
@@ -121,8 +122,9 @@ class RankWorker:
         background, this rank's shards are copied to host memory before it returns and a
         thread writes them while training goes on (``save_status`` says how that went)."""
         self.wait_save()
+        self._saved_files = {}
         if not background:
-            self.engine.save(directory)
+            self._saved_files = self.engine.save(directory)
         else:
             if self._save_group is None:
                 self._save_group = dist.new_group(backend="gloo",
@@ -138,7 +140,30 @@ class RankWorker:
         if not f.done():
             return "running"
         err = f.exception()
+        if err is None:
+            self._saved_files = f.result()
         return "done" if err is None else f"failed: {err!r}"[:2000]
+
+    def saved_files(self) -> dict:
+        """{file: {"size", "sha256"}} of the files this rank wrote in its last finished save,
+        digested here, where they were written."""
+        return dict(self._saved_files)
+
+    def bad_files(self, directory: str, files: dict) -> list[str]:
+        """Which of ``files`` (this rank's share of a manifest) are missing or corrupt."""
+        from trainmesh.checkpoint.manifest import bad_files
+
+        return bad_files(directory, files)
+
+    def can_read(self, path: str, token: str) -> bool:
+        """Whether this rank's node sees ``token`` in ``path`` (a shared-storage probe)."""
+        from fsspec.core import url_to_fs
+
+        try:
+            fs, p = url_to_fs(path)
+            return fs.cat_file(p).decode() == token
+        except (OSError, UnicodeDecodeError):
+            return False
 
     def wait_save(self, timeout_s: float | None = None) -> str | None:
         """Wait (at most ``timeout_s``) for the background save; returns ``save_status``, and

@@ -83,6 +83,11 @@ class WorkerGroup:
         refs = [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
         return ray.get(refs, timeout=timeout_s)
 
+    def call_each(self, method: str, args: list[tuple], timeout_s: float | None = None) -> list:
+        """Call ``method`` on every rank with that rank's own arguments; results in rank order."""
+        refs = [getattr(w, method).remote(*a) for w, a in zip(self.workers, args, strict=True)]
+        return ray.get(refs, timeout=timeout_s)
+
     def setup_process_group(self, device: str, timeout_s: float) -> str:
         host, port = ray.get(self.workers[0].create_store.remote(timeout_s))
         backends = self.call("init_process_group", host, port, device, timeout_s)

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from trainmesh.checkpoint.manifest import is_uri
+from trainmesh.checkpoint.manifest import file_digests, is_uri
 
 # Optimizer state flattened to one key per parameter and field ("state.layers.0...exp_avg",
 # "param_groups.layers.0....lr"): no per-rank param_groups lists, so a rank holding other
@@ -31,13 +31,39 @@ from trainmesh.checkpoint.manifest import is_uri
 _OPTS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
+class _Recording:
+    """A DCP writer that remembers the files this rank wrote (its shards; the coordinator's
+    also the metadata file), so the rank can digest them where they were written."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.written: list[str] = []
+
+    def write_data(self, plan, planner):
+        fut = super().write_data(plan, planner)
+        fut.add_done_callback(lambda f: self.written.extend(
+            {r.storage_data.relative_path for r in f.result()}))
+        return fut
+
+    def finish(self, metadata, results) -> None:
+        super().finish(metadata, results)
+        self.written.append(Path(str(self._get_metadata_path())).name)
+
+
+class _LocalWriter(_Recording, FileSystemWriter):
+    pass
+
+
 def _writer(directory: str | Path):
     d = str(directory)
     if is_uri(d):
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-        return FsspecWriter(d)
-    return FileSystemWriter(d)
+        class _UriWriter(_Recording, FsspecWriter):
+            pass
+
+        return _UriWriter(d)
+    return _LocalWriter(d)
 
 
 def _reader(directory: str | Path):
@@ -49,20 +75,36 @@ def _reader(directory: str | Path):
     return FileSystemReader(d)
 
 
-def save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Collective: every rank of the job calls it with its own shards."""
+def save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Collective: every rank of the job calls it with its own shards. Returns the size and
+    sha256 of each file this rank wrote, computed here (in parallel over the ranks)."""
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTS)
-    dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=_writer(directory))
+    writer = _writer(directory)
+    dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=writer)
+    return file_digests(str(directory), writer.written)
 
 
 def async_save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                group: dist.ProcessGroup) -> Future:
     """Collective: copy this rank's shards to host memory now, write them in a background
     thread (coordinating over ``group``, a gloo group of its own so the writer never shares a
-    communicator with training). Returns the writer's future; training may go on at once."""
+    communicator with training), then digest what this rank wrote. Returns a future of the
+    digests (as ``save``); training may go on at once."""
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTS)
-    return dcp.async_save({"model": model_sd, "optim": optim_sd},
-                          storage_writer=_writer(directory), process_group=group)
+    writer = _writer(directory)
+    written = dcp.async_save({"model": model_sd, "optim": optim_sd}, storage_writer=writer,
+                             process_group=group)
+    digests: Future = Future()
+
+    def then(f: Future) -> None:
+        try:
+            f.result()
+            digests.set_result(file_digests(str(directory), writer.written))
+        except BaseException as err:  # noqa: BLE001 - handed to whoever waits on the save
+            digests.set_exception(err)
+
+    written.add_done_callback(then)
+    return digests
 
 
 def load(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:

@@ -1,9 +1,10 @@
-"""A KubeRay RayJob for a job spec, sized from its plan. Pure: no torch, no cluster.
+"""A KubeRay RayJob for a job spec, sized from its plan (the caller's). Pure: no torch, no
+cluster, no planner.
 
 The worker group gets one pod per node with ``gpus_per_node`` GPUs; replicas are the nodes the
 plan uses, and the autoscaling bounds come from the elastic policy (whole nodes). The spec
 travels in the Ray runtime environment (``TRAINMESH_SPEC``) and is run with
-``trainmesh run env:TRAINMESH_SPEC``; the MLflow URI and credentials come from a Secret, never
+``python -m trainmesh run env:TRAINMESH_SPEC``; the MLflow URI and credentials come from a Secret, never
 from the manifest.
 """
 
@@ -17,10 +18,7 @@ from typing import Any
 import yaml
 
 from trainmesh.deploy import kuberay
-from trainmesh.jobs.loading import SPEC_ENV
-from trainmesh.jobs.spec import JobSpec
-from trainmesh.platform.job_plan import plan_job
-from trainmesh.platform.topology import Topology
+from trainmesh.spec.job import SPEC_ENV, JobSpec
 
 RAY_VERSION = "2.60.0"
 SHARED_MOUNT = "/mnt/trainmesh"
@@ -46,23 +44,28 @@ class RenderOptions:
     worker_memory: str = "512Gi"
 
 
-def sizing(spec: JobSpec, opts: RenderOptions) -> dict[str, int]:
+@dataclass(frozen=True)
+class MeshSize:
+    """The plan's degrees, from the caller (``trainmesh k8s render`` plans; deploy does not)."""
+
+    tp: int
+    pp: int
+    dp: int
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+def sizing(spec: JobSpec, opts: RenderOptions, mesh: MeshSize) -> dict[str, int]:
     """Nodes for the plan, and the elastic bounds in whole nodes."""
     g = opts.gpus_per_node
-    if opts.nodes is None:
-        if spec.parallelism.auto:
-            raise ValueError("parallelism: auto needs a cluster size to plan for; pass --nodes")
-        nodes = math.ceil(spec.parallelism.world_size / g)
-    else:
-        nodes = opts.nodes
-    topo = Topology.uniform(nodes, g, opts.device).with_overrides(spec.topology.overrides())
-    dims, _ = plan_job(spec, topo, runnable_only=False)
-    replicas = math.ceil(dims.world_size / g)
+    replicas = math.ceil(mesh.world_size / g)
     el = spec.elastic
     low = min(replicas, math.ceil(el.min_world_size / g))
-    high = max(replicas, math.ceil((el.max_world_size or dims.world_size) / g))
+    high = max(replicas, math.ceil((el.max_world_size or mesh.world_size) / g))
     return {"replicas": replicas, "min_replicas": max(1, low), "max_replicas": high,
-            "world_size": dims.world_size, "tp": dims.tp, "pp": dims.pp, "dp": dims.dp}
+            "world_size": mesh.world_size, "tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp}
 
 
 def _security() -> tuple[dict[str, Any], dict[str, Any]]:
@@ -115,8 +118,9 @@ def to_yaml(obj: Any) -> str:
     return yaml.dump(obj, Dumper=_Dumper, sort_keys=False)
 
 
-def render_rayjob(spec: JobSpec, opts: RenderOptions = RenderOptions()) -> dict[str, Any]:
-    size = sizing(spec, opts)
+def render_rayjob(spec: JobSpec, opts: RenderOptions, mesh: MeshSize) -> dict[str, Any]:
+    """The RayJob for ``spec`` on the plan ``mesh``."""
+    size = sizing(spec, opts, mesh)
     runtime = {"ray_address": "auto", "device": "cuda"}
     if opts.shared_pvc:
         runtime["output_dir"] = f"{SHARED_MOUNT}/{spec.name}"
@@ -144,7 +148,7 @@ def render_rayjob(spec: JobSpec, opts: RenderOptions = RenderOptions()) -> dict[
                      "annotations": {"trainmesh.io/plan": json.dumps(
                          {k: size[k] for k in ("tp", "pp", "dp", "world_size")})}},
         "spec": {
-            "entrypoint": f"trainmesh run {'env:' + SPEC_ENV} --no-progress",
+            "entrypoint": f"python -m trainmesh run env:{SPEC_ENV} --no-progress",
             "runtimeEnvYAML": to_yaml({"env_vars": {SPEC_ENV: to_yaml(job_spec.model_dump(mode="json"))}}),
             "shutdownAfterJobFinishes": True,
             "ttlSecondsAfterFinished": 3600,

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from trainmesh.jobs import k8s_cli, plan_cli, schedule_cli, submit_cli
 from trainmesh.jobs.loading import SpecError, load_spec, unsupported_problems
+from trainmesh.platform.elastic import JobFailed
 from trainmesh.platform.job_plan import PlanError
 
 EXIT_BAD_INPUT = 2
@@ -36,6 +37,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --dry-run: also train (one step creates the optimizer state, a "
                         "second is measured: the steady-state peak)")
     p.add_argument("--json", action="store_true", help="with --dry-run: JSON, one object per rank")
+    p = sub.add_parser("doctor", help="what trainmesh sees (software, Ray cluster, "
+                                      "accelerators, tracking, checkpoints), with a fix per problem")
+    p.add_argument("spec", nargs="?", default=None, help="job spec YAML (default: the built-in spec)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     plan_cli.add_parser(sub)
     schedule_cli.add_parser(sub)
     k8s_cli.add_parser(sub)
@@ -55,6 +60,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _validate(args)
         if args.command == "run":
             return _run(args)
+        if args.command == "doctor":
+            from trainmesh.jobs import doctor
+
+            return doctor.run(args, load_spec)
         if args.command == "plan":
             return plan_cli.run(args)
         if args.command == "schedule":
@@ -77,6 +86,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PlanError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except JobFailed as err:
+        print(f"job failed: {err}", file=sys.stderr)
+        return 1
     return 1
 
 

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+from typing import Any
 
-from trainmesh.deploy.render import RenderOptions, render_rayjob, to_yaml
+from trainmesh.deploy.render import MeshSize, RenderOptions, render_rayjob, to_yaml
 from trainmesh.jobs.loading import load_spec
-from trainmesh.platform.job_plan import PlanError
+from trainmesh.platform.job_plan import PlanError, plan_job
+from trainmesh.platform.topology import Topology
+from trainmesh.spec.job import JobSpec
 
 
 def add_parser(sub) -> None:
@@ -27,6 +31,22 @@ def add_parser(sub) -> None:
                    help="ReadWriteMany claim mounted on every pod for checkpoints and outputs")
 
 
+def rayjob(spec: JobSpec, opts: RenderOptions | None = None) -> dict[str, Any]:
+    """Plan for ``opts.nodes`` × ``opts.gpus_per_node`` (default: the nodes the spec's degrees
+    need), then render the RayJob with the plan's degrees."""
+    opts = opts or RenderOptions()
+    g = opts.gpus_per_node
+    if opts.nodes is None:
+        if spec.parallelism.auto:
+            raise ValueError("parallelism: auto needs a cluster size to plan for; pass --nodes")
+        nodes = math.ceil(spec.parallelism.world_size / g)
+    else:
+        nodes = opts.nodes
+    topo = Topology.uniform(nodes, g, opts.device).with_overrides(spec.topology.overrides())
+    dims, _ = plan_job(spec, topo, runnable_only=False)
+    return render_rayjob(spec, opts, MeshSize(tp=dims.tp, pp=dims.pp, dp=dims.dp))
+
+
 def run(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec, args.overrides)
     if args.gpus_per_node < 1 or (args.nodes is not None and args.nodes < 1):
@@ -36,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
                          nodes=args.nodes, device=args.device or spec.topology.device or "h100",
                          mlflow_secret=args.mlflow_secret, shared_pvc=args.shared_pvc)
     try:
-        doc = render_rayjob(spec, opts)
+        doc = rayjob(spec, opts)
     except (PlanError, ValueError) as err:
         print(err, file=sys.stderr)
         return 2

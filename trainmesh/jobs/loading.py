@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from trainmesh.jobs.spec import JobSpec
+from trainmesh.spec.job import JobSpec
 
 BYTE_TOKENIZER_VOCAB = 257  # 256 bytes + EOS; kept in step with trainmesh.data.tokenizer
 
@@ -39,7 +39,6 @@ class SpecError(ValueError):
 
 
 ENV_PREFIX = "env:"  # a spec in an environment variable: how submitted jobs carry theirs
-SPEC_ENV = "TRAINMESH_SPEC"  # the variable `trainmesh submit` and `k8s render` put it in
 
 
 def load_spec(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> JobSpec:

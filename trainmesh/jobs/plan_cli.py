@@ -8,10 +8,10 @@ import os
 import sys
 
 from trainmesh.jobs.loading import load_spec
-from trainmesh.jobs.spec import JobSpec
 from trainmesh.platform.job_plan import PlanError, plan_job
 from trainmesh.platform.planner import explain
 from trainmesh.platform.topology import Topology, topology_from_ray
+from trainmesh.spec.job import JobSpec
 
 
 def add_parser(sub) -> None:

@@ -11,7 +11,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from trainmesh.jobs.spec import JobSpec
+from trainmesh.spec.job import JobSpec
 
 LOCAL = "local"
 
@@ -118,10 +118,11 @@ def dry_run_job(spec: JobSpec, environ: Mapping[str, str], step: bool) -> list[d
 def _user_error(err: Exception) -> Exception:
     """A refusal raised inside the controller (a plan that cannot fit, ...) as itself: the
     person gets its message, not a remote traceback."""
+    from trainmesh.platform.elastic import JobFailed
     from trainmesh.platform.job_plan import PlanError
 
     cause = getattr(err, "cause", None)
-    return cause if isinstance(cause, PlanError) else err
+    return cause if isinstance(cause, PlanError | JobFailed) else err
 
 
 def _report(actor, ref, every_s: float = 10.0) -> None:

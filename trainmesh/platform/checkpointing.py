@@ -15,8 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from trainmesh.checkpoint.manifest import CheckpointStore, is_uri
-from trainmesh.jobs.spec import JobSpec
+from trainmesh.checkpoint.manifest import CheckpointStore, IncompleteCheckpoint, is_uri
+from trainmesh.spec.job import JobSpec
 
 RNG_FILE = "rng_state.bin"
 
@@ -54,14 +54,14 @@ class Checkpointer:
         self.pending = _Pending(step, partial, {"step": step, **meta}, background, t0,
                                 blocked_s=time.perf_counter() - t0)
         if not background:
-            self._commit(tracker)
+            self._commit(group, tracker)
 
-    def poll(self, statuses: list[str | None], tracker) -> None:
+    def poll(self, group, statuses: list[str | None], tracker) -> None:
         """After a step (``statuses``: each rank's background save): commit the save in
         flight once every rank is done with it, drop it if any rank failed."""
         if self.pending is not None:
             self.pending.steps_during += 1
-            self._resolve(statuses, tracker)
+            self._resolve(group, statuses, tracker)
 
     def settle(self, group, tracker) -> None:
         """Wait for the background save in flight (if any) and commit or drop it."""
@@ -70,13 +70,13 @@ class Checkpointer:
         t0 = time.perf_counter()
         statuses = group.wait_save()
         self.pending.blocked_s += time.perf_counter() - t0
-        self._resolve(statuses, tracker)
+        self._resolve(group, statuses, tracker)
         if self.pending is not None:  # still running after the wait: give up on it
             self._drop(f"not finished in time: {statuses}", tracker)
 
-    def _resolve(self, statuses: list[str | None], tracker) -> None:
+    def _resolve(self, group, statuses: list[str | None], tracker) -> None:
         if all(s == "done" for s in statuses):
-            self._commit(tracker)
+            self._commit(group, tracker)
         elif failed := [s for s in statuses if s is not None and s.startswith("failed")]:
             self._drop(failed[0], tracker)
 
@@ -85,9 +85,15 @@ class Checkpointer:
         directory is cleared when that step is saved again)."""
         self.pending = None
 
-    def _commit(self, tracker) -> None:
-        p, self.pending = self.pending, None
-        final = self.store.commit(p.partial, p.meta)
+    def _commit(self, group, tracker) -> None:
+        """The manifest from the digests the ranks computed of what they wrote."""
+        p = self.pending
+        try:
+            final = self.store.commit(p.partial, p.meta, group.saved_files())
+        except IncompleteCheckpoint as err:
+            self._drop(f"{err}; set checkpoint.dir to storage every node mounts", tracker)
+            return
+        self.pending = None
         if p.step not in self.steps:
             self.steps.append(p.step)
         pruned = self.store.prune(self.cfg.keep_last)
@@ -103,12 +109,48 @@ class Checkpointer:
         tracker.event("checkpoint-failed", step=p.step, error=why[-2000:])
         self.store.discard(p.partial)
 
+    def check_shared(self, group) -> None:
+        """Refuse storage the ranks' nodes do not share with the controller (a node-local
+        ``checkpoint.dir`` on a multi-node cluster: each node would write its own part): a
+        probe is written here once and read back from every node."""
+        import uuid
+
+        from trainmesh.platform.elastic import JobFailed
+
+        token = uuid.uuid4().hex
+        name = f".probe-{token}"
+        self.store.write_bytes(self.store.root, name, token.encode())
+        try:
+            seen = group.readable_on_every_node(self.store.uri(f"{self.store.root}/{name}"), token)
+        finally:
+            self.store.fs.rm(f"{self.store.root}/{name}")
+        blind = sorted(n for n, ok in seen.items() if not ok)
+        if blind:
+            raise JobFailed(
+                f"checkpoint.dir: {self.store.root_uri} is not shared by the job's nodes: "
+                f"{len(blind)} of {len(seen)} node(s) cannot read a file written there from the "
+                "controller's node, so each node would hold only its own part of every "
+                "checkpoint; set checkpoint.dir to storage every node mounts (NFS, a "
+                "ReadWriteMany volume) or an object store URI (s3://, gs://)")
+
     # -- resume ----------------------------------------------------------------------------
-    def latest(self) -> tuple[str, dict[str, Any]] | None:
-        """The newest intact checkpoint (and its manifest), unless resuming is off."""
+    def latest(self, group=None) -> tuple[str, dict[str, Any]] | None:
+        """The newest intact checkpoint (and its manifest), unless resuming is off. Here only
+        its files' presence and sizes are checked; with ``group`` the ranks check the sha256
+        of every file, each a share, in parallel, and a corrupt one is skipped for the one
+        before it."""
         if self.cfg.resume != "auto":
             return None
-        return self.store.latest()
+        for d, meta in self.store.intact(hashes=False):
+            if group is None:
+                return d, meta
+            bad = group.bad_files(self.store.uri(d), meta.get("files", {}))
+            if not bad:
+                return d, meta
+            aside = self.store.quarantine(d)
+            self._warn(f"checkpoint {self.store.uri(d)} is corrupt ({len(bad)} file(s), e.g. "
+                       f"{bad[0]}); moved to {self.store.uri(aside)}, restoring the one before it")
+        return None
 
     def restored(self, directory: str) -> tuple[str, bytes | None]:
         """After choosing ``directory``: the URI the ranks load from, and the RNG state."""

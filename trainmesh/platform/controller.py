@@ -17,7 +17,6 @@ from typing import Any
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from trainmesh.actors.worker_group import PlacementTimeout
-from trainmesh.jobs.spec import JobSpec
 from trainmesh.models.llama.model_math import flops_per_token
 from trainmesh.parallel.dims import ParallelDims
 from trainmesh.platform.checkpointing import Checkpointer
@@ -34,6 +33,7 @@ from trainmesh.platform.job_plan import PlanError, effective_spec, plan_job, rep
 from trainmesh.platform.pipeline_artifacts import write_pipeline_artifacts
 from trainmesh.platform.ray_group import RayWorkerGroup, draining_nodes, live_topology, placement_for
 from trainmesh.platform.topology import Topology
+from trainmesh.spec.job import JobSpec
 
 log = logging.getLogger(__name__)
 
@@ -267,13 +267,15 @@ class Controller:
         checkpoint; returns the step to start from."""
         infos = group.rank_infos()
         self.rank_nodes = [i["node_id"] for i in infos]
+        if set(self.rank_nodes) - {self._node_id()}:  # ranks elsewhere: storage must be shared
+            self.ckpts.check_shared(group)
         self.pid_history.append([i["pid"] for i in infos])  # warm recovery keeps processes
         tracker.log_dict({**self.dims.as_dict(), "plan": self.plan_row,
                           "rank_to_node": self.rank_nodes}, "mesh.json")
         self._set(state="building")
         self.ckpts.forget()  # a save in flight when the job stopped never counts
         group.build(self.eff.model_dump_json(), self.dims, self._data_dir())
-        start = self._restore(group, self.ckpts.latest(), tracker)
+        start = self._restore(group, self.ckpts.latest(group), tracker)
         tracker.event("start", step=start, mesh=self.dims.as_dict())
         return start
 
@@ -292,6 +294,12 @@ class Controller:
         tracker.event("recovery", **rec.as_dict())
         tracker.log_metrics({"recovery_downtime_s": rec.downtime_s,
                              "recovery_steps_lost": rec.steps_lost}, step=start)
+
+    @staticmethod
+    def _node_id() -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
 
     def _alive(self, group) -> set[int]:
         """Ranks whose actor is not dead (busy ones count as alive: a survivor stuck in a
@@ -317,7 +325,7 @@ class Controller:
             tokens = tr.global_batch_size * tr.seq_len
             s0 = stats[0]
             self.losses.append(s0["loss"])
-            self.ckpts.poll([s.get("save") for s in stats], tracker)
+            self.ckpts.poll(group, [s.get("save") for s in stats], tracker)
             tps = tokens / dt
             metrics = {"loss": s0["loss"], "lr": s0["lr"], "grad_norm": s0["grad_norm"],
                        "tokens_per_s": tps, "step_time_s": dt,

@@ -3,10 +3,10 @@ after one step with ``--step``), next to what the planner predicted for it."""
 
 from __future__ import annotations
 
-from trainmesh.jobs.spec import JobSpec
 from trainmesh.parallel.dims import Axis, ParallelDims
 from trainmesh.platform.cost_model import GIB, Candidate, rank_memory, uses_fused_kernels
 from trainmesh.platform.devices import DeviceSpec
+from trainmesh.spec.job import JobSpec
 
 
 def memory_rows(reports: list[dict], spec: JobSpec, c: Candidate, dims: ParallelDims,

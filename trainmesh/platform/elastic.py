@@ -10,8 +10,8 @@ import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
 
-from trainmesh.jobs.spec import ElasticConfig
 from trainmesh.platform.topology import Node, Topology
+from trainmesh.spec.job import ElasticConfig
 
 
 @dataclass(frozen=True)

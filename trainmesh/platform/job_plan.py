@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainmesh.jobs.spec import JobSpec
 from trainmesh.parallel.dims import ParallelDims
 from trainmesh.platform.cost_model import Candidate
 from trainmesh.platform.planner import PlanRequest, PlanResult, plan, summarize_rejections
 from trainmesh.platform.topology import Topology
+from trainmesh.spec.job import JobSpec
 
 # What the runtime of this version cannot execute yet (nothing now); `trainmesh plan` explores
 # everything regardless.

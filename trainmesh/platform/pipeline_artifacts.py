@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainmesh.jobs.spec import JobSpec
 from trainmesh.parallel.dims import ParallelDims
+from trainmesh.spec.job import JobSpec
 
 
 def write_pipeline_artifacts(out: Path, spec: JobSpec, dims: ParallelDims,

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import functools
 
-from trainmesh.jobs.spec import JobSpec
 from trainmesh.parallel.dims import ParallelDims
 from trainmesh.parallel.layout import Placement, plan_placement
 from trainmesh.platform.topology import Topology, topology_from_ray
+from trainmesh.spec.job import JobSpec
 
 
 def placement_for(spec: JobSpec, dims: ParallelDims, topo: Topology) -> Placement:
@@ -81,6 +81,32 @@ class RayWorkerGroup:
     def wait_save(self) -> list[str | None]:
         """Every rank's background save, waited for: "done", "failed: ..." or None."""
         return self.group.call("wait_save", self.timeout * 2, timeout_s=self.timeout * 3)
+
+    def saved_files(self) -> dict:
+        """{file: {"size", "sha256"}} over every rank's last finished save."""
+        return {k: v for d in self.group.call("saved_files", timeout_s=self.timeout)
+                for k, v in d.items()}
+
+    def bad_files(self, directory: str, files: dict) -> list[str]:
+        """Each rank checks a share (by bytes) of a manifest's files, all at once; the bad
+        ones."""
+        from trainmesh.checkpoint.manifest import split_by_size
+
+        shares = split_by_size(files, self.group.world_size)
+        args = [(directory, share) for share in shares]
+        return sorted(f for bad in self.group.call_each("bad_files", args,
+                                                        timeout_s=self.timeout * 4)
+                      for f in bad)
+
+    def readable_on_every_node(self, path: str, token: str) -> dict[str, bool]:
+        """Per node (its first rank asked): does it read ``token`` back from ``path``?"""
+        import ray
+
+        first: dict[str, int] = {}
+        for r, info in enumerate(self.rank_infos()):
+            first.setdefault(info["node_id"], r)
+        refs = {n: self.group.workers[r].can_read.remote(path, token) for n, r in first.items()}
+        return {n: ray.get(ref, timeout=self.timeout) for n, ref in refs.items()}
 
     def load(self, directory: str, step: int, rng: bytes | None) -> None:
         self.group.call("load", directory, step, rng, timeout_s=self.timeout * 2)

@@ -44,7 +44,7 @@ class LlamaArgs:
 
     @classmethod
     def from_config(cls, cfg, device_type: str = "cpu") -> LlamaArgs:
-        """From a ``trainmesh.jobs.spec.ModelConfig`` (or anything with the same fields), with
+        """From a ``trainmesh.spec.job.ModelConfig`` (or anything with the same fields), with
         ``model.kernels`` resolved for ``device_type``."""
         fields = {f: getattr(cfg, f) for f in cls.__dataclass_fields__ if f != "kernels"}
         return cls(**fields, kernels=resolve(getattr(cfg, "kernels", "auto"), device_type))

@@ -10,7 +10,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from trainmesh.models.llama.presets import PRESETS
+from trainmesh.spec.presets import PRESETS
+
+SPEC_ENV = "TRAINMESH_SPEC"  # the variable `trainmesh submit` and `k8s render` put a spec in
 
 
 class _Section(BaseModel):
