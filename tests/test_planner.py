@@ -26,7 +26,7 @@ def _brute_force_best(req: PlanRequest, topo: Topology) -> float:
     a node's accelerators, tp × pp × dp whole TP groups fit the nodes (the rest idle)."""
     m, world = req.model, topo.world_size
     limit = topo.device.memory_gib * MEMORY_HEADROOM * 1024**3
-    best = 0.0
+    best = (0, 0.0)  # (ranks used, tokens/s): every usable accelerator first, then speed
     for tp, pp, dp, vpp, mbs, sched, rc, keep in itertools.product(
             range(1, world + 1), range(1, world + 1), range(1, world + 1), (1, 2, 4), (1, 2, 4, 8),
             cost_model.SCHEDULES, cost_model.RECOMPUTE, (True, False)):
@@ -49,8 +49,8 @@ def _brute_force_best(req: PlanRequest, topo: Topology) -> float:
         first_node = min(topo.largest_node // tp * tp, tp * pp * dp)
         est = cost_model.estimate(m, c, req.seq_len, topo.device, first_node, req.compute_bytes,
                                   fused)
-        best = max(best, est.tokens_per_s)
-    return best
+        best = max(best, (tp * pp * dp, est.tokens_per_s))
+    return best[1]
 
 
 @pytest.mark.parametrize(("preset", "nodes", "per_node", "device", "batch", "seq"), [
@@ -83,8 +83,8 @@ def test_plan_properties(preset, nodes, per_node, device):
     assert result.rejected
     for r in result.rejected:
         assert r.reason.split(":")[0] in {"memory", "divisibility", "topology"}, r.reason
-    speeds = [p.estimate.tokens_per_s for p in result.plans]
-    assert speeds == sorted(speeds, reverse=True)
+    order = [(p.idle, -p.estimate.tokens_per_s) for p in result.plans]
+    assert order == sorted(order)
 
 
 def _ratio_of(result, tp, pp, dp):

@@ -207,7 +207,8 @@ def _options(req: PlanRequest, tp: int, pp: int, dp: int, vpp: int, schedule: st
 
 
 def plan(req: PlanRequest, topo: Topology) -> PlanResult:
-    """All feasible plans ranked by predicted tokens/s (best first), and every rejection."""
+    """All feasible plans, best first: fewest accelerators idle, then predicted tokens/s; and
+    every rejection."""
     limit = topo.device.memory_gib * MEMORY_HEADROOM * 1024**3
     fused = uses_fused_kernels(req.kernels, topo.device.name)
     ranked, rejected = [], []
@@ -230,7 +231,10 @@ def plan(req: PlanRequest, topo: Topology) -> PlanResult:
         est = estimate(req.model, c, req.seq_len, topo.device, node_ranks[0], req.compute_bytes,
                        fused)
         ranked.append(RankedPlan(c, est, topo.world_size - c.world_size, node_ranks))
-    ranked.sort(key=lambda p: (-p.estimate.tokens_per_s, p.idle, p.estimate.memory_per_rank_gib))
+    # Every accelerator that can be used is used (fewest idle first), then the fastest: the
+    # cost model has no fixed per-step costs, so for small models it would otherwise trade
+    # accelerators the user gave the job for a prediction it cannot make precisely.
+    ranked.sort(key=lambda p: (p.idle, -p.estimate.tokens_per_s, p.estimate.memory_per_rank_gib))
     return PlanResult(ranked, rejected)
 
 
@@ -244,8 +248,9 @@ def explain(result: PlanResult) -> str:
              f"{e.memory_per_rank_gib:.1f} GiB per rank."]
     if best.idle:
         parts.append(f"It runs {c.world_size} ranks on {len(best.node_ranks)} node(s) and leaves "
-                     f"{best.idle} accelerator(s) idle: TP groups stay whole inside a node and "
-                     f"dp divides the global batch of {c.dp * c.num_microbatches * c.microbatch_size}.")
+                     f"{best.idle} accelerator(s) idle, the fewest any plan does: TP groups stay "
+                     f"whole inside a node and dp divides the global batch of "
+                     f"{c.dp * c.num_microbatches * c.microbatch_size}.")
     parts.append(f"Of its {e.step_time_s:.3g} s step, compute is {e.compute_s:.3g} s "
                  f"(bubble {e.bubble_fraction:.1%}), TP communication {e.tp_comm_s:.3g} s, "
                  f"PP {e.pp_comm_s:.3g} s and exposed ZeRO-3 traffic {e.dp_exposed_s:.3g} s.")
@@ -256,8 +261,10 @@ def explain(result: PlanResult) -> str:
         nxt = others[0]
         gap = 1 - nxt.estimate.tokens_per_s / e.tokens_per_s
         n = nxt.candidate
+        more = f", leaving {nxt.idle - best.idle} more idle" if nxt.idle > best.idle else ""
         parts.append(f"The best other layout (tp={n.tp}, pp={n.pp}, dp={n.dp}, vpp={n.vpp}, "
-                     f"{n.schedule}, recompute {n.recompute}) is {gap:.1%} slower.")
+                     f"{n.schedule}, recompute {n.recompute}{more}) is predicted "
+                     f"{abs(gap):.1%} {'slower' if gap >= 0 else 'faster'}.")
     if result.rejected:
         parts.append("Rejected: " + summarize_rejections(result.rejected) + ".")
     return " ".join(parts)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -76,10 +77,11 @@ def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 class MlflowTracker:
     """One MLflow run, created or (after a restart) re-opened by id.
 
-    A lost tracking server never stops training: every call is queued in order and sent when
-    the server answers; while it does not, calls are buffered (metrics keep the time they were
-    logged at) and retried at most every ``retry_interval_s``, with one warning when it goes
-    and one when it comes back. ``finish`` waits up to ``flush_timeout_s`` for the backlog.
+    Nothing here waits for the server: every call is queued in order and a sender thread
+    delivers it, so a step never waits for MLflow. A lost tracking server never stops
+    training: while it does not answer, calls are buffered (metrics keep the time they were
+    logged at) and retried every ``retry_interval_s``, with one warning when it goes and one
+    when it comes back. ``finish`` waits up to ``flush_timeout_s`` for the backlog.
     MLflow's own HTTP retries (minutes of back-off per call) are turned down for this process
     unless the environment sets them, so a step is never held up by more than one timeout.
     """
@@ -97,7 +99,6 @@ class MlflowTracker:
         self.client = MlflowClient(tracking_uri=uri)
         self._pending: deque[tuple[str, Callable[[], object]]] = deque()
         self._down_since: float | None = None
-        self._next_try = 0.0
         try:
             if run_id is not None:
                 self.run_id = self.client.get_run(run_id).info.run_id
@@ -111,16 +112,27 @@ class MlflowTracker:
                                "start the tracking server, fix the URI, or set "
                                "tracking.enabled=false") from None
         self._events: list[dict[str, Any]] = []
+        self._wake, self._closing = threading.Event(), False
+        self._sender = threading.Thread(target=self._send_loop, name="mlflow-sender", daemon=True)
+        self._sender.start()
 
     # -- the queue -----------------------------------------------------------------------------
     def _submit(self, what: str, call: Callable[[], object]) -> None:
         self._pending.append((what, call))
-        self._drain()
+        self._wake.set()
 
-    def _drain(self, force: bool = False) -> bool:
+    def _send_loop(self) -> None:
+        """The sender thread: deliver what is queued; after a failure wait ``retry_interval_s``
+        (``finish`` cuts the first wait short); end once closing and nothing is left."""
+        while True:
+            delivered = self._drain()
+            if self._closing and delivered:
+                return
+            self._wake.wait(None if delivered else self.retry_interval_s)
+            self._wake.clear()
+
+    def _drain(self) -> bool:
         """Send queued calls in order; False when the server is (still) unreachable."""
-        if self._down_since is not None and not force and time.monotonic() < self._next_try:
-            return False
         while self._pending:
             what, call = self._pending[0]
             try:
@@ -135,7 +147,6 @@ class MlflowTracker:
                     self._warn(f"MLflow tracking server at {self.uri} is unreachable ({_short(err)}); "
                                "training goes on, metrics are buffered and retried every "
                                f"{self.retry_interval_s:.0f} s")
-                self._next_try = time.monotonic() + self.retry_interval_s
                 return False
             self._pending.popleft()
         if self._down_since is not None:
@@ -185,14 +196,13 @@ class MlflowTracker:
             events = list(self._events)
             self._submit("events.json", lambda: self.client.log_dict(self.run_id, events, "events.json"))
         self._submit("run status", lambda: self.client.set_terminated(self.run_id, status=status))
-        deadline = time.monotonic() + self.flush_timeout_s
-        while not self._drain(force=True):
-            if time.monotonic() >= deadline:
-                self._warn(f"MLflow tracking server at {self.uri} did not come back within "
-                           f"{self.flush_timeout_s:.0f} s; {len(self._pending)} buffered calls were "
-                           "not sent")
-                return
-            time.sleep(min(self.retry_interval_s, max(0.0, deadline - time.monotonic())))
+        self._closing = True
+        self._wake.set()
+        self._sender.join(self.flush_timeout_s)
+        if self._sender.is_alive():
+            self._warn(f"MLflow tracking server at {self.uri} did not come back within "
+                       f"{self.flush_timeout_s:.0f} s; {len(self._pending)} buffered calls were "
+                       "not sent")
 
 
 def _rejected(err: Exception) -> bool:

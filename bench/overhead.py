@@ -1,0 +1,180 @@
+"""Per-step overhead: trainmesh vs a plain PyTorch DDP loop vs Ray Train v2's TorchTrainer, on
+the same model class, shapes, data order and optimizer, in one run (CPU, gloo, 2 ranks).
+
+All three train the ``small`` preset (seq 128, global batch 16, microbatch 4, dp = 2, AdamW);
+the median step time is taken over the steps after the first few (warm-up). trainmesh's step
+is the controller's wall time per step (an RPC to every rank, metrics queued for MLflow);
+the DDP loop's is rank 0's loop time; Ray Train's includes a ``ray.train.report`` per step,
+as a user of it would write.
+
+    python bench/overhead.py [--steps 30] [--warmup 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+ARGS = ["model.preset=small", "training.seq_len=128", "training.global_batch_size=16",
+        "training.microbatch_size=4", "parallelism.dp=2", "runtime.device=cpu",
+        "checkpoint.every=0", "checkpoint.save_final=false", "optimizer.warmup_steps=2"]
+
+
+def _spec(steps: int, out: Path):
+    from trainmesh.jobs.loading import load_spec
+
+    return load_spec(None, [*ARGS, f"training.steps={steps}", f"runtime.output_dir={out}"])
+
+
+def _loop(rank: int, world: int, spec, data_dir: str, report=None) -> list[float]:
+    """The plain data-parallel loop: DDP, gradient accumulation over microbatches."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    from trainmesh.actors.step import build_lr_scheduler, build_optimizer
+    from trainmesh.data.dataset import TokenDataset
+    from trainmesh.data.shards import read_tokens
+    from trainmesh.models.llama.model import Llama, LlamaArgs
+
+    torch.set_num_threads(1)
+    model = Llama(LlamaArgs.from_config(spec.model))
+    model.init_weights(spec.training.seed)
+    opt = build_optimizer(model, spec.optimizer)
+    sched = build_lr_scheduler(opt, spec.optimizer, spec.training.steps)
+    ddp = DistributedDataParallel(model)
+    tr = spec.training
+    data = TokenDataset(read_tokens(data_dir), tr.seq_len)
+    times = []
+    for step in range(tr.steps):
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        mbs = data.microbatches(tr.seed, step, tr.global_batch_size, rank, world, tr.microbatch_size)
+        for i, (x, y) in enumerate(mbs):
+            if i < len(mbs) - 1:
+                with ddp.no_sync():
+                    (ddp(x, y) / len(mbs)).backward()
+            else:
+                (ddp(x, y) / len(mbs)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), spec.optimizer.grad_clip)
+        opt.step()
+        sched.step()
+        if report is not None:
+            report(step)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _ddp_worker(rank: int, world: int, spec_json: str, data_dir: str, port: int, out: str) -> None:
+    import json
+
+    import torch.distributed as dist
+
+    from trainmesh.spec.job import JobSpec
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    times = _loop(rank, world, JobSpec.model_validate_json(spec_json), data_dir)
+    if rank == 0:
+        Path(out).write_text(json.dumps(times))
+    dist.destroy_process_group()
+
+
+def plain_ddp(spec, data_dir: str, tmp: Path) -> list[float]:
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp / "ddp.json"
+    os.environ["OMP_NUM_THREADS"] = "1"
+    mp.spawn(_ddp_worker, args=(2, spec.model_dump_json(), data_dir, port, str(out)), nprocs=2)
+    return json.loads(out.read_text())
+
+
+def _ray_train_loop(config) -> None:
+    import ray.train
+    import torch.distributed as dist
+
+    from trainmesh.spec.job import JobSpec
+
+    spec = JobSpec.model_validate_json(config["spec"])
+    times = _loop(dist.get_rank(), dist.get_world_size(), spec, config["data_dir"],
+                  report=lambda step: ray.train.report({"step": step + 1}))
+    if dist.get_rank() == 0:
+        Path(config["out"]).write_text(__import__("json").dumps(times))
+
+
+def ray_train(spec, data_dir: str, tmp: Path) -> list[float]:
+    import json
+
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    out = tmp / "ray-train.json"
+    TorchTrainer(_ray_train_loop,
+                 train_loop_config={"spec": spec.model_dump_json(), "data_dir": data_dir,
+                                    "out": str(out)},
+                 scaling_config=ScalingConfig(num_workers=2, use_gpu=False,
+                                              resources_per_worker={"CPU": 1}),
+                 run_config=RunConfig(name="bench-overhead", storage_path=str(tmp / "rt"))).fit()
+    return json.loads(out.read_text())
+
+
+def trainmesh_steps(spec) -> list[float]:
+    from mlflow.tracking import MlflowClient
+
+    from trainmesh.jobs.runner import run_job
+
+    summary = run_job(spec, environ={}, show_progress=False)
+    hist = MlflowClient(summary["tracking_uri"]).get_metric_history(summary["mlflow_run_id"],
+                                                                    "step_time_s")
+    return [m.value for m in sorted(hist, key=lambda m: m.step)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--skip-ray-train", action="store_true")
+    args = ap.parse_args()
+    import ray
+
+    from trainmesh.data.shards import ensure_tiny_corpus
+
+    rows = {}
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        spec = _spec(args.steps, tmp / "tm")
+        data_dir = str(ensure_tiny_corpus(tmp / "data"))
+        rows["plain DDP loop (torch.multiprocessing)"] = plain_ddp(spec, data_dir, tmp)
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
+                 configure_logging=False)
+        try:
+            rows["trainmesh run"] = trainmesh_steps(spec)
+            if not args.skip_ray_train:
+                rows["Ray Train v2 TorchTrainer"] = ray_train(spec, data_dir, tmp)
+        finally:
+            ray.shutdown()
+    base = statistics.median(rows["plain DDP loop (torch.multiprocessing)"][args.warmup:])
+    print(f"\nsmall preset, seq 128, global batch 16, microbatch 4, dp=2, CPU/gloo; median of "
+          f"steps {args.warmup + 1}..{args.steps}")
+    print("| system | median step s | vs plain DDP loop |")
+    print("|---|---:|---:|")
+    for name, times in rows.items():
+        med = statistics.median(times[args.warmup:])
+        print(f"| {name} | {med:.3f} | {med / base:.2f}× |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
