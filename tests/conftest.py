@@ -16,15 +16,25 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 
+LOCAL_RAY_FIXTURES = {"ray_local", "rank_pool"}
 
-@pytest.fixture(scope="module")
+
+def pytest_collection_modifyitems(config, items):
+    """Modules on the shared local Ray instance (and its pool of rank actors) run first, one
+    after another, so that instance and its actors serve all of them; modules that start
+    clusters of their own (which end the local instance) run after."""
+    shared = {item.module.__name__ for item in items if LOCAL_RAY_FIXTURES & set(item.fixturenames)}
+    items.sort(key=lambda item: item.module.__name__ not in shared)
+
+
+@pytest.fixture(scope="session")
 def ray_local():
-    """A local Ray instance on 127.0.0.1 shared by a test module (4 logical CPUs so that
-    4-rank jobs fit on a 2-core machine)."""
+    """A local Ray instance on 127.0.0.1 shared by the modules that use it (8 logical CPUs:
+    the rank pool's idle actors plus a 4-rank job fit; only running ranks use real cores)."""
     import ray
 
     ray.shutdown()
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
              configure_logging=False)
     yield ray
     ray.shutdown()
@@ -48,11 +58,13 @@ def gpu_cluster():
     cluster.shutdown()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def rank_pool(ray_local):
-    """Rank actors shared by a module's multi-rank tests (``rank_pool.RankPool``)."""
+    """Rank actors shared by every multi-rank test on the local instance
+    (``rank_pool.RankPool``); modules run largest mesh first."""
     from rank_pool import RankPool
 
     pool = RankPool()
     yield pool
-    pool.close()
+    if ray_local.is_initialized():
+        pool.close()

@@ -104,6 +104,7 @@ def test_checkpoint_dir_the_nodes_do_not_share_is_refused(gpu_cluster, tmp_path)
     from trainmesh.platform.elastic import JobFailed
 
     spec = load_spec(None, ["model.preset=tiny", "parallelism.dp=2", "training.steps=2",
+                            "optimizer.warmup_steps=1",
                             "training.global_batch_size=4", "training.seq_len=16",
                             "runtime.device=auto", "tracking.enabled=false",
                             "checkpoint.dir=memory://node-local", f"runtime.output_dir={tmp_path}"])

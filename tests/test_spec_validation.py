@@ -164,3 +164,35 @@ def test_vpp_above_one_means_interleaved_unless_a_schedule_is_named():
     spec = load_spec(None, ["parallelism.pp=2", "parallelism.vpp=2"])
     assert spec.schedule.name == "interleaved-1f1b"
     assert load_spec(None, ["parallelism.pp=2"]).schedule.name == "1f1b"
+
+
+BAD_COMMAND_LINES = [
+    ["validate", "no/such/spec.yaml"],
+    ["run", "jobs/tiny-cpu.yaml", "--step"],
+    ["run", "jobs/tiny-cpu.yaml", "--set", "parallelism.pp=2", "--set", "schedule.name=gpipe",
+     "--set", "parallelism.vpp=2"],
+    ["plan", "jobs/tiny-cpu.yaml", "--nodes", "0"],
+    ["plan", "jobs/llama-70b.yaml", "--nodes", "1", "--gpus-per-node", "8"],
+    ["plan", "jobs/llama-70b.yaml", "--set", "parallelism.tp=6", "--nodes", "128"],
+    ["plan", "jobs/llama-70b.yaml", "--set", "parallelism=auto", "--nodes", "1",
+     "--set", "topology.memory_gib=4"],
+    ["schedule", "--pp", "0", "--microbatches", "4"],
+    ["schedule", "--pp", "2", "--vpp", "2", "--microbatches", "3"],
+    ["k8s", "render", "jobs/tiny-cpu.yaml", "--set", "parallelism=auto"],
+    ["k8s", "render", "jobs/llama-70b.yaml", "--gpus-per-node", "0"],
+    ["submit", "jobs/tiny-cpu.yaml", "--set", "training.steps=-1", "--address", "http://127.0.0.1:9"],
+    ["doctor", "jobs/tiny-cpu.yaml", "--set", "runtime.ray_adress=auto"],
+]
+
+
+@pytest.mark.parametrize("argv", BAD_COMMAND_LINES, ids=[" ".join(a[:3]) for a in BAD_COMMAND_LINES])
+def test_bad_command_lines_get_a_few_plain_lines(argv, capsys):
+    """Every refusal: a non-zero exit, one to three lines naming what is wrong — never empty,
+    never a traceback, never a Python class path."""
+    rc = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert rc != 0 and err, argv
+    lines = err.splitlines()
+    assert 1 <= len(lines) <= 3, lines
+    assert "Traceback" not in err and "trainmesh." not in err and "Error:" not in err, err
+    assert ": ;" not in err and not err.endswith(":"), err

@@ -93,7 +93,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
     backward (``loss_parallel`` under TP)."""
     optimizer.zero_grad(set_to_none=True)
     n = len(microbatches)
-    total = torch.zeros(())
+    total = None  # summed where the loss lives: one host sync per step, not per microbatch
     tokens = 0
     for i, (x, y) in enumerate(microbatches):
         if set_grad_sync is not None:
@@ -102,7 +102,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
             loss = model(x, y) / n
             loss.backward()
         value = loss.detach()
-        total += (value.full_tensor() if isinstance(value, DTensor) else value).float().cpu()
+        value = (value.full_tensor() if isinstance(value, DTensor) else value).float()
+        total = value if total is None else total + value
         tokens += y.numel()
     return finish_step(model, optimizer, scheduler, grad_clip, float(total), tokens)
 

@@ -78,6 +78,8 @@ class Controller:
         self.dead_nodes: set[str] = set()
         self.dims = ParallelDims()
         self.eff = self.spec  # the spec with the current plan written in
+        self._draining: set[str] = set()  # nodes Ray is draining, as last read from the GCS
+        self._drain_checked = float("-inf")
 
     # -- public ----------------------------------------------------------------------------
     def progress(self) -> dict[str, Any]:
@@ -353,10 +355,13 @@ class Controller:
             on_first_step()
 
     def _notified(self, stats: list[dict]) -> list[int]:
-        """Ranks with a preemption notice: a SIGTERM to the rank, or its node being drained."""
-        draining = draining_nodes()
+        """Ranks with a preemption notice: a SIGTERM to the rank, or its node being drained
+        (the GCS is asked at most once a second, not at every step)."""
+        now = time.monotonic()
+        if now >= self._drain_checked + 1.0:
+            self._draining, self._drain_checked = set(draining_nodes()), now
         return [r for r, s in enumerate(stats)
-                if s.get("preempted") or self.rank_nodes[r] in draining]
+                if s.get("preempted") or self.rank_nodes[r] in self._draining]
 
     def _may_grow(self, dims: ParallelDims) -> bool:
         """Scale up only where the spec allows it: auto parallelism or a max_world_size."""
