@@ -28,10 +28,10 @@ ARGS = ["model.preset=small", "training.seq_len=128", "training.global_batch_siz
         "checkpoint.every=0", "checkpoint.save_final=false", "optimizer.warmup_steps=2"]
 
 
-def _spec(steps: int, out: Path):
+def _spec(steps: int, out: Path, extra=()):
     from trainmesh.jobs.loading import load_spec
 
-    return load_spec(None, [*ARGS, f"training.steps={steps}", f"runtime.output_dir={out}"])
+    return load_spec(None, [*ARGS, f"training.steps={steps}", f"runtime.output_dir={out}", *extra])
 
 
 def _loop(rank: int, world: int, spec, data_dir: str, report=None) -> list[float]:
@@ -147,6 +147,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--skip-ray-train", action="store_true")
+    ap.add_argument("--set", dest="overrides", action="append", default=[],
+                    help="extra spec overrides for the trainmesh run only")
     args = ap.parse_args()
     import ray
 
@@ -161,7 +163,8 @@ def main() -> None:
         ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
                  configure_logging=False)
         try:
-            rows["trainmesh run"] = trainmesh_steps(spec)
+            label = "trainmesh run" + (f" ({', '.join(args.overrides)})" if args.overrides else "")
+            rows[label] = trainmesh_steps(_spec(args.steps, tmp / "tm", args.overrides))
             if not args.skip_ray_train:
                 rows["Ray Train v2 TorchTrainer"] = ray_train(spec, data_dir, tmp)
         finally:

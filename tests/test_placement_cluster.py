@@ -130,3 +130,13 @@ def test_doctor_reports_the_cluster_and_each_problem_with_its_fix(gpu_cluster, t
     assert by["tracking"].startswith("FAIL") and "unreachable" in by["tracking"]
     assert "fix: start the MLflow server" in by["tracking"]
     assert by["checkpoints"].startswith("FAIL") and "fix: set checkpoint.dir" in by["checkpoints"]
+    # The same cluster as CPU ranks: the head's 1 CPU does not cap tp=2 on the 4-CPU nodes.
+    rc = main(["doctor", "jobs/tiny-cpu.yaml", "--set", "runtime.device=cpu",
+               "--set", "parallelism.tp=2", "--set", "parallelism.dp=4", "--set", "tracking.enabled=false",
+               "--set", f"runtime.ray_address={gpu_cluster.address}",
+               "--set", f"runtime.output_dir={tmp_path / 'out'}"])
+    lines = capsys.readouterr().out.splitlines()
+    assert rc == 0 and lines[-1] == "no problems found", lines
+    by = {line.split()[1]: line for line in lines[:-1]}
+    assert "9 cpu rank slot(s) on 3 node(s)" in by["accelerators"]
+    assert "tp=2 pp=1 dp=4: 8 rank(s), 1 idle" in by["plan"]

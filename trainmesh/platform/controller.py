@@ -222,7 +222,7 @@ class Controller:
         self.peak_tflops = topo.device.peak_tflops
         self.device, self.candidate = topo.device, result.best.candidate
         self.plan_row = result.best.as_row()
-        if result.best.idle:
+        if result.best.idle and (replan or self.spec.parallelism.auto):  # pinned: as asked
             self._notice(f"plan: {self.dims.world_size} of {topo.world_size} accelerators used, "
                          f"{result.best.idle} left idle as spares")
         self._marks["planned"] = time.time()

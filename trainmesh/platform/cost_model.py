@@ -57,6 +57,10 @@ GIB = 1024**3
 FRAMEWORK_BYTES = 2.0 * GIB  # CUDA context, allocator slack, NCCL/gloo buffers
 MATMUL_EFFICIENCY = 0.55  # achievable fraction of peak for large bf16 matmuls
 PP_LATENCY_S = 20e-6  # per point-to-point message
+# Per ZeRO-3 collective (one per FSDP unit: each block and the root): launch and
+# synchronisation that overlapping with compute does not hide. It is what makes re-gathering
+# for every microbatch cost time even when the bytes would hide behind compute.
+COLLECTIVE_LATENCY_S = 20e-6
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 RECOMPUTE = ("none", "full")
 
@@ -285,7 +289,9 @@ def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: in
         reduces = 1 if c.keep_gathered else c.num_microbatches
         moved = (gathers * compute_bytes + reduces * c.reduce_bytes) * params_per_rank
         dp_time = moved * (c.dp - 1) / c.dp / (bw * 1e9)
-        dp_exposed = max(0.0, dp_time - 0.5 * compute)
+        units = model.n_layers // c.pp + 1
+        dp_exposed = (max(0.0, dp_time - 0.5 * compute)
+                      + (gathers + reduces) * units * COLLECTIVE_LATENCY_S)
     step = compute + tp_comm + pp_comm + dp_exposed
     achieved = flops / step / c.world_size
     return Estimate(
