@@ -5,11 +5,15 @@ slowest part of a small multi-rank test on 2 cores."""
 
 from __future__ import annotations
 
+import os
+
 from trainmesh.parallel.dims import ParallelDims
 from trainmesh.platform.ray_group import RayWorkerGroup, placement_for
 from trainmesh.platform.topology import Topology
 
-ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+# The test process's Triton mode too (conftest), so kernel tests share the pool's actors.
+ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
+       "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "0")}
 
 
 class RankPool:
@@ -24,7 +28,8 @@ class RankPool:
         env = {**ENV, **(env or {})}
         placement = placement_for(spec, dims, Topology.uniform(1, dims.world_size, "cpu"))
         if dims.world_size > self.max_ranks or spec.runtime.cpus_per_rank != 1:
-            self.close()  # its CPUs are needed
+            # A group of its own beside the pool (the shared instance has CPUs for both; the
+            # pool's idle actors use no core).
             return RayWorkerGroup(spec, dims, placement, env)
         # Growing would need the node's whole bundle again while the kept ranks hold part of
         # it: start afresh instead (order a module's cases largest mesh first).

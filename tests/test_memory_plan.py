@@ -71,10 +71,9 @@ def test_planned_memory_matches_what_ranks_hold(rank_pool, tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_dry_run_builds_a_1b_model_over_4_ranks_in_a_fraction_of_its_size(rank_pool, tmp_path):
+def test_dry_run_builds_a_1b_model_over_4_ranks_in_a_fraction_of_its_size(ray_local, tmp_path):
     """The meta build: no rank ever holds the whole model. 1b in fp32 is 4.6 GiB; each of 4
     ZeRO-3 ranks holds a quarter of it, and its peak RSS stays far below the whole."""
-    rank_pool.close()  # this test starts ranks of its own
     spec = load_spec(None, ["model.preset=1b", "parallelism.dp=4", "training.seq_len=128",
                             "training.microbatch_size=1", "training.global_batch_size=4",
                             "topology.memory_gib=16", "tracking.enabled=false",

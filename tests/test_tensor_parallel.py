@@ -71,10 +71,9 @@ def test_parallel_matches_single_process(rank_pool, tmp_path, case):
 
 
 @pytest.mark.timeout(300)
-def test_run_with_tp2_writes_a_checkpoint_the_single_process_model_loads(rank_pool, tmp_path):
+def test_run_with_tp2_writes_a_checkpoint_the_single_process_model_loads(ray_local, tmp_path):
     """Through the real run path: names and full shapes in the checkpoint are the single-process
     model's, whatever the TP degree."""
-    rank_pool.close()  # this test starts ranks of its own
     spec = load_spec(None, [*BASE, "parallelism.tp=2", "parallelism.sequence_parallel=true",
                             f"runtime.output_dir={tmp_path}"])
     summary = run_job(spec, environ={}, show_progress=False)
