@@ -8,6 +8,7 @@ from trainmesh.platform.elastic import (
     bounded_topology,
     failure_report,
     on_failure,
+    on_preemption,
     should_scale_up,
     warm_assignment,
 )
@@ -28,6 +29,13 @@ def test_below_minimum_gives_up_naming_the_knob():
     d = on_failure(ElasticConfig(min_world_size=8), 0, available=4, errors=["boom"])
     assert isinstance(d, GiveUp)
     assert "elastic.min_world_size=8" in d.report and "add nodes" in d.report
+
+
+def test_preemption_spends_no_restart_budget():
+    cfg = ElasticConfig(min_world_size=4, max_restarts=0)
+    assert on_preemption(cfg, available=4, notice="drain") == Retry(backoff_s=0.0)
+    below = on_preemption(cfg, available=3, notice="drain")
+    assert isinstance(below, GiveUp) and "elastic.min_world_size=4" in below.report
 
 
 def test_report_groups_identical_rank_errors():

@@ -26,6 +26,7 @@ from trainmesh.platform.elastic import (
     Recovery,
     bounded_topology,
     on_failure,
+    on_preemption,
     should_scale_up,
     warm_assignment,
 )
@@ -168,7 +169,7 @@ class Controller:
                     alive = {r for r in self._alive(group) if self.rank_nodes[r] not in leaving}
                     tracker.event("preemption", step=pre.step, ranks=pre.ranks, nodes=sorted(leaving))
                     available = self._available().world_size
-                    decision = on_failure(self.spec.elastic, 0, available, [str(pre)])
+                    decision = on_preemption(self.spec.elastic, available, str(pre))
                     if isinstance(decision, GiveUp):
                         raise JobFailed(decision.report) from pre
                     if not (self.spec.elastic.warm_recovery and alive):

@@ -62,6 +62,17 @@ def on_failure(cfg: ElasticConfig, restarts_done: int, available: int,
     return Retry(backoff_s=min(30.0, 0.5 * 2**restarts_done))
 
 
+def on_preemption(cfg: ElasticConfig, available: int, notice: str) -> Retry | GiveUp:
+    """A node that gives notice is not a failure: no restart budget is spent (even at
+    ``max_restarts: 0``) and there is no backoff; only too few accelerators end the job."""
+    if available < cfg.min_world_size:
+        return GiveUp(failure_report(
+            [notice], f"only {available} accelerators are left after the preemption, below "
+                      f"elastic.min_world_size={cfg.min_world_size}; lower "
+                      "elastic.min_world_size or add nodes"))
+    return Retry(backoff_s=0.0)
+
+
 def failure_report(errors: list[str], verdict: str) -> str:
     counts = Counter(e.strip().splitlines()[-1][:300] if e.strip() else "unknown error"
                      for e in errors)
