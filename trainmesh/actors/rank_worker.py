@@ -52,6 +52,27 @@ class RankWorker:
         self.preempted = True
 
     # -- process group ---------------------------------------------------------------------
+    @ray.method(concurrency_group="control")
+    def abort(self) -> None:
+        """Out of band (the control group: never queued behind a step): abort every
+        communicator of this rank — training's and the background save's — so that what this
+        rank and its peers are blocked in returns now rather than at the collective timeout.
+        NCCL: its documented abort, from another thread, releases a rank blocked in a
+        collective. gloo (measured, torch 2.13): aborting the default group closes its
+        connections and a peer blocked on it raises at once, but a peer blocked on a
+        DeviceMesh/FSDP sub-group is released only by this process's death or the collective
+        timeout, even with every Python reference dropped; the references (model, mesh, save
+        group) are dropped anyway. Afterwards only ``reset`` (or ``shutdown``) is meaningful."""
+        import gc
+
+        if dist.is_initialized():
+            from torch.distributed.distributed_c10d import _abort_process_group
+
+            _abort_process_group()
+        self.engine, self._save_group = None, None
+        gc.collect()
+
+    @ray.method(concurrency_group="control")
     def node_info(self) -> dict:
         ctx = ray.get_runtime_context()
         return {"rank": self.rank, "node_id": ctx.get_node_id(), "pid": os.getpid(),

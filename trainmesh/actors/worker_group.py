@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import ray
+from ray.exceptions import GetTimeoutError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -14,6 +16,22 @@ from trainmesh.parallel.layout import Placement
 
 class PlacementTimeout(RuntimeError):
     pass
+
+
+def gather(refs: list, timeout_s: float | None, poll_s: float = 0.5) -> list:
+    """Every result, in order; the first rank that fails raises at once — a dead rank's error
+    is not waited for behind a survivor still blocked in a collective."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    pending = list(refs)
+    while pending:
+        left = poll_s if deadline is None else min(poll_s, deadline - time.monotonic())
+        if left <= 0:
+            raise GetTimeoutError(f"{len(pending)} of {len(refs)} rank(s) did not answer within "
+                                  f"{timeout_s:.0f} s")
+        done, pending = ray.wait(pending, num_returns=len(pending), timeout=left)
+        if done:
+            ray.get(done)  # raises the failure of any of them
+    return ray.get(refs)
 
 
 class WorkerGroup:
@@ -40,7 +58,8 @@ class WorkerGroup:
                 "parallel degrees or add nodes")
         self.pgs.append(pg)
         res = self.placement.resources_per_rank
-        cls = ray.remote(RankWorker)
+        # "control": calls that must not queue behind a step (abort, health checks).
+        cls = ray.remote(concurrency_groups={"control": 1})(RankWorker)
         return [
             cls.options(
                 num_cpus=res.get("CPU", 0), num_gpus=res.get("GPU", 0),
@@ -81,12 +100,18 @@ class WorkerGroup:
     def call(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list:
         """Call ``method`` on every rank; results in rank order."""
         refs = [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
-        return ray.get(refs, timeout=timeout_s)
+        return gather(refs, timeout_s)
 
     def call_each(self, method: str, args: list[tuple], timeout_s: float | None = None) -> list:
         """Call ``method`` on every rank with that rank's own arguments; results in rank order."""
         refs = [getattr(w, method).remote(*a) for w, a in zip(self.workers, args, strict=True)]
-        return ray.get(refs, timeout=timeout_s)
+        return gather(refs, timeout_s)
+
+    def abort(self, timeout_s: float = 5.0) -> None:
+        """Every rank aborts its communicators at once, out of band (``RankWorker.abort``);
+        dead ranks are skipped. Returns when all answered or after ``timeout_s``."""
+        refs = [w.abort.remote() for w in self.workers]
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
 
     def setup_process_group(self, device: str, timeout_s: float) -> str:
         host, port = ray.get(self.workers[0].create_store.remote(timeout_s))

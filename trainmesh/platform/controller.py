@@ -179,6 +179,8 @@ class Controller:
                                self.dims.as_dict())
                     self._marks = {"failed": time.time()}
                     self._set(state="recovering")
+                    if group is not None:  # survivors leave their collectives now, not at
+                        group.abort()      # the timeout (and any background save with them)
                     alive = self._alive(group)
                     self.dead_nodes |= {n for r, n in enumerate(self.rank_nodes) if r not in alive}
                     available = self._available().world_size

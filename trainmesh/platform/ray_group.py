@@ -53,6 +53,10 @@ class RayWorkerGroup:
                 dead.add(refs[ref])
         return set(refs.values()) - dead
 
+    def abort(self) -> None:
+        """A failure is known: every survivor aborts its communicators now (out of band)."""
+        self.group.abort(timeout_s=5.0)
+
     def reform(self, assignment: list[int | None], placement: Placement, timeout_s: float) -> None:
         """Warm recovery or growth: kept old ranks take their new ranks in the same processes,
         new actors start only where ``assignment`` has None; all join a new process group on a
