@@ -142,10 +142,14 @@ class PipelineExecutor:
                                       p.group, tag))
         works = dist.batch_isend_irecv(ops) if ops else []
         sends = []
-        for op, work in zip(ops, works, strict=True):
-            if op.op is dist.irecv:
+        if len(works) != len(ops):  # NCCL coalesces a batch into one handle: the batch, its
+            for work in works:       # sends too, completes as a whole
                 work.wait(p.timeout)
-            else:
-                sends.append(work)
+        else:
+            for op, work in zip(ops, works, strict=True):
+                if op.op is dist.irecv:
+                    work.wait(p.timeout)
+                else:
+                    sends.append(work)
         self.timeline.append(("+".join(str(a) for a in batch), t0, time.perf_counter()))
         return sends
