@@ -257,7 +257,7 @@ def test_chart_variants_render_and_validate(chart, variant):
         [cm] = kinds["ConfigMap"]
         spec_text = cm["data"]["job.yaml"]
         spec_from_dict(yaml.safe_load(spec_text))  # a valid trainmesh spec
-        assert job["spec"]["entrypoint"].startswith("trainmesh run /etc/trainmesh/jobs/job.yaml")
+        assert job["spec"]["entrypoint"].startswith("python -m trainmesh run /etc/trainmesh/jobs/job.yaml")
         heads = [t for w, t in kuberay.pod_templates(job) if w == "headGroupSpec"]
         if variant == "rayjob-on-the-raycluster":
             cluster = kinds["RayCluster"][0]["metadata"]["name"]
