@@ -22,6 +22,8 @@ def gather(refs: list, timeout_s: float | None, poll_s: float = 0.5) -> list:
     """Every result, in order; the first rank that fails raises at once — a dead rank's error
     is not waited for behind a survivor still blocked in a collective."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    index = {ref: i for i, ref in enumerate(refs)}
+    results: list = [None] * len(refs)
     pending = list(refs)
     while pending:
         left = poll_s if deadline is None else min(poll_s, deadline - time.monotonic())
@@ -29,9 +31,9 @@ def gather(refs: list, timeout_s: float | None, poll_s: float = 0.5) -> list:
             raise GetTimeoutError(f"{len(pending)} of {len(refs)} rank(s) did not answer within "
                                   f"{timeout_s:.0f} s")
         done, pending = ray.wait(pending, num_returns=len(pending), timeout=left)
-        if done:
-            ray.get(done)  # raises the failure of any of them
-    return ray.get(refs)
+        for ref, value in zip(done, ray.get(done), strict=True):  # raises any failure
+            results[index[ref]] = value
+    return results
 
 
 class WorkerGroup:

@@ -32,6 +32,20 @@ class _Pending:
     steps_during: int = 0  # training steps run while it was being written
 
 
+def step_meta(eff: JobSpec, dims, step: int, losses: list[float], recoveries: list[dict],
+              run_id: str | None) -> dict[str, Any]:
+    """What a step's manifest records besides its files: the mesh, the data position, the
+    losses so far, the MLflow run, the effective spec and the recoveries."""
+    import json
+
+    tr = eff.training
+    return {"mesh": dims.as_dict(), "losses": list(losses),
+            "data_position": {"seed": tr.seed, "step": step,
+                              "samples_consumed": step * tr.global_batch_size},
+            "mlflow_run_id": run_id, "spec": json.loads(eff.model_dump_json()),
+            "recoveries": list(recoveries)}
+
+
 class Checkpointer:
     def __init__(self, spec: JobSpec, out: Path, on_warning: Callable[[str], None]):
         root = spec.checkpoint.dir or out / "checkpoints"

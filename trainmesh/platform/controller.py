@@ -7,8 +7,6 @@ works). The worker group is injected through a factory so the loop can be driven
 from __future__ import annotations
 
 import json
-import logging
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,7 +17,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from trainmesh.actors.worker_group import PlacementTimeout
 from trainmesh.models.llama.model_math import flops_per_token
 from trainmesh.parallel.dims import ParallelDims
-from trainmesh.platform.checkpointing import Checkpointer
+from trainmesh.platform.checkpointing import Checkpointer, step_meta
 from trainmesh.platform.elastic import (
     GiveUp,
     JobFailed,
@@ -27,32 +25,27 @@ from trainmesh.platform.elastic import (
     bounded_topology,
     on_failure,
     on_preemption,
+    recovery_phases,
     should_scale_up,
     warm_assignment,
 )
 from trainmesh.platform.job_plan import PlanError, effective_spec, plan_job, replan_job
 from trainmesh.platform.pipeline_artifacts import write_pipeline_artifacts
 from trainmesh.platform.ray_group import RayWorkerGroup, draining_nodes, live_topology, placement_for
+from trainmesh.platform.run_files import (
+    Preempted,
+    ScaleUp,
+    controller_node_id,
+    data_dir,
+    make_tracker,
+    write_json_atomically,
+)
 from trainmesh.platform.topology import Topology
 from trainmesh.spec.job import JobSpec
-
-log = logging.getLogger(__name__)
 
 # What a recovery handles: a rank's actor died, a rank's step raised (a peer's death surfaces
 # as a collective error), a step overran its timeout, or the new placement could not be made.
 RECOVERABLE = (RayActorError, RayTaskError, GetTimeoutError, PlacementTimeout)
-
-
-class _ScaleUp(Exception):  # noqa: N818 - a control-flow signal, not an error
-    def __init__(self, step: int):
-        super().__init__(f"scale up at step {step}")
-        self.step = step
-
-
-class _Preempted(Exception):  # noqa: N818 - a control-flow signal, not an error
-    def __init__(self, step: int, ranks: list[int]):
-        super().__init__(f"preemption notice from ranks {ranks} at step {step}")
-        self.step, self.ranks = step, ranks
 
 
 class Controller:
@@ -93,7 +86,8 @@ class Controller:
     def run(self) -> dict[str, Any]:
         self.out.mkdir(parents=True, exist_ok=True)
         resume = self.ckpts.latest()
-        tracker = self._make_tracker(resume[1].get("mlflow_run_id") if resume else None)
+        run_id = resume[1].get("mlflow_run_id") if resume else None
+        tracker = make_tracker(self.spec, self.tracking_uri, run_id, self._notice)
         status = "FAILED"
         try:
             tracker.log_params(json.loads(self.spec.model_dump_json()))
@@ -110,16 +104,11 @@ class Controller:
     def dry_run(self, step: bool) -> list[dict]:
         """Plan, place, build every rank's part (and run steps with ``step``), then report
         each rank's memory beside the plan's prediction; no training, saving or tracking."""
-        from trainmesh.platform.dry_run import memory_rows
+        from trainmesh.platform.dry_run import measure, memory_rows
 
         group = self._start(tracker=None, replan=False)
         try:
-            group.build(self.eff.model_dump_json(), self.dims, self._data_dir())
-            if step:  # activations counted in a first step (which creates the optimizer
-                group.train_step(measure_activations=True)  # state); the peak of a second
-                group.reset_peak_memory()  # one, without the counting hooks
-                group.train_step()
-            reports = group.memory_reports()
+            reports = measure(group, self.eff.model_dump_json(), self.dims, self._data_dir(), step)
         finally:
             group.shutdown()
         return memory_rows(reports, self.eff, self.candidate, self.dims, self.device, step)
@@ -150,7 +139,7 @@ class Controller:
                     if self.dims.pp > 1:
                         self._log_pipeline(group, self.dims, tracker)
                     return
-                except _ScaleUp as up:
+                except ScaleUp as up:
                     # Checkpointed already; every current rank is kept when warm, and new
                     # actors are started only for the new accelerators.
                     failure = ("scale-up", time.monotonic(), up.step, self.dims.as_dict())
@@ -158,7 +147,7 @@ class Controller:
                     alive = set(range(self.dims.world_size))
                     if not self.spec.elastic.warm_recovery:
                         group = self._drop(group)
-                except _Preempted as pre:
+                except Preempted as pre:
                     # Checkpointed already; the notified ranks' nodes are going away: drain them
                     # and go on without them (not a failure: no restart budget, no backoff).
                     failure = ("preemption", time.monotonic(), pre.step, self.dims.as_dict())
@@ -272,7 +261,7 @@ class Controller:
         checkpoint; returns the step to start from."""
         infos = group.rank_infos()
         self.rank_nodes = [i["node_id"] for i in infos]
-        if set(self.rank_nodes) - {self._node_id()}:  # ranks elsewhere: storage must be shared
+        if set(self.rank_nodes) - {controller_node_id()}:  # ranks elsewhere: storage must be shared
             self.ckpts.check_shared(group)
         self.pid_history.append([i["pid"] for i in infos])  # warm recovery keeps processes
         tracker.log_dict({**self.dims.as_dict(), "plan": self.plan_row,
@@ -287,24 +276,13 @@ class Controller:
     def _record_recovery(self, tracker, failure, start: int, mode: str) -> None:
         cause, t_fail, reached, old_mesh = failure
         m = {**self._marks, "first_step": time.time()}
-        phases = {}
-        for name, a, b in (("decide_s", "failed", "planned"), ("reform_s", "planned", "group"),
-                           ("restore_s", "group", "restored"), ("first_step_s", "restored", "first_step")):
-            if a in m and b in m:
-                phases[name] = round(m[b] - m[a], 3)
         rec = Recovery(step=start, cause=cause, old_mesh=old_mesh, new_mesh=self.dims.as_dict(),
                        downtime_s=time.monotonic() - t_fail, steps_lost=max(0, reached - start),
-                       mode=mode, failed_at=m.get("failed", 0.0), phases=phases)
+                       mode=mode, failed_at=m.get("failed", 0.0), phases=recovery_phases(m))
         self.recoveries.append(rec.as_dict())
         tracker.event("recovery", **rec.as_dict())
         tracker.log_metrics({"recovery_downtime_s": rec.downtime_s,
                              "recovery_steps_lost": rec.steps_lost}, step=start)
-
-    @staticmethod
-    def _node_id() -> str:
-        import ray
-
-        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
 
     def _alive(self, group) -> set[int]:
         """Ranks whose actor is not dead (busy ones count as alive: a survivor stuck in a
@@ -346,13 +324,13 @@ class Controller:
                 self._notice(f"preemption notice for rank(s) {notified} after step {step + 1}: "
                              "checkpointing, then continuing without their node(s)")
                 self._checkpoint(group, dims, step + 1, tracker, background=False)
-                raise _Preempted(step + 1, notified)
+                raise Preempted(step + 1, notified)
             if (every and (step + 1) % every == 0) or (last and self.spec.checkpoint.save_final):
                 self._checkpoint(group, dims, step + 1, tracker,
                                  background=self.spec.checkpoint.async_save and not last)
                 if not last and self._may_grow(dims):
                     self.ckpts.settle(group, tracker)  # the resize restores from this one
-                    raise _ScaleUp(step + 1)
+                    raise ScaleUp(step + 1)
         self.ckpts.settle(group, tracker)
         if on_first_step is not None:  # resumed at the end: nothing left to run
             on_first_step()
@@ -378,12 +356,7 @@ class Controller:
         return should_scale_up(dims.world_size, planned, el)
 
     def _checkpoint(self, group, dims: ParallelDims, step: int, tracker, background: bool) -> None:
-        tr = self.spec.training
-        meta = {"mesh": dims.as_dict(), "losses": list(self.losses),
-                "data_position": {"seed": tr.seed, "step": step,
-                                  "samples_consumed": step * tr.global_batch_size},
-                "mlflow_run_id": tracker.run_id, "spec": json.loads(self.eff.model_dump_json()),
-                "recoveries": list(self.recoveries)}
+        meta = step_meta(self.eff, dims, step, self.losses, self.recoveries, tracker.run_id)
         self.ckpts.save(group, step, meta, tracker, background)
 
     def _log_pipeline(self, group, dims: ParallelDims, tracker) -> None:
@@ -406,21 +379,7 @@ class Controller:
 
     # -- helpers ---------------------------------------------------------------------------
     def _data_dir(self) -> str:
-        if self.spec.data.path:
-            return str(Path(self.spec.data.path).resolve())
-        from trainmesh.data.shards import ensure_tiny_corpus
-
-        return str(ensure_tiny_corpus(self.out / "data" / "tiny-corpus"))
-
-    def _make_tracker(self, run_id: str | None):
-        if not self.spec.tracking.enabled or not self.tracking_uri:
-            from trainmesh.tracking.mlflow_tracker import NullTracker
-
-            return NullTracker()
-        from trainmesh.tracking.mlflow_tracker import MlflowTracker
-
-        return MlflowTracker(self.tracking_uri, self.spec.tracking.experiment, self.spec.name,
-                             run_id=run_id, on_warning=self._notice)
+        return data_dir(self.spec, self.out)
 
     def _write_summary(self, dims: ParallelDims, tracker, status: str) -> dict[str, Any]:
         summary = {
@@ -433,9 +392,7 @@ class Controller:
             "mlflow_run_id": tracker.run_id,
             "tracking_uri": tracker.uri,
         }
-        tmp = self.out / "summary.json.tmp"
-        tmp.write_text(json.dumps(summary, indent=1))
-        os.replace(tmp, self.out / "summary.json")
+        write_json_atomically(self.out / "summary.json", summary)
         return summary
 
     def _set(self, **kw: Any) -> None:

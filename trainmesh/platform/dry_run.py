@@ -51,3 +51,15 @@ def format_rows(rows: list[dict], stepped: bool) -> str:
                          f"optimizer {p['optimizer']:.3f}, gathered {p['gathered']:.3f}, "
                          f"activations {p['activations']:.3f}, framework {p['framework']:.3f}")
     return "\n".join(lines)
+
+
+def measure(group, spec_json: str, dims, data_dir: str, step: bool) -> list[dict]:
+    """Build every rank's part (and with ``step`` train: activations counted in a first step,
+    which also creates the optimizer state; the peak of a second, without the counting
+    hooks); each rank's memory report."""
+    group.build(spec_json, dims, data_dir)
+    if step:
+        group.train_step(measure_activations=True)
+        group.reset_peak_memory()
+        group.train_step()
+    return group.memory_reports()

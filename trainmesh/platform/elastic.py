@@ -34,6 +34,18 @@ class Recovery:
         return dataclasses.asdict(self)
 
 
+def recovery_phases(marks: dict[str, float]) -> dict[str, float]:
+    """Seconds per recovery phase from the wall times marked on the way (``failed``,
+    ``planned``, ``group``, ``restored``, ``first_step``), where both ends were marked."""
+    phases = {}
+    for name, a, b in (("decide_s", "failed", "planned"), ("reform_s", "planned", "group"),
+                       ("restore_s", "group", "restored"),
+                       ("first_step_s", "restored", "first_step")):
+        if a in marks and b in marks:
+            phases[name] = round(marks[b] - marks[a], 3)
+    return phases
+
+
 @dataclass(frozen=True)
 class Retry:
     backoff_s: float

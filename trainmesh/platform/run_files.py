@@ -1,0 +1,59 @@
+"""The controller's small parts: the signals of its recovery loop, where its data and tracker
+come from, and how its summary file is written."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from trainmesh.spec.job import JobSpec
+
+
+def make_tracker(spec: JobSpec, uri: str | None, run_id: str | None,
+                 on_warning: Callable[[str], None]):
+    """The MLflow run (re-opened by ``run_id`` after a restart), or the null tracker."""
+    if not spec.tracking.enabled or not uri:
+        from trainmesh.tracking.mlflow_tracker import NullTracker
+
+        return NullTracker()
+    from trainmesh.tracking.mlflow_tracker import MlflowTracker
+
+    return MlflowTracker(uri, spec.tracking.experiment, spec.name, run_id=run_id,
+                         on_warning=on_warning)
+
+
+def write_json_atomically(path: Path, obj: Any) -> None:
+    """Write, then rename over ``path``: a reader never sees half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+class ScaleUp(Exception):  # noqa: N818 - a control-flow signal, not an error
+    def __init__(self, step: int):
+        super().__init__(f"scale up at step {step}")
+        self.step = step
+
+
+class Preempted(Exception):  # noqa: N818 - a control-flow signal, not an error
+    def __init__(self, step: int, ranks: list[int]):
+        super().__init__(f"preemption notice from ranks {ranks} at step {step}")
+        self.step, self.ranks = step, ranks
+
+
+def controller_node_id() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+
+
+def data_dir(spec: JobSpec, out: Path) -> str:
+    """The spec's dataset, or the bundled tiny corpus prepared under the run's output."""
+    if spec.data.path:
+        return str(Path(spec.data.path).resolve())
+    from trainmesh.data.shards import ensure_tiny_corpus
+
+    return str(ensure_tiny_corpus(out / "data" / "tiny-corpus"))
