@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -83,3 +84,40 @@ def test_resume_from_step2_reaches_uninterrupted_step4(ray_local, tmp_path):
     want = load_checkpoint_params(spec_a, str(run_a / "checkpoints" / "step-000004"))
     _assert_params_close(got, want, rtol=1e-6, atol=1e-7)
     assert os.path.exists(run_b / "summary.json")
+
+
+@pytest.mark.timeout(240)
+def test_checkpoint_every_auto_chooses_from_measured_costs_and_logs_it_to_mlflow(ray_local, tmp_path):
+    """With nodes failing every 36 ms (a rate that makes the Young/Daly interval a step or two
+    here), ``checkpoint.every: auto`` first chooses from the predicted save cost, then from
+    each measured one, and every choice reaches MLflow with its reason."""
+    spec = _spec(tmp_path, "parallelism.dp=2", "training.steps=12", "checkpoint.every=auto",
+                 "elastic.mtbf_node_hours=0.00001", "checkpoint.keep_last=20",
+                 "tracking.enabled=true", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}")
+    summary = run_job(spec, environ={}, show_progress=False)
+    assert summary["status"] == "FINISHED"
+    choices = summary["checkpoint_cadence"]
+    assert choices[0]["step"] == 3 and "(predicted)" in choices[0]["reason"]
+    assert any("(measured)" in c["reason"] for c in choices[1:])
+    for c in choices:
+        assert c["every_steps"] == max(1, round(c["interval_s"] / c["step_time_s"]))
+    saved = CheckpointStore(tmp_path / "checkpoints").complete_steps()
+    assert len(saved) >= 3 and saved[-1] == 12  # chosen saves, then the final one
+    # each save came once the interval in force had passed since the one before
+    previous = 0
+    for step in saved[:-1]:
+        in_force = [c for c in choices if c["step"] <= previous or c["step"] == 3][-1]
+        assert step - previous >= in_force["every_steps"], (step, previous, choices)
+        previous = step
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=summary["tracking_uri"])
+    run_id = summary["mlflow_run_id"]
+    logged = client.get_metric_history(run_id, "checkpoint_every_steps")
+    assert [int(m.value) for m in sorted(logged, key=lambda m: m.step)] == [
+        c["every_steps"] for c in choices]
+    events = json.loads(Path(client.download_artifacts(run_id, "events.json", str(tmp_path)))
+                        .read_text())
+    assert [e["reason"] for e in events if e["kind"] == "checkpoint-cadence"] == [
+        c["reason"] for c in choices]

@@ -63,9 +63,9 @@ def _wait_for_checkpoint(root, step, timeout=240):
 
 
 @pytest.mark.timeout(400)
-def test_scale_up_at_the_next_checkpoint_when_a_node_joins(cluster, tmp_path):
+def test_scale_up_soon_after_a_node_joins_from_a_checkpoint_taken_then(cluster, tmp_path):
     spec = load_spec(None, [*COMMON, "parallelism=auto", "elastic.max_world_size=8",
-                            "training.steps=8", "checkpoint.every=2",
+                            "training.steps=8", "checkpoint.every=2", "checkpoint.keep_last=9",
                             f"runtime.output_dir={tmp_path}"])
     thread, box = _in_background(spec)
     _wait_for_checkpoint(tmp_path / "checkpoints", 2)
@@ -89,7 +89,9 @@ def test_scale_up_at_the_next_checkpoint_when_a_node_joins(cluster, tmp_path):
     assert s["mesh"]["world_size"] == 8
     ups = [r for r in s["recoveries"] if r["cause"] == "scale-up"]
     assert ups and ups[0]["old_mesh"]["world_size"] == 4 and ups[0]["new_mesh"]["world_size"] == 8
-    assert ups[0]["steps_lost"] == 0 and ups[0]["step"] % 2 == 0
+    # the resize restored the checkpoint it took at the step it grew after: nothing lost
+    assert ups[0]["steps_lost"] == 0
+    assert ups[0]["step"] in CheckpointStore(tmp_path / "checkpoints").complete_steps()
     # Warm growth: the 4 running actors were kept (same processes), 4 new ones started only
     # for the new node's accelerators.
     assert ups[0]["mode"] == "warm"

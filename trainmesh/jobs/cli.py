@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from trainmesh.jobs import k8s_cli, plan_cli, schedule_cli, submit_cli
+from trainmesh.jobs import goodput_cli, k8s_cli, plan_cli, schedule_cli, submit_cli
 from trainmesh.jobs.loading import SpecError, load_spec, unsupported_problems
 from trainmesh.platform.elastic import JobFailed
 from trainmesh.platform.job_plan import PlanError
@@ -42,6 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("spec", nargs="?", default=None, help="job spec YAML (default: the built-in spec)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     plan_cli.add_parser(sub)
+    goodput_cli.add_parser(sub)
     schedule_cli.add_parser(sub)
     k8s_cli.add_parser(sub)
     submit_cli.add_parsers(sub)
@@ -66,6 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return doctor.run(args, load_spec)
         if args.command == "plan":
             return plan_cli.run(args)
+        if args.command == "goodput":
+            return goodput_cli.run(args)
         if args.command == "schedule":
             return schedule_cli.run(args)
         if args.command == "k8s":

@@ -56,6 +56,8 @@ class Checkpointer:
         self._warn = on_warning
         self.pending: _Pending | None = None
         self.steps: list[int] = []  # committed steps this job knows of
+        # called with (step, blocked s, written after s, tracker) when a save is committed
+        self.on_commit: Callable[[int, float, float, Any], None] | None = None
 
     def save(self, group, step: int, meta: dict[str, Any], tracker, background: bool) -> None:
         """Collective over ``group``; in the background the commit comes later (``poll``)."""
@@ -115,6 +117,8 @@ class Checkpointer:
                       background=p.background, blocked_s=round(p.blocked_s, 4),
                       total_s=round(time.perf_counter() - p.t0, 4), steps_during=p.steps_during)
         tracker.log_metrics({"checkpoint_blocked_s": p.blocked_s}, step=p.step)
+        if self.on_commit is not None:
+            self.on_commit(p.step, p.blocked_s, time.perf_counter() - p.t0, tracker)
 
     def _drop(self, why: str, tracker) -> None:
         p, self.pending = self.pending, None

@@ -15,8 +15,8 @@ from typing import Any
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from trainmesh.actors.worker_group import PlacementTimeout
-from trainmesh.models.llama.model_math import flops_per_token
 from trainmesh.parallel.dims import ParallelDims
+from trainmesh.platform.cadence import CheckpointCadence
 from trainmesh.platform.checkpointing import Checkpointer, step_meta
 from trainmesh.platform.elastic import (
     GiveUp,
@@ -29,6 +29,7 @@ from trainmesh.platform.elastic import (
     should_scale_up,
     warm_assignment,
 )
+from trainmesh.platform.failure_costs import predicted_save
 from trainmesh.platform.job_plan import PlanError, effective_spec, plan_job, replan_job
 from trainmesh.platform.pipeline_artifacts import write_pipeline_artifacts
 from trainmesh.platform.ray_group import RayWorkerGroup, draining_nodes, live_topology, placement_for
@@ -38,6 +39,7 @@ from trainmesh.platform.run_files import (
     controller_node_id,
     data_dir,
     make_tracker,
+    step_metrics,
     write_json_atomically,
 )
 from trainmesh.platform.topology import Topology
@@ -46,6 +48,7 @@ from trainmesh.spec.job import JobSpec
 # What a recovery handles: a rank's actor died, a rank's step raised (a peer's death surfaces
 # as a collective error), a step overran its timeout, or the new placement could not be made.
 RECOVERABLE = (RayActorError, RayTaskError, GetTimeoutError, PlacementTimeout)
+GROW_CHECK_S = 5.0
 
 
 class Controller:
@@ -55,6 +58,8 @@ class Controller:
         self.spec = JobSpec.model_validate_json(spec_json)
         self.out = Path(self.spec.resolved_output_dir())
         self.ckpts = Checkpointer(self.spec, self.out, on_warning=self._notice)
+        self.cadence = CheckpointCadence(self.spec.checkpoint, self.spec.elastic)
+        self.ckpts.on_commit = self.cadence.saved
         self.tracking_uri = tracking_uri
         self.worker_env = worker_env
         self._group_factory = group_factory or RayWorkerGroup
@@ -73,7 +78,7 @@ class Controller:
         self.dims = ParallelDims()
         self.eff = self.spec  # the spec with the current plan written in
         self._draining: set[str] = set()  # nodes Ray is draining, as last read from the GCS
-        self._drain_checked = float("-inf")
+        self._drain_checked = self._grow_checked = float("-inf")
 
     # -- public ----------------------------------------------------------------------------
     def progress(self) -> dict[str, Any]:
@@ -108,7 +113,7 @@ class Controller:
 
         group = self._start(tracker=None, replan=False)
         try:
-            reports = measure(group, self.eff.model_dump_json(), self.dims, self._data_dir(), step)
+            reports = measure(group, self.eff.model_dump_json(), self.dims, data_dir(self.spec, self.out), step)
         finally:
             group.shutdown()
         return memory_rows(reports, self.eff, self.candidate, self.dims, self.device, step)
@@ -136,8 +141,8 @@ class Controller:
                         def on_first(failure=failure, start=start, mode=mode):
                             self._record_recovery(tracker, failure, start, mode)
                     self._train(group, self.dims, tracker, start, on_first)
-                    if self.dims.pp > 1:
-                        self._log_pipeline(group, self.dims, tracker)
+                    for path in write_pipeline_artifacts(self.out, self.eff, self.dims, group):
+                        tracker.log_artifact(path)
                     return
                 except ScaleUp as up:
                     # Checkpointed already; every current rank is kept when warm, and new
@@ -268,7 +273,7 @@ class Controller:
                           "rank_to_node": self.rank_nodes}, "mesh.json")
         self._set(state="building")
         self.ckpts.forget()  # a save in flight when the job stopped never counts
-        group.build(self.eff.model_dump_json(), self.dims, self._data_dir())
+        group.build(self.eff.model_dump_json(), self.dims, data_dir(self.spec, self.out))
         start = self._restore(group, self.ckpts.latest(group), tracker)
         tracker.event("start", step=start, mesh=self.dims.as_dict())
         return start
@@ -285,8 +290,7 @@ class Controller:
                              "recovery_steps_lost": rec.steps_lost}, step=start)
 
     def _alive(self, group) -> set[int]:
-        """Ranks whose actor is not dead (busy ones count as alive: a survivor stuck in a
-        collective is free again once that collective times out)."""
+        """Ranks whose actor is not dead (busy ones count as alive: they were aborted)."""
         if group is None:
             return set()
         return group.alive_ranks(timeout_s=10)
@@ -297,24 +301,20 @@ class Controller:
         """Steps from ``start`` to the end; ``on_first_step`` runs once the first one is done
         (a recovery is complete, and measured, only then)."""
         tr = self.spec.training
-        fpt = flops_per_token(self.spec.model, tr.seq_len)
-        peak = self.peak_tflops * 1e12
-        every = self.spec.checkpoint.every
+        nodes = len(set(self.rank_nodes))
+        self.cadence.start(start, nodes, predicted_save(self.spec.model, dims.tp, dims.pp, dims.dp,
+                                                        nodes, self.spec.checkpoint.async_save))
         self._set(state="training", step=start)
         for step in range(start, tr.steps):
             t0 = time.perf_counter()
             stats = group.train_step()
             dt = time.perf_counter() - t0
-            tokens = tr.global_batch_size * tr.seq_len
-            s0 = stats[0]
-            self.losses.append(s0["loss"])
+            self.losses.append(stats[0]["loss"])
             self.ckpts.poll(group, [s.get("save") for s in stats], tracker)
-            tps = tokens / dt
-            metrics = {"loss": s0["loss"], "lr": s0["lr"], "grad_norm": s0["grad_norm"],
-                       "tokens_per_s": tps, "step_time_s": dt,
-                       "mfu": fpt * tps / (dims.world_size * peak)}
+            metrics = step_metrics(self.spec, stats[0], dt, dims.world_size * self.peak_tflops)
             tracker.log_metrics(metrics, step=step + 1)
-            self._set(step=step + 1, loss=s0["loss"], tokens_per_s=tps)
+            self.cadence.stepped(step + 1, dt, tracker)
+            self._set(step=step + 1, loss=metrics["loss"], tokens_per_s=metrics["tokens_per_s"])
             if on_first_step is not None:
                 on_first_step()
                 on_first_step = None
@@ -325,11 +325,12 @@ class Controller:
                              "checkpointing, then continuing without their node(s)")
                 self._checkpoint(group, dims, step + 1, tracker, background=False)
                 raise Preempted(step + 1, notified)
-            if (every and (step + 1) % every == 0) or (last and self.spec.checkpoint.save_final):
+            due = self.cadence.due(step + 1)
+            grow = not last and self._may_grow(dims, checkpointing=due)
+            if due or grow or (last and self.spec.checkpoint.save_final):
                 self._checkpoint(group, dims, step + 1, tracker,
-                                 background=self.spec.checkpoint.async_save and not last)
-                if not last and self._may_grow(dims):
-                    self.ckpts.settle(group, tracker)  # the resize restores from this one
+                                 background=self.spec.checkpoint.async_save and not (last or grow))
+                if grow:  # the resize restores from this checkpoint
                     raise ScaleUp(step + 1)
         self.ckpts.settle(group, tracker)
         if on_first_step is not None:  # resumed at the end: nothing left to run
@@ -344,11 +345,16 @@ class Controller:
         return [r for r, s in enumerate(stats)
                 if s.get("preempted") or self.rank_nodes[r] in self._draining]
 
-    def _may_grow(self, dims: ParallelDims) -> bool:
-        """Scale up only where the spec allows it: auto parallelism or a max_world_size."""
+    def _may_grow(self, dims: ParallelDims, checkpointing: bool) -> bool:
+        """Whether nodes have come that a re-plan would use (asked at checkpoints and at most
+        every GROW_CHECK_S between them); only where the spec allows growing: auto
+        parallelism or a max_world_size."""
         el = self.spec.elastic
         if not (self.spec.parallelism.auto or el.max_world_size):
             return False
+        if not checkpointing and time.monotonic() < self._grow_checked + GROW_CHECK_S:
+            return False
+        self._grow_checked = time.monotonic()
         try:  # what a re-plan would use now (spares need not mean a bigger mesh)
             planned = replan_job(self.spec, self._available()).dims.world_size
         except PlanError:
@@ -357,11 +363,8 @@ class Controller:
 
     def _checkpoint(self, group, dims: ParallelDims, step: int, tracker, background: bool) -> None:
         meta = step_meta(self.eff, dims, step, self.losses, self.recoveries, tracker.run_id)
+        self.cadence.saving(step)
         self.ckpts.save(group, step, meta, tracker, background)
-
-    def _log_pipeline(self, group, dims: ParallelDims, tracker) -> None:
-        for path in write_pipeline_artifacts(self.out, self.eff, dims, group.timelines()):
-            tracker.log_artifact(path)
 
     # -- resume ----------------------------------------------------------------------------
     def _restore(self, group, resume, tracker) -> int:
@@ -378,9 +381,6 @@ class Controller:
         return step
 
     # -- helpers ---------------------------------------------------------------------------
-    def _data_dir(self) -> str:
-        return data_dir(self.spec, self.out)
-
     def _write_summary(self, dims: ParallelDims, tracker, status: str) -> dict[str, Any]:
         summary = {
             "name": self.spec.name, "status": status, "steps_done": len(self.losses),
@@ -389,8 +389,8 @@ class Controller:
             "plan": self.plan_row, "rank_to_node": self.rank_nodes,
             "checkpoints": self.ckpts.published(),
             "recoveries": self.recoveries, "rank_pids": self.pid_history,
-            "mlflow_run_id": tracker.run_id,
-            "tracking_uri": tracker.uri,
+            "checkpoint_cadence": self.cadence.choices,
+            "mlflow_run_id": tracker.run_id, "tracking_uri": tracker.uri,
         }
         write_json_atomically(self.out / "summary.json", summary)
         return summary

@@ -9,10 +9,13 @@ from trainmesh.parallel.dims import ParallelDims
 from trainmesh.spec.job import JobSpec
 
 
-def write_pipeline_artifacts(out: Path, spec: JobSpec, dims: ParallelDims,
-                             timelines: list[list]) -> list[Path]:
-    """Write the three files into ``out`` and return their paths. ``timelines[rank]`` is a
-    rank's measured (action, start, end) list; one row per pipeline stage (dp = tp = 0)."""
+def write_pipeline_artifacts(out: Path, spec: JobSpec, dims: ParallelDims, group) -> list[Path]:
+    """Write the three files into ``out`` and return their paths (none without a pipeline).
+    ``group.timelines()[rank]`` is a rank's measured (action, start, end) list; one row per
+    pipeline stage (dp = tp = 0)."""
+    if dims.pp == 1:
+        return []
+    timelines = group.timelines()
     from trainmesh.parallel.pipeline.ir import grid
     from trainmesh.parallel.pipeline.schedules import build_schedule
     from trainmesh.parallel.pipeline.simulate import simulate

@@ -6,13 +6,22 @@ the runner resolves defaults that depend on the job (``runtime.output_dir``) exp
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from trainmesh.spec.presets import PRESETS
 
 SPEC_ENV = "TRAINMESH_SPEC"  # the variable `trainmesh submit` and `k8s render` put a spec in
+
+
+def _steps_or_auto(v: Any) -> Any:
+    if v == "auto":
+        return v
+    if isinstance(v, bool) or not isinstance(v, int | str) or not str(v).isdigit():
+        raise ValueError(f"{v!r} is not a number of steps; give a whole number ≥ 0 (0: only at "
+                         "the end) or auto")
+    return int(v)
 
 
 class _Section(BaseModel):
@@ -136,7 +145,10 @@ class CheckpointConfig(_Section):
     dir: str | None = Field(None, description="a local path or an fsspec URI (s3://bucket/run, "
                             "gs://..., file:///mnt/ckpt; the filesystem's package must be "
                             "installed); every rank and the controller must reach it")
-    every: int = Field(0, ge=0, description="save every N steps; 0 saves only at the end")
+    every: Annotated[int | Literal["auto"], BeforeValidator(_steps_or_auto)] = Field(
+        0, description="save every N steps (0: only at the end), or auto: the Young/Daly "
+        "interval from the measured save cost and elastic.mtbf_node_hours, re-chosen when the "
+        "mesh changes")
     async_save: bool = Field(False, description="write in the background: a step's shards are "
                              "copied to host memory, training goes on while a thread writes "
                              "them, and the manifest is committed once every rank is done")
@@ -151,6 +163,9 @@ class ElasticConfig(_Section):
     min_world_size: int = Field(1, ge=1)
     max_world_size: int | None = Field(None, ge=1)
     max_restarts: int = Field(3, ge=0)
+    mtbf_node_hours: float = Field(
+        6300.0, gt=0, description="mean hours between interruptions of one node, for "
+        "checkpoint.every: auto; default from Llama 3's 419 in 54 days on 2,048 8-GPU nodes")
     warm_recovery: bool = Field(True, description="after a failure, keep the surviving rank "
                                 "actors (new process group, new model part) instead of "
                                 "restarting every rank; falls back to a cold restart")
