@@ -75,7 +75,9 @@ def test_rayjob_for_the_70b_reference_job_is_sized_from_its_plan():
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "8"
     assert c["resources"]["requests"]["nvidia.com/gpu"] == "8"
     env = {e["name"]: e for e in c["env"]}
-    assert env["NCCL_ASYNC_ERROR_HANDLING"]["value"] == "1"
+    # survivors of a failed collective must live on for warm recovery: CleanUpOnly, not TearDown
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"]["value"] == "2"
+    assert env["NCCL_ASYNC_ERROR_HANDLING"]["value"] == "2"
     for name in ("MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
         assert "value" not in env[name]  # never inlined
         assert env[name]["valueFrom"]["secretKeyRef"]["name"] == "trainmesh-mlflow"
@@ -197,6 +199,7 @@ def test_chart_defaults_render_a_raycluster_and_an_mlflow_server(chart):
     [workers] = rc["spec"]["workerGroupSpecs"]
     [c] = workers["template"]["spec"]["containers"]
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "8"
+    assert {"name": "TORCH_NCCL_ASYNC_ERROR_HANDLING", "value": "2"} in c["env"]
     uri = next(e for e in c["env"] if e["name"] == "MLFLOW_TRACKING_URI")
     [secret] = kinds["Secret"]
     assert uri["valueFrom"]["secretKeyRef"]["name"] == secret["metadata"]["name"]

@@ -262,3 +262,27 @@ def test_below_min_world_size_fails_with_a_clear_report(cluster, tmp_path):
 
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "FAILED" and summary["steps_done"] >= 2
+
+
+@pytest.mark.timeout(400)
+def test_a_hung_rank_is_detected_long_before_the_collective_timeout(cluster, uninterrupted,
+                                                                    tmp_path):
+    """Rank 6 freezes (SIGSTOP: alive to Ray, silent to its peers) entering the backward of step
+    4. The step outlives ``elastic.hang_timeout_s``, rank 6 does not answer its control path,
+    its node's ranks are killed and the job recovers warm on the other node, while the
+    collective timeout (120 s) never fires."""
+    from trainmesh.actors.progress import FAULT_ENV
+
+    while len(_gpu_nodes(cluster)) < 2:
+        cluster.add_node(num_cpus=4, num_gpus=4)
+    spec = load_spec(None, [*ARGS_3D, "runtime.collective_timeout_s=120",
+                            "elastic.hang_timeout_s=4", f"runtime.output_dir={tmp_path}"])
+    fault = f"hang@rank=6,step=3,phase=backward,marker={tmp_path / 'fired'}"
+    s = run_job(spec, environ={FAULT_ENV: fault}, show_progress=False)
+    assert (tmp_path / "fired").exists()
+    assert s["status"] == "FINISHED" and s["steps_done"] == 6 and s["mesh"]["world_size"] == 4
+    (rec,) = s["recoveries"]
+    assert rec["cause"] == "HangDetected" and rec["mode"] == "warm"
+    assert rec["downtime_s"] < 60, rec  # the hang bound and a recovery, not 120 s of timeout
+    torch.testing.assert_close(torch.tensor(s["losses"]), torch.tensor(uninterrupted["losses"]),
+                               rtol=1e-4, atol=0)

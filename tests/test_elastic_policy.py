@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from trainmesh.platform.elastic import (
     GiveUp,
     Retry,
@@ -85,3 +87,52 @@ def test_warm_assignment_starts_new_actors_only_for_bundles_no_survivor_holds():
     # 4 survivors spread 2 + 2 cannot hold one bundle of 4 (TP group of 4 on one node): no
     # survivor is kept, so the restart is cold.
     assert warm_assignment((0, 0, 0, 0), nodes, alive={0, 1, 4, 5}) is None
+
+
+def _seen(step: int, fwd: int, bwd: int = 0) -> dict:
+    return {"step": step, "phase": "forward", "counts": {"forward": fwd, "backward": bwd,
+                                                         "optimizer": 0, "save": 0}, "idle_s": 1.0}
+
+
+def test_hung_ranks_are_the_silent_ones_or_those_behind_when_nothing_moves():
+    from trainmesh.actors.worker_group import stalled
+
+    a = [_seen(3, 4, 2), _seen(3, 4, 2), _seen(3, 3, 1), _seen(3, 4, 2)]
+    assert stalled(a, a, running={0, 1, 2, 3}) == [2]  # the others wait for rank 2
+    assert stalled(a, [*a[:3], None], running={0, 1, 2, 3}) == [3]  # frozen: no answer
+    moved = [_seen(3, 4, 3), *a[1:]]
+    assert stalled(a, moved, running={0, 1, 2, 3}) == []  # someone still works
+    assert stalled(a, a, running={0, 1, 3}) == [0, 1, 3]  # a collective stuck with no culprit
+    assert stalled([None] * 4, a, running={0, 1, 2, 3}) == []  # first look: nothing to compare
+
+
+def test_hang_bound_from_recent_steps_with_a_floor_or_the_spec():
+    from trainmesh.platform.ray_group import HANG_FLOOR_S, hang_bound_s
+
+    assert hang_bound_s(ElasticConfig(), [1.0, 2.0]) is None  # too few steps measured
+    assert hang_bound_s(ElasticConfig(), [1.0, 2.0, 3.0]) == HANG_FLOOR_S
+    assert hang_bound_s(ElasticConfig(), [10.0, 20.0, 30.0]) == 200.0
+    assert hang_bound_s(ElasticConfig(hang_timeout_s=4), []) == 4
+
+
+def test_the_fault_hook_parses_strictly_fires_once_and_only_where_placed(tmp_path, monkeypatch):
+    from trainmesh.actors.progress import FAULT_ENV, Fault, InjectedFault, Progress
+
+    with pytest.raises(ValueError, match=FAULT_ENV):
+        Fault.parse("hang@rank=1,step=2")  # no phase, no marker
+    with pytest.raises(ValueError, match="phase one of"):
+        Fault.parse(f"raise@rank=1,step=2,phase=sideways,marker={tmp_path / 'm'}")
+    monkeypatch.setenv(FAULT_ENV, f"raise@rank=1,step=2,phase=backward,marker={tmp_path / 'm'}")
+    other, mine = Progress(rank=0), Progress(rank=1)
+    for p in (other, mine):
+        p.step = 2
+        p.mark("forward")
+    other.mark("backward")  # another rank: nothing
+    with pytest.raises(InjectedFault):
+        mine.mark("backward")
+    assert mine.snapshot()["counts"]["backward"] == 1
+    again = Progress(rank=1)  # a restarted rank: the marker says it fired already
+    again.step = 2
+    again.mark("backward")
+    monkeypatch.delenv(FAULT_ENV)
+    assert Progress(rank=1)._fault is None

@@ -6,6 +6,7 @@ No Ray here: :class:`trainmesh.actors.rank_worker.RankWorker` hosts an Engine in
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from concurrent.futures import Future
 from datetime import timedelta
 
@@ -47,8 +48,10 @@ def build_model(spec: JobSpec, device: torch.device) -> Llama:
 class Engine:
     """Model + optimizer + data for one rank of ``mesh``."""
 
-    def __init__(self, spec: JobSpec, mesh: Mesh, data_dir: str, device: torch.device):
-        self.spec, self.mesh, self.device = spec, mesh, device
+    def __init__(self, spec: JobSpec, mesh: Mesh, data_dir: str, device: torch.device,
+                 on_phase: Callable[[str], None] = lambda phase: None):
+        """``on_phase`` hears each phase of a step as it begins (``actors/progress.py``)."""
+        self.spec, self.mesh, self.device, self.on_phase = spec, mesh, device, on_phase
         par, tr = spec.parallelism, spec.training
         dtype = getattr(torch, tr.dtype)
         pp = mesh.size(Axis.PP)
@@ -95,7 +98,8 @@ class Engine:
                       act_shape=(tr.microbatch_size, seq, self.spec.model.dim), dtype=dtype,
                       device=self.device,
                       timeout=timedelta(seconds=self.spec.runtime.collective_timeout_s))
-        return PipelineExecutor(shape, actions, stages, p2p, self.loss_context, self.zero)
+        return PipelineExecutor(shape, actions, stages, p2p, self.loss_context, self.zero,
+                                self.on_phase)
 
     def train_step(self, measure_activations: bool = False) -> StepStats:
         """One optimizer step. ``measure_activations``: count the bytes autograd saves for
@@ -114,7 +118,7 @@ class Engine:
             stats = train_step(self.model, self.optimizer, self.scheduler, mbs,
                                self.spec.optimizer.grad_clip,
                                lambda last: self.zero.before_backward(self.model, last),
-                               self.loss_context)
+                               self.loss_context, self.on_phase)
         else:
             stats = self._pipeline_step(mbs)
         self.step += 1
@@ -128,7 +132,8 @@ class Engine:
         dist.all_reduce(loss, group=pp_group)  # only the last stage holds a loss
         tokens = sum(y.numel() for _, y in mbs)
         return finish_step(self.model, self.optimizer, self.scheduler,
-                           self.spec.optimizer.grad_clip, float(loss), tokens, across=pp_group)
+                           self.spec.optimizer.grad_clip, float(loss), tokens, across=pp_group,
+                           on_phase=self.on_phase)
 
     def memory_report(self) -> dict[str, int]:
         """Exact bytes of this rank's parameter, gradient and optimizer-state shards, the

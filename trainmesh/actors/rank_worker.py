@@ -12,6 +12,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from trainmesh.actors.progress import Progress
 from trainmesh.parallel.dims import ParallelDims
 from trainmesh.spec.job import JobSpec
 
@@ -35,6 +36,7 @@ class RankWorker:
         self._store: dist.TCPStore | None = None
         self._timeout_s = 60.0
         self.engine = None
+        self._progress = Progress(rank)
         # Background checkpoint writes: their own gloo group (created at the first one) and the
         # future of the write in flight.
         self._save_group: dist.ProcessGroup | None = None
@@ -73,6 +75,12 @@ class RankWorker:
         gc.collect()
 
     @ray.method(concurrency_group="control")
+    def progress(self) -> dict:
+        """Out of band, while a step runs: the step, the phase it is in, a counter per phase
+        and the seconds since the last phase began (``actors/progress.py``)."""
+        return self._progress.snapshot()
+
+    @ray.method(concurrency_group="control")
     def node_info(self) -> dict:
         ctx = ray.get_runtime_context()
         return {"rank": self.rank, "node_id": ctx.get_node_id(), "pid": os.getpid(),
@@ -105,6 +113,8 @@ class RankWorker:
         self.device = select_device(device)
         self._timeout_s = timeout_s
         backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if backend == "nccl":  # a failed collective aborts its communicators, not the process
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         store = self._store or dist.TCPStore(host, port, self.world_size, is_master=False,
                                              timeout=timedelta(seconds=timeout_s))
         dist.init_process_group(backend, store=store, rank=self.rank,
@@ -119,10 +129,11 @@ class RankWorker:
 
         spec = JobSpec.model_validate_json(spec_json)
         mesh = Mesh.build(ParallelDims(**dims), self.device.type, self.rank)
-        self.engine = Engine(spec, mesh, data_dir, self.device)
+        self.engine = Engine(spec, mesh, data_dir, self.device, self._progress.mark)
         return sum(p.numel() for p in self.engine.model.parameters())
 
     def train_step(self, measure_activations: bool = False) -> dict:
+        self._progress.step = self.engine.step
         return {**dataclasses.asdict(self.engine.train_step(measure_activations)),
                 "preempted": self.preempted, "save": self.save_status()}
 
@@ -144,6 +155,7 @@ class RankWorker:
         thread writes them while training goes on (``save_status`` says how that went)."""
         self.wait_save()
         self._saved_files = {}
+        self._progress.mark("save")
         if not background:
             self._saved_files = self.engine.save(directory)
         else:

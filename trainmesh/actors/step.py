@@ -85,12 +85,13 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
                microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]], grad_clip: float,
                set_grad_sync: Callable[[bool], None] | None = None,
                loss_context: Callable[[], AbstractContextManager] = contextlib.nullcontext,
-               ) -> StepStats:
+               on_phase: Callable[[str], None] = lambda phase: None) -> StepStats:
     """Accumulate gradients over ``microbatches`` (loss scaled by 1/len), clip, step.
 
     ``set_grad_sync(is_last)`` runs before each microbatch (a sharded model sets when it
     gathers and reduces: ``ZeroPolicy.before_backward``); ``loss_context`` wraps loss and
-    backward (``loss_parallel`` under TP)."""
+    backward (``loss_parallel`` under TP); ``on_phase`` hears "forward", "backward" and
+    "optimizer" as they begin (a rank's progress, ``actors/progress.py``)."""
     optimizer.zero_grad(set_to_none=True)
     n = len(microbatches)
     total = None  # summed where the loss lives: one host sync per step, not per microbatch
@@ -99,18 +100,23 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
         if set_grad_sync is not None:
             set_grad_sync(i == n - 1)
         with loss_context():
+            on_phase("forward")
             loss = model(x, y) / n
+            on_phase("backward")
             loss.backward()
         value = loss.detach()
         value = (value.full_tensor() if isinstance(value, DTensor) else value).float()
         total = value if total is None else total + value
         tokens += y.numel()
-    return finish_step(model, optimizer, scheduler, grad_clip, float(total), tokens)
+    return finish_step(model, optimizer, scheduler, grad_clip, float(total), tokens,
+                       on_phase=on_phase)
 
 
 def finish_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, grad_clip: float,
-                loss: float, tokens: int, across: dist.ProcessGroup | None = None) -> StepStats:
+                loss: float, tokens: int, across: dist.ProcessGroup | None = None,
+                on_phase: Callable[[str], None] = lambda phase: None) -> StepStats:
     """Clip the accumulated gradients, step the optimizer and the LR schedule."""
+    on_phase("optimizer")
     lr = optimizer.param_groups[0]["lr"]
     norm = grad_norm_and_clip([p for p in model.parameters() if p.grad is not None], grad_clip,
                               across)

@@ -18,6 +18,14 @@ class PlacementTimeout(RuntimeError):
     pass
 
 
+class HangDetected(RuntimeError):
+    """Ranks stopped making progress inside a call; their nodes' actors have been killed."""
+
+    def __init__(self, message: str, ranks: list[int]):
+        super().__init__(message)
+        self.ranks = ranks
+
+
 def gather(refs: list, timeout_s: float | None, poll_s: float = 0.5) -> list:
     """Every result, in order; the first rank that fails raises at once — a dead rank's error
     is not waited for behind a survivor still blocked in a collective."""
@@ -34,6 +42,22 @@ def gather(refs: list, timeout_s: float | None, poll_s: float = 0.5) -> list:
         for ref, value in zip(done, ray.get(done), strict=True):  # raises any failure
             results[index[ref]] = value
     return results
+
+
+def stalled(before: list[dict | None], now: list[dict | None], running: set[int]) -> list[int]:
+    """Which of the ``running`` ranks are hung, from two looks at their progress
+    (``RankWorker.progress``; None: the rank did not answer its control path, as a frozen
+    process cannot): the silent ones; else, when none of them moved between the looks, the
+    ones furthest behind (the others are waiting for them in a collective); else none."""
+    silent = sorted(r for r in running if now[r] is None)
+    if silent:
+        return silent
+    def key(s: dict) -> tuple:
+        return s["step"], sum(s["counts"].values())
+    if any(before[r] is None or key(before[r]) != key(now[r]) for r in running):
+        return []
+    least = min(key(now[r]) for r in running)
+    return sorted(r for r in running if key(now[r]) == least)
 
 
 class WorkerGroup:
@@ -108,6 +132,54 @@ class WorkerGroup:
         """Call ``method`` on every rank with that rank's own arguments; results in rank order."""
         refs = [getattr(w, method).remote(*a) for w, a in zip(self.workers, args, strict=True)]
         return gather(refs, timeout_s)
+
+    def call_watched(self, method: str, *args: Any, timeout_s: float, hang_after_s: float | None,
+                     poll_s: float = 1.0) -> list:
+        """``call``, watching for hung ranks once ``hang_after_s`` has passed: every ``poll_s``
+        each rank still in the call is asked for its progress out of band (``stalled``); hung
+        ranks' nodes — every actor in a hung rank's bundle — are killed and ``HangDetected``
+        raised, well before the collective timeout would end the call."""
+        refs = [getattr(w, method).remote(*args) for w in self.workers]
+        if hang_after_s is None:
+            return gather(refs, timeout_s)
+        t0 = time.monotonic()
+        try:
+            return gather(refs, min(hang_after_s, timeout_s))
+        except GetTimeoutError:
+            pass
+        before: list[dict | None] = self._progress(poll_s)
+        while True:
+            try:
+                return gather(refs, poll_s)
+            except GetTimeoutError:
+                if time.monotonic() - t0 > timeout_s:
+                    raise
+            now = self._progress(poll_s)
+            running = {r for r, ref in enumerate(refs) if not ray.wait([ref], timeout=0)[0]}
+            hung = stalled(before, now, running)
+            if hung:
+                break
+            before = now
+        nodes = {self.placement.rank_bundle[r] for r in hung}
+        doomed = [r for r, b in enumerate(self.placement.rank_bundle) if b in nodes]
+        for r in doomed:
+            ray.kill(self.workers[r])
+        where = {r: now[r] for r in hung}
+        raise HangDetected(
+            f"rank(s) {hung} made no progress for {time.monotonic() - t0:.0f} s in {method} "
+            f"(hang bound {hang_after_s:.3g} s; last seen: {where}); their node(s)' ranks "
+            f"{doomed} were killed", hung)
+
+    def _progress(self, timeout_s: float) -> list[dict | None]:
+        refs = [w.progress.remote() for w in self.workers]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        out: list[dict | None] = []
+        for ref in refs:
+            try:
+                out.append(ray.get(ref) if ref in done else None)
+            except ray.exceptions.RayError:
+                out.append(None)
+        return out
 
     def abort(self, timeout_s: float = 5.0) -> None:
         """Every rank aborts its communicators at once, out of band (``RankWorker.abort``);

@@ -24,8 +24,11 @@ RAY_VERSION = "2.60.0"
 SHARED_MOUNT = "/mnt/trainmesh"
 NCCL_ENV = {
     "NCCL_DEBUG": "WARN",
-    "NCCL_ASYNC_ERROR_HANDLING": "1",  # a dead peer fails the collective instead of hanging
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+    # 2 = CleanUpOnly: on an error or a watchdog timeout the communicators are aborted and the
+    # collective fails, but the process lives on (1 and torch's default 3 end it), so warm
+    # recovery can keep the survivors. The old name is set too for older torch.
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+    "NCCL_ASYNC_ERROR_HANDLING": "2",
     "NCCL_SOCKET_IFNAME": "eth0",
 }
 

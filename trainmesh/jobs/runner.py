@@ -39,6 +39,13 @@ def worker_env(spec: JobSpec, local: bool) -> dict[str, str]:
     return env
 
 
+def fault_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The test-only fault hook (``actors/progress.py``), passed on to the ranks when set."""
+    from trainmesh.actors.progress import FAULT_ENV
+
+    return {FAULT_ENV: environ[FAULT_ENV]} if environ.get(FAULT_ENV) else {}
+
+
 @contextlib.contextmanager
 def ray_session(spec: JobSpec) -> Iterator[bool]:
     """Yields True when the cluster is on this machine. Shuts down only what it started."""
@@ -80,7 +87,7 @@ def run_job(spec: JobSpec, environ: Mapping[str, str], show_progress: bool = Tru
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         actor = ray.remote(Controller).options(max_concurrency=4, num_cpus=0,
                                                scheduling_strategy=here).remote(
-            spec.model_dump_json(), uri, worker_env(spec, local))
+            spec.model_dump_json(), uri, {**worker_env(spec, local), **fault_env(environ)})
         try:
             ref = actor.run.remote()
             if show_progress:

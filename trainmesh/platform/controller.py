@@ -14,7 +14,7 @@ from typing import Any
 
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from trainmesh.actors.worker_group import PlacementTimeout
+from trainmesh.actors.worker_group import HangDetected, PlacementTimeout
 from trainmesh.parallel.dims import ParallelDims
 from trainmesh.platform.cadence import CheckpointCadence
 from trainmesh.platform.checkpointing import Checkpointer, step_meta
@@ -46,8 +46,8 @@ from trainmesh.platform.topology import Topology
 from trainmesh.spec.job import JobSpec
 
 # What a recovery handles: a rank's actor died, a rank's step raised (a peer's death surfaces
-# as a collective error), a step overran its timeout, or the new placement could not be made.
-RECOVERABLE = (RayActorError, RayTaskError, GetTimeoutError, PlacementTimeout)
+# as a collective error), a step overran its timeout, ranks hung, or no placement could be made.
+RECOVERABLE = (RayActorError, RayTaskError, GetTimeoutError, PlacementTimeout, HangDetected)
 GROW_CHECK_S = 5.0
 
 

@@ -4,11 +4,15 @@ placement it needs, and the live topology."""
 from __future__ import annotations
 
 import functools
+import statistics
+import time
 
 from trainmesh.parallel.dims import ParallelDims
 from trainmesh.parallel.layout import Placement, plan_placement
 from trainmesh.platform.topology import Topology, topology_from_ray
-from trainmesh.spec.job import JobSpec
+from trainmesh.spec.job import ElasticConfig, JobSpec
+
+HANG_STEPS, HANG_FLOOR_S, MEASURED = 10.0, 60.0, 3
 
 
 def placement_for(spec: JobSpec, dims: ParallelDims, topo: Topology) -> Placement:
@@ -18,6 +22,17 @@ def placement_for(spec: JobSpec, dims: ParallelDims, topo: Topology) -> Placemen
     if topo.device.name != "cpu":
         per_rank["GPU"] = 1.0
     return plan_placement(dims, topo.allocate(dims.tp, dims.world_size), per_rank)
+
+
+def hang_bound_s(cfg: ElasticConfig, recent_steps: list[float]) -> float | None:
+    """How long a step may run before its stalled ranks count as hung: ``elastic.hang_timeout_s``
+    when set, else HANG_STEPS × the median of the recent steps but at least HANG_FLOOR_S; None
+    (only the collective timeout) until MEASURED steps have been timed."""
+    if cfg.hang_timeout_s is not None:
+        return cfg.hang_timeout_s
+    if len(recent_steps) < MEASURED:
+        return None
+    return max(HANG_FLOOR_S, HANG_STEPS * statistics.median(recent_steps))
 
 
 class RayWorkerGroup:
@@ -32,6 +47,7 @@ class RayWorkerGroup:
         self.group = WorkerGroup(placement, env, ready_timeout_s=60,
                                  cpu_threads=max(1, int(spec.runtime.cpus_per_rank)))
         self.backend = self.group.setup_process_group(spec.runtime.device, self.timeout)
+        self._steps: list[float] = []  # recent step times, for the hang bound
 
     def rank_infos(self) -> list[dict]:
         """Per rank: node id, pid, ip."""
@@ -69,7 +85,13 @@ class RayWorkerGroup:
         self.group.call("build", spec_json, d, data_dir, timeout_s=self.timeout + 120)
 
     def train_step(self, measure_activations: bool = False) -> list[dict]:
-        return self.group.call("train_step", measure_activations, timeout_s=self.timeout * 2)
+        """One step on every rank, watched for hung ranks past ``hang_bound_s``."""
+        t0 = time.monotonic()
+        out = self.group.call_watched("train_step", measure_activations,
+                                      timeout_s=self.timeout * 2,
+                                      hang_after_s=hang_bound_s(self.spec.elastic, self._steps))
+        self._steps = [*self._steps[-19:], time.monotonic() - t0]
+        return out
 
     def reset_peak_memory(self) -> None:
         self.group.call("reset_peak_memory", timeout_s=self.timeout)

@@ -163,6 +163,10 @@ class ElasticConfig(_Section):
     min_world_size: int = Field(1, ge=1)
     max_world_size: int | None = Field(None, ge=1)
     max_restarts: int = Field(3, ge=0)
+    hang_timeout_s: float | None = Field(
+        None, gt=0, description="a step running longer than this has its stalled ranks (silent, "
+        "or furthest behind while none moves) treated as hung: their nodes are dropped and the "
+        "job recovers; default: 10 × the median of recent steps, at least 60 s")
     mtbf_node_hours: float = Field(
         6300.0, gt=0, description="mean hours between interruptions of one node, for "
         "checkpoint.every: auto; default from Llama 3's 419 in 54 days on 2,048 8-GPU nodes")

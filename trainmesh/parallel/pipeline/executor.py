@@ -37,12 +37,14 @@ class P2PSpec:
 class PipelineExecutor:
     def __init__(self, shape: PipeShape, actions: list[Action], stages: dict[int, nn.Module],
                  p2p: P2PSpec, loss_context: Callable[[], AbstractContextManager] = nullcontext,
-                 zero: ZeroPolicy | None = None):
+                 zero: ZeroPolicy | None = None,
+                 on_phase: Callable[[str], None] = lambda phase: None):
         """``stages[s](x)`` runs stage s; the last stage is called as ``stages[s](x, y)`` and
         returns the microbatch's mean loss."""
         self.shape, self.actions, self.stages, self.p2p = shape, actions, stages, p2p
         self.loss_context = loss_context
         self.zero = zero  # the stages' ZeRO-3 policy (None: stages are not sharded)
+        self.on_phase = on_phase  # hears "forward" / "backward" as each action begins
         self.last_backward = {a.stage: a.microbatch for a in actions if a.op is Op.BACKWARD}
         self.timeline: list[tuple[str, float, float]] = []
 
@@ -61,6 +63,7 @@ class PipelineExecutor:
             a = self.actions[i]
             if a.op in (Op.FORWARD, Op.BACKWARD):
                 t0 = time.perf_counter()
+                self.on_phase("forward" if a.op is Op.FORWARD else "backward")
                 if a.op is Op.FORWARD:
                     loss_sum = loss_sum + self._forward(a)
                 else:
