@@ -303,7 +303,7 @@ def test_a_hung_rank_is_detected_long_before_the_collective_timeout(cluster, tmp
     while len(_gpu_nodes(cluster)) < 2:
         cluster.add_node(num_cpus=4, num_gpus=4)
     spec = load_spec(None, [*ARGS_3D, "training.steps=4", "runtime.collective_timeout_s=120",
-                            "elastic.hang_timeout_s=4", f"runtime.output_dir={tmp_path}"])
+                            "elastic.hang_timeout_s=3", f"runtime.output_dir={tmp_path}"])
     fault = f"hang@rank=6,step=2,phase=backward,marker={tmp_path / 'fired'}"
     s = run_job(spec, environ={FAULT_ENV: fault}, show_progress=False)
     assert (tmp_path / "fired").exists()
@@ -316,3 +316,13 @@ def test_a_hung_rank_is_detected_long_before_the_collective_timeout(cluster, tmp
 
     want, _ = reference_run(spec, str(tmp_path / "data" / "tiny-corpus"), steps=4)
     torch.testing.assert_close(torch.tensor(s["losses"]), torch.tensor(want), rtol=1e-4, atol=0)
+    # The pipeline's planned grid and measured trace reach MLflow (every stage's work measured).
+    import json
+
+    from mlflow.tracking import MlflowClient
+
+    names = {a.path for a in MlflowClient(s["tracking_uri"]).list_artifacts(s["mlflow_run_id"])}
+    assert {"pipeline_schedule.txt", "pipeline_schedule.png", "pipeline_trace.json"} <= names
+    trace = json.loads((tmp_path / "pipeline_trace.json").read_text())
+    computed = {e["name"] for e in trace["traceEvents"] if e.get("cat") == "compute"}
+    assert {"0F0", "2F1", "3B1", "1B0"} <= computed
