@@ -254,7 +254,7 @@ def test_a_drain_is_seen_as_a_notice(cluster):
 
     from trainmesh.platform.ray_group import draining_nodes
 
-    node = cluster.add_node(num_cpus=1, num_gpus=1)
+    node, busy = cluster.add_node(num_cpus=1, num_gpus=1), None
     try:
         # something running there (as ranks would be): an idle node is drained at once
         busy = ray.remote(num_cpus=1)(lambda: time.sleep(60)).options(
@@ -268,7 +268,8 @@ def test_a_drain_is_seen_as_a_notice(cluster):
         assert accepted, why
         assert draining_nodes()[node.node_id] == deadline
     finally:
-        ray.cancel(busy, force=True)
+        if busy is not None:
+            ray.cancel(busy, force=True)
         cluster.remove_node(node)
 
 
