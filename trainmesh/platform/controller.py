@@ -300,7 +300,7 @@ class Controller:
                on_first_step: Callable[[], None] | None = None) -> None:
         """Steps from ``start`` to the end; ``on_first_step`` runs once the first one is done
         (a recovery is complete, and measured, only then)."""
-        tr = self.spec.training
+        tr, metrics_of = self.spec.training, step_metrics(self.spec, dims.world_size * self.peak_tflops)
         nodes = len(set(self.rank_nodes))
         self.cadence.start(start, nodes, predicted_save(self.spec.model, dims.tp, dims.pp, dims.dp,
                                                         nodes, self.spec.checkpoint.async_save))
@@ -311,7 +311,7 @@ class Controller:
             dt = time.perf_counter() - t0
             self.losses.append(stats[0]["loss"])
             self.ckpts.poll(group, [s.get("save") for s in stats], tracker)
-            metrics = step_metrics(self.spec, stats[0], dt, dims.world_size * self.peak_tflops)
+            metrics = metrics_of(stats[0], dt)
             tracker.log_metrics(metrics, step=step + 1)
             self.cadence.stepped(step + 1, dt, tracker)
             self._set(step=step + 1, loss=metrics["loss"], tokens_per_s=metrics["tokens_per_s"])

@@ -195,8 +195,8 @@ class _Run:
     # -- strategies ------------------------------------------------------------------------
     def _rollback(self) -> None:
         self.pending = [(s, d) for s, d in self.pending if d <= self.t]
-        lost = self.steps - self.durable
-        if lost > 0 and not (self.busy and self.busy[0][0] in ("detection", "recovery")):
+        lost = self.steps - self.durable  # 0 while recovering or waiting: rolled back already
+        if lost > 0:
             per = self.mesh.step_s
             self.sec["useful"] -= lost * self.full.step_s
             self.sec["degraded"] -= lost * (per - self.full.step_s)

@@ -59,14 +59,18 @@ def data_dir(spec: JobSpec, out: Path) -> str:
     return str(ensure_tiny_corpus(out / "data" / "tiny-corpus"))
 
 
-def step_metrics(spec: JobSpec, stats: dict[str, Any], step_s: float, peak_tflops: float
-                 ) -> dict[str, float]:
-    """What a step logs: rank 0's loss, lr and grad norm, speed and MFU (``peak_tflops``: the
-    whole mesh's)."""
+def step_metrics(spec: JobSpec, peak_tflops: float) -> Callable[[dict[str, Any], float], dict]:
+    """What a step logs, from rank 0's stats and the step's seconds: loss, lr, grad norm, speed
+    and MFU (``peak_tflops``: the whole mesh's). The FLOPs per token are counted once."""
     from trainmesh.models.llama.model_math import flops_per_token
 
     tr = spec.training
-    tps = tr.global_batch_size * tr.seq_len / step_s
-    return {"loss": stats["loss"], "lr": stats["lr"], "grad_norm": stats["grad_norm"],
-            "tokens_per_s": tps, "step_time_s": step_s,
-            "mfu": flops_per_token(spec.model, tr.seq_len) * tps / (peak_tflops * 1e12)}
+    tokens, flops = tr.global_batch_size * tr.seq_len, flops_per_token(spec.model, tr.seq_len)
+
+    def metrics(stats: dict[str, Any], step_s: float) -> dict[str, float]:
+        tps = tokens / step_s
+        return {"loss": stats["loss"], "lr": stats["lr"], "grad_norm": stats["grad_norm"],
+                "tokens_per_s": tps, "step_time_s": step_s,
+                "mfu": flops * tps / (peak_tflops * 1e12)}
+
+    return metrics
