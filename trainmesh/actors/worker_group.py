@@ -7,7 +7,11 @@ from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import (
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from trainmesh.actors.rank_worker import RankWorker
@@ -69,11 +73,14 @@ class WorkerGroup:
         self._env_vars, self._ready_timeout_s, self._cpu_threads = env_vars, ready_timeout_s, cpu_threads
         self.pgs: list = []  # the first group's, then one per regroup that needed new actors
         world = len(placement.rank_bundle)
-        self.workers = self._start(placement.bundles, placement.strategy,
-                                   list(enumerate(placement.rank_bundle)), world)
+        self.workers, self.nodes = self._start(placement.bundles, placement.strategy,
+                                               list(enumerate(placement.rank_bundle)), world)
 
-    def _start(self, bundles, strategy: str, ranks: list[tuple[int, int]], world: int) -> list:
-        """A placement group of ``bundles`` and an actor for each (rank, bundle index)."""
+    def _start(self, bundles, strategy: str, ranks: list[tuple[int, int]], world: int
+               ) -> tuple[list, list[str]]:
+        """A placement group of ``bundles`` and an actor for each (rank, bundle index); the
+        actors and the node each was placed on (known without asking the actor, so a rank's
+        node is known even once it has died)."""
         pg = placement_group(list(bundles), strategy=strategy)
         ready, _ = ray.wait([pg.ready()], timeout=self._ready_timeout_s)
         if not ready:
@@ -86,7 +93,8 @@ class WorkerGroup:
         res = self.placement.resources_per_rank
         # "control": calls that must not queue behind a step (abort, health checks).
         cls = ray.remote(concurrency_groups={"control": 1})(RankWorker)
-        return [
+        where = placement_group_table(pg)["bundles_to_node_id"]
+        actors = [
             cls.options(
                 num_cpus=res.get("CPU", 0), num_gpus=res.get("GPU", 0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -95,6 +103,7 @@ class WorkerGroup:
             ).remote(rank, world, self._cpu_threads)
             for rank, b in ranks
         ]
+        return actors, [where[b] for _, b in ranks]
 
     def regroup(self, assignment: list[int | None], placement: Placement, timeout_s: float) -> None:
         """Warm re-formation for a new plan: new rank r is old rank ``assignment[r]``'s actor,
@@ -107,15 +116,19 @@ class WorkerGroup:
                 ray.kill(w)
         world = len(assignment)
         self.placement = placement
-        fresh: dict[int, Any] = {}
+        fresh: dict[int, tuple[Any, str]] = {}
         new_bundles = sorted({placement.rank_bundle[r] for r, o in enumerate(assignment) if o is None})
         if new_bundles:
             index = {b: i for i, b in enumerate(new_bundles)}
             ranks = [(r, index[placement.rank_bundle[r]]) for r, o in enumerate(assignment) if o is None]
             strategy = placement.strategy if len(new_bundles) > 1 else "PACK"
-            actors = self._start([placement.bundles[b] for b in new_bundles], strategy, ranks, world)
-            fresh = {r: a for (r, _), a in zip(ranks, actors, strict=True)}
-        self.workers = [fresh[r] if o is None else old[o] for r, o in enumerate(assignment)]
+            actors, nodes = self._start([placement.bundles[b] for b in new_bundles], strategy,
+                                        ranks, world)
+            fresh = {r: (a, n) for (r, _), a, n in zip(ranks, actors, nodes, strict=True)}
+        kept = {r: (old[o], self.nodes[o]) for r, o in enumerate(assignment) if o is not None}
+        both = {**fresh, **kept}
+        self.workers = [both[r][0] for r in range(world)]
+        self.nodes = [both[r][1] for r in range(world)]
         ray.get([old[o].reset.remote(r, world) for r, o in enumerate(assignment) if o is not None],
                 timeout=timeout_s)
 

@@ -16,31 +16,41 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from trainmesh.actors.worker_group import HangDetected, PlacementTimeout
 from trainmesh.parallel.dims import ParallelDims
+from trainmesh.platform.boundary import StepBoundary
 from trainmesh.platform.cadence import CheckpointCadence
 from trainmesh.platform.checkpointing import Checkpointer, step_meta
 from trainmesh.platform.elastic import (
-    GiveUp,
     JobFailed,
     Recovery,
     bounded_topology,
-    on_failure,
-    on_preemption,
     recovery_phases,
-    should_scale_up,
     warm_assignment,
 )
 from trainmesh.platform.failure_costs import predicted_save
-from trainmesh.platform.job_plan import PlanError, effective_spec, plan_job, replan_job
+from trainmesh.platform.job_plan import PlanError, plan_for
 from trainmesh.platform.pipeline_artifacts import write_pipeline_artifacts
 from trainmesh.platform.ray_group import RayWorkerGroup, draining_nodes, live_topology, placement_for
 from trainmesh.platform.run_files import (
-    Preempted,
-    ScaleUp,
     controller_node_id,
     data_dir,
     make_tracker,
     step_metrics,
     write_json_atomically,
+)
+from trainmesh.platform.states import (
+    FAILURE,
+    PREEMPTION,
+    SCALE_UP,
+    Errored,
+    Finished,
+    Recovering,
+    Reforming,
+    Restoring,
+    Running,
+    Scheduling,
+    State,
+    Stop,
+    decide,
 )
 from trainmesh.platform.topology import Topology
 from trainmesh.spec.job import JobSpec
@@ -48,7 +58,6 @@ from trainmesh.spec.job import JobSpec
 # What a recovery handles: a rank's actor died, a rank's step raised (a peer's death surfaces
 # as a collective error), a step overran its timeout, ranks hung, or no placement could be made.
 RECOVERABLE = (RayActorError, RayTaskError, GetTimeoutError, PlacementTimeout, HangDetected)
-GROW_CHECK_S = 5.0
 
 
 class Controller:
@@ -75,10 +84,12 @@ class Controller:
         self.losses: list[float] = []
         self.recoveries: list[dict[str, Any]] = []
         self.dead_nodes: set[str] = set()
+        self.group = None  # the rank actors (the injected worker group)
+        self.restarts = 0  # failures retried so far
+        self._open: Stop | None = None  # the stop being recovered from, until its first step
         self.dims = ParallelDims()
         self.eff = self.spec  # the spec with the current plan written in
-        self._draining: set[str] = set()  # nodes Ray is draining, as last read from the GCS
-        self._drain_checked = self._grow_checked = float("-inf")
+        self.boundary = StepBoundary(self.spec, self._available)
 
     # -- public ----------------------------------------------------------------------------
     def progress(self) -> dict[str, Any]:
@@ -111,7 +122,7 @@ class Controller:
         each rank's memory beside the plan's prediction; no training, saving or tracking."""
         from trainmesh.platform.dry_run import measure, memory_rows
 
-        group = self._start(tracker=None, replan=False)
+        group = self._place(replan=False)
         try:
             reports = measure(group, self.eff.model_dump_json(), self.dims, data_dir(self.spec, self.out), step)
         finally:
@@ -119,81 +130,116 @@ class Controller:
         return memory_rows(reports, self.eff, self.candidate, self.dims, self.device, step)
 
     def _run_with_recovery(self, tracker) -> None:
-        """RUNNING until done; on a rank's death, a failed step or a scale-up: RECOVERING
-        (re-read the topology, re-plan, restore the newest checkpoint). After a failure the
-        surviving actors are kept when they can hold the new plan (warm: new process group,
-        new model part, same processes); otherwise, or if that fails, every rank restarts."""
-        restarts, failure = 0, None  # failure: (cause, time, step reached, old mesh)
-        group, alive = None, set()
+        """The state machine of ``platform/states.py``, from SCHEDULING to FINISHED (or
+        ERRORED: ``JobFailed`` with the report)."""
+        state: State = Scheduling()
         try:
-            while True:
-                try:
-                    mode = "cold"
-                    if group is not None:
-                        group = self._warm_start(group, alive, tracker)
-                        mode = "warm" if group is not None else "cold"
-                    if group is None:
-                        group = self._start(tracker, replan=failure is not None)
-                    start = self._prepare(group, tracker)
-                    self._marks["restored"] = time.time()
-                    on_first = None
-                    if failure is not None:
-                        def on_first(failure=failure, start=start, mode=mode):
-                            self._record_recovery(tracker, failure, start, mode)
-                    self._train(group, self.dims, tracker, start, on_first)
-                    for path in write_pipeline_artifacts(self.out, self.eff, self.dims, group):
-                        tracker.log_artifact(path)
-                    return
-                except ScaleUp as up:
-                    # Checkpointed already; every current rank is kept when warm, and new
-                    # actors are started only for the new accelerators.
-                    failure = ("scale-up", time.monotonic(), up.step, self.dims.as_dict())
-                    self._marks = {"failed": time.time()}
-                    alive = set(range(self.dims.world_size))
-                    if not self.spec.elastic.warm_recovery:
-                        group = self._drop(group)
-                except Preempted as pre:
-                    # Checkpointed already; the notified ranks' nodes are going away: drain them
-                    # and go on without them (not a failure: no restart budget, no backoff).
-                    failure = ("preemption", time.monotonic(), pre.step, self.dims.as_dict())
-                    self._marks = {"failed": time.time()}
-                    self._set(state="recovering")
-                    leaving = {self.rank_nodes[r] for r in pre.ranks}
-                    self.dead_nodes |= leaving
-                    alive = {r for r in self._alive(group) if self.rank_nodes[r] not in leaving}
-                    tracker.event("preemption", step=pre.step, ranks=pre.ranks, nodes=sorted(leaving))
-                    available = self._available().world_size
-                    decision = on_preemption(self.spec.elastic, available, str(pre))
-                    if isinstance(decision, GiveUp):
-                        raise JobFailed(decision.report) from pre
-                    if not (self.spec.elastic.warm_recovery and alive):
-                        group = self._drop(group)
-                except RECOVERABLE as err:
-                    failure = (type(err).__name__, time.monotonic(), len(self.losses),
-                               self.dims.as_dict())
-                    self._marks = {"failed": time.time()}
-                    self._set(state="recovering")
-                    if group is not None:  # survivors leave their collectives now, not at
-                        group.abort()      # the timeout (and any background save with them)
-                    alive = self._alive(group)
-                    self.dead_nodes |= {n for r, n in enumerate(self.rank_nodes) if r not in alive}
-                    available = self._available().world_size
-                    decision = on_failure(self.spec.elastic, restarts, available, [str(err)])
-                    tracker.event("failure", cause=failure[0], step=failure[2],
-                                  dead_nodes=sorted(self.dead_nodes), error=str(err)[-2000:])
-                    if isinstance(decision, GiveUp):
-                        raise JobFailed(decision.report) from err
-                    if not (self.spec.elastic.warm_recovery and alive):
-                        group = self._drop(group)
-                    restarts += 1
-                    time.sleep(decision.backoff_s)
+            while not isinstance(state, Finished):
+                if isinstance(state, Errored):
+                    raise JobFailed(state.report)
+                self._set(state=state.name)
+                state = self._advance(state, tracker)
         finally:
-            self._drop(group)
+            self._drop()
 
-    @staticmethod
-    def _drop(group) -> None:
-        if group is not None:
-            group.shutdown()
+    def _advance(self, state: State, tracker) -> State:
+        """Run ``state``'s action. A failure in it (a rank's actor died; a step raised, hung
+        or overran; no placement) is a stop: RECOVERING, as part of the recovery still open
+        if there is one; a job that cannot go on (nothing to plan, storage not shared) ERRORED."""
+        action = {Scheduling: self._schedule, Reforming: self._reform, Restoring: self._build_and_restore,
+                  Running: self._running, Recovering: self._recover}[type(state)]
+        try:
+            return action(state, tracker)
+        except RECOVERABLE as err:
+            stop = Stop(FAILURE, type(err).__name__, len(self.losses), self.dims.as_dict(),
+                        time.monotonic(), str(err))
+            return Recovering(self._open.then(stop) if self._open else stop)
+        except JobFailed as err:
+            return Errored(str(err))
+
+    def _schedule(self, state: Scheduling, tracker) -> State:
+        """Cold: a new group of rank actors for the plan (re-planned after a stop)."""
+        self._drop()
+        self.group = self._place(replan=state.stop is not None)
+        return Restoring(state.stop, "cold")
+
+    def _reform(self, state: Reforming, tracker) -> State:
+        """Warm: the survivors take the new plan's ranks (new actors only for accelerators no
+        survivor holds); cold instead when none can be kept or the re-form breaks other than
+        by a failure (a failure is a stop: recover again, keeping whom we can)."""
+        topo = self._plan(replan=True)
+        placement = placement_for(self.eff, self.dims, topo)
+        assignment = warm_assignment(placement.rank_bundle, self.group.nodes, set(state.alive))
+        if assignment is None:
+            self._notice(f"warm recovery: the {len(state.alive)} surviving ranks cannot hold any "
+                         f"part of the new plan {self.dims.as_dict()}; restarting every rank")
+            return Scheduling(state.stop)
+        self._set(state="re-forming")
+        try:
+            self.group.reform(assignment, placement,
+                              timeout_s=self.spec.runtime.collective_timeout_s * 2 + 30)
+        except RECOVERABLE:
+            raise
+        except Exception as err:  # noqa: BLE001 - anything else here means: restart cold
+            self._notice(f"warm recovery failed ({str(err).strip().splitlines()[-1][:200]}); "
+                         "restarting every rank")
+            tracker.event("warm-recovery-failed", error=str(err)[-2000:])
+            return Scheduling(state.stop)
+        self._marks["group"] = time.time()
+        return Restoring(state.stop, "warm")
+
+    def _build_and_restore(self, state: Restoring, tracker) -> State:
+        start = self._prepare(self.group, tracker)
+        self._marks["restored"] = time.time()
+        return Running(start, state.stop, state.mode)
+
+    def _running(self, state: Running, tracker) -> State:
+        on_first = None
+        if state.stop is not None:
+            def on_first():
+                self._record_recovery(tracker, state.stop, state.start, state.mode)
+        stop = self._train(self.group, self.dims, tracker, state.start, on_first)
+        if stop is not None:
+            return Recovering(stop)
+        for path in write_pipeline_artifacts(self.out, self.eff, self.dims, self.group):
+            tracker.log_artifact(path)
+        return Finished()
+
+    def _recover(self, state: Recovering, tracker) -> State:
+        """Who survived ``state.stop`` (a failure: after every survivor aborted its
+        communicators, out of band), which nodes are gone, and the policy's decision."""
+        stop, group = state.stop, self.group
+        if self._open is None:
+            self._marks = {"failed": time.time()}
+        self._open = stop
+        nodes = group.nodes if group is not None else []
+        if stop.kind == SCALE_UP:  # checkpointed already; every rank is kept when warm
+            alive = set(range(len(nodes)))
+        elif stop.kind == PREEMPTION:  # checkpointed already; the notified nodes are going
+            leaving = {nodes[r] for r in stop.ranks}
+            self.dead_nodes |= leaving
+            alive = {r for r in self._alive(group) if nodes[r] not in leaving}
+            tracker.event("preemption", step=stop.step, ranks=list(stop.ranks),
+                          nodes=sorted(leaving))
+        else:
+            if group is not None:  # survivors leave their collectives now, not at the
+                group.abort()      # timeout (and any background save with them)
+            alive = self._alive(group)
+            self.dead_nodes |= {n for r, n in enumerate(nodes) if r not in alive}
+            tracker.event("failure", cause=stop.cause, step=stop.step,
+                          dead_nodes=sorted(self.dead_nodes), error=stop.detail[-2000:])
+        decision = decide(stop, self.spec.elastic, self.restarts, self._available().world_size,
+                          frozenset(alive))
+        if not isinstance(decision.next, Reforming):
+            self._drop()
+        self.restarts += decision.spends_restart
+        time.sleep(decision.backoff_s)
+        return decision.next
+
+    def _drop(self) -> None:
+        if self.group is not None:
+            self.group.shutdown()
+            self.group = None
 
     def _available(self) -> Topology:
         """The accelerators the job may use now: not on a dead node, nor on one being drained."""
@@ -203,19 +249,15 @@ class Controller:
     def _plan(self, replan: bool) -> Topology:
         """Plan (or re-plan) for the accelerators alive now; returns that topology."""
         topo = self._available()
-        if replan or self.spec.parallelism.auto:
-            try:
-                new = replan_job(self.spec, topo)
-            except PlanError as err:
-                if not replan:
-                    raise
-                raise JobFailed(f"re-plan after a failure or resize found nothing: {err}") from None
-            self.dims, result, self.eff = new.dims, new.result, new.spec
-            if new.changed:
-                self._notice(f"re-plan: {new.changed}")
-        else:
-            self.dims, result = plan_job(self.spec, topo)
-            self.eff = effective_spec(self.spec, result.best.candidate)
+        try:
+            new = plan_for(self.spec, topo, replan)
+        except PlanError as err:
+            if not replan:
+                raise
+            raise JobFailed(f"re-plan after a failure or resize found nothing: {err}") from None
+        self.dims, result, self.eff = new.dims, new.result, new.spec
+        if new.changed:
+            self._notice(f"re-plan: {new.changed}")
         self.peak_tflops = topo.device.peak_tflops
         self.device, self.candidate = topo.device, result.best.candidate
         self.plan_row = result.best.as_row()
@@ -225,7 +267,7 @@ class Controller:
         self._marks["planned"] = time.time()
         return topo
 
-    def _start(self, tracker, replan: bool):
+    def _place(self, replan: bool):
         """Cold: place a new group of rank actors for the plan."""
         topo = self._plan(replan)
         self._set(state="placing")
@@ -233,33 +275,6 @@ class Controller:
                                     self.worker_env)
         self._marks["group"] = time.time()
         return group
-
-    def _warm_start(self, group, alive: set[int], tracker):
-        """Warm: the surviving actors take the new plan's ranks (new actors only for new
-        accelerators), or None (then restart cold)."""
-        try:
-            topo = self._plan(replan=True)
-            placement = placement_for(self.eff, self.dims, topo)
-            assignment = warm_assignment(placement.rank_bundle, self.rank_nodes, alive)
-            if assignment is None:
-                self._notice(f"warm recovery: the {len(alive)} surviving ranks cannot hold any "
-                             f"part of the new plan {self.dims.as_dict()}; restarting every rank")
-                group.shutdown()
-                return None
-            self._set(state="re-forming")
-            group.reform(assignment, placement,
-                         timeout_s=self.spec.runtime.collective_timeout_s * 2 + 30)
-            self._marks["group"] = time.time()
-            return group
-        except JobFailed:  # nothing to plan: restarting cold would not help
-            group.shutdown()
-            raise
-        except Exception as err:  # noqa: BLE001 - any failure here means: restart cold
-            self._notice(f"warm recovery failed ({str(err).strip().splitlines()[-1][:200]}); "
-                         "restarting every rank")
-            tracker.event("warm-recovery-failed", error=str(err)[-2000:])
-            group.shutdown()
-            return None
 
     def _prepare(self, group, tracker) -> int:
         """Build the ranks' model parts for the plan and restore the newest complete
@@ -274,16 +289,17 @@ class Controller:
         self._set(state="building")
         self.ckpts.forget()  # a save in flight when the job stopped never counts
         group.build(self.eff.model_dump_json(), self.dims, data_dir(self.spec, self.out))
-        start = self._restore(group, self.ckpts.latest(group), tracker)
+        start = self._resume(group, self.ckpts.latest(group), tracker)
         tracker.event("start", step=start, mesh=self.dims.as_dict())
         return start
 
-    def _record_recovery(self, tracker, failure, start: int, mode: str) -> None:
-        cause, t_fail, reached, old_mesh = failure
+    def _record_recovery(self, tracker, stop: Stop, start: int, mode: str) -> None:
         m = {**self._marks, "first_step": time.time()}
-        rec = Recovery(step=start, cause=cause, old_mesh=old_mesh, new_mesh=self.dims.as_dict(),
-                       downtime_s=time.monotonic() - t_fail, steps_lost=max(0, reached - start),
-                       mode=mode, failed_at=m.get("failed", 0.0), phases=recovery_phases(m))
+        rec = Recovery(step=start, cause=stop.cause, old_mesh=stop.mesh,
+                       new_mesh=self.dims.as_dict(), downtime_s=time.monotonic() - stop.at,
+                       steps_lost=max(0, stop.step - start), mode=mode,
+                       failed_at=m.get("failed", 0.0), phases=recovery_phases(m))
+        self._open = None
         self.recoveries.append(rec.as_dict())
         tracker.event("recovery", **rec.as_dict())
         tracker.log_metrics({"recovery_downtime_s": rec.downtime_s,
@@ -297,9 +313,10 @@ class Controller:
 
     # -- steps -----------------------------------------------------------------------------
     def _train(self, group, dims: ParallelDims, tracker, start: int,
-               on_first_step: Callable[[], None] | None = None) -> None:
-        """Steps from ``start`` to the end; ``on_first_step`` runs once the first one is done
-        (a recovery is complete, and measured, only then)."""
+               on_first_step: Callable[[], None] | None = None) -> Stop | None:
+        """Steps from ``start`` to the end (None) or to a stop at a step boundary: a preemption
+        notice or a scale-up, each checkpointed first; ``on_first_step`` runs once the first
+        step is done (a recovery is complete, and measured, only then)."""
         tr, metrics_of = self.spec.training, step_metrics(self.spec, dims.world_size * self.peak_tflops)
         nodes = len(set(self.rank_nodes))
         self.cadence.start(start, nodes, predicted_save(self.spec.model, dims.tp, dims.pp, dims.dp,
@@ -319,47 +336,25 @@ class Controller:
                 on_first_step()
                 on_first_step = None
             last = step + 1 == tr.steps
-            notified = self._notified(stats)
+            notified = self.boundary.notified(stats, self.rank_nodes)
             if notified and not last:  # checkpoint now, then let those ranks go
                 self._notice(f"preemption notice for rank(s) {notified} after step {step + 1}: "
                              "checkpointing, then continuing without their node(s)")
                 self._checkpoint(group, dims, step + 1, tracker, background=False)
-                raise Preempted(step + 1, notified)
+                return Stop(PREEMPTION, PREEMPTION, step + 1, dims.as_dict(), time.monotonic(),
+                            f"preemption notice from ranks {notified} at step {step + 1}",
+                            tuple(notified))
             due = self.cadence.due(step + 1)
-            grow = not last and self._may_grow(dims, checkpointing=due)
+            grow = not last and self.boundary.may_grow(dims.world_size, checkpointing=due)
             if due or grow or (last and self.spec.checkpoint.save_final):
                 self._checkpoint(group, dims, step + 1, tracker,
                                  background=self.spec.checkpoint.async_save and not (last or grow))
                 if grow:  # the resize restores from this checkpoint
-                    raise ScaleUp(step + 1)
+                    return Stop(SCALE_UP, SCALE_UP, step + 1, dims.as_dict(), time.monotonic())
         self.ckpts.settle(group, tracker)
         if on_first_step is not None:  # resumed at the end: nothing left to run
             on_first_step()
-
-    def _notified(self, stats: list[dict]) -> list[int]:
-        """Ranks with a preemption notice: a SIGTERM to the rank, or its node being drained
-        (the GCS is asked at most once a second, not at every step)."""
-        now = time.monotonic()
-        if now >= self._drain_checked + 1.0:
-            self._draining, self._drain_checked = set(draining_nodes()), now
-        return [r for r, s in enumerate(stats)
-                if s.get("preempted") or self.rank_nodes[r] in self._draining]
-
-    def _may_grow(self, dims: ParallelDims, checkpointing: bool) -> bool:
-        """Whether nodes have come that a re-plan would use (asked at checkpoints and at most
-        every GROW_CHECK_S between them); only where the spec allows growing: auto
-        parallelism or a max_world_size."""
-        el = self.spec.elastic
-        if not (self.spec.parallelism.auto or el.max_world_size):
-            return False
-        if not checkpointing and time.monotonic() < self._grow_checked + GROW_CHECK_S:
-            return False
-        self._grow_checked = time.monotonic()
-        try:  # what a re-plan would use now (spares need not mean a bigger mesh)
-            planned = replan_job(self.spec, self._available()).dims.world_size
-        except PlanError:
-            return False
-        return should_scale_up(dims.world_size, planned, el)
+        return None
 
     def _checkpoint(self, group, dims: ParallelDims, step: int, tracker, background: bool) -> None:
         meta = step_meta(self.eff, dims, step, self.losses, self.recoveries, tracker.run_id)
@@ -367,7 +362,7 @@ class Controller:
         self.ckpts.save(group, step, meta, tracker, background)
 
     # -- resume ----------------------------------------------------------------------------
-    def _restore(self, group, resume, tracker) -> int:
+    def _resume(self, group, resume, tracker) -> int:
         if resume is None:
             return 0
         directory, meta = resume

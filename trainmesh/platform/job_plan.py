@@ -117,3 +117,12 @@ def replan_job(spec: JobSpec, topo: Topology) -> Replan:
         changed += f"; re-planned to tp={c.tp}, pp={c.pp}, vpp={c.vpp}, dp={c.dp}"
     return Replan(ParallelDims(pp=c.pp, dp=c.dp, tp=c.tp), result, effective_spec(spec, c),
                   changed)
+
+
+def plan_for(spec: JobSpec, topo: Topology, replan: bool) -> Replan:
+    """The plan a run uses on ``topo``: a job's first plan (pinned degrees checked as given;
+    ``auto``: the planner's best for the batch) or, with ``replan``, ``replan_job``'s."""
+    if replan or spec.parallelism.auto:
+        return replan_job(spec, topo)
+    dims, result = plan_job(spec, topo)
+    return Replan(dims, result, effective_spec(spec, result.best.candidate))

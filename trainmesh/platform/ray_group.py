@@ -49,6 +49,11 @@ class RayWorkerGroup:
         self.backend = self.group.setup_process_group(spec.runtime.device, self.timeout)
         self._steps: list[float] = []  # recent step times, for the hang bound
 
+    @property
+    def nodes(self) -> list[str]:
+        """The node of each rank's actor (from its placement, so also a dead rank's)."""
+        return list(self.group.nodes)
+
     def rank_infos(self) -> list[dict]:
         """Per rank: node id, pid, ip."""
         return self.group.call("node_info", timeout_s=60)
@@ -168,6 +173,10 @@ def draining_nodes() -> dict[str, int]:
     """Nodes Ray is draining — a preemption or scale-down notice from the autoscaler, KubeRay
     or ``ray drain-node`` — with their deadlines (ms since the epoch; 0 when none). The ranks
     there still run; new work is no longer placed there. Empty when the GCS cannot say."""
+    import ray
+
+    if not ray.is_initialized():
+        return {}
     try:
         return dict(_gcs_client().get_draining_nodes(timeout=5))
     except Exception:  # noqa: BLE001 - no answer is not a drain

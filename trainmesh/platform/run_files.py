@@ -1,5 +1,5 @@
-"""The controller's small parts: the signals of its recovery loop, where its data and tracker
-come from, and how its summary file is written."""
+"""The controller's small parts: where its data and tracker come from, how a step's metrics
+and its summary file are written."""
 
 from __future__ import annotations
 
@@ -30,18 +30,6 @@ def write_json_atomically(path: Path, obj: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj, indent=1))
     os.replace(tmp, path)
-
-
-class ScaleUp(Exception):  # noqa: N818 - a control-flow signal, not an error
-    def __init__(self, step: int):
-        super().__init__(f"scale up at step {step}")
-        self.step = step
-
-
-class Preempted(Exception):  # noqa: N818 - a control-flow signal, not an error
-    def __init__(self, step: int, ranks: list[int]):
-        super().__init__(f"preemption notice from ranks {ranks} at step {step}")
-        self.step, self.ranks = step, ranks
 
 
 def controller_node_id() -> str:

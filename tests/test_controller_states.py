@@ -1,0 +1,275 @@
+"""The controller's state machine driven by a fake worker group (no Ray, no torch ranks):
+the transitions a failure, a second failure while recovering, a broken re-form and a plan that
+no longer fits take, and the pure decision after a stop. The same paths with real rank actors on
+a simulated cluster: test_elastic.py and test_fault_matrix.py."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+from ray.exceptions import RayActorError
+
+from trainmesh.checkpoint.manifest import file_digests
+from trainmesh.jobs.loading import load_spec
+from trainmesh.platform.controller import Controller
+from trainmesh.platform.elastic import JobFailed
+from trainmesh.platform.states import (
+    FAILURE,
+    PREEMPTION,
+    SCALE_UP,
+    Errored,
+    Reforming,
+    Scheduling,
+    Stop,
+    decide,
+)
+from trainmesh.platform.topology import Node, Topology, device_spec
+from trainmesh.spec.job import ElasticConfig
+
+_pids = itertools.count(1000)
+
+
+class FakeCluster:
+    """Nodes with accelerators, some dead; what happens before a step (``before_step``) or
+    during the next re-form (``on_reform``) is scripted by the test."""
+
+    def __init__(self, sizes: dict[str, int]):
+        self.sizes, self.dead = dict(sizes), set()
+        self.before_step: dict[int, callable] = {}
+        self.on_reform: list = []
+        self.groups: list[FakeGroup] = []
+
+    def topology(self, spec) -> Topology:
+        return Topology(tuple(Node(n, a) for n, a in self.sizes.items() if n not in self.dead),
+                        device_spec("cpu"))
+
+    def factory(self, spec, dims, placement, env) -> FakeGroup:
+        group = FakeGroup(self, placement)
+        self.groups.append(group)
+        return group
+
+    def place(self, placement, ranks: list[int], taken: set[str]) -> dict[int, str]:
+        """A node for each of ``ranks``' bundles: alive, large enough, not in ``taken``."""
+        where, chosen = {}, {}
+        for r in ranks:
+            b = placement.rank_bundle[r]
+            if b not in chosen:
+                need = placement.rank_bundle.count(b)
+                chosen[b] = next(n for n, a in self.sizes.items()
+                                 if n not in self.dead | taken and a >= need)
+                taken = taken | {chosen[b]}
+            where[r] = chosen[b]
+        return where
+
+
+class FakeGroup:
+    """The worker group's interface over FakeCluster: ranks are (node, pid); a rank on a dead
+    node is dead; every step's loss is a function of the step alone (any mesh agrees)."""
+
+    def __init__(self, cluster: FakeCluster, placement):
+        self.cluster, world = cluster, len(placement.rank_bundle)
+        where = cluster.place(placement, list(range(world)), set())
+        self.ranks = [(where[r], next(_pids)) for r in range(world)]
+        self.step, self.aborts, self.preempt = 0, 0, {}
+
+    @property
+    def nodes(self) -> list[str]:
+        return [n for n, _ in self.ranks]
+
+    def _check(self) -> None:
+        if any(n in self.cluster.dead for n in self.nodes):
+            raise RayActorError()
+
+    def rank_infos(self) -> list[dict]:
+        return [{"node_id": n, "pid": p} for n, p in self.ranks]
+
+    def readable_on_every_node(self, path: str, token: str) -> dict[str, bool]:
+        return dict.fromkeys(self.nodes, True)
+
+    def build(self, spec_json: str, dims, data_dir: str) -> None:
+        self._check()
+
+    def bad_files(self, uri: str, files: dict) -> list[str]:
+        return []
+
+    def load(self, uri: str, step: int, rng) -> None:
+        self._check()
+        self.step = step
+
+    def train_step(self) -> list[dict]:
+        if self.step in self.cluster.before_step:
+            self.cluster.before_step.pop(self.step)(self)
+        self._check()
+        self.step += 1
+        return [{"loss": 10.0 / self.step, "lr": 1e-3, "grad_norm": 1.0, "save": None,
+                 "preempted": self.preempt.get(r, False)} for r in range(len(self.ranks))]
+
+    def save(self, uri: str, background: bool) -> bytes:
+        self._check()
+        self.uri = uri
+        for r in range(len(self.ranks)):
+            (Path(uri) / f"__{r}_0.distcp").write_bytes(bytes([r]) * 16)
+        return b"rng"
+
+    def wait_save(self) -> list[None]:
+        return [None] * len(self.ranks)
+
+    def saved_files(self) -> dict:
+        return file_digests(self.uri, [f"__{r}_0.distcp" for r in range(len(self.ranks))])
+
+    def abort(self) -> None:
+        self.aborts += 1
+
+    def alive_ranks(self, timeout_s: float) -> set[int]:
+        return {r for r, (n, _) in enumerate(self.ranks) if n not in self.cluster.dead}
+
+    def reform(self, assignment, placement, timeout_s: float) -> None:
+        kept = {r: self.ranks[o] for r, o in enumerate(assignment) if o is not None}
+        fresh = [r for r, o in enumerate(assignment) if o is None]
+        where = self.cluster.place(placement, fresh, {n for n, _ in kept.values()})
+        self.ranks = [kept[r] if r in kept else (where[r], next(_pids))
+                      for r in range(len(assignment))]
+        if self.cluster.on_reform:  # a fault while the survivors re-form
+            self.cluster.on_reform.pop(0)(self)
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _controller(tmp_path, cluster: FakeCluster, *overrides: str) -> Controller:
+    spec = load_spec(None, ["model.preset=tiny", "runtime.device=cpu", "training.steps=6",
+                            "training.global_batch_size=12", "training.microbatch_size=2",
+                            "optimizer.warmup_steps=1",
+                            "training.seq_len=32", "checkpoint.every=2",
+                            "checkpoint.async_save=false", "checkpoint.keep_last=10",
+                            "tracking.enabled=false", "elastic.max_restarts=3",
+                            f"runtime.output_dir={tmp_path}", *overrides])
+    ctl = Controller(spec.model_dump_json(), None, {}, group_factory=cluster.factory,
+                     topology_fn=cluster.topology)
+    ctl.trace = []
+    advance = ctl._advance
+
+    def traced(state, tracker):
+        ctl.trace.append(state.name)
+        return advance(state, tracker)
+
+    ctl._advance = traced
+    return ctl
+
+
+def _kill(cluster: FakeCluster, node: str):
+    return lambda group: cluster.dead.add(node)
+
+
+def test_a_node_failure_is_recovered_warm_on_the_survivors(tmp_path):
+    cluster = FakeCluster({"n0": 2, "n1": 2})
+    cluster.before_step[3] = _kill(cluster, "n1")
+    ctl = _controller(tmp_path, cluster, "parallelism.tp=2", "parallelism.dp=2")
+    s = ctl.run()
+    assert ctl.trace == ["scheduling", "restoring", "training", "recovering", "re-forming",
+                         "restoring", "training"]
+    assert s["status"] == "FINISHED" and s["steps_done"] == 6
+    assert s["losses"] == pytest.approx([10.0 / k for k in range(1, 7)])
+    (rec,) = s["recoveries"]
+    assert rec["cause"] == "RayActorError" and rec["mode"] == "warm"
+    assert rec["step"] == 2 and rec["steps_lost"] == 1
+    assert rec["old_mesh"]["world_size"] == 4 and rec["new_mesh"]["world_size"] == 2
+    (group,) = cluster.groups  # one group: the survivors were kept, none restarted
+    assert group.aborts == 1 and set(group.nodes) == {"n0"}
+    assert s["rank_pids"][-1] == s["rank_pids"][0][:2] and ctl.restarts == 1
+
+
+def test_a_second_failure_while_re_forming_is_part_of_the_same_warm_recovery(tmp_path):
+    cluster = FakeCluster({"n0": 2, "n1": 2, "n2": 2})
+    cluster.before_step[3] = _kill(cluster, "n2")
+    cluster.on_reform.append(lambda group: (cluster.dead.add("n1"), group._check()))
+    ctl = _controller(tmp_path, cluster, "parallelism.tp=2", "parallelism.dp=3")
+    s = ctl.run()
+    assert ctl.trace == ["scheduling", "restoring", "training", "recovering", "re-forming",
+                         "recovering", "re-forming", "restoring", "training"]
+    assert s["status"] == "FINISHED" and s["steps_done"] == 6
+    (rec,) = s["recoveries"]  # one recovery, timed from the first failure
+    assert rec["cause"] == "RayActorError, then RayActorError" and rec["mode"] == "warm"
+    assert rec["old_mesh"]["world_size"] == 6 and rec["new_mesh"]["world_size"] == 2
+    assert len(cluster.groups) == 1 and set(cluster.groups[0].nodes) == {"n0"}
+    assert ctl.restarts == 2  # each failure spent one restart
+    assert ctl.dead_nodes == {"n1", "n2"}
+
+
+def test_a_re_form_that_breaks_falls_back_to_a_cold_restart(tmp_path):
+    def broken(group):
+        raise RuntimeError("reset failed in a way that is not a failure")
+
+    cluster = FakeCluster({"n0": 2, "n1": 2})
+    cluster.before_step[3] = _kill(cluster, "n1")
+    cluster.on_reform.append(broken)
+    ctl = _controller(tmp_path, cluster, "parallelism.tp=2", "parallelism.dp=2")
+    s = ctl.run()
+    assert ctl.trace == ["scheduling", "restoring", "training", "recovering", "re-forming",
+                         "scheduling", "restoring", "training"]
+    (rec,) = s["recoveries"]
+    assert rec["mode"] == "cold" and s["steps_done"] == 6
+    assert len(cluster.groups) == 2 and not set(s["rank_pids"][-1]) & set(s["rank_pids"][0])
+    assert any("warm recovery failed (reset failed" in n for n in ctl.notices)
+
+
+def test_a_plan_that_no_longer_fits_ends_the_job_with_the_reason(tmp_path):
+    # 3 accelerators stay, enough for elastic.min_world_size=3, but dp must divide the
+    # global batch (16 samples in microbatches of 2): dp=3 cannot, dp=2 is below the minimum.
+    cluster = FakeCluster({"n0": 2, "n1": 1, "n2": 1})
+    cluster.before_step[3] = _kill(cluster, "n2")
+    ctl = _controller(tmp_path, cluster, "parallelism.dp=4", "training.global_batch_size=16",
+                      "elastic.min_world_size=3")
+    with pytest.raises(JobFailed, match="elastic.min_world_size") as err:
+        ctl.run()
+    assert "re-plan after a failure or resize found nothing" in str(err.value)
+    assert ctl.trace[-2:] == ["recovering", "re-forming"]
+    assert ctl._progress["state"] == "failed" and ctl.losses == pytest.approx([10.0, 5.0, 10 / 3])
+
+
+def test_too_few_accelerators_left_gives_up_before_re_forming(tmp_path):
+    cluster = FakeCluster({"n0": 2, "n1": 2})
+    cluster.before_step[3] = _kill(cluster, "n1")
+    ctl = _controller(tmp_path, cluster, "parallelism.tp=2", "parallelism.dp=2",
+                      "elastic.min_world_size=4")
+    with pytest.raises(JobFailed, match="only 2 accelerators are left"):
+        ctl.run()
+    assert ctl.trace[-1] == "recovering"
+
+
+def test_a_preemption_notice_spends_no_restart_budget_even_at_zero(tmp_path):
+    def notice(group):
+        group.preempt = {3: True}  # rank 3 (on n1) was told its node goes
+
+    cluster = FakeCluster({"n0": 2, "n1": 2})
+    cluster.before_step[2] = notice
+    ctl = _controller(tmp_path, cluster, "parallelism.tp=2", "parallelism.dp=2",
+                      "elastic.max_restarts=0")
+    s = ctl.run()
+    (rec,) = s["recoveries"]
+    assert rec["cause"] == "preemption" and rec["steps_lost"] == 0 and rec["step"] == 3
+    assert ctl.restarts == 0 and ctl.dead_nodes == {"n1"} and s["steps_done"] == 6
+
+
+def _stop(kind: str) -> Stop:
+    return Stop(kind, kind, 4, {"world_size": 8}, 0.0, "boom")
+
+
+def test_decide_after_a_stop():
+    el = ElasticConfig(max_restarts=1, min_world_size=2)
+    cold = el.model_copy(update={"warm_recovery": False})
+    alive = frozenset({0, 1})
+    d = decide(_stop(FAILURE), el, 0, 4, alive)
+    assert d.next == Reforming(_stop(FAILURE), alive) and d.spends_restart and d.backoff_s > 0
+    assert isinstance(decide(_stop(FAILURE), el, 0, 4, frozenset()).next, Scheduling)
+    assert isinstance(decide(_stop(FAILURE), cold, 0, 4, alive).next, Scheduling)
+    assert "elastic.max_restarts" in decide(_stop(FAILURE), el, 1, 4, alive).next.report
+    for kind in (PREEMPTION, SCALE_UP):  # no budget spent, no backoff, even when spent out
+        d = decide(_stop(kind), el, 1, 4, alive)
+        assert isinstance(d.next, Reforming) and not d.spends_restart and d.backoff_s == 0
+    assert isinstance(decide(_stop(PREEMPTION), el, 0, 1, alive).next, Errored)
+    later = _stop(FAILURE)
+    both = _stop(PREEMPTION).then(later)
+    assert both.kind == FAILURE and both.cause == "preemption, then failure" and both.at == 0.0
