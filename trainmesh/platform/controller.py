@@ -166,7 +166,7 @@ class Controller:
     def _reform(self, state: Reforming, tracker) -> State:
         """Warm: the survivors take the new plan's ranks (new actors only for accelerators no
         survivor holds); cold instead when none can be kept or the re-form breaks other than
-        by a failure (a failure is a stop: recover again, keeping whom we can)."""
+        by a rank's death (that is a stop: recover again, keeping whom we can)."""
         topo = self._plan(replan=True)
         placement = placement_for(self.eff, self.dims, topo)
         assignment = warm_assignment(placement.rank_bundle, self.group.nodes, set(state.alive))
@@ -178,9 +178,10 @@ class Controller:
         try:
             self.group.reform(assignment, placement,
                               timeout_s=self.spec.runtime.collective_timeout_s * 2 + 30)
-        except RECOVERABLE:
+        except RayActorError:  # a rank died while re-forming: recover again, warm if we can
             raise
-        except Exception as err:  # noqa: BLE001 - anything else here means: restart cold
+        except Exception as err:  # noqa: BLE001 - survivors that do not answer (still stuck
+            # in a collective), or anything else: restart cold
             self._notice(f"warm recovery failed ({str(err).strip().splitlines()[-1][:200]}); "
                          "restarting every rank")
             tracker.event("warm-recovery-failed", error=str(err)[-2000:])

@@ -11,7 +11,8 @@ policies that return decisions; no Ray, no torch here).
 A failure while scheduling, re-forming or restoring, or before the first step after a recovery,
 goes back to RECOVERING as part of the same recovery (``Stop.then``): it is timed from the first
 stop, and the survivors of both are kept when they can be. A re-form that cannot keep anyone, or
-that fails for any reason other than a failure, falls back to SCHEDULING (cold).
+that breaks other than by a rank's death (survivors that do not answer), falls back to
+SCHEDULING (cold).
 """
 
 from __future__ import annotations
