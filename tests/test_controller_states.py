@@ -125,7 +125,10 @@ class FakeGroup:
     def alive_ranks(self, timeout_s: float) -> set[int]:
         return {r for r, (n, _) in enumerate(self.ranks) if n not in self.cluster.dead}
 
-    def reform(self, assignment, placement, timeout_s: float) -> None:
+    def release_stuck(self, wait_s: float) -> list[int]:
+        return []
+
+    def reform(self, assignment, placement, timeout_s: float, refill=frozenset()) -> None:
         kept = {r: self.ranks[o] for r, o in enumerate(assignment) if o is not None}
         fresh = [r for r, o in enumerate(assignment) if o is None]
         where = self.cluster.place(placement, fresh, {n for n, _ in kept.values()})

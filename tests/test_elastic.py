@@ -312,7 +312,11 @@ def test_a_hung_rank_is_detected_long_before_the_collective_timeout(cluster, tmp
     (rec,) = s["recoveries"]
     assert rec["cause"] == "HangDetected" and rec["mode"] == "warm" and rec["step"] == 2
     assert rec["downtime_s"] < 60, rec  # the hang bound and a recovery, not 120 s of timeout
-    assert set(s["rank_pids"][-1]) < set(s["rank_pids"][-2])  # the other node's ranks went on
+    # The other node's ranks went on in their processes; one still stuck in a sub-group
+    # collective after the abort (gloo frees those only at the timeout) is killed and its
+    # place refilled by a new actor on the same node.
+    before, after = set(s["rank_pids"][-2]), set(s["rank_pids"][-1])
+    assert len(after) == 4 and len(after & before) >= 2
     from reference import reference_run  # the run no hang touched (4 steps: its own LR curve)
 
     want, _ = reference_run(spec, str(tmp_path / "data" / "tiny-corpus"), steps=4)

@@ -89,6 +89,17 @@ def test_warm_assignment_starts_new_actors_only_for_bundles_no_survivor_holds():
     assert warm_assignment((0, 0, 0, 0), nodes, alive={0, 1, 4, 5}) is None
 
 
+def test_warm_assignment_refills_the_places_of_ranks_killed_on_a_node_that_is_fine():
+    nodes = ["A"] * 4 + ["B"] * 4
+    # Node B died; on A, rank 2 was stuck in a collective and killed: A still holds the bundle,
+    # rank 2's place taken by a new actor (its old rank given, to say whose reservation).
+    assert warm_assignment((0, 0, 0, 0), nodes, alive={0, 1, 3}, refill={2}) == [0, 1, 3, 2]
+    # Survivors first: a node with only refillable places is not chosen for a bundle.
+    assert warm_assignment((0, 0, 0, 0), nodes, alive=set(), refill={4, 5, 6, 7}) is None
+    # Without the refill, A's 3 survivors cannot hold a bundle of 4: cold.
+    assert warm_assignment((0, 0, 0, 0), nodes, alive={0, 1, 3}) is None
+
+
 def _seen(step: int, fwd: int, bwd: int = 0) -> dict:
     return {"step": step, "phase": "forward", "counts": {"forward": fwd, "backward": bwd,
                                                          "optimizer": 0, "save": 0}, "idle_s": 1.0}

@@ -91,9 +91,10 @@ class RankWorker:
         new rank, keeping the process (torch stays imported). Returns the pid."""
         import gc
 
-        # A background write still going fails fast once its peers are gone (or at the group
-        # timeout); let it end before its group goes.
-        self.wait_save(timeout_s=self._timeout_s + 5)
+        # A background write still going here was cut off by a failure (a resize settles its
+        # save first): it never counts, and one stuck in its group's collective would wait for
+        # the collective timeout, so it is given a moment and then left behind.
+        self.wait_save(timeout_s=1.0)
         self._saving, self._save_group, self.engine = None, None, None
         _abandon_process_groups()
         self._store = None

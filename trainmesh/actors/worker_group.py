@@ -72,15 +72,18 @@ class WorkerGroup:
         self.placement = placement
         self._env_vars, self._ready_timeout_s, self._cpu_threads = env_vars, ready_timeout_s, cpu_threads
         self.pgs: list = []  # the first group's, then one per regroup that needed new actors
+        self._inflight: list = []  # the refs of the last call on every rank
         world = len(placement.rank_bundle)
-        self.workers, self.nodes = self._start(placement.bundles, placement.strategy,
-                                               list(enumerate(placement.rank_bundle)), world)
+        pg, nodes = self._place(placement.bundles, placement.strategy)
+        ranks = list(enumerate(placement.rank_bundle))
+        self.workers = self._actors(pg, ranks, world)
+        # each rank's reservation (placement group, bundle) and node: known without asking the
+        # actor, so also once it has died; a new actor can take a dead one's reservation
+        self.slots = [(pg, b) for _, b in ranks]
+        self.nodes = [nodes[b] for _, b in ranks]
 
-    def _start(self, bundles, strategy: str, ranks: list[tuple[int, int]], world: int
-               ) -> tuple[list, list[str]]:
-        """A placement group of ``bundles`` and an actor for each (rank, bundle index); the
-        actors and the node each was placed on (known without asking the actor, so a rank's
-        node is known even once it has died)."""
+    def _place(self, bundles, strategy: str) -> tuple[Any, dict[int, str]]:
+        """A placement group of ``bundles``, placed; and the node of each bundle."""
         pg = placement_group(list(bundles), strategy=strategy)
         ready, _ = ray.wait([pg.ready()], timeout=self._ready_timeout_s)
         if not ready:
@@ -90,11 +93,14 @@ class WorkerGroup:
                 f"{self._ready_timeout_s:.0f} s: the cluster lacks the resources; lower the "
                 "parallel degrees or add nodes")
         self.pgs.append(pg)
+        return pg, placement_group_table(pg)["bundles_to_node_id"]
+
+    def _actors(self, pg, ranks: list[tuple[int, int]], world: int) -> list:
+        """An actor for each (rank, bundle index of ``pg``)."""
         res = self.placement.resources_per_rank
         # "control": calls that must not queue behind a step (abort, health checks).
         cls = ray.remote(concurrency_groups={"control": 1})(RankWorker)
-        where = placement_group_table(pg)["bundles_to_node_id"]
-        actors = [
+        return [
             cls.options(
                 num_cpus=res.get("CPU", 0), num_gpus=res.get("GPU", 0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -103,34 +109,54 @@ class WorkerGroup:
             ).remote(rank, world, self._cpu_threads)
             for rank, b in ranks
         ]
-        return actors, [where[b] for _, b in ranks]
 
-    def regroup(self, assignment: list[int | None], placement: Placement, timeout_s: float) -> None:
+    def regroup(self, assignment: list[int | None], placement: Placement, timeout_s: float,
+                refill: set[int] = frozenset()) -> None:
         """Warm re-formation for a new plan: new rank r is old rank ``assignment[r]``'s actor,
-        reset in place (same process), or — where that is None — a new actor, placed in a new
-        placement group holding just the bundles such ranks need. Other old actors are ended.
-        A kept actor still blocked in a collective answers once that collective times out."""
-        old = self.workers
+        reset in place (same process); or, where that old rank is in ``refill`` (dead, its
+        node alive), a new actor in the reservation it held; or, where it is None, a new actor
+        in a new placement group holding just the bundles such ranks need. Other old actors
+        are ended."""
+        old, old_slots, old_nodes = self.workers, self.slots, self.nodes
         for i, w in enumerate(old):
-            if i not in assignment:
+            if i not in assignment or i in refill:
                 ray.kill(w)
         world = len(assignment)
         self.placement = placement
-        fresh: dict[int, tuple[Any, str]] = {}
+        new: dict[int, tuple[Any, tuple, str]] = {}  # new rank: (actor, slot, node)
+        for r, o in enumerate(assignment):
+            if o is not None:
+                actor = self._actors(old_slots[o][0], [(r, old_slots[o][1])], world)[0] \
+                    if o in refill else old[o]
+                new[r] = (actor, old_slots[o], old_nodes[o])
         new_bundles = sorted({placement.rank_bundle[r] for r, o in enumerate(assignment) if o is None})
         if new_bundles:
             index = {b: i for i, b in enumerate(new_bundles)}
             ranks = [(r, index[placement.rank_bundle[r]]) for r, o in enumerate(assignment) if o is None]
             strategy = placement.strategy if len(new_bundles) > 1 else "PACK"
-            actors, nodes = self._start([placement.bundles[b] for b in new_bundles], strategy,
-                                        ranks, world)
-            fresh = {r: (a, n) for (r, _), a, n in zip(ranks, actors, nodes, strict=True)}
-        kept = {r: (old[o], self.nodes[o]) for r, o in enumerate(assignment) if o is not None}
-        both = {**fresh, **kept}
-        self.workers = [both[r][0] for r in range(world)]
-        self.nodes = [both[r][1] for r in range(world)]
-        ray.get([old[o].reset.remote(r, world) for r, o in enumerate(assignment) if o is not None],
-                timeout=timeout_s)
+            pg, nodes = self._place([placement.bundles[b] for b in new_bundles], strategy)
+            for (r, b), actor in zip(ranks, self._actors(pg, ranks, world), strict=True):
+                new[r] = (actor, (pg, b), nodes[b])
+        self.workers, self.slots, self.nodes = (list(x) for x in zip(*(new[r] for r in range(world)),
+                                                                      strict=True))
+        ray.get([old[o].reset.remote(r, world) for r, o in enumerate(assignment)
+                 if o is not None and o not in refill], timeout=timeout_s)
+
+    def release_stuck(self, wait_s: float) -> list[int]:
+        """After an abort: ranks whose last call has not returned within ``wait_s`` are stuck
+        in a collective that no abort releases (on gloo, one over a sub-group whose peers have
+        left it: it would end only at the collective timeout). They are killed — their
+        processes' end releases whoever still waits on them — and returned; their nodes are
+        fine and their reservations can be refilled (``regroup``)."""
+        refs = {ref: r for r, ref in enumerate(self._inflight)}
+        if not refs:
+            return []
+        _, pending = ray.wait(list(refs), num_returns=len(refs), timeout=wait_s)
+        stuck = sorted(refs[ref] for ref in pending)
+        for r in stuck:
+            ray.kill(self.workers[r])
+        self._inflight = []
+        return stuck
 
     @property
     def world_size(self) -> int:
@@ -138,12 +164,13 @@ class WorkerGroup:
 
     def call(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list:
         """Call ``method`` on every rank; results in rank order."""
-        refs = [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
+        refs = self._inflight = [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
         return gather(refs, timeout_s)
 
     def call_each(self, method: str, args: list[tuple], timeout_s: float | None = None) -> list:
         """Call ``method`` on every rank with that rank's own arguments; results in rank order."""
-        refs = [getattr(w, method).remote(*a) for w, a in zip(self.workers, args, strict=True)]
+        refs = self._inflight = [getattr(w, method).remote(*a)
+                                 for w, a in zip(self.workers, args, strict=True)]
         return gather(refs, timeout_s)
 
     def call_watched(self, method: str, *args: Any, timeout_s: float, hang_after_s: float | None,
@@ -152,7 +179,7 @@ class WorkerGroup:
         each rank still in the call is asked for its progress out of band (``stalled``); hung
         ranks' nodes — every actor in a hung rank's bundle — are killed and ``HangDetected``
         raised, well before the collective timeout would end the call."""
-        refs = [getattr(w, method).remote(*args) for w in self.workers]
+        refs = self._inflight = [getattr(w, method).remote(*args) for w in self.workers]
         if hang_after_s is None:
             return gather(refs, timeout_s)
         t0 = time.monotonic()

@@ -58,6 +58,7 @@ from trainmesh.spec.job import JobSpec
 # What a recovery handles: a rank's actor died, a rank's step raised (a peer's death surfaces
 # as a collective error), a step overran its timeout, ranks hung, or no placement could be made.
 RECOVERABLE = (RayActorError, RayTaskError, GetTimeoutError, PlacementTimeout, HangDetected)
+STUCK_S = 3.0  # after an abort, how long a rank may take to leave the failed call
 
 
 class Controller:
@@ -169,7 +170,8 @@ class Controller:
         by a rank's death (that is a stop: recover again, keeping whom we can)."""
         topo = self._plan(replan=True)
         placement = placement_for(self.eff, self.dims, topo)
-        assignment = warm_assignment(placement.rank_bundle, self.group.nodes, set(state.alive))
+        assignment = warm_assignment(placement.rank_bundle, self.group.nodes, set(state.alive),
+                                     set(state.refill))
         if assignment is None:
             self._notice(f"warm recovery: the {len(state.alive)} surviving ranks cannot hold any "
                          f"part of the new plan {self.dims.as_dict()}; restarting every rank")
@@ -177,7 +179,8 @@ class Controller:
         self._set(state="re-forming")
         try:
             self.group.reform(assignment, placement,
-                              timeout_s=self.spec.runtime.collective_timeout_s * 2 + 30)
+                              timeout_s=self.spec.runtime.collective_timeout_s * 2 + 30,
+                              refill=set(state.refill) & set(assignment))
         except RayActorError:  # a rank died while re-forming: recover again, warm if we can
             raise
         except Exception as err:  # noqa: BLE001 - survivors that do not answer (still stuck
@@ -210,10 +213,9 @@ class Controller:
         """Who survived ``state.stop`` (a failure: after every survivor aborted its
         communicators, out of band), which nodes are gone, and the policy's decision."""
         stop, group = state.stop, self.group
-        if self._open is None:
-            self._marks = {"failed": time.time()}
+        self._marks = self._marks if self._open else {"failed": time.time()}
         self._open = stop
-        nodes = group.nodes if group is not None else []
+        nodes, refill = (group.nodes if group is not None else []), set()
         if stop.kind == SCALE_UP:  # checkpointed already; every rank is kept when warm
             alive = set(range(len(nodes)))
         elif stop.kind == PREEMPTION:  # checkpointed already; the notified nodes are going
@@ -223,14 +225,17 @@ class Controller:
             tracker.event("preemption", step=stop.step, ranks=list(stop.ranks),
                           nodes=sorted(leaving))
         else:
-            if group is not None:  # survivors leave their collectives now, not at the
-                group.abort()      # timeout (and any background save with them)
+            stuck: set[int] = set()
+            if group is not None:  # survivors leave their collectives now, not at the timeout
+                group.abort()      # (and any background save with them); those no abort frees
+                stuck = set(group.release_stuck(STUCK_S))  # are killed, their places refilled
             alive = self._alive(group)
-            self.dead_nodes |= {n for r, n in enumerate(nodes) if r not in alive}
-            tracker.event("failure", cause=stop.cause, step=stop.step,
+            self.dead_nodes |= {n for r, n in enumerate(nodes) if r not in alive | stuck}
+            refill = {r for r in stuck if nodes[r] not in self.dead_nodes}
+            tracker.event("failure", cause=stop.cause, step=stop.step, stuck=sorted(stuck),
                           dead_nodes=sorted(self.dead_nodes), error=stop.detail[-2000:])
         decision = decide(stop, self.spec.elastic, self.restarts, self._available().world_size,
-                          frozenset(alive))
+                          frozenset(alive), frozenset(refill))
         if not isinstance(decision.next, Reforming):
             self._drop()
         self.restarts += decision.spends_restart

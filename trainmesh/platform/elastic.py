@@ -105,23 +105,26 @@ def bounded_topology(topo: Topology, cfg: ElasticConfig, dead_nodes: set[str]) -
     return dataclasses.replace(topo, nodes=tuple(nodes))
 
 
-def warm_assignment(rank_bundle: tuple[int, ...], rank_nodes: list[str], alive: set[int]
-                    ) -> list[int | None] | None:
-    """Which surviving old ranks become the new ranks 0..n-1: ``result[r]`` is the old rank
-    that takes new rank r, or None where a new actor must be started (a bundle no surviving
-    node can hold: new accelerators). None when no survivor is kept at all (restart cold).
+def warm_assignment(rank_bundle: tuple[int, ...], rank_nodes: list[str], alive: set[int],
+                    refill: set[int] = frozenset()) -> list[int | None] | None:
+    """Which old ranks' places the new ranks 0..n-1 take: ``result[r]`` is the old rank whose
+    actor becomes new rank r (a survivor in ``alive``), or whose reservation a new actor fills
+    (a rank in ``refill``: dead, or killed for being stuck, on a node that is fine); None where a
+    new actor needs a new reservation (a bundle no surviving node can hold: new accelerators).
+    None when no survivor is kept at all (restart cold).
 
     ``rank_bundle[r]`` is the bundle (one node) of new rank r; ``rank_nodes[o]`` the node of
-    old rank o. Each bundle takes one surviving node with enough live ranks, so a bundle's
-    ranks (a TP group, a pipeline stage) share a node as they did before."""
+    old rank o. Each bundle takes one node whose survivors (then refillable places) are enough,
+    so a bundle's ranks (a TP group, a pipeline stage) share a node as they did before."""
     need: dict[int, int] = Counter(rank_bundle)
     by_node: dict[str, list[int]] = {}
-    for old in sorted(alive):
+    for old in [*sorted(alive), *sorted(set(refill) - set(alive))]:  # survivors first
         by_node.setdefault(rank_nodes[old], []).append(old)
-    free = sorted(by_node, key=lambda n: (-len(by_node[n]), min(by_node[n])))
+    live = Counter(rank_nodes[o] for o in alive)
+    free = sorted(by_node, key=lambda n: (-live[n], -len(by_node[n]), min(by_node[n])))
     chosen: dict[int, list[int]] = {}
     for bundle in sorted(need, key=lambda b: -need[b]):
-        node = next((n for n in free if len(by_node[n]) >= need[bundle]), None)
+        node = next((n for n in free if len(by_node[n]) >= need[bundle] and live[n]), None)
         if node is not None:
             free.remove(node)
             chosen[bundle] = by_node[node][: need[bundle]]

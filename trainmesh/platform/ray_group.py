@@ -78,11 +78,16 @@ class RayWorkerGroup:
         """A failure is known: every survivor aborts its communicators now (out of band)."""
         self.group.abort(timeout_s=5.0)
 
-    def reform(self, assignment: list[int | None], placement: Placement, timeout_s: float) -> None:
+    def release_stuck(self, wait_s: float) -> list[int]:
+        """Ranks still stuck in the failed call ``wait_s`` after the abort, killed."""
+        return self.group.release_stuck(wait_s)
+
+    def reform(self, assignment: list[int | None], placement: Placement, timeout_s: float,
+               refill: set[int] = frozenset()) -> None:
         """Warm recovery or growth: kept old ranks take their new ranks in the same processes,
-        new actors start only where ``assignment`` has None; all join a new process group on a
-        fresh port."""
-        self.group.regroup(assignment, placement, timeout_s)
+        new actors start in the reservations of ``refill`` ranks and where ``assignment`` has
+        None; all join a new process group on a fresh port."""
+        self.group.regroup(assignment, placement, timeout_s, refill)
         self.backend = self.group.setup_process_group(self.spec.runtime.device, self.timeout)
 
     def build(self, spec_json: str, dims: ParallelDims, data_dir: str) -> None:

@@ -62,6 +62,7 @@ class Reforming:
 
     stop: Stop
     alive: frozenset[int]
+    refill: frozenset[int] = frozenset()  # old ranks whose places new actors may take
     name: ClassVar[str] = "re-forming"
 
 
@@ -118,10 +119,11 @@ class Decision:
 
 
 def decide(stop: Stop, cfg: ElasticConfig, restarts: int, available: int,
-           alive: frozenset[int]) -> Decision:
-    """After ``stop``, with ``restarts`` spent, ``available`` accelerators usable and the old
-    ranks ``alive``: give up (the report names the knob), or go on warm with the survivors
-    (``elastic.warm_recovery``) or cold. Preemption and scale-up never spend restart budget."""
+           alive: frozenset[int], refill: frozenset[int] = frozenset()) -> Decision:
+    """After ``stop``, with ``restarts`` spent, ``available`` accelerators usable, the old
+    ranks ``alive`` and those whose places can be refilled (``refill``): give up (the report
+    names the knob), or go on warm with the survivors (``elastic.warm_recovery``) or cold.
+    Preemption and scale-up never spend restart budget."""
     if stop.kind == FAILURE:
         verdict = on_failure(cfg, restarts, available, [stop.detail])
     elif stop.kind == PREEMPTION:
@@ -132,5 +134,5 @@ def decide(stop: Stop, cfg: ElasticConfig, restarts: int, available: int,
         return Decision(Errored(verdict.report))
     spends = stop.kind == FAILURE
     if cfg.warm_recovery and alive:
-        return Decision(Reforming(stop, alive), verdict.backoff_s, spends)
+        return Decision(Reforming(stop, alive, refill), verdict.backoff_s, spends)
     return Decision(Scheduling(stop), verdict.backoff_s, spends)
