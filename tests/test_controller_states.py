@@ -128,7 +128,8 @@ class FakeGroup:
     def release_stuck(self, wait_s: float) -> list[int]:
         return []
 
-    def reform(self, assignment, placement, timeout_s: float, refill=frozenset()) -> None:
+    def reform(self, assignment, placement, timeout_s: float, refill=frozenset(),
+               avoid=frozenset()) -> None:
         kept = {r: self.ranks[o] for r, o in enumerate(assignment) if o is not None}
         fresh = [r for r, o in enumerate(assignment) if o is None]
         where = self.cluster.place(placement, fresh, {n for n, _ in kept.values()})
@@ -237,9 +238,14 @@ def test_too_few_accelerators_left_gives_up_before_re_forming(tmp_path):
     cluster.before_step[3] = _kill(cluster, "n1")
     ctl = _controller(tmp_path, cluster, "parallelism.tp=2", "parallelism.dp=2",
                       "elastic.min_world_size=4")
-    with pytest.raises(JobFailed, match="only 2 accelerators are left"):
+    with pytest.raises(JobFailed, match="only 2 accelerators are left") as err:
         ctl.run()
+    assert "lower elastic.min_world_size or add nodes" in str(err.value)
     assert ctl.trace[-1] == "recovering"
+    import json
+
+    summary = json.loads((tmp_path / "summary.json").read_text())  # written all the same
+    assert summary["status"] == "FAILED" and summary["steps_done"] == 3
 
 
 def test_a_preemption_notice_spends_no_restart_budget_even_at_zero(tmp_path):
@@ -265,7 +271,9 @@ def test_decide_after_a_stop():
     cold = el.model_copy(update={"warm_recovery": False})
     alive = frozenset({0, 1})
     d = decide(_stop(FAILURE), el, 0, 4, alive)
-    assert d.next == Reforming(_stop(FAILURE), alive) and d.spends_restart and d.backoff_s > 0
+    assert d.next == Reforming(_stop(FAILURE), alive) and d.spends_restart and d.backoff_s == 0
+    more = ElasticConfig(max_restarts=9, min_world_size=2)  # 2 failures without a step between
+    assert decide(_stop(FAILURE), more, 4, 4, alive, in_a_row=2).backoff_s == 1.0
     assert isinstance(decide(_stop(FAILURE), el, 0, 4, frozenset()).next, Scheduling)
     assert isinstance(decide(_stop(FAILURE), cold, 0, 4, alive).next, Scheduling)
     assert "elastic.max_restarts" in decide(_stop(FAILURE), el, 1, 4, alive).next.report

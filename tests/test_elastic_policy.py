@@ -25,6 +25,10 @@ def test_retry_with_growing_backoff_until_the_restart_budget_is_spent():
     assert [w.backoff_s for w in waits] == sorted(w.backoff_s for w in waits)
     final = on_failure(cfg, 3, available=4, errors=["x"])
     assert isinstance(final, GiveUp) and "elastic.max_restarts" in final.report
+    # the backoff follows failures in a row: a failure after steps went well again retries
+    # at once, however many came before
+    assert on_failure(cfg, 2, available=4, errors=["x"], in_a_row=0).backoff_s == 0.0
+    assert waits[0].backoff_s == 0.0 and waits[2].backoff_s > 0
 
 
 def test_below_minimum_gives_up_naming_the_knob():
@@ -127,13 +131,16 @@ def test_hang_bound_from_recent_steps_with_a_floor_or_the_spec():
 
 
 def test_the_fault_hook_parses_strictly_fires_once_and_only_where_placed(tmp_path, monkeypatch):
+    import json
+
     from trainmesh.actors.progress import FAULT_ENV, Fault, InjectedFault, Progress
 
     with pytest.raises(ValueError, match=FAULT_ENV):
         Fault.parse("hang@rank=1,step=2")  # no phase, no marker
     with pytest.raises(ValueError, match="phase one of"):
         Fault.parse(f"raise@rank=1,step=2,phase=sideways,marker={tmp_path / 'm'}")
-    monkeypatch.setenv(FAULT_ENV, f"raise@rank=1,step=2,phase=backward,marker={tmp_path / 'm'}")
+    monkeypatch.setenv(FAULT_ENV, f"raise@rank=1,step=2,phase=backward,marker={tmp_path / 'm'};"
+                                  f" raise@rank=0,phase=reform,marker={tmp_path / 'r'}")
     other, mine = Progress(rank=0), Progress(rank=1)
     for p in (other, mine):
         p.step = 2
@@ -142,8 +149,13 @@ def test_the_fault_hook_parses_strictly_fires_once_and_only_where_placed(tmp_pat
     with pytest.raises(InjectedFault):
         mine.mark("backward")
     assert mine.snapshot()["counts"]["backward"] == 1
+    assert json.loads((tmp_path / "m").read_text())["pid"] > 0  # where it fired
     again = Progress(rank=1)  # a restarted rank: the marker says it fired already
     again.step = 2
     again.mark("backward")
+    mine.rank = 0  # a re-form made it rank 0: the fault placed at rank 0, any step, fires
+    mine.step = 7
+    with pytest.raises(InjectedFault):
+        mine.mark("reform")
     monkeypatch.delenv(FAULT_ENV)
-    assert Progress(rank=1)._fault is None
+    assert Progress(rank=1)._faults == []

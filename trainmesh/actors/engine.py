@@ -156,7 +156,8 @@ class Engine:
         return dcp_io.save(directory, self.model, self.optimizer)
 
     def async_save(self, directory: str, group) -> Future:
-        return dcp_io.async_save(directory, self.model, self.optimizer, group)
+        return dcp_io.async_save(directory, self.model, self.optimizer, group,
+                                 on_write=lambda: self.on_phase("write"))
 
     def load(self, directory: str, step: int, rng_state: torch.Tensor | None) -> None:
         """Restore model + optimizer shards, then the schedule position and RNG."""

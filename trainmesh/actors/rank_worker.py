@@ -91,12 +91,15 @@ class RankWorker:
         new rank, keeping the process (torch stays imported). Returns the pid."""
         import gc
 
+        self._progress.rank = rank
+        self._progress.mark("reform")
         # A background write still going here was cut off by a failure (a resize settles its
         # save first): it never counts, and one stuck in its group's collective would wait for
         # the collective timeout, so it is given a moment and then left behind.
         self.wait_save(timeout_s=1.0)
         self._saving, self._save_group, self.engine = None, None, None
         _abandon_process_groups()
+        _forget_dtensor_caches()
         self._store = None
         self.rank, self.world_size = rank, world_size
         gc.collect()
@@ -156,6 +159,7 @@ class RankWorker:
         thread writes them while training goes on (``save_status`` says how that went)."""
         self.wait_save()
         self._saved_files = {}
+        self._progress.step = self.engine.step
         self._progress.mark("save")
         if not background:
             self._saved_files = self.engine.save(directory)
@@ -211,6 +215,8 @@ class RankWorker:
 
     def load(self, directory: str, step: int, rng_state: bytes | None) -> None:
         rng = torch.frombuffer(bytearray(rng_state), dtype=torch.uint8) if rng_state else None
+        self._progress.step = step
+        self._progress.mark("restore")
         self.engine.load(directory, step, rng)
 
     def full_state(self) -> dict:
@@ -227,6 +233,35 @@ class RankWorker:
         if dist.is_initialized():
             dist.destroy_process_group()
         self.engine = None
+
+
+def _forget_dtensor_caches() -> None:
+    """DTensor caches sharding decisions, redistribution planners and mesh facts keyed by the
+    mesh's shape, not by its process groups: a new mesh equal in shape to one this process had
+    before (a warm re-form) would be handed entries holding the old mesh, whose groups are gone
+    ("Could not resolve the process group registered under the name ..."; group names are
+    counters that restart with the default group). Every such cache is dropped with the
+    groups: the lru caches of torch.distributed.tensor's modules and classes, the planner
+    cache, and this thread's sharding-propagation cache (the thread that runs steps)."""
+    import functools
+    import sys
+
+    from torch.distributed.tensor import DTensor, _redistribute
+
+    def clear(obj) -> None:
+        if isinstance(obj, functools._lru_cache_wrapper):
+            obj.cache_clear()
+
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith("torch.distributed.tensor"):
+            continue
+        for value in list(vars(module).values()):
+            clear(value)
+            if isinstance(value, type) and value.__module__ == name:
+                for attr in vars(value).values():
+                    clear(getattr(attr, "__func__", attr))
+    _redistribute.clear_redistribute_planner_cache()
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache.cache_clear()
 
 
 def _abandon_process_groups() -> None:

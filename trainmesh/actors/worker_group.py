@@ -111,12 +111,13 @@ class WorkerGroup:
         ]
 
     def regroup(self, assignment: list[int | None], placement: Placement, timeout_s: float,
-                refill: set[int] = frozenset()) -> None:
+                refill: set[int] = frozenset(), avoid: set[str] = frozenset()) -> None:
         """Warm re-formation for a new plan: new rank r is old rank ``assignment[r]``'s actor,
         reset in place (same process); or, where that old rank is in ``refill`` (dead, its
         node alive), a new actor in the reservation it held; or, where it is None, a new actor
-        in a new placement group holding just the bundles such ranks need. Other old actors
-        are ended."""
+        in a reservation of this group's that no actor holds any more (not on a node in
+        ``avoid``), else in a new placement group holding just the bundles such ranks need.
+        Other old actors are ended."""
         old, old_slots, old_nodes = self.workers, self.slots, self.nodes
         for i, w in enumerate(old):
             if i not in assignment or i in refill:
@@ -130,6 +131,17 @@ class WorkerGroup:
                     if o in refill else old[o]
                 new[r] = (actor, old_slots[o], old_nodes[o])
         new_bundles = sorted({placement.rank_bundle[r] for r, o in enumerate(assignment) if o is None})
+        kept_slots = {new[r][1] for r in new}
+        for b in list(new_bundles):  # a reservation no actor holds any more, first
+            ranks = [r for r, o in enumerate(assignment) if o is None and placement.rank_bundle[r] == b]
+            slot = self._free_slot(placement.bundles[b], kept_slots, avoid)
+            if slot is not None:
+                kept_slots.add(slot)
+                new_bundles.remove(b)
+                node = placement_group_table(slot[0])["bundles_to_node_id"][slot[1]]
+                for r, actor in zip(ranks, self._actors(slot[0], [(r, slot[1]) for r in ranks],
+                                                        world), strict=True):
+                    new[r] = (actor, slot, node)
         if new_bundles:
             index = {b: i for i, b in enumerate(new_bundles)}
             ranks = [(r, index[placement.rank_bundle[r]]) for r, o in enumerate(assignment) if o is None]
@@ -141,6 +153,19 @@ class WorkerGroup:
                                                                       strict=True))
         ray.get([old[o].reset.remote(r, world) for r, o in enumerate(assignment)
                  if o is not None and o not in refill], timeout=timeout_s)
+
+    def _free_slot(self, need: dict[str, float], taken: set, avoid: set[str]):
+        """A bundle of this group's placement groups that no actor holds now, large enough for
+        ``need`` and placed on a node not in ``avoid``: Ray re-places the bundles of a node
+        that died on another node (a spare, often), so reusing them is what lets a recovery
+        use that node at all (a new placement group would find it taken)."""
+        for pg in self.pgs:
+            where = placement_group_table(pg)["bundles_to_node_id"]
+            for b, spec in enumerate(pg.bundle_specs):
+                if ((pg, b) not in taken and where.get(b) and where[b] not in avoid
+                        and all(spec.get(k, 0) >= v for k, v in need.items())):
+                    return pg, b
+        return None
 
     def release_stuck(self, wait_s: float) -> list[int]:
         """After an abort: ranks whose last call has not returned within ``wait_s`` are stuck

@@ -8,6 +8,7 @@ storage.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -38,8 +39,11 @@ class _Recording:
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.written: list[str] = []
+        self.on_write = None  # called as the writing begins (a background save: in its thread)
 
     def write_data(self, plan, planner):
+        if self.on_write is not None:
+            self.on_write()
         fut = super().write_data(plan, planner)
         fut.add_done_callback(lambda f: self.written.extend(
             {r.storage_data.relative_path for r in f.result()}))
@@ -85,13 +89,14 @@ def save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimiz
 
 
 def async_save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-               group: dist.ProcessGroup) -> Future:
+               group: dist.ProcessGroup, on_write: Callable[[], None] | None = None) -> Future:
     """Collective: copy this rank's shards to host memory now, write them in a background
     thread (coordinating over ``group``, a gloo group of its own so the writer never shares a
     communicator with training), then digest what this rank wrote. Returns a future of the
     digests (as ``save``); training may go on at once."""
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTS)
     writer = _writer(directory)
+    writer.on_write = on_write
     written = dcp.async_save({"model": model_sd, "optim": optim_sd}, storage_writer=writer,
                              process_group=group)
     digests: Future = Future()

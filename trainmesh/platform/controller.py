@@ -58,7 +58,8 @@ from trainmesh.spec.job import JobSpec
 # What a recovery handles: a rank's actor died, a rank's step raised (a peer's death surfaces
 # as a collective error), a step overran its timeout, ranks hung, or no placement could be made.
 RECOVERABLE = (RayActorError, RayTaskError, GetTimeoutError, PlacementTimeout, HangDetected)
-STUCK_S = 3.0  # after an abort, how long a rank may take to leave the failed call
+STUCK_S = 2.0  # after an abort, how long a rank may take to leave the failed call
+ALIVE_S = 3.0  # how long a live rank may take to answer on its control path
 
 
 class Controller:
@@ -86,7 +87,7 @@ class Controller:
         self.recoveries: list[dict[str, Any]] = []
         self.dead_nodes: set[str] = set()
         self.group = None  # the rank actors (the injected worker group)
-        self.restarts = 0  # failures retried so far
+        self.restarts = self.in_a_row = 0  # failures retried: in all, since a step completed
         self._open: Stop | None = None  # the stop being recovered from, until its first step
         self.dims = ParallelDims()
         self.eff = self.spec  # the spec with the current plan written in
@@ -180,7 +181,8 @@ class Controller:
         try:
             self.group.reform(assignment, placement,
                               timeout_s=self.spec.runtime.collective_timeout_s * 2 + 30,
-                              refill=set(state.refill) & set(assignment))
+                              refill=set(state.refill) & set(assignment),
+                              avoid=self.dead_nodes | set(draining_nodes()))
         except RayActorError:  # a rank died while re-forming: recover again, warm if we can
             raise
         except Exception as err:  # noqa: BLE001 - survivors that do not answer (still stuck
@@ -213,8 +215,7 @@ class Controller:
         """Who survived ``state.stop`` (a failure: after every survivor aborted its
         communicators, out of band), which nodes are gone, and the policy's decision."""
         stop, group = state.stop, self.group
-        self._marks = self._marks if self._open else {"failed": time.time()}
-        self._open = stop
+        self._marks, self._open = (self._marks if self._open else {"failed": time.time()}), stop
         nodes, refill = (group.nodes if group is not None else []), set()
         if stop.kind == SCALE_UP:  # checkpointed already; every rank is kept when warm
             alive = set(range(len(nodes)))
@@ -235,10 +236,11 @@ class Controller:
             tracker.event("failure", cause=stop.cause, step=stop.step, stuck=sorted(stuck),
                           dead_nodes=sorted(self.dead_nodes), error=stop.detail[-2000:])
         decision = decide(stop, self.spec.elastic, self.restarts, self._available().world_size,
-                          frozenset(alive), frozenset(refill))
+                          frozenset(alive), frozenset(refill), self.in_a_row)
         if not isinstance(decision.next, Reforming):
             self._drop()
         self.restarts += decision.spends_restart
+        self.in_a_row += decision.spends_restart
         time.sleep(decision.backoff_s)
         return decision.next
 
@@ -305,17 +307,15 @@ class Controller:
                        new_mesh=self.dims.as_dict(), downtime_s=time.monotonic() - stop.at,
                        steps_lost=max(0, stop.step - start), mode=mode,
                        failed_at=m.get("failed", 0.0), phases=recovery_phases(m))
-        self._open = None
+        self._open, self.in_a_row = None, 0
         self.recoveries.append(rec.as_dict())
         tracker.event("recovery", **rec.as_dict())
         tracker.log_metrics({"recovery_downtime_s": rec.downtime_s,
                              "recovery_steps_lost": rec.steps_lost}, step=start)
 
     def _alive(self, group) -> set[int]:
-        """Ranks whose actor is not dead (busy ones count as alive: they were aborted)."""
-        if group is None:
-            return set()
-        return group.alive_ranks(timeout_s=10)
+        """Ranks that answer (busy ones too: the answer does not queue behind a step)."""
+        return set() if group is None else group.alive_ranks(timeout_s=ALIVE_S)
 
     # -- steps -----------------------------------------------------------------------------
     def _train(self, group, dims: ParallelDims, tracker, start: int,

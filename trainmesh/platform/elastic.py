@@ -61,9 +61,11 @@ class JobFailed(RuntimeError):
 
 
 def on_failure(cfg: ElasticConfig, restarts_done: int, available: int,
-               errors: list[str]) -> Retry | GiveUp:
-    """Retry with exponential backoff while restarts and accelerators allow; else a report
-    that groups identical rank errors and names the knob to change."""
+               errors: list[str], in_a_row: int | None = None) -> Retry | GiveUp:
+    """Retry while restarts and accelerators allow — at once after a first failure, then with
+    a backoff doubling for every failure ``in_a_row`` (failures with no step completed between
+    them; by default all of them) — else a report that groups identical rank errors and names
+    the knob to change."""
     if restarts_done >= cfg.max_restarts:
         return GiveUp(failure_report(errors, f"gave up after {restarts_done} restarts; raise "
                                              "elastic.max_restarts to keep trying"))
@@ -71,7 +73,8 @@ def on_failure(cfg: ElasticConfig, restarts_done: int, available: int,
         return GiveUp(failure_report(
             errors, f"only {available} accelerators are left, below elastic.min_world_size="
                     f"{cfg.min_world_size}; lower elastic.min_world_size or add nodes"))
-    return Retry(backoff_s=min(30.0, 0.5 * 2**restarts_done))
+    k = restarts_done if in_a_row is None else in_a_row
+    return Retry(backoff_s=0.0 if k == 0 else min(30.0, 0.5 * 2 ** (k - 1)))
 
 
 def on_preemption(cfg: ElasticConfig, available: int, notice: str) -> Retry | GiveUp:

@@ -59,20 +59,24 @@ class RayWorkerGroup:
         return self.group.call("node_info", timeout_s=60)
 
     def alive_ranks(self, timeout_s: float) -> set[int]:
-        """Ranks whose actor is not dead: a call to a dead actor fails within seconds, while a
-        live one may be busy (blocked in a collective until its timeout) and answer later, so
-        only a call that fails within ``timeout_s`` marks a rank dead."""
+        """Ranks that answer on their control path within ``timeout_s`` (it never queues
+        behind a step, so a live rank answers at once, busy or not). A rank that does not — on
+        a node that is gone but not yet known dead to Ray, or frozen — is not alive: it is
+        killed, so that no later call waits on it."""
         import ray
 
         refs = {w.node_info.remote(): r for r, w in enumerate(self.group.workers)}
         ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
-        dead = set()
+        alive = set()
         for ref in ready:
             try:
                 ray.get(ref)
+                alive.add(refs[ref])
             except ray.exceptions.RayError:
-                dead.add(refs[ref])
-        return set(refs.values()) - dead
+                pass
+        for r in set(refs.values()) - alive:
+            ray.kill(self.group.workers[r])
+        return alive
 
     def abort(self) -> None:
         """A failure is known: every survivor aborts its communicators now (out of band)."""
@@ -83,11 +87,11 @@ class RayWorkerGroup:
         return self.group.release_stuck(wait_s)
 
     def reform(self, assignment: list[int | None], placement: Placement, timeout_s: float,
-               refill: set[int] = frozenset()) -> None:
+               refill: set[int] = frozenset(), avoid: set[str] = frozenset()) -> None:
         """Warm recovery or growth: kept old ranks take their new ranks in the same processes,
         new actors start in the reservations of ``refill`` ranks and where ``assignment`` has
-        None; all join a new process group on a fresh port."""
-        self.group.regroup(assignment, placement, timeout_s, refill)
+        None (not on the nodes in ``avoid``); all join a new process group on a fresh port."""
+        self.group.regroup(assignment, placement, timeout_s, refill, avoid)
         self.backend = self.group.setup_process_group(self.spec.runtime.device, self.timeout)
 
     def build(self, spec_json: str, dims: ParallelDims, data_dir: str) -> None:

@@ -119,13 +119,15 @@ class Decision:
 
 
 def decide(stop: Stop, cfg: ElasticConfig, restarts: int, available: int,
-           alive: frozenset[int], refill: frozenset[int] = frozenset()) -> Decision:
-    """After ``stop``, with ``restarts`` spent, ``available`` accelerators usable, the old
-    ranks ``alive`` and those whose places can be refilled (``refill``): give up (the report
-    names the knob), or go on warm with the survivors (``elastic.warm_recovery``) or cold.
-    Preemption and scale-up never spend restart budget."""
+           alive: frozenset[int], refill: frozenset[int] = frozenset(),
+           in_a_row: int | None = None) -> Decision:
+    """After ``stop``, with ``restarts`` spent (``in_a_row`` of them since a step last
+    completed), ``available`` accelerators usable, the old ranks ``alive`` and those whose
+    places can be refilled (``refill``): give up (the report names the knob), or go on warm
+    with the survivors (``elastic.warm_recovery``) or cold. Preemption and scale-up never spend
+    restart budget."""
     if stop.kind == FAILURE:
-        verdict = on_failure(cfg, restarts, available, [stop.detail])
+        verdict = on_failure(cfg, restarts, available, [stop.detail], in_a_row)
     elif stop.kind == PREEMPTION:
         verdict = on_preemption(cfg, available, stop.detail)
     else:
