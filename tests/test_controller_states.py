@@ -90,6 +90,7 @@ class FakeGroup:
 
     def build(self, spec_json: str, dims, data_dir: str) -> None:
         self._check()
+        self.step = 0  # a new engine: at step 0 until a checkpoint is loaded
 
     def bad_files(self, uri: str, files: dict) -> list[str]:
         return []
@@ -183,6 +184,14 @@ def test_a_node_failure_is_recovered_warm_on_the_survivors(tmp_path):
     (group,) = cluster.groups  # one group: the survivors were kept, none restarted
     assert group.aborts == 1 and set(group.nodes) == {"n0"}
     assert s["rank_pids"][-1] == s["rank_pids"][0][:2] and ctl.restarts == 1
+
+
+def test_a_failure_before_any_checkpoint_starts_over_with_no_stale_losses(tmp_path):
+    cluster = FakeCluster({"n0": 2, "n1": 2})
+    cluster.before_step[1] = _kill(cluster, "n1")  # step 1 done, no checkpoint yet
+    s = _controller(tmp_path, cluster, "parallelism.tp=2", "parallelism.dp=2").run()
+    assert s["steps_done"] == 6 and s["losses"] == pytest.approx([10.0 / k for k in range(1, 7)])
+    assert s["recoveries"][0]["step"] == 0 and s["recoveries"][0]["steps_lost"] == 1
 
 
 def test_a_second_failure_while_re_forming_is_part_of_the_same_warm_recovery(tmp_path):

@@ -367,9 +367,9 @@ class Controller:
         self.cadence.saving(step)
         self.ckpts.save(group, step, meta, tracker, background)
 
-    # -- resume ----------------------------------------------------------------------------
     def _resume(self, group, resume, tracker) -> int:
-        if resume is None:
+        if resume is None:  # from the start: losses of steps trained before a failure go too
+            self.losses = []
             return 0
         directory, meta = resume
         uri, rng = self.ckpts.restored(directory)

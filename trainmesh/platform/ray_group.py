@@ -192,9 +192,16 @@ def draining_nodes() -> dict[str, int]:
         return {}
 
 
-@functools.cache
 def _gcs_client():
     import ray
 
-    # The GCS client Ray's own libraries (Serve) read draining nodes through.
-    return ray._raylet.GcsClient(address=ray.get_runtime_context().gcs_address)
+    return _gcs_client_at(ray.get_runtime_context().gcs_address)
+
+
+@functools.cache
+def _gcs_client_at(address: str):
+    import ray
+
+    # The GCS client Ray's own libraries (Serve) read draining nodes through; one per cluster
+    # (a process may connect to another cluster later: tests do).
+    return ray._raylet.GcsClient(address=address)
