@@ -283,7 +283,10 @@ def test_a_hung_rank_is_detected_long_before_the_collective_timeout(cluster, tmp
     assert (tmp_path / "fired").exists()
     assert s["status"] == "FINISHED" and s["steps_done"] == 4 and s["mesh"]["world_size"] == 4
     (rec,) = s["recoveries"]
-    assert rec["cause"] == "HangDetected" and rec["mode"] == "warm" and rec["step"] == 2
+    assert rec["cause"] == "HangDetected" and rec["mode"] == "warm"
+    # the step-2 save was written in the background: it is committed only at a step boundary
+    # after it, and the hang comes first, so it never counts and the job starts over
+    assert rec["step"] == 0 and rec["steps_lost"] == 2
     assert rec["downtime_s"] < 60, rec  # the hang bound and a recovery, not 120 s of timeout
     # The other node's ranks went on in their processes; one still stuck in a sub-group
     # collective after the abort (gloo frees those only at the timeout) is killed and its
