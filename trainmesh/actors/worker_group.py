@@ -134,11 +134,11 @@ class WorkerGroup:
         kept_slots = {new[r][1] for r in new}
         for b in list(new_bundles):  # a reservation no actor holds any more, first
             ranks = [r for r, o in enumerate(assignment) if o is None and placement.rank_bundle[r] == b]
-            slot = self._free_slot(placement.bundles[b], kept_slots, avoid)
-            if slot is not None:
+            found = self._free_slot(placement.bundles[b], kept_slots, avoid)
+            if found is not None:
+                slot, node = found
                 kept_slots.add(slot)
                 new_bundles.remove(b)
-                node = placement_group_table(slot[0])["bundles_to_node_id"][slot[1]]
                 for r, actor in zip(ranks, self._actors(slot[0], [(r, slot[1]) for r in ranks],
                                                         world), strict=True):
                     new[r] = (actor, slot, node)
@@ -156,15 +156,16 @@ class WorkerGroup:
 
     def _free_slot(self, need: dict[str, float], taken: set, avoid: set[str]):
         """A bundle of this group's placement groups that no actor holds now, large enough for
-        ``need`` and placed on a node not in ``avoid``: Ray re-places the bundles of a node
-        that died on another node (a spare, often), so reusing them is what lets a recovery
-        use that node at all (a new placement group would find it taken)."""
+        ``need`` and placed on a node not in ``avoid``, as ((pg, bundle), node): Ray re-places
+        the bundles of a node that died on another node (a spare, often), so reusing them is
+        what lets a recovery use that node at all (a new placement group would find it
+        taken)."""
         for pg in self.pgs:
             where = placement_group_table(pg)["bundles_to_node_id"]
             for b, spec in enumerate(pg.bundle_specs):
                 if ((pg, b) not in taken and where.get(b) and where[b] not in avoid
                         and all(spec.get(k, 0) >= v for k, v in need.items())):
-                    return pg, b
+                    return (pg, b), where[b]
         return None
 
     def release_stuck(self, wait_s: float) -> list[int]:
