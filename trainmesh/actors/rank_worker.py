@@ -240,13 +240,15 @@ def _forget_dtensor_caches() -> None:
     mesh's shape, not by its process groups: a new mesh equal in shape to one this process had
     before (a warm re-form) would be handed entries holding the old mesh, whose groups are gone
     ("Could not resolve the process group registered under the name ..."; group names are
-    counters that restart with the default group). Every such cache is dropped with the
+    counters that restart with the default group: the stale names resolve to the new groups
+    only while the rank keeps its place in the mesh). Every such cache is dropped with the
     groups: the lru caches of torch.distributed.tensor's modules and classes, the planner
-    cache, and this thread's sharding-propagation cache (the thread that runs steps)."""
+    cache, and the sharding-propagation caches (the thread that runs steps: this one)."""
     import functools
     import sys
 
-    from torch.distributed.tensor import DTensor, _redistribute
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
     def clear(obj) -> None:
         if isinstance(obj, functools._lru_cache_wrapper):
@@ -261,7 +263,10 @@ def _forget_dtensor_caches() -> None:
                 for attr in vars(value).values():
                     clear(getattr(attr, "__func__", attr))
     _redistribute.clear_redistribute_planner_cache()
-    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache.cache_clear()
+    # both sharding-propagation caches: Python's (this thread's) and the C++ dispatch fast
+    # path's, which answers first (missing it: measured, a survivor that changed pipeline stage
+    # ran its new stage's ops on its old mesh's groups)
+    _clear_sharding_prop_cache()
 
 
 def _abandon_process_groups() -> None:
