@@ -39,10 +39,12 @@ class RankPool:
         if self.group is None:
             self.group, self.env = RayWorkerGroup(spec, dims, placement, env), env
         else:
-            have = self.group.group.world_size
+            # Each process takes another rank than it had (old rank r+1 becomes rank r), as
+            # survivors do in a warm recovery: anything a process keeps from its last mesh
+            # (DTensor's caches: rank_worker._forget_dtensor_caches) breaks the run here.
             self.group.spec, self.group.timeout = spec, spec.runtime.collective_timeout_s
-            self.group.reform([r if r < have else None for r in range(dims.world_size)],
-                              placement, timeout_s=120)
+            world = dims.world_size
+            self.group.reform([(r + 1) % world for r in range(world)], placement, timeout_s=120)
         return self.group
 
     def release(self, group: RayWorkerGroup) -> None:
