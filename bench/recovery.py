@@ -41,6 +41,7 @@ from pathlib import Path
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+os.environ.setdefault("RAY_enable_metrics_collection", "0")  # see tests/conftest.py
 
 # The spec's defaults where they matter to recovery: runtime.collective_timeout_s (120 s),
 # hang detection; background checkpoint saves on, as in the demo spec.

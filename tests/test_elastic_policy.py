@@ -104,21 +104,22 @@ def test_warm_assignment_refills_the_places_of_ranks_killed_on_a_node_that_is_fi
     assert warm_assignment((0, 0, 0, 0), nodes, alive={0, 1, 3}) is None
 
 
-def _seen(step: int, fwd: int, bwd: int = 0) -> dict:
+def _seen(step: int, fwd: int, bwd: int = 0, idle_s: float = 5.0) -> dict:
     return {"step": step, "phase": "forward", "counts": {"forward": fwd, "backward": bwd,
-                                                         "optimizer": 0, "save": 0}, "idle_s": 1.0}
+                                                         "optimizer": 0, "save": 0}, "idle_s": idle_s}
 
 
 def test_hung_ranks_are_the_silent_ones_or_those_behind_when_nothing_moves():
     from trainmesh.actors.worker_group import stalled
 
     a = [_seen(3, 4, 2), _seen(3, 4, 2), _seen(3, 3, 1), _seen(3, 4, 2)]
-    assert stalled(a, a, running={0, 1, 2, 3}) == [2]  # the others wait for rank 2
-    assert stalled(a, [*a[:3], None], running={0, 1, 2, 3}) == [3]  # frozen: no answer
-    moved = [_seen(3, 4, 3), *a[1:]]
-    assert stalled(a, moved, running={0, 1, 2, 3}) == []  # someone still works
-    assert stalled(a, a, running={0, 1, 3}) == [0, 1, 3]  # a collective stuck with no culprit
-    assert stalled([None] * 4, a, running={0, 1, 2, 3}) == []  # first look: nothing to compare
+    every = {0, 1, 2, 3}
+    assert stalled(a, every, quiet_s=4) == [2]  # the others wait for rank 2
+    assert stalled([*a[:3], None], every, quiet_s=4) == [3]  # frozen: no answer
+    moved = [_seen(3, 4, 3, idle_s=0.5), *a[1:]]
+    assert stalled(moved, every, quiet_s=4) == []  # someone still works
+    assert stalled(a, every, quiet_s=6) == []  # a long phase, not yet a hang
+    assert stalled(a, {0, 1, 3}, quiet_s=4) == [0, 1, 3]  # a collective stuck with no culprit
 
 
 def test_hang_bound_from_recent_steps_with_a_floor_or_the_spec():

@@ -48,18 +48,19 @@ def gather(refs: list, timeout_s: float | None, poll_s: float = 0.5) -> list:
     return results
 
 
-def stalled(before: list[dict | None], now: list[dict | None], running: set[int]) -> list[int]:
-    """Which of the ``running`` ranks are hung, from two looks at their progress
+def stalled(now: list[dict | None], running: set[int], quiet_s: float) -> list[int]:
+    """Which of the ``running`` ranks are hung, from a look at their progress
     (``RankWorker.progress``; None: the rank did not answer its control path, as a frozen
-    process cannot): the silent ones; else, when none of them moved between the looks, the
-    ones furthest behind (the others are waiting for them in a collective); else none."""
+    process cannot): the silent ones; else, once every one of them has been in its phase for
+    ``quiet_s`` or more (nobody moves: the others are waiting for someone in a collective), the
+    ones furthest behind; else none (someone still works: a slow step is not a hung one)."""
     silent = sorted(r for r in running if now[r] is None)
     if silent:
         return silent
+    if any(now[r]["idle_s"] < quiet_s for r in running):
+        return []
     def key(s: dict) -> tuple:
         return s["step"], sum(s["counts"].values())
-    if any(before[r] is None or key(before[r]) != key(now[r]) for r in running):
-        return []
     least = min(key(now[r]) for r in running)
     return sorted(r for r in running if key(now[r]) == least)
 
@@ -202,7 +203,8 @@ class WorkerGroup:
     def call_watched(self, method: str, *args: Any, timeout_s: float, hang_after_s: float | None,
                      poll_s: float = 1.0) -> list:
         """``call``, watching for hung ranks once ``hang_after_s`` has passed: every ``poll_s``
-        each rank still in the call is asked for its progress out of band (``stalled``); hung
+        each rank still in the call is asked for its progress out of band (``stalled``: a rank
+        counts as hung once nobody has moved for half the bound, at least two polls); hung
         ranks' nodes — every actor in a hung rank's bundle — are killed and ``HangDetected``
         raised, well before the collective timeout would end the call."""
         refs = self._inflight = [getattr(w, method).remote(*args) for w in self.workers]
@@ -213,19 +215,18 @@ class WorkerGroup:
             return gather(refs, min(hang_after_s, timeout_s))
         except GetTimeoutError:
             pass
-        before: list[dict | None] = self._progress(poll_s)
+        quiet_s = max(2 * poll_s, hang_after_s / 2)
         while True:
+            now = self._progress(poll_s)
+            running = {r for r, ref in enumerate(refs) if not ray.wait([ref], timeout=0)[0]}
+            hung = stalled(now, running, quiet_s)
+            if hung:
+                break
             try:
                 return gather(refs, poll_s)
             except GetTimeoutError:
                 if time.monotonic() - t0 > timeout_s:
                     raise
-            now = self._progress(poll_s)
-            running = {r for r, ref in enumerate(refs) if not ray.wait([ref], timeout=0)[0]}
-            hung = stalled(before, now, running)
-            if hung:
-                break
-            before = now
         nodes = {self.placement.rank_bundle[r] for r in hung}
         doomed = [r for r, b in enumerate(self.placement.rank_bundle) if b in nodes]
         for r in doomed:
