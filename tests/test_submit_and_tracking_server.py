@@ -1,10 +1,12 @@
 """Where users run it: a real Ray head (`ray start --head`, dashboard and job API on 127.0.0.1,
 token authentication) and a real `mlflow server` on loopback. `trainmesh submit --follow` runs
 the tiny job there; `trainmesh jobs ...` inspect and stop jobs; a tracking server killed in the
-middle of a run neither stops training nor loses the metrics logged while it was away."""
+middle of a run neither stops training nor loses the metrics logged while it was away, and a
+`trainmesh run` SIGKILLed and run again resumes in the same MLflow run."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -113,41 +115,113 @@ def test_submit_refuses_a_bad_spec_and_a_dead_address(capsys, tmp_path):
 
 
 @pytest.mark.timeout(500)
-def test_killing_the_tracking_server_mid_run_loses_nothing(tmp_path):
+def test_tracking_server_outage_then_trainmesh_run_sigkilled_and_run_again(tmp_path):
+    """``trainmesh run`` goes on while the tracking server is down and logs what it missed once
+    it is back; then the run itself is SIGKILLed, and the same command run again resumes from
+    the newest complete checkpoint in the same MLflow run: every step logged, the steps trained
+    twice with equal losses (the exact data position), the run FINISHED."""
+    from trainmesh.checkpoint.manifest import CheckpointStore
+
     server = MlflowServer(tmp_path / "mlflow")
     server.start()
-    steps = 250
+    steps = 300
     out = tmp_path / "out"
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    job = subprocess.Popen(
-        [sys.executable, "-m", "trainmesh.jobs.cli", "run", TINY, "--no-progress",
-         "--set", f"training.steps={steps}", "--set", "checkpoint.every=1000",
-         "--set", "parallelism.dp=1", "--set", "training.global_batch_size=4",
-         "--set", f"runtime.output_dir={out}", "--set", f"tracking.uri={server.uri}",
-         "--set", "tracking.experiment=outage"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
-    try:
-        client, run = None, None
+    # unbuffered: what it printed before the SIGKILL is read back
+    env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "PYTHONUNBUFFERED": "1"}
+    command = [sys.executable, "-m", "trainmesh.jobs.cli", "run", TINY, "--no-progress",
+               "--set", f"training.steps={steps}", "--set", "checkpoint.every=25",
+               "--set", "parallelism.dp=1", "--set", "training.global_batch_size=8",
+               "--set", f"runtime.output_dir={out}", "--set", f"tracking.uri={server.uri}",
+               "--set", "tracking.experiment=outage"]
+
+    def start():
+        return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env=env, cwd=tmp_path)
+
+    def logged_steps(at_least: int) -> list:
         deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:  # wait until training is visibly logging
+        while time.monotonic() < deadline:
+            assert job.poll() is None, job.communicate()[0][-3000:]
             client, runs = _runs(server.uri, "outage")
-            if runs and len(client.get_metric_history(runs[0].info.run_id, "loss")) >= 5:
-                run = runs[0]
-                break
-            time.sleep(1)
-        assert run is not None, "the job never logged 5 steps"
+            if runs:
+                history = client.get_metric_history(runs[0].info.run_id, "loss")
+                if max((m.step for m in history), default=0) >= at_least:
+                    return history
+            time.sleep(0.5)
+        raise AssertionError(f"the job never logged step {at_least}")
+
+    job = start()
+    try:
+        logged_steps(5)
         server.stop()
         time.sleep(3)  # steps go on while nothing listens
         assert job.poll() is None, "the job ended while the server was down"
         server.start()
+        store = CheckpointStore(out / "checkpoints")
+        back = max(m.step for m in logged_steps(1)) + 1  # logging again, what it missed sent
+        while not [s for s in store.complete_steps() if s > back]:
+            assert job.poll() is None, job.communicate()[0][-3000:]
+            time.sleep(0.2)
+        logged_steps(max(store.complete_steps()) + 5)  # past the checkpoint it will resume from
+        started = _descendants(job.pid)  # its local Ray instance: controller, ranks, agents
+        job.kill()  # SIGKILL: no handler runs, no summary, the MLflow run left RUNNING
+        log, _ = job.communicate(timeout=60)
+        assert "unreachable" in log and "is back" in log
+        _end(started)  # Ray's processes outlive their driver a moment (and agents stay): ended
+        resume_at = max(store.complete_steps())  # the controller may commit one in that moment
+
+        job = start()
         log, _ = job.communicate(timeout=400)
         assert job.returncode == 0, log[-3000:]
-        assert "unreachable" in log and "is back" in log
-        client, [run] = _runs(server.uri, "outage")
-        history = client.get_metric_history(run.info.run_id, "loss")
-        assert sorted(m.step for m in history) == list(range(1, steps + 1))
+        client, runs = _runs(server.uri, "outage")
+        assert len(runs) == 1  # the same MLflow run, resumed
+        (run,) = runs
         assert run.info.status == "FINISHED"
+        history = client.get_metric_history(run.info.run_id, "loss")
+        by_step: dict[int, list[float]] = {}
+        for m in history:
+            by_step.setdefault(m.step, []).append(m.value)
+        assert sorted(by_step) == list(range(1, steps + 1))
+        twice = [s for s, v in by_step.items() if len(v) > 1]
+        assert twice and min(twice) == resume_at + 1  # trained again from the checkpoint on
+        for s in twice:
+            assert max(by_step[s]) - min(by_step[s]) <= 1e-5 * abs(by_step[s][0]), (s, by_step[s])
+        events = json.loads(Path(client.download_artifacts(run.info.run_id, "events.json",
+                                                           str(tmp_path))).read_text())
+        assert {"kind": "resume", "step": resume_at} in [
+            {k: e[k] for k in ("kind", "step") if k in e} for e in events if e["kind"] == "resume"]
     finally:
         if job.poll() is None:
             job.kill()
         server.stop()
+
+
+def _descendants(pid: int) -> set[int]:
+    parent = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError):
+                pass
+    tree, grew = {pid}, True
+    while grew:
+        more = {p for p, pp in parent.items() if pp in tree} - tree
+        tree, grew = tree | more, bool(more)
+    return tree - {pid}
+
+
+def _end(pids: set[int], wait_s: float = 3.0) -> None:
+    """Wait for ``pids`` to exit, then SIGKILL those left."""
+    import signal
+
+    deadline = time.monotonic() + wait_s
+    while pids and time.monotonic() < deadline:
+        pids = {p for p in pids if Path(f"/proc/{p}").exists()
+                and "zombie" not in Path(f"/proc/{p}/status").read_text()}
+        time.sleep(0.2)
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

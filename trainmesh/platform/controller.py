@@ -98,8 +98,7 @@ class Controller:
         """Where the run is, and every notice so far (the driver prints the new ones)."""
         return {**self._progress, "notices": list(self.notices)}
 
-    def _notice(self, text: str) -> None:
-        self.notices.append(text)
+    def _notice(self, text: str) -> None: self.notices.append(text)  # noqa: E704
 
     def run(self) -> dict[str, Any]:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -183,10 +182,9 @@ class Controller:
                               timeout_s=self.spec.runtime.collective_timeout_s * 2 + 30,
                               refill=set(state.refill) & set(assignment),
                               avoid=self.dead_nodes | set(draining_nodes()))
-        except RayActorError:  # a rank died while re-forming: recover again, warm if we can
-            raise
-        except Exception as err:  # noqa: BLE001 - survivors that do not answer (still stuck
-            # in a collective), or anything else: restart cold
+        except Exception as err:  # noqa: BLE001 - a rank died while re-forming: recover again,
+            if isinstance(err, RayActorError):  # warm if we can; survivors that do not answer
+                raise                           # (stuck in a collective), or else: cold
             self._notice(f"warm recovery failed ({str(err).strip().splitlines()[-1][:200]}); "
                          "restarting every rank")
             tracker.event("warm-recovery-failed", error=str(err)[-2000:])
@@ -231,8 +229,11 @@ class Controller:
                 group.abort()      # (and any background save with them); those no abort frees
                 stuck = set(group.release_stuck(STUCK_S))  # are killed, their places refilled
             alive = self._alive(group)
-            self.dead_nodes |= {n for r, n in enumerate(nodes) if r not in alive | stuck}
-            refill = {r for r in stuck if nodes[r] not in self.dead_nodes}
+            # a node is gone when none of its ranks answers; a rank dead beside ones that do
+            # (its process killed: OOM, a crash) leaves a place its node can refill
+            gone = set(range(len(nodes))) - alive - stuck
+            self.dead_nodes |= {nodes[r] for r in gone} - {nodes[r] for r in alive}
+            refill = {r for r in stuck | gone if nodes[r] not in self.dead_nodes}
             tracker.event("failure", cause=stop.cause, step=stop.step, stuck=sorted(stuck),
                           dead_nodes=sorted(self.dead_nodes), error=stop.detail[-2000:])
         decision = decide(stop, self.spec.elastic, self.restarts, self._available().world_size,
@@ -313,8 +314,7 @@ class Controller:
         tracker.log_metrics({"recovery_downtime_s": rec.downtime_s,
                              "recovery_steps_lost": rec.steps_lost}, step=start)
 
-    def _alive(self, group) -> set[int]:
-        """Ranks that answer (busy ones too: the answer does not queue behind a step)."""
+    def _alive(self, group) -> set[int]:  # those that answer (busy ones too: out of band)
         return set() if group is None else group.alive_ranks(timeout_s=ALIVE_S)
 
     # -- steps -----------------------------------------------------------------------------

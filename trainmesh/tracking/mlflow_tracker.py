@@ -149,10 +149,11 @@ class MlflowTracker:
                                f"{self.retry_interval_s:.0f} s")
                 return False
             self._pending.popleft()
-        if self._down_since is not None:
-            self._warn(f"MLflow tracking server at {self.uri} is back after "
-                       f"{time.monotonic() - self._down_since:.0f} s; buffered calls sent")
-            self._down_since = None
+            if self._down_since is not None:  # said at once: the backlog may take a while
+                self._warn(f"MLflow tracking server at {self.uri} is back after "
+                           f"{time.monotonic() - self._down_since:.0f} s; sending the "
+                           f"{len(self._pending)} calls buffered meanwhile")
+                self._down_since = None
         return True
 
     def _warn(self, text: str) -> None:
