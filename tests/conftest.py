@@ -47,19 +47,10 @@ def ray_local():
 @pytest.fixture(scope="module")
 def gpu_cluster():
     """A simulated multi-node cluster: a head and 2 nodes advertising 4 GPUs each."""
-    import ray
-    from ray.cluster_utils import Cluster
+    from servers import simulated_cluster
 
-    ray.shutdown()
-    cluster = Cluster(initialize_head=True, connect=False,
-                      head_node_args={"num_cpus": 1, "include_dashboard": False})
-    for _ in range(2):
-        cluster.add_node(num_cpus=4, num_gpus=4)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
+    with simulated_cluster(2, num_cpus=4, num_gpus=4) as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="session")

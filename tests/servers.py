@@ -1,5 +1,6 @@
 """Real servers for tests, on 127.0.0.1 only: an MLflow tracking server that can be stopped
-and started again on the same port and store, and a Ray head with its dashboard/job API."""
+and started again on the same port and store, a Ray head with its dashboard/job API, and a
+simulated multi-node Ray cluster."""
 
 from __future__ import annotations
 
@@ -15,6 +16,27 @@ import urllib.request
 from pathlib import Path
 
 BIN = Path(sys.executable).parent
+
+
+@contextlib.contextmanager
+def simulated_cluster(nodes: int, num_cpus: float, num_gpus: int):
+    """``ray.cluster_utils.Cluster``: a head (1 CPU, no GPU) and ``nodes`` nodes advertising
+    ``num_gpus`` GPUs each, this process connected; shut down on exit."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    ray.shutdown()
+    cluster = Cluster(initialize_head=True, connect=False,
+                      head_node_args={"num_cpus": 1, "include_dashboard": False})
+    try:
+        for _ in range(nodes):
+            cluster.add_node(num_cpus=num_cpus, num_gpus=num_gpus)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
 
 
 def free_port() -> int:

@@ -10,6 +10,7 @@ import time
 
 import pytest
 import ray
+from servers import simulated_cluster
 
 from trainmesh.checkpoint.manifest import CheckpointStore
 from trainmesh.jobs.loading import load_spec
@@ -23,17 +24,8 @@ COMMON = ["model.preset=tiny", "training.global_batch_size=16", "training.microb
 
 @pytest.fixture(scope="module")
 def cluster():
-    from ray.cluster_utils import Cluster
-
-    ray.shutdown()
-    c = Cluster(initialize_head=True, connect=False,
-                head_node_args={"num_cpus": 1, "include_dashboard": False})
-    c.add_node(num_cpus=4, num_gpus=4)
-    c.wait_for_nodes()
-    ray.init(address=c.address, log_to_driver=False, configure_logging=False)
-    yield c
-    ray.shutdown()
-    c.shutdown()
+    with simulated_cluster(1, num_cpus=4, num_gpus=4) as c:
+        yield c
 
 
 def _gpu_nodes(c):

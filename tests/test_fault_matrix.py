@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 import pytest
-import ray
 import torch
+from servers import simulated_cluster
 
 from trainmesh.checkpoint.manifest import CheckpointStore
 from trainmesh.jobs.loading import load_spec
@@ -57,18 +57,8 @@ DROPS_NODE = ("wait", "hang", "term")  # the job loses (or leaves) that rank's n
 
 @pytest.fixture(scope="module")
 def cluster():
-    from ray.cluster_utils import Cluster
-
-    ray.shutdown()
-    c = Cluster(initialize_head=True, connect=False,
-                head_node_args={"num_cpus": 1, "include_dashboard": False})
-    for _ in range(3):  # two for the job, one spare
-        c.add_node(num_cpus=1, num_gpus=2)
-    c.wait_for_nodes()
-    ray.init(address=c.address, log_to_driver=False, configure_logging=False)
-    yield c
-    ray.shutdown()
-    c.shutdown()
+    with simulated_cluster(3, num_cpus=1, num_gpus=2) as c:  # two for the job, one spare
+        yield c
 
 
 def _rank_pids_under(raylet: int) -> list[int]:
