@@ -1,7 +1,7 @@
 """When a save counts: the controller's commit/drop policy for synchronous and background saves,
 on a real checkpoint directory. The rank actors are stood in for by ``_Ranks``, which writes a
 shard per rank the way DCP would and reports each rank's background-save state as the test
-sets it (the real ranks' background saves run in tests/test_dp_zero3.py and test_elastic.py).
+sets it (the real ranks' background saves run in tests/test_dp_zero3.py and test_fault_matrix.py).
 """
 
 from __future__ import annotations

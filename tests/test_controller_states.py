@@ -1,7 +1,7 @@
 """The controller's state machine driven by a fake worker group (no Ray, no torch ranks):
 the transitions a failure, a second failure while recovering, a broken re-form and a plan that
 no longer fits take, and the pure decision after a stop. The same paths with real rank actors on
-a simulated cluster: test_elastic.py and test_fault_matrix.py."""
+a simulated cluster: test_fault_matrix.py."""
 
 from __future__ import annotations
 

@@ -6,8 +6,9 @@ joins to stand in for every node the job loses; the job must recover each time w
 for a timeout, keeping survivors, keep every complete checkpoint, and end with the
 uninterrupted run's losses.
 
-The controller's transitions with a fake worker group: test_controller_states.py; growth when
-a node joins and Ray's drain notice: test_elastic.py."""
+After the preemption notice the job goes on with the 2 ranks left and grows back when a node
+joins. Also here: Ray's drain notice as the controller reads it. The controller's transitions
+with a fake worker group (cold restarts, too few accelerators left): test_controller_states.py."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+import ray
 import torch
 from servers import simulated_cluster
 
@@ -26,7 +28,7 @@ from trainmesh.checkpoint.manifest import CheckpointStore
 from trainmesh.jobs.loading import load_spec
 from trainmesh.jobs.runner import run_job
 
-STEPS = 16
+STEPS = 20
 # 4 ranks: a pipeline of 2 stages (interleaved, 2 chunks each), TP 2 inside each stage's node.
 ARGS = ["model.preset=tiny", "training.global_batch_size=16", "training.microbatch_size=2",
         "training.seq_len=32", "optimizer.warmup_steps=1", "runtime.device=auto",
@@ -49,10 +51,11 @@ FAULTS = [
     ("raise", "raise@rank=1,step=10,phase=backward"),         # a rank's step raises
     ("hang", "hang@rank=2,step=11,phase=forward"),            # a rank hangs (SIGSTOP)
     ("kill", "exit@rank=3,step=12,phase=forward"),            # one rank process SIGKILLed
-    ("notice", "term@rank=0,step=13,phase=forward"),          # a preemption notice
+    ("notice", "term@rank=0,step=13,phase=forward"),          # a preemption notice (the
+    # job goes on with 2 ranks; a node joins once they have saved, and the job grows back)
     ("save", f"wait@rank=3,step={STEPS},phase=save"),         # node removed in the final save
 ]
-DROPS_NODE = ("wait", "hang", "term")  # the job loses (or leaves) that rank's node
+DROPS_NODE = ("wait", "hang")  # the job loses that rank's node: a fresh one joins
 
 
 @pytest.fixture(scope="module")
@@ -76,13 +79,20 @@ def _rank_pids_under(raylet: int) -> list[int]:
     return pids
 
 
-def _act_on_faults(cluster, markers: dict[str, Path], job: threading.Thread) -> dict[str, float]:
+def _act_on_faults(cluster, markers: dict[str, Path], job: threading.Thread,
+                   store: CheckpointStore) -> dict[str, float]:
     """Until the job ends, act on each fault as it fires (its marker appears): remove the node
     of a rank that waits there (hard, its rank processes killed as the node's end would), and
-    bring a fresh node for every node the job loses or drops. (Ray adds nodes from the main
-    thread only: the job runs in another.)"""
+    bring a fresh node for every node the job loses; at the preemption notice take the idle
+    spare away, and bring a node once the job has saved on the 2 ranks left (it grows back). (Ray adds nodes from
+    the main thread only: the job runs in another.)"""
     acted: dict[str, float] = {}
     while job.is_alive():
+        if "notice" in acted and "grown" not in acted and any(
+                (store.read_manifest(store.step_dir(k), hashes=False) or {}).get(
+                    "mesh", {}).get("world_size") == 2 for k in store.complete_steps()):
+            cluster.add_node(num_cpus=1, num_gpus=2)
+            acted["grown"] = time.time()
         for name, path in markers.items():
             if name in acted or not path.exists() or not path.read_text():
                 continue
@@ -95,6 +105,10 @@ def _act_on_faults(cluster, markers: dict[str, Path], job: threading.Thread) -> 
                 cluster.remove_node(node, allow_graceful=False)
                 for pid in doomed:
                     os.kill(pid, signal.SIGKILL)
+            if name == "notice":  # the spare goes too, so that the job shrinks to 2 ranks
+                for node in list(cluster.worker_nodes):
+                    if not _rank_pids_under(node.all_processes["raylet"][0].process.pid):
+                        cluster.remove_node(node)
             acted[name] = time.time()
             if kind in DROPS_NODE:
                 cluster.add_node(num_cpus=1, num_gpus=2)
@@ -121,9 +135,10 @@ def test_every_fault_is_recovered_warm_in_seconds_with_nothing_lost(cluster, tmp
 
     thread = threading.Thread(target=job, daemon=True)
     thread.start()
-    acted = _act_on_faults(cluster, markers, thread)
+    store = CheckpointStore(tmp_path / "out" / "checkpoints")
+    acted = _act_on_faults(cluster, markers, thread, store)
     assert "error" not in box, box.get("error")
-    assert sorted(acted) == sorted(markers), "faults that never fired"
+    assert sorted(acted) == sorted([*markers, "grown"]), "faults that never fired"
     s = box["summary"]
     assert s["status"] == "FINISHED" and s["steps_done"] == STEPS
 
@@ -138,7 +153,17 @@ def test_every_fault_is_recovered_warm_in_seconds_with_nothing_lost(cluster, tmp
     # A fault while recovering (restoring, re-forming) joins that recovery.
     assert sum(", then " in r["cause"] for r in recs) >= 2, [r["cause"] for r in recs]
     (notice,) = [r for r in recs if r["cause"] == "preemption"]
-    assert notice["steps_lost"] == 0
+    assert notice["steps_lost"] == 0 and notice["new_mesh"]["world_size"] == 2
+    # A node joined: at the next checkpoint the job grew back, keeping the 2 running processes
+    # and starting 2 for the new node's accelerators, each TP pair on one node.
+    (up,) = [r for r in recs if r["cause"] == "scale-up"]
+    assert (up["old_mesh"]["world_size"], up["new_mesh"]["world_size"]) == (2, 4)
+    assert up["mode"] == "warm" and up["steps_lost"] == 0
+    grew = [(set(a), set(b)) for a, b in zip(s["rank_pids"], s["rank_pids"][1:], strict=False)
+            if len(a) == 2 and len(b) == 4]
+    assert grew and grew[0][0] < grew[0][1]
+    nodes = s["rank_to_node"]
+    assert len(set(nodes)) == 2 and nodes[0] == nodes[1] and nodes[2] == nodes[3]
     assert any(r["cause"].startswith("RayTaskError") for r in recs)  # the step that raised
     assert any(r["cause"] == "HangDetected" for r in recs)  # long before the 120 s timeout
     assert len(recs) >= 8
@@ -158,9 +183,8 @@ def test_every_fault_is_recovered_warm_in_seconds_with_nothing_lost(cluster, tmp
     torch.testing.assert_close(torch.tensor(s["losses"]), torch.tensor(want), rtol=1e-4, atol=0)
 
     # No complete checkpoint was lost or damaged: every one committed is there, intact.
-    store = CheckpointStore(tmp_path / "out" / "checkpoints")
     complete = store.complete_steps()
-    assert STEPS in complete and notice["step"] in complete
+    assert STEPS in complete and notice["step"] in complete and up["step"] in complete
     for step in complete:  # every file present, its size and sha256 as the manifest says
         assert store.read_manifest(store.step_dir(step)) is not None, step
 
@@ -170,3 +194,32 @@ def test_every_fault_is_recovered_warm_in_seconds_with_nothing_lost(cluster, tmp
     trace = json.loads((tmp_path / "out" / "pipeline_trace.json").read_text())
     computed = {e["name"] for e in trace["traceEvents"] if e.get("cat") == "compute"}
     assert {"0F0", "2F1", "3B1", "1B0"} <= computed
+
+
+@pytest.mark.timeout(120)
+def test_a_drain_is_seen_as_a_notice(cluster):
+    """Ray draining a node (the autoscaler, KubeRay, ``ray drain-node``) is what the controller
+    reads after every step (``draining_nodes``) and treats as the notice a SIGTERM is (the
+    job's reaction to a notice: the matrix's SIGTERM above)."""
+    from ray.core.generated import autoscaler_pb2
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from trainmesh.platform.ray_group import draining_nodes
+
+    node, busy = cluster.add_node(num_cpus=1, num_gpus=1), None
+    try:
+        # something running there (as ranks would be): an idle node is drained at once
+        busy = ray.remote(num_cpus=1)(lambda: time.sleep(60)).options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False)).remote()
+        time.sleep(2)
+        assert node.node_id not in draining_nodes()
+        gcs = ray._raylet.GcsClient(address=cluster.gcs_address)
+        reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")
+        deadline = int(time.time() * 1000) + 120_000
+        accepted, why = gcs.drain_node(node.node_id, reason, "test: spot reclaim", deadline)
+        assert accepted, why
+        assert draining_nodes()[node.node_id] == deadline
+    finally:
+        if busy is not None:
+            ray.cancel(busy, force=True)
+        cluster.remove_node(node)

@@ -228,7 +228,7 @@ class Controller:
             if group is not None:  # survivors leave their collectives now, not at the timeout
                 group.abort()      # (and any background save with them); those no abort frees
                 stuck = set(group.release_stuck(STUCK_S))  # are killed, their places refilled
-            alive = self._alive(group)
+            alive = self._alive(group) - stuck  # (asked with the abort: stuck ones answered)
             # a node is gone when none of its ranks answers; a rank dead beside ones that do
             # (its process killed: OOM, a crash) leaves a place its node can refill
             gone = set(range(len(nodes))) - alive - stuck

@@ -48,6 +48,7 @@ class RayWorkerGroup:
                                  cpu_threads=max(1, int(spec.runtime.cpus_per_rank)))
         self.backend = self.group.setup_process_group(spec.runtime.device, self.timeout)
         self._steps: list[float] = []  # recent step times, for the hang bound
+        self._asked: tuple[float, dict] | None = None  # (when, refs) of the last "alive?"
 
     @property
     def nodes(self) -> list[str]:
@@ -60,13 +61,17 @@ class RayWorkerGroup:
 
     def alive_ranks(self, timeout_s: float) -> set[int]:
         """Ranks that answer on their control path within ``timeout_s`` (it never queues
-        behind a step, so a live rank answers at once, busy or not). A rank that does not — on
-        a node that is gone but not yet known dead to Ray, or frozen — is not alive: it is
-        killed, so that no later call waits on it."""
+        behind a step, so a live rank answers at once, busy or not) of being asked — by
+        ``abort``, when it ran: the question then waits alongside the abort and the stuck
+        ranks' grace, not after them. A rank that does not — on a node that is gone but not
+        yet known dead to Ray, or frozen — is not alive: it is killed, so that no later call
+        waits on it."""
         import ray
 
-        refs = {w.node_info.remote(): r for r, w in enumerate(self.group.workers)}
-        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+        asked, refs = self._asked or (time.monotonic(), self._ask())
+        self._asked = None
+        left = max(0.0, asked + timeout_s - time.monotonic())
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=left)
         alive = set()
         for ref in ready:
             try:
@@ -78,8 +83,13 @@ class RayWorkerGroup:
             ray.kill(self.group.workers[r])
         return alive
 
+    def _ask(self) -> dict:
+        return {w.node_info.remote(): r for r, w in enumerate(self.group.workers)}
+
     def abort(self) -> None:
-        """A failure is known: every survivor aborts its communicators now (out of band)."""
+        """A failure is known: every survivor aborts its communicators now (out of band),
+        asked first whether it lives (``alive_ranks`` reads the answers)."""
+        self._asked = (time.monotonic(), self._ask())  # before the abort on the control path
         self.group.abort(timeout_s=5.0)
 
     def release_stuck(self, wait_s: float) -> list[int]:
