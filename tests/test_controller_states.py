@@ -36,7 +36,7 @@ class FakeCluster:
     during the next re-form (``on_reform``) is scripted by the test."""
 
     def __init__(self, sizes: dict[str, int]):
-        self.sizes, self.dead = dict(sizes), set()
+        self.sizes, self.dead, self.dead_pids = dict(sizes), set(), set()
         self.before_step: dict[int, callable] = {}
         self.on_reform: list = []
         self.groups: list[FakeGroup] = []
@@ -79,7 +79,7 @@ class FakeGroup:
         return [n for n, _ in self.ranks]
 
     def _check(self) -> None:
-        if any(n in self.cluster.dead for n in self.nodes):
+        if any(n in self.cluster.dead or p in self.cluster.dead_pids for n, p in self.ranks):
             raise RayActorError()
 
     def rank_infos(self) -> list[dict]:
@@ -124,14 +124,17 @@ class FakeGroup:
         self.aborts += 1
 
     def alive_ranks(self, timeout_s: float) -> set[int]:
-        return {r for r, (n, _) in enumerate(self.ranks) if n not in self.cluster.dead}
+        return {r for r, (n, p) in enumerate(self.ranks)
+                if n not in self.cluster.dead and p not in self.cluster.dead_pids}
 
     def release_stuck(self, wait_s: float) -> list[int]:
         return []
 
     def reform(self, assignment, placement, timeout_s: float, refill=frozenset(),
                avoid=frozenset()) -> None:
-        kept = {r: self.ranks[o] for r, o in enumerate(assignment) if o is not None}
+        self.refilled = set(refill)
+        kept = {r: self.ranks[o] if o not in refill else (self.ranks[o][0], next(_pids))
+                for r, o in enumerate(assignment) if o is not None}
         fresh = [r for r, o in enumerate(assignment) if o is None]
         where = self.cluster.place(placement, fresh, {n for n, _ in kept.values()})
         self.ranks = [kept[r] if r in kept else (where[r], next(_pids))
@@ -184,6 +187,21 @@ def test_a_node_failure_is_recovered_warm_on_the_survivors(tmp_path):
     (group,) = cluster.groups  # one group: the survivors were kept, none restarted
     assert group.aborts == 1 and set(group.nodes) == {"n0"}
     assert s["rank_pids"][-1] == s["rank_pids"][0][:2] and ctl.restarts == 1
+
+
+def test_a_rank_process_dying_on_a_live_node_is_refilled_there(tmp_path):
+    """A node is given up only when none of its ranks answers: rank 1's process dies beside
+    rank 0, which answers, so n0 stays and a new process takes rank 1's place on it."""
+    cluster = FakeCluster({"n0": 2, "n1": 2})
+    ctl = _controller(tmp_path, cluster, "parallelism.tp=2", "parallelism.dp=2")
+    cluster.before_step[3] = lambda group: cluster.dead_pids.add(group.ranks[1][1])
+    s = ctl.run()
+    assert s["status"] == "FINISHED" and s["steps_done"] == 6
+    (rec,) = s["recoveries"]
+    assert rec["mode"] == "warm" and rec["new_mesh"]["world_size"] == 4
+    assert ctl.dead_nodes == set() and cluster.groups[0].refilled == {1}
+    before, after = s["rank_pids"][0], s["rank_pids"][-1]
+    assert len(set(before) & set(after)) == 3 and before[1] not in after
 
 
 def test_a_failure_before_any_checkpoint_starts_over_with_no_stale_losses(tmp_path):

@@ -120,6 +120,7 @@ def test_hung_ranks_are_the_silent_ones_or_those_behind_when_nothing_moves():
     assert stalled(moved, every, quiet_s=4) == []  # someone still works
     assert stalled(a, every, quiet_s=6) == []  # a long phase, not yet a hang
     assert stalled(a, {0, 1, 3}, quiet_s=4) == [0, 1, 3]  # a collective stuck with no culprit
+    assert stalled(a, set(), quiet_s=4) == []  # every rank returned meanwhile
 
 
 def test_hang_bound_from_recent_steps_with_a_floor_or_the_spec():

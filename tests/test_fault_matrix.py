@@ -28,7 +28,7 @@ from trainmesh.checkpoint.manifest import CheckpointStore
 from trainmesh.jobs.loading import load_spec
 from trainmesh.jobs.runner import run_job
 
-STEPS = 20
+STEPS = 22
 # 4 ranks: a pipeline of 2 stages (interleaved, 2 chunks each), TP 2 inside each stage's node.
 ARGS = ["model.preset=tiny", "training.global_batch_size=16", "training.microbatch_size=2",
         "training.seq_len=32", "optimizer.warmup_steps=1", "runtime.device=auto",
@@ -83,8 +83,9 @@ def _act_on_faults(cluster, markers: dict[str, Path], job: threading.Thread,
                    store: CheckpointStore) -> dict[str, float]:
     """Until the job ends, act on each fault as it fires (its marker appears): remove the node
     of a rank that waits there (hard, its rank processes killed as the node's end would), and
-    bring a fresh node for every node the job loses; at the preemption notice take the idle
-    spare away, and bring a node once the job has saved on the 2 ranks left (it grows back). (Ray adds nodes from
+    bring a fresh node for every node the job loses; before the preemption notice take the
+    idle spare away, and bring a node once the job has saved on the 2 ranks left (it grows
+    back). (Ray adds nodes from
     the main thread only: the job runs in another.)"""
     acted: dict[str, float] = {}
     while job.is_alive():
@@ -105,7 +106,8 @@ def _act_on_faults(cluster, markers: dict[str, Path], job: threading.Thread,
                 cluster.remove_node(node, allow_graceful=False)
                 for pid in doomed:
                     os.kill(pid, signal.SIGKILL)
-            if name == "notice":  # the spare goes too, so that the job shrinks to 2 ranks
+            if name == "kill":  # (recovered in place) the spare goes: at the notice the job
+                # has no node to move to and shrinks to 2 ranks
                 for node in list(cluster.worker_nodes):
                     if not _rank_pids_under(node.all_processes["raylet"][0].process.pid):
                         cluster.remove_node(node)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -158,17 +159,21 @@ def test_tracking_server_outage_then_trainmesh_run_sigkilled_and_run_again(tmp_p
         assert job.poll() is None, "the job ended while the server was down"
         server.start()
         store = CheckpointStore(out / "checkpoints")
-        back = max(m.step for m in logged_steps(1)) + 1  # logging again, what it missed sent
-        while not [s for s in store.complete_steps() if s > back]:
-            assert job.poll() is None, job.communicate()[0][-3000:]
-            time.sleep(0.2)
-        logged_steps(max(store.complete_steps()) + 5)  # past the checkpoint it will resume from
-        started = _descendants(job.pid)  # its local Ray instance: controller, ranks, agents
+        after = max(m.step for m in logged_steps(1))  # what it logged while nothing listened
+        while True:  # a checkpoint after the outage, and steps past it on the server
+            logged_steps(max([after, *store.complete_steps()]) + 5)
+            started = _descendants(job.pid) | {job.pid}  # with its local Ray instance
+            _signal(started, signal.SIGSTOP)  # frozen: nothing logs or commits meanwhile
+            resume_at = max(store.complete_steps())
+            client, (run,) = _runs(server.uri, "outage")
+            logged = max(m.step for m in client.get_metric_history(run.info.run_id, "loss"))
+            if resume_at > after and logged > resume_at:
+                break
+            _signal(started, signal.SIGCONT)
         job.kill()  # SIGKILL: no handler runs, no summary, the MLflow run left RUNNING
         log, _ = job.communicate(timeout=60)
         assert "unreachable" in log and "is back" in log
-        _end(started)  # Ray's processes outlive their driver a moment (and agents stay): ended
-        resume_at = max(store.complete_steps())  # the controller may commit one in that moment
+        _signal(started, signal.SIGKILL)  # the rest of its Ray instance (agents outlive it)
 
         job = start()
         log, _ = job.communicate(timeout=400)
@@ -211,17 +216,9 @@ def _descendants(pid: int) -> set[int]:
     return tree - {pid}
 
 
-def _end(pids: set[int], wait_s: float = 3.0) -> None:
-    """Wait for ``pids`` to exit, then SIGKILL those left."""
-    import signal
-
-    deadline = time.monotonic() + wait_s
-    while pids and time.monotonic() < deadline:
-        pids = {p for p in pids if Path(f"/proc/{p}").exists()
-                and "zombie" not in Path(f"/proc/{p}/status").read_text()}
-        time.sleep(0.2)
+def _signal(pids: set[int], sig: int) -> None:
     for p in pids:
         try:
-            os.kill(p, signal.SIGKILL)
+            os.kill(p, sig)
         except ProcessLookupError:
             pass

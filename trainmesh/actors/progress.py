@@ -91,10 +91,20 @@ class Fault:
 class Progress:
     def __init__(self, rank: int):
         self.rank = rank  # a warm re-form may change it
-        self.counts = dict.fromkeys(PHASES, 0)
-        self.phase, self.step, self.since = "idle", 0, time.monotonic()
+        self.counts = dict.fromkeys(PHASES, 0)  # since the step began (comparable across ranks)
+        self.phase, self._step, self.since = "idle", 0, time.monotonic()
         text = os.environ.get(FAULT_ENV)
         self._faults = Fault.parse(text) if text else []
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        if value != self._step:
+            self.counts = dict.fromkeys(PHASES, 0)
+        self._step = value
 
     def mark(self, phase: str) -> None:
         self.counts[phase] += 1

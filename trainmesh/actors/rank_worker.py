@@ -243,12 +243,12 @@ def _forget_dtensor_caches() -> None:
     counters that restart with the default group: the stale names resolve to the new groups
     only while the rank keeps its place in the mesh). Every such cache is dropped with the
     groups: the lru caches of torch.distributed.tensor's modules and classes, the planner
-    cache, and the sharding-propagation caches (the thread that runs steps: this one)."""
+    cache, and the sharding-propagation caches (C++ and Python, every thread's)."""
     import functools
     import sys
 
-    from torch.distributed.tensor import _redistribute
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    from torch.distributed.tensor import DTensor, _redistribute
+    from torch.distributed.tensor._sharding_prop import LocalLRUCache
 
     def clear(obj) -> None:
         if isinstance(obj, functools._lru_cache_wrapper):
@@ -263,10 +263,13 @@ def _forget_dtensor_caches() -> None:
                 for attr in vars(value).values():
                     clear(getattr(attr, "__func__", attr))
     _redistribute.clear_redistribute_planner_cache()
-    # both sharding-propagation caches: Python's (this thread's) and the C++ dispatch fast
-    # path's, which answers first (missing it: measured, a survivor that changed pipeline stage
-    # ran its new stage's ops on its old mesh's groups)
-    _clear_sharding_prop_cache()
+    # The sharding-propagation caches: the C++ dispatch fast path's, which answers first
+    # (missing it: measured, a survivor that changed pipeline stage ran its new stage's ops on its
+    # old mesh's groups), and Python's, one per thread (autograd's device threads run backward
+    # on CUDA), so it is replaced, not cleared in this thread only.
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    sp = DTensor._op_dispatcher.sharding_propagator
+    sp.propagate_op_sharding = LocalLRUCache(sp.propagate_op_sharding_non_cached)
 
 
 def _abandon_process_groups() -> None:

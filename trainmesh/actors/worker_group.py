@@ -50,19 +50,30 @@ def gather(refs: list, timeout_s: float | None, poll_s: float = 0.5) -> list:
 
 def stalled(now: list[dict | None], running: set[int], quiet_s: float) -> list[int]:
     """Which of the ``running`` ranks are hung, from a look at their progress
-    (``RankWorker.progress``; None: the rank did not answer its control path, as a frozen
-    process cannot): the silent ones; else, once every one of them has been in its phase for
+    (``RankWorker.progress``; None: the rank has not answered its control path for ``quiet_s``,
+    as a frozen process cannot): the silent ones; else, once every one of them has been in its phase for
     ``quiet_s`` or more (nobody moves: the others are waiting for someone in a collective), the
     ones furthest behind; else none (someone still works: a slow step is not a hung one)."""
     silent = sorted(r for r in running if now[r] is None)
     if silent:
         return silent
-    if any(now[r]["idle_s"] < quiet_s for r in running):
+    if not running or any(now[r]["idle_s"] < quiet_s for r in running):
         return []
     def key(s: dict) -> tuple:
         return s["step"], sum(s["counts"].values())
     least = min(key(now[r]) for r in running)
     return sorted(r for r in running if key(now[r]) == least)
+
+
+def _aged(seen: tuple[float, dict] | None, t: float, first: float, quiet_s: float) -> dict | None:
+    """A rank's last answer as of ``t`` (its phase older by the time since), or None once it has
+    been silent for ``quiet_s`` (a busy process may miss one look; a frozen one misses them all)."""
+    since = seen[0] if seen else first
+    if t - since >= quiet_s:
+        return None
+    if seen is None:
+        return {"step": -1, "counts": {}, "idle_s": 0.0}  # not heard from yet: not judged
+    return {**seen[1], "idle_s": seen[1]["idle_s"] + t - seen[0]}
 
 
 class WorkerGroup:
@@ -216,17 +227,20 @@ class WorkerGroup:
         except GetTimeoutError:
             pass
         quiet_s = max(2 * poll_s, hang_after_s / 2)
+        first, seen = time.monotonic(), {}  # rank: (when it last answered, what it said)
         while True:
-            now = self._progress(poll_s)
-            running = {r for r, ref in enumerate(refs) if not ray.wait([ref], timeout=0)[0]}
-            hung = stalled(now, running, quiet_s)
-            if hung:
-                break
-            try:
+            try:  # a rank's failure first: it is the cause, those waiting on it are not hung
                 return gather(refs, poll_s)
             except GetTimeoutError:
                 if time.monotonic() - t0 > timeout_s:
                     raise
+            looks, t = self._progress(poll_s), time.monotonic()
+            seen.update({r: (t, look) for r, look in enumerate(looks) if look is not None})
+            now = [_aged(seen.get(r), t, first, quiet_s) for r in range(len(refs))]
+            running = {r for r, ref in enumerate(refs) if not ray.wait([ref], timeout=0)[0]}
+            hung = stalled(now, running, quiet_s)
+            if hung:
+                break
         nodes = {self.placement.rank_bundle[r] for r in hung}
         doomed = [r for r, b in enumerate(self.placement.rank_bundle) if b in nodes]
         for r in doomed:

@@ -228,11 +228,11 @@ class Controller:
             if group is not None:  # survivors leave their collectives now, not at the timeout
                 group.abort()      # (and any background save with them); those no abort frees
                 stuck = set(group.release_stuck(STUCK_S))  # are killed, their places refilled
-            alive = self._alive(group) - stuck  # (asked with the abort: stuck ones answered)
+            answered = self._alive(group)  # (asked with the abort: stuck ones answer too)
+            alive, gone = answered - stuck, set(range(len(nodes))) - answered
             # a node is gone when none of its ranks answers; a rank dead beside ones that do
             # (its process killed: OOM, a crash) leaves a place its node can refill
-            gone = set(range(len(nodes))) - alive - stuck
-            self.dead_nodes |= {nodes[r] for r in gone} - {nodes[r] for r in alive}
+            self.dead_nodes |= {nodes[r] for r in gone} - {nodes[r] for r in answered}
             refill = {r for r in stuck | gone if nodes[r] not in self.dead_nodes}
             tracker.event("failure", cause=stop.cause, step=stop.step, stuck=sorted(stuck),
                           dead_nodes=sorted(self.dead_nodes), error=stop.detail[-2000:])
