@@ -39,6 +39,29 @@ def simulated_cluster(nodes: int, num_cpus: float, num_gpus: int):
         cluster.shutdown()
 
 
+def process_parents() -> dict[int, tuple[int, bytes]]:
+    """Every process on this machine: pid -> (parent pid, command line), from /proc."""
+    table = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                table[int(entry.name)] = (ppid, (entry / "cmdline").read_bytes())
+            except (OSError, ValueError):
+                pass
+    return table
+
+
+def descendants(pid: int) -> set[int]:
+    """The processes started, directly or not, by ``pid``."""
+    parent = {p: pp for p, (pp, _) in process_parents().items()}
+    tree, grew = {pid}, True
+    while grew:
+        more = {p for p, pp in parent.items() if pp in tree} - tree
+        tree, grew = tree | more, bool(more)
+    return tree - {pid}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import ray
 import torch
-from servers import simulated_cluster
+from servers import process_parents, simulated_cluster
 
 from trainmesh.checkpoint.manifest import CheckpointStore
 from trainmesh.jobs.loading import load_spec
@@ -65,18 +65,8 @@ def cluster():
 
 
 def _rank_pids_under(raylet: int) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if not (entry / "cmdline").read_bytes().startswith(b"ray::RankWorker"):
-                    continue
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError):
-                continue
-            if ppid == raylet:
-                pids.append(int(entry.name))
-    return pids
+    return [p for p, (pp, cmd) in process_parents().items()
+            if pp == raylet and cmd.startswith(b"ray::RankWorker")]
 
 
 def _act_on_faults(cluster, markers: dict[str, Path], job: threading.Thread,

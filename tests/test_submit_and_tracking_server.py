@@ -16,7 +16,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from servers import MlflowServer, RayHead
+from servers import MlflowServer, RayHead, descendants
 
 from trainmesh.jobs.cli import main
 
@@ -162,7 +162,7 @@ def test_tracking_server_outage_then_trainmesh_run_sigkilled_and_run_again(tmp_p
         after = max(m.step for m in logged_steps(1))  # what it logged while nothing listened
         while True:  # a checkpoint after the outage, and steps past it on the server
             logged_steps(max([after, *store.complete_steps()]) + 5)
-            started = _descendants(job.pid) | {job.pid}  # with its local Ray instance
+            started = descendants(job.pid) | {job.pid}  # with its local Ray instance
             _signal(started, signal.SIGSTOP)  # frozen: nothing logs or commits meanwhile
             resume_at = max(store.complete_steps())
             client, (run,) = _runs(server.uri, "outage")
@@ -199,21 +199,6 @@ def test_tracking_server_outage_then_trainmesh_run_sigkilled_and_run_again(tmp_p
         if job.poll() is None:
             job.kill()
         server.stop()
-
-
-def _descendants(pid: int) -> set[int]:
-    parent = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parent[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError):
-                pass
-    tree, grew = {pid}, True
-    while grew:
-        more = {p for p, pp in parent.items() if pp in tree} - tree
-        tree, grew = tree | more, bool(more)
-    return tree - {pid}
 
 
 def _signal(pids: set[int], sig: int) -> None:

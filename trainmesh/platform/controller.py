@@ -98,7 +98,8 @@ class Controller:
         """Where the run is, and every notice so far (the driver prints the new ones)."""
         return {**self._progress, "notices": list(self.notices)}
 
-    def _notice(self, text: str) -> None: self.notices.append(text)  # noqa: E704
+    def _notice(self, text: str) -> None:
+        self.notices.append(text)
 
     def run(self) -> dict[str, Any]:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -176,15 +177,14 @@ class Controller:
             self._notice(f"warm recovery: the {len(state.alive)} surviving ranks cannot hold any "
                          f"part of the new plan {self.dims.as_dict()}; restarting every rank")
             return Scheduling(state.stop)
-        self._set(state="re-forming")
         try:
             self.group.reform(assignment, placement,
                               timeout_s=self.spec.runtime.collective_timeout_s * 2 + 30,
                               refill=set(state.refill) & set(assignment),
                               avoid=self.dead_nodes | set(draining_nodes()))
-        except Exception as err:  # noqa: BLE001 - a rank died while re-forming: recover again,
-            if isinstance(err, RayActorError):  # warm if we can; survivors that do not answer
-                raise                           # (stuck in a collective), or else: cold
+        except RayActorError:  # a rank died while re-forming: recover again, warm if we can
+            raise
+        except Exception as err:  # noqa: BLE001 - survivors stuck in a collective, or else: cold
             self._notice(f"warm recovery failed ({str(err).strip().splitlines()[-1][:200]}); "
                          "restarting every rank")
             tracker.event("warm-recovery-failed", error=str(err)[-2000:])
