@@ -90,7 +90,7 @@ def _mlflow_env(secret: str) -> list[dict[str, Any]]:
 
 
 def _pod(role: str, opts: RenderOptions, resources: dict[str, Any], ports: list[dict[str, Any]],
-         extra_env: dict[str, str]) -> dict[str, Any]:
+         extra_env: dict[str, str], api_token: bool = False) -> dict[str, Any]:
     pod_sc, container_sc = _security()
     mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
     volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory",
@@ -106,7 +106,22 @@ def _pod(role: str, opts: RenderOptions, resources: dict[str, Any], ports: list[
         container["ports"] = ports
     return {"metadata": {"labels": {"app.kubernetes.io/name": "trainmesh",
                                     "app.kubernetes.io/component": f"ray-{role}"}},
-            "spec": {"securityContext": pod_sc, "containers": [container], "volumes": volumes}}
+            "spec": {"securityContext": pod_sc, "automountServiceAccountToken": api_token,
+                     "containers": [container], "volumes": volumes}}
+
+
+def _submitter(opts: RenderOptions) -> dict[str, Any]:
+    """The pod that submits the job (KubeRay fills in its command). Given here because KubeRay's
+    default one has no security context."""
+    pod_sc, container_sc = _security()
+    return {"metadata": {"labels": {"app.kubernetes.io/name": "trainmesh",
+                                    "app.kubernetes.io/component": "ray-submitter"}},
+            "spec": {"restartPolicy": "Never", "securityContext": pod_sc,
+                     "automountServiceAccountToken": False,
+                     "containers": [{"name": "ray-job-submitter", "image": opts.image,
+                                     "imagePullPolicy": "IfNotPresent", "securityContext": container_sc,
+                                     "resources": {"requests": {"cpu": "200m", "memory": "256Mi"},
+                                                   "limits": {"cpu": "1", "memory": "1Gi"}}}]}}
 
 
 class _Dumper(yaml.SafeDumper):
@@ -132,10 +147,13 @@ def render_rayjob(spec: JobSpec, opts: RenderOptions, mesh: MeshSize) -> dict[st
         "tracking": spec.tracking.model_copy(update={"uri": None}),  # from the Secret instead
     })
     g = str(opts.gpus_per_node)
+    autoscaling = size["min_replicas"] != size["max_replicas"]
+    # With the autoscaler on, KubeRay adds its container to the head pod and binds a Role to the
+    # pod's ServiceAccount: the pod must mount that account's token.
     head = _pod("head", opts, {"requests": {"cpu": "4", "memory": "16Gi"},
                                "limits": {"cpu": "8", "memory": "32Gi"}},
                 [{"containerPort": 6379, "name": "gcs"}, {"containerPort": 8265, "name": "dashboard"},
-                 {"containerPort": 10001, "name": "client"}], {})
+                 {"containerPort": 10001, "name": "client"}], {}, api_token=autoscaling)
     worker = _pod("worker", opts, {"requests": {"cpu": opts.worker_cpu, "memory": opts.worker_memory,
                                                 "nvidia.com/gpu": g},
                                    "limits": {"memory": opts.worker_memory, "nvidia.com/gpu": g}},
@@ -157,9 +175,10 @@ def render_rayjob(spec: JobSpec, opts: RenderOptions, mesh: MeshSize) -> dict[st
             "ttlSecondsAfterFinished": 3600,
             "backoffLimit": 0,
             "submissionMode": "K8sJobMode",
+            "submitterPodTemplate": _submitter(opts),
             "rayClusterSpec": {
                 "rayVersion": RAY_VERSION,
-                "enableInTreeAutoscaling": size["min_replicas"] != size["max_replicas"],
+                "enableInTreeAutoscaling": autoscaling,
                 "headGroupSpec": {"rayStartParams": {"dashboard-host": "0.0.0.0", "num-gpus": "0"},
                                   "template": head},
                 "workerGroupSpecs": [{
@@ -173,5 +192,9 @@ def render_rayjob(spec: JobSpec, opts: RenderOptions, mesh: MeshSize) -> dict[st
             },
         },
     }
-    kuberay.check(doc)
-    return doc
+    if autoscaling:
+        doc["spec"]["rayClusterSpec"]["autoscalerOptions"] = {
+            "securityContext": _security()[1],
+            "resources": {"requests": {"cpu": "250m", "memory": "512Mi"},
+                          "limits": {"cpu": "1", "memory": "1Gi"}}}
+    return kuberay.check(doc)

@@ -51,8 +51,37 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
 {{- end }}
 
+{{/* A name KubeRay accepts for a RayCluster (at most 53) or RayJob (at most 47): a DNS-1035
+label, which must start with a letter (KubeRay's validation.go refuses others). Args: ctx,
+suffix, limit, what. */}}
+{{- define "trainmesh.kuberayName" -}}
+{{- $name := include "trainmesh.componentName" (dict "ctx" .ctx "suffix" .suffix) | trunc (int .limit) | trimSuffix "-" }}
+{{- if not (regexMatch "^[a-z]([-a-z0-9]*[a-z0-9])?$" $name) }}
+{{- fail (printf "%s name %q is not a DNS-1035 label (KubeRay refuses it: it must start with a letter); set fullnameOverride to a name that starts with a letter, or use such a release name" .what $name) }}
+{{- end }}
+{{- $name }}
+{{- end }}
+
 {{- define "trainmesh.clusterName" -}}
-{{- include "trainmesh.componentName" (dict "ctx" . "suffix" "ray") }}
+{{- include "trainmesh.kuberayName" (dict "ctx" . "suffix" "ray" "limit" 53 "what" "RayCluster") }}
+{{- end }}
+
+{{- define "trainmesh.jobName" -}}
+{{- include "trainmesh.kuberayName" (dict "ctx" . "suffix" "job" "limit" 47 "what" "RayJob") }}
+{{- end }}
+
+{{/* rayStartParams as KubeRay wants them: strings, whole numbers without an exponent (a YAML
+number arrives as a float, which toString writes as 1e+10 and `ray start` refuses). */}}
+{{- define "trainmesh.startParams" -}}
+{{- $out := dict }}
+{{- range $k, $val := . }}
+{{- if and (kindIs "float64" $val) (eq (float64 (int64 $val)) $val) }}
+{{- $_ := set $out $k (printf "%d" (int64 $val)) }}
+{{- else }}
+{{- $_ := set $out $k (toString $val) }}
+{{- end }}
+{{- end }}
+{{- toYaml $out }}
 {{- end }}
 
 {{- define "trainmesh.jobConfigMap" -}}
@@ -129,6 +158,8 @@ metadata:
     app.kubernetes.io/component: ray-{{ .role }}
 spec:
   serviceAccountName: {{ include "trainmesh.serviceAccountName" .ctx }}
+  {{- /* The ServiceAccount mounts no token; the autoscaler in the head pod needs one. */}}
+  automountServiceAccountToken: {{ .apiToken | default false }}
   {{- with $v.imagePullSecrets }}
   imagePullSecrets:
     {{- toYaml . | nindent 4 }}
@@ -174,6 +205,9 @@ spec:
 {{- if not (and (le (int $w.minReplicas) (int $w.replicas)) (le (int $w.replicas) (int $w.maxReplicas))) }}
 {{- fail (printf "rayCluster.workers: need minReplicas <= replicas <= maxReplicas, got %v, %v, %v; fix the three counts" $w.minReplicas $w.replicas $w.maxReplicas) }}
 {{- end }}
+{{- if and (not $rc.enableInTreeAutoscaling) (ne (int $w.minReplicas) (int $w.maxReplicas)) }}
+{{- fail (printf "rayCluster.workers: minReplicas %v and maxReplicas %v differ but rayCluster.enableInTreeAutoscaling is false, so nothing would ever scale the workers; set enableInTreeAutoscaling: true or make the two equal" $w.minReplicas $w.maxReplicas) }}
+{{- end }}
 {{- $workerResources := deepCopy $w.resources }}
 {{- if gt (int $w.gpusPerNode) 0 }}
 {{- $_ := set $workerResources "requests" (merge (dict "nvidia.com/gpu" (toString $w.gpusPerNode)) (default dict $workerResources.requests)) }}
@@ -181,31 +215,32 @@ spec:
 {{- end }}
 rayVersion: {{ $rc.rayVersion | quote }}
 enableInTreeAutoscaling: {{ $rc.enableInTreeAutoscaling }}
+{{- if $rc.enableInTreeAutoscaling }}
+# The autoscaler container KubeRay adds to the head pod: restricted like every other container.
+autoscalerOptions:
+  securityContext:
+    {{- toYaml .Values.containerSecurityContext | nindent 4 }}
+  resources:
+    {{- toYaml $rc.autoscaler.resources | nindent 4 }}
+{{- end }}
 headGroupSpec:
   serviceType: {{ $rc.head.serviceType }}
   rayStartParams:
-    {{- $hsp := dict }}
-    {{- range $k, $val := $rc.head.rayStartParams }}
-    {{- $_ := set $hsp $k (toString $val) }}
-    {{- end }}
-    {{- toYaml $hsp | nindent 4 }}
+    {{- include "trainmesh.startParams" $rc.head.rayStartParams | nindent 4 }}
   template:
     {{- $ports := list (dict "containerPort" 6379 "name" "gcs") (dict "containerPort" 8265 "name" "dashboard") (dict "containerPort" 10001 "name" "client") }}
-    {{- include "trainmesh.rayPod" (dict "ctx" . "role" "head" "resources" $rc.head.resources "env" dict "ports" $ports "nodeSelector" $rc.head.nodeSelector "tolerations" $rc.head.tolerations) | nindent 4 }}
+    {{- include "trainmesh.rayPod" (dict "ctx" . "role" "head" "resources" $rc.head.resources "env" dict "ports" $ports "nodeSelector" $rc.head.nodeSelector "tolerations" $rc.head.tolerations "apiToken" $rc.enableInTreeAutoscaling) | nindent 4 }}
 workerGroupSpecs:
   - groupName: {{ $w.groupName }}
     replicas: {{ $w.replicas }}
     minReplicas: {{ $w.minReplicas }}
     maxReplicas: {{ $w.maxReplicas }}
     rayStartParams:
-      {{- $wsp := dict }}
+      {{- $wsp := deepCopy $w.rayStartParams }}
       {{- if gt (int $w.gpusPerNode) 0 }}
-      {{- $_ := set $wsp "num-gpus" (toString $w.gpusPerNode) }}
+      {{- $_ := set $wsp "num-gpus" $w.gpusPerNode }}
       {{- end }}
-      {{- range $k, $val := $w.rayStartParams }}
-      {{- $_ := set $wsp $k (toString $val) }}
-      {{- end }}
-      {{- toYaml $wsp | nindent 6 }}
+      {{- include "trainmesh.startParams" $wsp | nindent 6 }}
     template:
       {{- include "trainmesh.rayPod" (dict "ctx" . "role" "worker" "resources" $workerResources "env" $w.ncclEnv "nodeSelector" $w.nodeSelector "tolerations" $w.tolerations) | nindent 6 }}
 {{- end }}
