@@ -156,6 +156,10 @@ def test_kuberay_schema_is_kuberays_and_checks_like_the_api_server():
     (lambda d: d["spec"]["rayClusterSpec"]["workerGroupSpecs"][0].update(resources={"GPU": "8"}),
      "resources set both in rayStartParams and resources (gpu)"),
     (lambda d: d["spec"].update(runtimeEnvYAML="a: [b"), "spec.runtimeEnvYAML: not YAML"),
+    (lambda d: d["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"].update(
+        serviceAccountName="a" * 51), "KubeRay renames the head's ServiceAccount"),
+    (lambda d: d["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["metadata"].update(
+        generateName="x-"), "template.metadata.generateName: not a field of KubeRay v1.7.0 (pruned)"),
 ])
 def test_kuberay_operator_rules_name_what_is_wrong(change, message):
     doc = render_rayjob(load_spec(str(ROOT / "jobs" / "llama-70b.yaml")))
@@ -198,27 +202,31 @@ def test_rayjob_for_the_70b_reference_job_is_sized_from_its_plan():
     assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
 
 
+# spec, overrides, render options, whether the autoscaler is on (elastic bounds differ: the
+# default elastic.min_world_size is 1, so every multi-node job may shrink to one node)
 RENDERS = {
-    "70b": ("llama-70b.yaml", [], {}),
-    "4-gpu-nodes-pvc": ("small-gpu.yaml", [], {"gpus_per_node": 4, "shared_pvc": "ckpt"}),
-    "fixed-size": ("small-gpu.yaml", ["elastic.min_world_size=8", "elastic.max_world_size=8"], {}),
-    "digit-name": ("small-gpu.yaml", ["name=70b"], {}),
+    "70b": ("llama-70b.yaml", [], {}, True),
+    "4-gpu-nodes-pvc": ("small-gpu.yaml", [], {"gpus_per_node": 4, "shared_pvc": "ckpt"}, True),
+    "fixed-size": ("small-gpu.yaml", ["elastic.min_world_size=8", "elastic.max_world_size=8"], {}, False),
+    "elastic": ("small-gpu.yaml", ["elastic.min_world_size=4", "elastic.max_world_size=16"],
+                {"gpus_per_node": 4}, True),
+    "digit-name": ("small-gpu.yaml", ["name=70b"], {}, False),
     "long-name": ("small-gpu.yaml", ["name=" + ("Pretraining.Run_of_the_llama_family-" * 2)[:63]],
-                  {"gpus_per_node": 1}),
+                  {"gpus_per_node": 1}, True),
     "auto-plan": ("tiny-cpu.yaml", ["parallelism=auto", "model.preset=8b", "training.global_batch_size=64",
-                                    "training.seq_len=4096", "training.dtype=bfloat16"], {"nodes": 2}),
+                                    "training.seq_len=4096", "training.dtype=bfloat16"], {"nodes": 2}, True),
 }
 
 
 @pytest.mark.parametrize("case", list(RENDERS))
 def test_rendered_rayjobs_are_accepted_by_kuberay(case):
-    path, overrides, opts = RENDERS[case]
+    path, overrides, opts, autoscaling = RENDERS[case]
     doc = render_rayjob(load_spec(str(ROOT / "jobs" / path), overrides), RenderOptions(**opts))
     _check_kuberay(doc)
     spec = doc["spec"]
     cluster = spec["rayClusterSpec"]
     [workers] = cluster["workerGroupSpecs"]
-    autoscaling = workers["minReplicas"] != workers["maxReplicas"]
+    assert (workers["minReplicas"] != workers["maxReplicas"]) is autoscaling
     assert cluster["enableInTreeAutoscaling"] is autoscaling
     assert cluster["headGroupSpec"]["template"]["spec"]["automountServiceAccountToken"] is autoscaling
     assert ("autoscalerOptions" in cluster) is autoscaling
@@ -426,6 +434,8 @@ def test_chart_variants_render_and_validate(chart, variant):
     ("a-very-long-release-name-for-the-pretraining-team-x", {}),
     ("x" * 53, {"rayCluster": {"enabled": False}}),
     ("70b", {"fullnameOverride": "llama-70b"}),
+    ("a-very-long-release-name-for-the-pretraining-team-x", {"rayCluster": {
+        "enableInTreeAutoscaling": True, "workers": {"minReplicas": 0, "maxReplicas": 4}}}),
 ])
 def test_chart_names_fit_kuberays_limits(chart, release, values):
     docs = _render(chart, {**values, "rayJob": {"enabled": True}}, name=release)
@@ -459,6 +469,8 @@ def test_chart_schema_rejects_bad_values_with_the_key(chart, values, message):
     ({"release": "70b"}, 'RayCluster name "70b-trainmesh-ray" is not a DNS-1035 label .* set fullnameOverride'),
     ({"rayCluster": {"enabled": False}, "rayJob": {"enabled": True}, "release": "7"},
      'RayJob name "7-trainmesh-job" is not a DNS-1035 label'),
+    ({"serviceAccount": {"create": False, "name": "s" * 51}, "rayCluster": {"enableInTreeAutoscaling": True}},
+     "KubeRay renames a ServiceAccount longer than 50 characters"),
 ])
 def test_chart_refuses_inconsistent_values_with_a_fix(chart, values, message):
     values = dict(values)

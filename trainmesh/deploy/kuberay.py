@@ -97,34 +97,37 @@ def _cluster_spec(spec: dict[str, Any], annotations: dict[str, str], where: str 
             continue
         if not g["template"].get("spec", {}).get("containers"):
             out.append(f"{at}: worker group {group} needs at least one container")
-        low, high = g.get("minReplicas"), g.get("maxReplicas")
-        if not autoscaling and (low is None or high is None):
-            out.append(f"{at}: worker group {group} must set minReplicas and maxReplicas when "
-                       "enableInTreeAutoscaling is off")
+        # (the operator's "must set minReplicas and maxReplicas" cannot fire: the CRD defaults them)
+        low, high = g.get("minReplicas", 0), g.get("maxReplicas", 2**31 - 1)
         for key, val in (("minReplicas", low), ("maxReplicas", high)):
             if val is not None and val < 0:
                 out.append(f"{at}.{key}: negative ({val})")
         if low is not None and high is not None and low > high:
             out.append(f"{at}: minReplicas {low} is greater than maxReplicas {high}")
-        if g.get("idleTimeoutSeconds") is not None and not v2:
+        if (g.get("idleTimeoutSeconds") or 0) < 0:
+            out.append(f"{at}.idleTimeoutSeconds: negative")
+        elif g.get("idleTimeoutSeconds") is not None and not v2:
             out.append(f"{at}.idleTimeoutSeconds: needs autoscaler v2 (autoscalerOptions.version: v2)")
-        if g.get("priority") and not v2:
+        if g.get("priority") and _version(spec) < (2, 56):
+            out.append(f"{at}.priority: needs rayVersion 2.56 or later")
+        elif g.get("priority") and not v2:
             out.append(f"{at}.priority: needs autoscaler v2 (autoscalerOptions.version: v2)")
         if g.get("suspend") and autoscaling:
             out.append(f"{at}.suspend: a worker group cannot be suspended with the autoscaler on")
-    if annotations.get("ray.io/ft-enabled") and spec.get("gcsFaultToleranceOptions") is not None:
-        out.append(f"{where}: the ray.io/ft-enabled annotation and gcsFaultToleranceOptions are both set")
-    gcs_ft = spec.get("gcsFaultToleranceOptions") is not None or \
-        str(annotations.get("ray.io/ft-enabled", "")).lower() == "true"
-    if not gcs_ft and "RAY_REDIS_ADDRESS" in head_env:
-        out.append(f"{where}.headGroupSpec: RAY_REDIS_ADDRESS needs gcsFaultToleranceOptions")
+    out += _gcs_ft(spec, annotations, head_env, where)
     if head.get("rayStartParams", {}).get("redis-username") or "REDIS_USERNAME" in head_env:
         out.append(f"{where}.headGroupSpec: set the redis username in gcsFaultToleranceOptions")
     if not autoscaling and head_env.get(AUTOSCALER_V2_ENV) in ("1", "true"):
         out.append(f"{where}.headGroupSpec: {AUTOSCALER_V2_ENV} is on but enableInTreeAutoscaling is off")
     if autoscaling and options.get("version") and AUTOSCALER_V2_ENV in head_env:
         out.append(f"{where}: both autoscalerOptions.version and the head's {AUTOSCALER_V2_ENV} are set")
-    if autoscaling and v2:
+    account = head_pod.get("serviceAccountName", "")
+    if autoscaling and account and account != _check_name(account):
+        out.append(f"{where}.headGroupSpec: with the autoscaler, KubeRay renames the head's "
+                   f"ServiceAccount {account!r} to {_check_name(account)!r} (utils.CheckName: at most "
+                   "50 characters, starting with a letter) but binds its Role to the account it "
+                   "finds under the full name: use an account name that CheckName leaves alone")
+    if autoscaling and options.get("version") == "v2":
         for path, _, g in groups:
             policy = g["template"].get("spec", {}).get("restartPolicy", "")
             if policy not in ("", "Never"):
@@ -137,9 +140,53 @@ def _cluster_spec(spec: dict[str, Any], annotations: dict[str, str], where: str 
         if spec.get(key) is not None:
             out.append(f"{where}.{key}: needs the {gate} feature gate (off by default)")
     auth = spec.get("authOptions") or {}
-    if auth.get("enableK8sTokenAuth") and auth.get("mode") != "token":
+    if auth.get("mode") == "token":
+        need = (2, 55) if auth.get("enableK8sTokenAuth") else (2, 52)
+        if _version(spec) < need:
+            out.append(f"{where}.authOptions: token auth needs rayVersion {need[0]}.{need[1]} or later")
+        if auth.get("enableK8sTokenAuth") and auth.get("secretName"):
+            out.append(f"{where}.authOptions: enableK8sTokenAuth excludes secretName")
+    elif auth.get("enableK8sTokenAuth"):
         out.append(f"{where}.authOptions: enableK8sTokenAuth needs mode: token")
     return out
+
+
+def _gcs_ft(spec: dict[str, Any], annotations: dict[str, str], head_env: dict[str, Any],
+            where: str) -> list[str]:
+    """ValidateRayClusterSpec's GCS fault tolerance rules (with validateGcsFaultToleranceBackend)."""
+    options = spec.get("gcsFaultToleranceOptions")
+    head = spec["headGroupSpec"]
+    if options is None:
+        if str(annotations.get("ray.io/ft-enabled", "")).lower() != "true" and "RAY_REDIS_ADDRESS" in head_env:
+            return [f"{where}.headGroupSpec: RAY_REDIS_ADDRESS needs gcsFaultToleranceOptions"]
+        return []
+    out = []
+    if annotations.get("ray.io/ft-enabled"):
+        out.append(f"{where}: the ray.io/ft-enabled annotation and gcsFaultToleranceOptions are both set")
+    if annotations.get("ray.io/external-storage-namespace"):
+        out.append(f"{where}: use gcsFaultToleranceOptions.externalStorageNamespace, not the annotation")
+    if head.get("rayStartParams", {}).get("redis-password") or "REDIS_PASSWORD" in head_env:
+        out.append(f"{where}.headGroupSpec: set the redis password in gcsFaultToleranceOptions")
+    if "RAY_REDIS_ADDRESS" in head_env:
+        out.append(f"{where}.headGroupSpec: set the redis address in gcsFaultToleranceOptions")
+    if options.get("backend") == "rocksdb":
+        out.append(f"{where}.gcsFaultToleranceOptions.backend: rocksdb needs the "
+                   "GCSFaultToleranceEmbeddedStorage feature gate (off by default)")
+    elif options.get("storage") is not None:
+        out.append(f"{where}.gcsFaultToleranceOptions.storage: only for the rocksdb backend")
+    return out
+
+
+def _version(spec: dict[str, Any]) -> tuple[int, ...]:
+    """rayVersion as numbers; () when unset or unreadable (older than any version)."""
+    parts = re.findall(r"\d+", spec.get("rayVersion") or "")
+    return tuple(int(x) for x in parts[:3])
+
+
+def _check_name(name: str) -> str:
+    """KubeRay's utils.CheckName: the last 50 characters; a leading digit or punctuation → 'r'."""
+    name = name[-50:]
+    return "r" + name[1:] if name and not name[0].isalpha() else name
 
 
 def _job_spec(doc: dict[str, Any]) -> list[str]:
@@ -152,6 +199,8 @@ def _job_spec(doc: dict[str, Any]) -> list[str]:
     backoff = spec.get("backoffLimit")
     if spec.get("suspend") and not shutdown:
         out.append("spec.suspend: a RayJob without shutdownAfterJobFinishes cannot be suspended")
+    if (spec.get("ttlSecondsAfterFinished") or 0) < 0:
+        out.append("spec.ttlSecondsAfterFinished: negative")
     if (spec.get("ttlSecondsAfterFinished") or 0) > 0 and not shutdown:
         out.append("spec.ttlSecondsAfterFinished: only allowed with shutdownAfterJobFinishes: true "
                    "(it is the delay before the job's RayCluster is deleted)")
@@ -165,6 +214,8 @@ def _job_spec(doc: dict[str, Any]) -> list[str]:
             out.append("spec.deletionStrategy: deletionRules and onSuccess/onFailure are exclusive")
         if not rules and not (deletion.get("onSuccess") and deletion.get("onFailure")):
             out.append("spec.deletionStrategy: needs both onSuccess and onFailure, or deletionRules")
+        elif legacy and not rules:
+            out += _legacy_deletion(spec, shutdown, selector)
     if selector:
         if spec.get("suspend"):
             out.append("spec.suspend: not supported with clusterSelector")
@@ -182,13 +233,20 @@ def _job_spec(doc: dict[str, Any]) -> list[str]:
         for key in ("submitterPodTemplate", "submitterConfig"):
             if spec.get(key) is not None:
                 out.append(f"spec.{key}: not supported in SidecarMode")
+        head = ((spec.get("rayClusterSpec") or {}).get("headGroupSpec") or {}).get("template", {})
+        if head.get("spec", {}).get("restartPolicy", "") not in ("", "Never"):
+            out.append("spec.rayClusterSpec.headGroupSpec: restartPolicy must be Never or unset in SidecarMode")
     if spec.get("rayClusterSpec") is not None:
         cluster = spec["rayClusterSpec"]
         if (cluster.get("authOptions") or {}).get("enableK8sTokenAuth"):
             out.append("spec.rayClusterSpec.authOptions.enableK8sTokenAuth: not supported for RayJob")
+        if (cluster.get("upgradeStrategy") or {}).get("type"):
+            out.append("spec.rayClusterSpec.upgradeStrategy: not allowed on a RayJob's cluster")
         out += _cluster_spec(cluster, doc["metadata"].get("annotations") or {}, "spec.rayClusterSpec")
     try:
-        yaml.safe_load(spec.get("runtimeEnvYAML") or "")
+        env = yaml.safe_load(spec.get("runtimeEnvYAML") or "")
+        if env is not None and not isinstance(env, dict):
+            out.append("spec.runtimeEnvYAML: must be a YAML mapping")
     except yaml.YAMLError as err:
         out.append(f"spec.runtimeEnvYAML: not YAML ({err})")
     for key in ("activeDeadlineSeconds", "preRunningDeadlineSeconds"):
@@ -196,6 +254,21 @@ def _job_spec(doc: dict[str, Any]) -> list[str]:
             out.append(f"spec.{key}: must be positive")
     if (backoff or 0) < 0:
         out.append("spec.backoffLimit: negative")
+    return out
+
+
+def _legacy_deletion(spec: dict[str, Any], shutdown: bool, selector: dict[str, str]) -> list[str]:
+    """validateLegacyDeletionPolicies."""
+    policies = {k: (spec["deletionStrategy"][k] or {}).get("policy") for k in ("onSuccess", "onFailure")}
+    if None in policies.values():
+        return ["spec.deletionStrategy: onSuccess.policy and onFailure.policy must both be set"]
+    out = []
+    if selector and set(policies.values()) & {"DeleteCluster", "DeleteWorkers"}:
+        out.append("spec.deletionStrategy: clusterSelector allows neither DeleteCluster nor DeleteWorkers")
+    if "DeleteWorkers" in policies.values() and (spec.get("rayClusterSpec") or {}).get("enableInTreeAutoscaling"):
+        out.append("spec.deletionStrategy: DeleteWorkers does not work with the autoscaler")
+    if shutdown and "DeleteNone" in policies.values():
+        out.append("spec.deletionStrategy: DeleteNone contradicts shutdownAfterJobFinishes: true")
     return out
 
 

@@ -5,19 +5,23 @@ way the Kubernetes API server treats a custom resource.
 tag v1.7.0, ``ray-operator/config/crd/bases/ray.io_rayclusters.yaml`` and ``ray.io_rayjobs.yaml``,
 Apache-2.0) by ``python -m trainmesh.deploy.kuberay_schema --crds DIR`` and is not edited by
 hand: the ``spec`` schema of version v1 with what does not decide acceptance dropped
-(descriptions, defaults, list/map-type markers), each embedded core pod template replaced by a
-marker (those are core ``PodTemplateSpec`` objects, checked against Kubernetes' own schemas), and
-RayJob's ``rayClusterSpec`` by a reference to RayCluster's spec (the generator checks they are the
-same). To follow a newer KubeRay, run the generator on its checkout and update ``KUBERAY_VERSION``.
+(descriptions, list/map-type markers), the ``spec`` of each embedded pod template replaced by a
+marker (a core ``PodSpec``, checked against Kubernetes' own schemas; the template's ``metadata``
+keeps KubeRay's schema, which prunes all but name, namespace, labels, annotations and
+finalizers), and RayJob's ``rayClusterSpec`` by a reference to RayCluster's spec (the generator
+checks they are the same). To follow a newer KubeRay, run the generator on its checkout and
+update ``KUBERAY_VERSION``.
 
 What the API server does with a custom resource, and so what ``problems`` reports:
 - a field the schema does not know is **pruned silently** (unless the schema preserves unknown
   fields) — reported, since a pruned field is a setting that silently does nothing;
 - a wrong type, a value outside an ``enum``, a failed ``pattern``, ``maxLength``/``minLength``,
-  ``minimum``, ``minItems``, a missing ``required`` field, an int32 out of range: refused;
+  ``minimum``, ``minItems``, a ``required`` field missing that has no default, an int32 out of
+  range: refused;
 - ``null`` where the schema is not ``nullable``: pruned — reported.
-CEL rules (``x-kubernetes-validations``) in these CRDs concern updates (immutability) and
-``managedBy``, which trainmesh never sets; they are kept in the file but not evaluated.
+CEL rules (``x-kubernetes-validations``) are not evaluated: a field carrying one other than the
+immutability rule ``self == oldSelf`` (``managedBy``, ``deletionStrategy``; trainmesh sets
+neither) is reported as unchecked rather than passed.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ REF = "x-trainmesh-ref"  # marker: the named schema of this file
 _KEEP = {"type", "properties", "items", "required", "format", "additionalProperties", "anyOf",
          "x-kubernetes-int-or-string", "x-kubernetes-preserve-unknown-fields", "pattern", "enum",
          "maxLength", "minLength", "minimum", "maximum", "nullable", "minItems", "maxItems",
-         "x-kubernetes-validations"}
+         "default", "x-kubernetes-validations"}
 _INT_RANGE = {"int32": (-2**31, 2**31 - 1), "int64": (-2**63, 2**63 - 1)}
 
 
@@ -82,10 +86,13 @@ def _check(value: Any, schema: dict[str, Any], path: str, out: list[str]) -> Non
         want = "integer or string" if schema.get("x-kubernetes-int-or-string") else schema.get("type")
         out.append(f"{path}: must be {want}, got {type(value).__name__} {value!r}")
         return
+    rules = [v["rule"] for v in schema.get("x-kubernetes-validations", []) if v["rule"] != "self == oldSelf"]
+    if rules:
+        out.append(f"{path}: carries KubeRay's CEL rules {rules}, which this check does not evaluate")
     if "enum" in schema and value not in schema["enum"]:
         out.append(f"{path}: {value!r} is not one of {schema['enum']}")
     if isinstance(value, str):
-        if "pattern" in schema and not re.search(schema["pattern"], value):
+        if "pattern" in schema and not _go_search(schema["pattern"], value):
             out.append(f"{path}: {value!r} does not match {schema['pattern']}")
         if len(value) > schema.get("maxLength", len(value)):
             out.append(f"{path}: longer than {schema['maxLength']}")
@@ -109,7 +116,7 @@ def _check(value: Any, schema: dict[str, Any], path: str, out: list[str]) -> Non
 def _check_object(value: dict[str, Any], schema: dict[str, Any], path: str, out: list[str]) -> None:
     props = schema.get("properties")
     for key in schema.get("required", []):
-        if key not in value:
+        if key not in value and "default" not in (props or {}).get(key, {}):  # defaults fill in
             out.append(f"{path}.{key}: required")
     for key, item in value.items():
         sub = f"{path}.{key}"
@@ -128,11 +135,18 @@ def _type_ok(value: Any, schema: dict[str, Any]) -> bool:
     want = schema.get("type")
     if want is None:
         return True
-    if want == "integer":
-        return isinstance(value, int) and not isinstance(value, bool)
+    if want == "integer":  # JSON has no int type: 8.0 is accepted as 8
+        return (isinstance(value, int) or isinstance(value, float) and value.is_integer()) \
+            and not isinstance(value, bool)
     if want == "number":
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     return isinstance(value, {"string": str, "boolean": bool, "object": dict, "array": list}[want])
+
+
+def _go_search(pattern: str, value: str) -> bool:
+    """Go's regexp semantics for the CRDs' patterns: ``$`` is the end of the text only."""
+    m = re.search(pattern, value)
+    return m is not None and not (pattern.endswith("$") and value.endswith("\n"))
 
 
 # -- the generator ---------------------------------------------------------------------------
@@ -147,11 +161,19 @@ def _derive(node: Any) -> Any:
         if key not in _KEEP:
             continue
         if key == "properties":
-            out[key] = {name: ({POD: "PodTemplateSpec"} if _is_pod_template(sub) else _derive(sub))
+            out[key] = {name: _pod_template(sub) if _is_pod_template(sub) else _derive(sub)
                         for name, sub in val.items()}
+        elif key == "x-kubernetes-validations":
+            out[key] = [{"rule": v["rule"], "message": v.get("message", "")} for v in val]
         else:
             out[key] = _derive(val)
     return out
+
+
+def _pod_template(schema: dict[str, Any]) -> dict[str, Any]:
+    derived = _derive(schema)
+    derived["properties"]["spec"] = {POD: "PodSpec"}
+    return derived
 
 
 def _is_pod_template(schema: dict[str, Any]) -> bool:

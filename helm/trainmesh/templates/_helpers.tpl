@@ -39,9 +39,11 @@ app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 
+{{/* At most 50 characters: with the autoscaler on, KubeRay shortens the head pod's account name
+to 50 (utils.CheckName) but binds its Role to the account it finds under the full name. */}}
 {{- define "trainmesh.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create }}
-{{- default (include "trainmesh.fullname" .) .Values.serviceAccount.name }}
+{{- default (include "trainmesh.fullname" . | trunc 50 | trimSuffix "-") .Values.serviceAccount.name }}
 {{- else }}
 {{- required "serviceAccount.name: name an existing ServiceAccount when serviceAccount.create is false" .Values.serviceAccount.name }}
 {{- end }}
@@ -204,6 +206,10 @@ spec:
 {{- $w := $rc.workers }}
 {{- if not (and (le (int $w.minReplicas) (int $w.replicas)) (le (int $w.replicas) (int $w.maxReplicas))) }}
 {{- fail (printf "rayCluster.workers: need minReplicas <= replicas <= maxReplicas, got %v, %v, %v; fix the three counts" $w.minReplicas $w.replicas $w.maxReplicas) }}
+{{- end }}
+{{- $account := include "trainmesh.serviceAccountName" . }}
+{{- if and $rc.enableInTreeAutoscaling (or (gt (len $account) 50) (not (regexMatch "^[a-zA-Z]" $account))) }}
+{{- fail (printf "serviceAccount.name %q: with rayCluster.enableInTreeAutoscaling KubeRay renames a ServiceAccount longer than 50 characters or not starting with a letter for the head pod, and that renamed account would not exist; use a shorter name starting with a letter" $account) }}
 {{- end }}
 {{- if and (not $rc.enableInTreeAutoscaling) (ne (int $w.minReplicas) (int $w.maxReplicas)) }}
 {{- fail (printf "rayCluster.workers: minReplicas %v and maxReplicas %v differ but rayCluster.enableInTreeAutoscaling is false, so nothing would ever scale the workers; set enableInTreeAutoscaling: true or make the two equal" $w.minReplicas $w.maxReplicas) }}
