@@ -1,36 +1,30 @@
-"""NCCL's rules emulated on gloo, for the pipeline executor: ``batch_isend_irecv`` on NCCL
-returns one coalesced handle for a whole batch (gloo returns one per op). Two real processes
-run the same step with gloo's handles and with one handle per batch; the losses and every
-gradient must be identical. (Interleaved 1F1B is not here: waiting for a batch's sends with
-its receives deadlocks the executor's current send/receive placement for it — issue #15.)"""
+"""NCCL's rules emulated on gloo (``pipeline/nccl_rules.py``: one handle per batch, one stream
+per rank, a send done only once its receive is posted, FIFO matching per pair, tags ignored),
+for the pipeline executor in two real processes. Every schedule kind runs one step with gloo's
+own semantics and under NCCL's rules; both give the single-process reference's loss and
+gradients. The executor's old placement (receives next to their compute) deadlocks under the
+rules — as it would on GPUs — and the layer reports it, so the emulation is not vacuous."""
 
 from __future__ import annotations
 
+import os
 import socket
+from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from test_pipeline_schedules import _placed_next_to_compute
 from torch import nn
 
 from trainmesh.parallel.pipeline.executor import P2PSpec, PipelineExecutor
-from trainmesh.parallel.pipeline.ir import PipeShape
-from trainmesh.parallel.pipeline.schedules import build_schedule
+from trainmesh.parallel.pipeline.ir import Op
+from trainmesh.parallel.pipeline.nccl_rules import NcclRulesP2P
+from trainmesh.parallel.pipeline.schedules import build_schedule, pipe_shape
 
-PP, VPP, M, MB, DIM = 2, 1, 4, 2, 8
-
-
-class _Coalesced:
-    """One handle for a batch, as NCCL gives: waiting on it waits for every op."""
-
-    def __init__(self, works):
-        self.works = works
-
-    def wait(self, timeout=None):
-        for w in self.works:
-            w.wait(timeout)
-        return True
+PP, M, MB, DIM = 2, 4, 2, 8
+CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zbv", 2)]
 
 
 class _Last(nn.Module):
@@ -39,57 +33,89 @@ class _Last(nn.Module):
         self.lin = nn.Linear(DIM, DIM)
 
     def forward(self, x, y):
-        return nn.functional.mse_loss(self.lin(x), y)
+        return nn.functional.mse_loss(torch.tanh(self.lin(x)), y)
 
 
-def _stages(rank: int) -> dict[int, nn.Module]:
-    out = {}
-    for s in PipeShape(PP, VPP, M).stages_of(rank):
-        torch.manual_seed(s)
-        out[s] = _Last() if s == PP * VPP - 1 else nn.Linear(DIM, DIM)
-    return out
+def _stage(s: int, num_stages: int) -> nn.Module:
+    torch.manual_seed(s)
+    return _Last() if s == num_stages - 1 else nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh())
 
 
-def _worker(rank: int, port: int, coalesce: bool, schedule: str, results) -> None:
+def _data():
+    torch.manual_seed(100)
+    return [(torch.randn(MB, DIM), torch.randn(MB, DIM)) for _ in range(M)]
+
+
+def _grads(stages: dict[int, nn.Module]) -> dict[str, torch.Tensor]:
+    return {f"{s}.{k}": p.grad.clone() for s, m in stages.items() for k, p in m.named_parameters()}
+
+
+def _reference(v: int) -> tuple[float, dict[str, torch.Tensor]]:
+    stages = {s: _stage(s, PP * v) for s in range(PP * v)}
+    total = 0.0
+    for x, y in _data():
+        h = x
+        for s in range(PP * v - 1):
+            h = stages[s](h)
+        loss = stages[PP * v - 1](h, y) / M
+        loss.backward()
+        total += float(loss)
+    return total, _grads(stages)
+
+
+def _worker(rank: int, port: int, results) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=PP)
-    if coalesce:
-        plain = dist.batch_isend_irecv
-        dist.batch_isend_irecv = lambda ops: [_Coalesced(plain(ops))]
-    torch.manual_seed(100)
-    mbs = [(torch.randn(MB, DIM), torch.randn(MB, DIM)) for _ in range(M)]
-    shape = PipeShape(PP, VPP, M)
-    stages = _stages(rank)
-    p2p = P2PSpec(dist.group.WORLD, [0, 1], (MB, DIM), torch.float32, torch.device("cpu"))
-    loss = PipelineExecutor(shape, build_schedule(schedule, PP, VPP, M)[rank], stages,
-                            p2p).step(mbs)
-    results[rank] = (float(loss), {f"{s}.{k}": p.grad.clone() for s, m in stages.items()
-                                   for k, p in m.named_parameters()})
-    dist.destroy_process_group()
+    for kind, v in CASES:
+        shape = pipe_shape(kind, PP, v, M)
+        for mode in ("gloo", "nccl-rules"):
+            stages = {s: _stage(s, PP * v) for s in shape.stages_of(rank)}
+            post = NcclRulesP2P(timedelta(seconds=60)) if mode == "nccl-rules" else dist.batch_isend_irecv
+            p2p = P2PSpec(dist.group.WORLD, [0, 1], (MB, DIM), torch.float32, torch.device("cpu"),
+                          post=post)
+            loss = PipelineExecutor(shape, build_schedule(kind, PP, v, M)[rank], stages, p2p).step(_data())
+            results[(rank, kind, mode)] = (float(loss), _grads(stages))
+    # The old placement under the rules: both ranks block (the layer's timeout says so).
+    shape = pipe_shape("interleaved-1f1b", PP, 2, M)
+    compute = [[a for a in r if a.op in (Op.FORWARD, Op.BACKWARD)]
+               for r in build_schedule("interleaved-1f1b", PP, 2, M)]
+    old = _placed_next_to_compute(shape, compute)
+    stages = {s: _stage(s, PP * 2) for s in shape.stages_of(rank)}
+    p2p = P2PSpec(dist.group.WORLD, [0, 1], (MB, DIM), torch.float32, torch.device("cpu"),
+                  timeout=timedelta(seconds=4), post=NcclRulesP2P(timedelta(seconds=4)))
+    try:
+        PipelineExecutor(shape, old[rank], stages, p2p).step(_data())
+        results[(rank, "old", "nccl-rules")] = "ran"
+    except RuntimeError as err:
+        results[(rank, "old", "nccl-rules")] = f"raised: {err}"
+    os._exit(0)  # the deadlocked ops are still posted: leave without tearing the group down
 
 
-def _run(coalesce: bool, schedule: str) -> dict:
+@pytest.mark.timeout(240)
+def test_every_schedule_gives_the_reference_step_under_nccl_rules_and_the_old_placement_hangs():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     results = ctx.Manager().dict()
-    procs = [ctx.Process(target=_worker, args=(r, port, coalesce, schedule, results)) for r in range(PP)]
+    procs = [ctx.Process(target=_worker, args=(r, port, results)) for r in range(PP)]
     for p in procs:
         p.start()
     for p in procs:
-        p.join(120)
+        p.join(180)
         if p.exitcode is None:
             p.kill()
         assert p.exitcode == 0, "a rank failed or hung"
-    return dict(results)
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_one_coalesced_handle_per_batch_gives_the_same_step(schedule):
-    per_op, coalesced = _run(False, schedule), _run(True, schedule)
+    for kind, v in CASES:
+        want_loss, want_grads = _reference(v)
+        last = pipe_shape(kind, PP, v, M).rank_of(PP * v - 1)
+        for mode in ("gloo", "nccl-rules"):
+            loss = results[(last, kind, mode)][0]
+            assert loss == pytest.approx(want_loss, rel=1e-6), (kind, mode)
+            got = {**results[(0, kind, mode)][1], **results[(1, kind, mode)][1]}
+            assert set(got) == set(want_grads), (kind, mode)
+            for k, g in want_grads.items():
+                torch.testing.assert_close(got[k], g, rtol=1e-5, atol=1e-7,
+                                           msg=lambda m, k=k, kind=kind, mode=mode: f"{kind} {mode} {k}: {m}")
     for rank in range(PP):
-        assert per_op[rank][0] == coalesced[rank][0]
-        for k, g in per_op[rank][1].items():
-            assert torch.equal(g, coalesced[rank][1][k]), k
+        assert results[(rank, "old", "nccl-rules")].startswith("raised"), results[(rank, "old", "nccl-rules")]

@@ -5,27 +5,86 @@ from __future__ import annotations
 import pytest
 
 from trainmesh.parallel.pipeline.ir import Action, Op, Phase, PipeShape, grid
-from trainmesh.parallel.pipeline.schedules import build_schedule
+from trainmesh.parallel.pipeline.schedules import build_schedule, pipe_shape
 from trainmesh.parallel.pipeline.simulate import Costs, ScheduleError, simulate
 
-LEGAL = [(k, pp, v, m) for pp in (1, 2, 3, 4) for m in range(1, 9)
-         for k, v in [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 1),
-                      ("interleaved-1f1b", 2), ("interleaved-1f1b", 3)]
+KINDS = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 1), ("interleaved-1f1b", 2),
+         ("interleaved-1f1b", 3), ("interleaved-1f1b", 4), ("zb-h1", 1), ("zbv", 2)]
+# Every schedule the generators make for pp ≤ 8, v ≤ 4, m ≤ 16.
+SWEEP = [(k, pp, v, m) for k, v in KINDS for pp in range(1, 9) for m in range(1, 17)
          if k != "interleaved-1f1b" or m % pp == 0]
 
 
-@pytest.mark.parametrize(("kind", "pp", "v", "m"), LEGAL)
-def test_every_legal_schedule_runs_to_completion(kind, pp, v, m):
-    sched = build_schedule(kind, pp, v, m)
-    result = simulate(sched, pp * v, m, Costs(1.0, 2.0, 0.1))
-    assert result.step_time > 0
-    for rank, actions in enumerate(sched):
-        shape = PipeShape(pp, v, m)
-        mine = {a.stage for a in actions}
-        assert mine <= set(shape.stages_of(rank))
-        for op in (Op.FORWARD, Op.BACKWARD):
-            done = sorted((a.stage, a.microbatch) for a in actions if a.op is op)
-            assert done == sorted((s, i) for s in shape.stages_of(rank) for i in range(m))
+def test_every_schedule_runs_to_completion_and_cannot_deadlock_under_nccl_rules():
+    """All of them (hundreds, in about a second): each rank holds its stages and runs each of
+    their actions once, and the lowered lists finish both as the executor runs them and under
+    NCCL's rules (blocking sends, one stream per rank, FIFO matching per pair)."""
+    for kind, pp, v, m in SWEEP:
+        shape = pipe_shape(kind, pp, v, m)
+        sched = build_schedule(kind, pp, v, m)
+        assert simulate(sched, pp * v, m, Costs(1.0, 2.0, 0.1), shape=shape).step_time > 0
+        simulate(sched, pp * v, m, Costs(1.0, 2.0, 0.1), nccl=True, shape=shape)
+        ops = (Op.FORWARD, Op.BACKWARD_INPUT, Op.WEIGHT) if kind.startswith("zb") else (
+            Op.FORWARD, Op.BACKWARD)
+        for rank, actions in enumerate(sched):
+            assert {a.stage for a in actions} <= set(shape.stages_of(rank))
+            for op in ops:
+                done = sorted((a.stage, a.microbatch) for a in actions if a.op is op)
+                assert done == sorted((s, i) for s in shape.stages_of(rank) for i in range(m)), (
+                    kind, pp, v, m, rank, op)
+
+
+def _placed_next_to_compute(shape: PipeShape, compute: list[list[Action]]) -> list[list[Action]]:
+    """The executor's old placement: each receive right before the compute that needs it,
+    each send right after the compute that produced it."""
+    last, out = shape.num_stages - 1, []
+    for rank, actions in enumerate(compute):
+        seq = []
+        for a in actions:
+            s, m = a.stage, a.microbatch
+            if a.op is Op.FORWARD:
+                seq += [Action(Op.RECV_FORWARD, s, m)] * (s > 0 and shape.rank_of(s - 1) != rank)
+                seq += [a] + [Action(Op.SEND_FORWARD, s, m)] * (s < last and shape.rank_of(s + 1) != rank)
+            else:
+                seq += [Action(Op.RECV_BACKWARD, s, m)] * (s < last and shape.rank_of(s + 1) != rank)
+                seq += [a] + [Action(Op.SEND_BACKWARD, s, m)] * (s > 0 and shape.rank_of(s - 1) != rank)
+        out.append(seq)
+    return out
+
+
+def test_the_old_placement_deadlocks_under_nccl_rules_and_is_reported():
+    """Issue #15's case: interleaved 1F1B, pp=2, v=2, m=4, receives placed next to their
+    compute. With buffered sends (gloo) it runs; under NCCL's rules rank 0's stream blocks in
+    its send-only batch [2SB0] (its next, [0SF3 2RB1], queued behind it) while rank 1 waits in
+    [3SB1 1RF2] and would post the receive for 2SB0 only later."""
+    compute = [[a for a in r if a.op in (Op.FORWARD, Op.BACKWARD)]
+               for r in build_schedule("interleaved-1f1b", 2, 2, 4)]
+    old = _placed_next_to_compute(PipeShape(2, 2, 4), compute)
+    simulate(old, 4, 4)
+    with pytest.raises(ScheduleError, match=r"deadlock.*rank 0: 2SB0; rank 1: 3SB1 1RF2"):
+        simulate(old, 4, 4, nccl=True)
+    # Same order, ends posted differently on the two sides of a pair: NCCL would pair wrongly.
+    swapped = [list(old[0]), list(old[1])]
+    i, j = (swapped[1].index(Action(Op.RECV_FORWARD, 1, m)) for m in (1, 2))
+    swapped[1][i], swapped[1][j] = swapped[1][j], swapped[1][i]
+    with pytest.raises(ScheduleError, match="NCCL matches in order"):
+        simulate(swapped, 4, 4, nccl=True)
+
+
+@pytest.mark.parametrize(("pp", "m"), [(2, 4), (4, 8), (4, 16), (8, 16)])
+def test_zero_bubble_schedules_shrink_the_bubble_at_1f1b_memory(pp, m):
+    """F = I = W (the zero-bubble paper's costs): ZB-H1 idles (pp-1)·(F+I-W) where 1F1B idles
+    (pp-1)·(F+B) — a third — at 1F1B's peak; ZBV (half-size chunks in a V) idles less than
+    interleaved 1F1B at the same chunk size, holding at most 2·pp chunks."""
+    def run(kind, v):
+        shape = pipe_shape(kind, pp, v, m)
+        res = simulate(build_schedule(kind, pp, v, m), pp * v, m, Costs(1 / v, 2 / v), shape=shape)
+        return res.step_time - 3 * m, max(res.peak_in_flight)  # idle per rank, peak chunks
+
+    one, zb = run("1f1b", 1), run("zb-h1", 1)
+    assert zb[0] == pytest.approx(one[0] / 3) and zb[1] == one[1] == pp
+    inter, zbv = run("interleaved-1f1b", 2), run("zbv", 2)
+    assert zbv[0] < inter[0] and zbv[1] <= 2 * pp
 
 
 @pytest.mark.parametrize(("kind", "pp", "v", "m"), [
@@ -70,7 +129,7 @@ def test_simulator_detects_deadlock_and_unmet_dependencies():
              Action(Op.SEND_FORWARD, 0, 0)]
     rank1 = [Action(Op.RECV_FORWARD, 1, 0), Action(F, 1, 0), Action(B, 1, 0),
              Action(Op.SEND_BACKWARD, 1, 0)]
-    with pytest.raises(ScheduleError, match="deadlock.*rank 0: 0RB0.*rank 1: 1RF0"):
+    with pytest.raises(ScheduleError, match="deadlock.*rank 0: 0B0; rank 1: 1F0"):
         simulate([rank0, rank1], 2, 1)
     sched = build_schedule("1f1b", 2, 1, 2)
     dropped = [a for a in sched[1] if str(a) != "1B1"]

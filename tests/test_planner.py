@@ -29,7 +29,7 @@ def _brute_force_best(req: PlanRequest, topo: Topology) -> float:
     best = (0, 0.0)  # (ranks used, tokens/s): every usable accelerator first, then speed
     for tp, pp, dp, vpp, mbs, sched, rc, keep in itertools.product(
             range(1, world + 1), range(1, world + 1), range(1, world + 1), (1, 2, 4), (1, 2, 4, 8),
-            cost_model.SCHEDULES, cost_model.RECOMPUTE, (True, False)):
+            cost_model.AUTO_SCHEDULES, cost_model.RECOMPUTE, (True, False)):
         groups = sum(n.accelerators // tp for n in topo.nodes)
         rules = [m.n_heads % tp == 0, m.n_kv_heads % tp == 0, topo.largest_node % tp == 0,
                  pp * dp <= groups, m.n_layers % (pp * vpp) == 0,
@@ -175,7 +175,7 @@ def test_spec_topology_overrides_change_the_plan(capsys):
     assert "memory" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"])
 def test_in_flight_chunks_are_what_the_schedule_simulator_holds(schedule):
     """The cost model's closed form for activations held per pipeline rank = the peak the
     simulator finds running the very action lists the executor runs."""

@@ -31,9 +31,10 @@ from trainmesh.models.llama.parallelize import apply_activation_checkpointing, a
 from trainmesh.models.llama.stage import PipelineStage, rank_model
 from trainmesh.parallel.dims import Axis
 from trainmesh.parallel.mesh import Mesh
+from trainmesh.parallel.pipeline import nccl_rules
 from trainmesh.parallel.pipeline.executor import P2PSpec, PipelineExecutor
-from trainmesh.parallel.pipeline.ir import PipeShape
-from trainmesh.parallel.pipeline.schedules import build_schedule
+from trainmesh.parallel.pipeline.ir import splits_backward
+from trainmesh.parallel.pipeline.schedules import build_schedule, pipe_shape
 from trainmesh.parallel.zero import ZeroPolicy, apply_zero3
 from trainmesh.spec.job import JobSpec
 
@@ -57,9 +58,12 @@ class Engine:
         pp = mesh.size(Axis.PP)
         # The Llama holding this rank's layers (all of them without PP), with global names,
         # built on the meta device: no process ever holds more than its own shards.
+        vpp = par.vpp if pp > 1 else 1
+        shape = pipe_shape(spec.schedule.name, pp, vpp, 1) if pp > 1 else None
         with torch.device("meta"):
-            self.model, stage_ids = rank_model(LlamaArgs.from_config(spec.model, device.type),
-                                               mesh.coord(Axis.PP), pp, par.vpp if pp > 1 else 1)
+            self.model, stage_ids = rank_model(
+                LlamaArgs.from_config(spec.model, device.type), mesh.coord(Axis.PP), pp, vpp,
+                shape.stages_of(mesh.coord(Axis.PP)) if shape else None)
         self.loss_context = contextlib.nullcontext
         if mesh.size(Axis.TP) > 1:
             apply_tensor_parallel(self.model, mesh[Axis.TP], par.sequence_parallel)
@@ -67,8 +71,11 @@ class Engine:
         apply_activation_checkpointing(self.model, spec.activation_checkpoint.mode,
                                        spec.activation_checkpoint.stride)
         self.executor = None
-        self.zero = ZeroPolicy(keep_gathered=par.keep_gathered is not False, param_dtype=dtype,
-                               reduce_dtype=getattr(torch, par.reduce_dtype))
+        # A split backward (zero-bubble schedules) keeps each stage gathered through the step:
+        # its deferred W's need the parameters the forward used.
+        split = pp > 1 and splits_backward(spec.schedule.name)
+        self.zero = ZeroPolicy(keep_gathered=split or par.keep_gathered is not False,
+                               param_dtype=dtype, reduce_dtype=getattr(torch, par.reduce_dtype))
         if pp == 1:
             apply_zero3(self.model, mesh[Axis.DP], self.zero)
         else:
@@ -90,14 +97,15 @@ class Engine:
         par, tr, mesh = self.spec.parallelism, self.spec.training, self.mesh
         dims, c = mesh.dims, mesh.dims.coords(mesh.rank)
         n_micro = tr.global_batch_size // (dims.dp * tr.microbatch_size)
-        shape = PipeShape(dims.pp, par.vpp, n_micro)
+        shape = pipe_shape(self.spec.schedule.name, dims.pp, par.vpp, n_micro)
         actions = build_schedule(self.spec.schedule.name, dims.pp, par.vpp, n_micro)[c[Axis.PP]]
+        timeout = timedelta(seconds=self.spec.runtime.collective_timeout_s)
         seq = tr.seq_len // dims.tp if par.sequence_parallel else tr.seq_len
         p2p = P2PSpec(group=mesh[Axis.PP].get_group(),
                       peers=[dims.rank_of(i, c[Axis.DP], c[Axis.TP]) for i in range(dims.pp)],
                       act_shape=(tr.microbatch_size, seq, self.spec.model.dim), dtype=dtype,
-                      device=self.device,
-                      timeout=timedelta(seconds=self.spec.runtime.collective_timeout_s))
+                      device=self.device, timeout=timeout,
+                      post=nccl_rules.from_env(timeout) or dist.batch_isend_irecv)
         return PipelineExecutor(shape, actions, stages, p2p, self.loss_context, self.zero,
                                 self.on_phase)
 

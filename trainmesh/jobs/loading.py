@@ -253,9 +253,12 @@ def consistency_problems(spec: JobSpec) -> list[Problem]:
              "choose pp and vpp whose product divides model.n_layers")
         need(par.vpp == 1 or par.pp > 1, "parallelism.vpp", "vpp > 1 needs pp > 1",
              "set parallelism.vpp=1 or parallelism.pp>1")
-        need(par.vpp == 1 or spec.schedule.name == "interleaved-1f1b", "schedule.name",
+        need(par.vpp == 1 or spec.schedule.name in ("interleaved-1f1b", "zbv"), "schedule.name",
              f"{spec.schedule.name} runs one model chunk per stage but parallelism.vpp={par.vpp}",
-             "use schedule.name=interleaved-1f1b (the default when vpp > 1), or set vpp=1")
+             "use schedule.name=interleaved-1f1b (the default when vpp > 1) or zbv, or set vpp=1")
+        need(spec.schedule.name != "zbv" or par.pp == 1 or par.vpp == 2, "parallelism.vpp",
+             f"zbv places two chunks per rank in a V, but parallelism.vpp={par.vpp}",
+             "set parallelism.vpp=2")
         world = par.world_size
         need(world >= el.min_world_size, "elastic.min_world_size",
              f"{el.min_world_size} exceeds the planned world size {world}",

@@ -35,6 +35,28 @@ class ZeroPolicy:
         module.set_requires_gradient_sync(sync)
         module.set_reshard_after_backward(sync)
 
+    @staticmethod
+    def before_split_backward(module: nn.Module) -> None:
+        """A split backward (I now, W later) runs outside FSDP's hooks' timing: keep the
+        parameters gathered and the gradients unreduced through every I and W of the step."""
+        module.set_is_last_backward(False)
+        module.set_requires_gradient_sync(False)
+        module.set_reshard_after_backward(False)
+
+    @staticmethod
+    def reduce_after_split_backward(module: nn.Module) -> None:
+        """After a stage's last W: reduce-scatter its gradients and reshard, by calling FSDP's
+        post-backward for every parameter group itself (what torch.distributed.pipelining does
+        for split backwards: autograd never ran FSDP's own hooks at the right moment)."""
+        module.set_is_last_backward(True)
+        module.set_requires_gradient_sync(True)
+        module.set_reshard_after_backward(True)
+        state = fully_shard.state(module)
+        for sub in state._state_ctx.all_states:
+            for group in sub._fsdp_param_groups:
+                group.post_backward()
+        state._root_post_backward_final_callback()
+
 
 def apply_zero3(model: nn.Module, dp_mesh: DeviceMesh, policy: ZeroPolicy) -> nn.Module:
     """Shard parameters, gradients and optimizer state over ``dp_mesh`` (``model`` is a Llama

@@ -48,6 +48,7 @@ Step time (seconds):
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from trainmesh.models.llama.model_math import flops_per_token, layer_params
@@ -61,7 +62,9 @@ PP_LATENCY_S = 20e-6  # per point-to-point message
 # synchronisation that overlapping with compute does not hide. It is what makes re-gathering
 # for every microbatch cost time even when the bytes would hide behind compute.
 COLLECTIVE_LATENCY_S = 20e-6
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")
+AUTO_SCHEDULES = SCHEDULES[:3]  # what the planner weighs unasked; zero-bubble ones when named
+CHUNKED = ("interleaved-1f1b", "zbv")  # schedules that run vpp chunks per rank
 RECOMPUTE = ("none", "full")
 
 
@@ -105,24 +108,49 @@ class Estimate:
 
 
 def bubble_fraction(schedule: str, pp: int, vpp: int, m: int) -> float:
-    """Idle fraction of a pipelined step with uniform stage costs."""
+    """Idle fraction of a pipelined step with uniform stage costs (backward = 2 × forward; a
+    split backward's input and weight halves 1 each). Closed forms for GPipe, 1F1B and
+    interleaved; the zero-bubble schedules are played by the simulator (cached)."""
     if pp == 1:
         return 0.0
+    if schedule in ("zb-h1", "zbv"):
+        return _zero_bubble(schedule, pp, vpp, m)[0]
     v = vpp if schedule == "interleaved-1f1b" else 1
     idle = (pp - 1) / v
     return idle / (m + idle)
 
 
+@functools.lru_cache(maxsize=256)
+def _zero_bubble(schedule: str, pp: int, vpp: int, m: int) -> tuple[float, tuple[int, ...]]:
+    from trainmesh.parallel.pipeline.schedules import build_schedule, pipe_shape
+    from trainmesh.parallel.pipeline.simulate import Costs, simulate
+
+    res = simulate(build_schedule(schedule, pp, vpp, m), pp * vpp, m, Costs(1 / vpp, 2 / vpp),
+                   shape=pipe_shape(schedule, pp, vpp, m))
+    return res.bubble_fraction, tuple(res.peak_in_flight)
+
+
 def in_flight_chunks(schedule: str, pp: int, vpp: int, m: int, pp_rank: int) -> int:
     """Microbatch-chunks of activations rank ``pp_rank`` holds at its peak (a chunk is one of
-    its ``vpp`` model chunks; 1 chunk per rank without interleaving)."""
+    its ``vpp`` model chunks; 1 chunk per rank without interleaving). A split backward holds
+    them until the W."""
     if pp == 1:
         return 1
     if schedule == "gpipe":
         return m
     if schedule == "1f1b":
         return min(m, pp - pp_rank)
+    if schedule == "zb-h1":  # rank r holds its W's back r microbatches: pp on every rank
+        return min(m, pp)
+    if schedule == "zbv":
+        return _zero_bubble(schedule, pp, vpp, m)[1][pp_rank]
     return min(m * vpp, 2 * (pp - pp_rank - 1) + (vpp - 1) * pp + 1)
+
+
+def holds_head(schedule: str, pp: int, pp_rank: int) -> bool:
+    """Whether pipeline rank ``pp_rank`` holds the last stage (norm, head, loss): the last
+    rank, or the first for ZBV's V."""
+    return pp_rank == (0 if schedule == "zbv" and pp > 1 else pp - 1)
 
 
 @dataclass(frozen=True)
@@ -166,13 +194,13 @@ class RankParams:
         return self.tp_sharded / tp + self.replicated
 
 
-def rank_params(model, pp: int, pp_rank: int) -> RankParams:
+def rank_params(model, pp: int, pp_rank: int, schedule: str = "1f1b") -> RankParams:
     d, V = model.dim, model.vocab_size
     per_layer = layer_params(model)
     layers = model.n_layers // pp
     sharded = layers * (per_layer - 2 * d)
     replicated = layers * 2 * d
-    first, last = pp_rank == 0, pp_rank == pp - 1
+    first, last = pp_rank == 0, holds_head(schedule, pp, pp_rank)
     if first:
         sharded += V * d
     if last:
@@ -202,7 +230,7 @@ def rank_memory(model, c: Candidate, seq_len: int, pp_rank: int = 0, compute_byt
                 ) -> MemoryBreakdown:
     """Peak bytes of rank ``pp_rank`` of the pipeline (any dp/tp coordinate); ``fused_head``:
     the Triton kernels run (RMSNorm, SwiGLU, RoPE and the fused linear + cross-entropy)."""
-    rp = rank_params(model, c.pp, pp_rank)
+    rp = rank_params(model, c.pp, pp_rank, c.schedule)
     reduce_bytes = c.reduce_bytes
     local = rp.local(c.tp, c.dp)
     layer_gathered = (rp.per_layer - 2 * model.dim) / c.tp + 2 * model.dim
@@ -233,7 +261,7 @@ def rank_memory(model, c: Candidate, seq_len: int, pp_rank: int = 0, compute_byt
     transient = 0.0
     if c.recompute == "full":  # one block's activations exist while it is recomputed
         transient += activation_units(model, c.tp, sp, "none", fused_head) * sbh * compute_bytes
-    if pp_rank == c.pp - 1:
+    if holds_head(c.schedule, c.pp, pp_rank):
         norm = 1 if fused_head else 2
         acts += (norm / c.tp + 1 if sp else norm + 1) * sbh * compute_bytes  # final norm
         if fused_head:  # the fused loss computes its gradients in forward and keeps them
@@ -278,7 +306,7 @@ def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: in
         tp_comm = 4 * per_op * layers * c.num_microbatches
     pp_comm = 0.0
     if c.pp > 1:
-        v = c.vpp if c.schedule == "interleaved-1f1b" else 1
+        v = c.vpp if c.schedule in CHUNKED else 1
         msg = act_bytes / c.tp / (device.inter_node_gbps * 1e9) + PP_LATENCY_S
         pp_comm = 2 * msg * c.num_microbatches * v
     dp_exposed = 0.0

@@ -175,8 +175,11 @@ def _inner(req: PlanRequest, tp: int, pp: int, max_dp: int) -> Iterator[Candidat
             yield Rejection(None, f"divisibility: n_layers={m.n_layers} is not divisible by "
                                   f"pp × vpp = {pp}×{vpp}")
             continue
+        # The zero-bubble schedules are considered when named (schedule.name), not on their own.
         schedules = ("1f1b",) if pp == 1 else (
-            ("interleaved-1f1b",) if vpp > 1 else ("gpipe", "1f1b"))
+            ("interleaved-1f1b", "zbv") if vpp == 2 else ("interleaved-1f1b",) if vpp > 1
+            else ("gpipe", "1f1b", "zb-h1"))
+        schedules = tuple(s for s in schedules if not s.startswith("zb") or fixed.get("schedule") == s)
         for schedule in schedules:
             if "schedule" in fixed and pp > 1 and schedule != fixed["schedule"]:
                 continue
@@ -196,7 +199,9 @@ def _options(req: PlanRequest, tp: int, pp: int, dp: int, vpp: int, schedule: st
     fixed = req.fixed
     sp = bool(fixed.get("sequence_parallel", tp > 1))
     keeps = (True, False)  # FSDP2 gathers a copy even at dp = 1
-    if "keep_gathered" in fixed:
+    if schedule in ("zb-h1", "zbv"):  # a split backward's W needs the forward's parameters
+        keeps = (True,)
+    elif "keep_gathered" in fixed:
         keeps = (bool(fixed["keep_gathered"]),)
     reduce = str(fixed.get("reduce_dtype", "float32"))
     for rc in RECOMPUTE:

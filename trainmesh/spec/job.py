@@ -111,7 +111,9 @@ class ActivationCheckpointConfig(_Section):
 class ScheduleConfig(_Section):
     """Pipeline schedule used when ``parallelism.pp > 1``."""
 
-    name: Literal["gpipe", "1f1b", "interleaved-1f1b"] = "1f1b"
+    name: Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv"] = Field(
+        "1f1b", description="zb-h1 / zbv: zero-bubble schedules (backward split into input and "
+        "weight gradients; zbv places parallelism.vpp=2 chunks per rank in a V)")
 
 
 class OptimizerConfig(_Section):

@@ -46,10 +46,12 @@ class PipelineStage(nn.Module):
         return decoder_forward(self, self.layers, h, targets)
 
 
-def rank_model(model_args, pp_rank: int, pp: int, vpp: int) -> tuple[Llama, list[int]]:
-    """The Llama holding exactly this rank's stages (round-robin: stage s on rank s % pp)."""
+def rank_model(model_args, pp_rank: int, pp: int, vpp: int,
+               stages: list[int] | None = None) -> tuple[Llama, list[int]]:
+    """The Llama holding exactly this rank's stages: ``stages``, by default round-robin (stage
+    s on rank s % pp)."""
     num_stages = pp * vpp
-    stages = [c * pp + pp_rank for c in range(vpp)]
+    stages = stages if stages is not None else [c * pp + pp_rank for c in range(vpp)]
     ids = [i for s in stages for i in stage_layers(model_args.n_layers, num_stages, s)]
     if model_args.tie_embeddings and pp > 1:
         raise ValueError("model.tie_embeddings needs the embedding on the last stage; set it "

@@ -9,18 +9,26 @@ from trainmesh.parallel.pipeline.ir import (
     PipeShape,
     Schedule,
     ScheduleKind,
-    with_communication,
+    lower,
 )
+
+
+def pipe_shape(kind: ScheduleKind | str, pp: int, vpp: int, microbatches: int) -> PipeShape:
+    """Where ``kind`` puts the stages: ZBV two per rank in a V, the others round-robin."""
+    kind = ScheduleKind(kind)
+    check(kind, pp, vpp, microbatches)
+    return PipeShape(pp, vpp, microbatches, v_shape=kind is ScheduleKind.ZBV)
 
 
 def build_schedule(kind: ScheduleKind | str, pp: int, vpp: int, microbatches: int) -> Schedule:
     """Every rank's ordered actions, sends and receives included."""
     kind = ScheduleKind(kind)
-    check(kind, pp, vpp, microbatches)
-    shape = PipeShape(pp, vpp, microbatches)
+    shape = pipe_shape(kind, pp, vpp, microbatches)
+    if kind is ScheduleKind.ZBV:  # 1F1B's peak, in half-size chunks: 2·pp of them
+        return lower(shape, zero_bubble(shape, limit=2 * pp))
     gen = {ScheduleKind.GPIPE: _gpipe, ScheduleKind.ONE_F_ONE_B: _one_f_one_b,
-           ScheduleKind.INTERLEAVED_1F1B: _interleaved}[kind]
-    return with_communication(shape, [gen(shape, r) for r in range(pp)])
+           ScheduleKind.INTERLEAVED_1F1B: _interleaved, ScheduleKind.ZB_H1: _zb_h1}[kind]
+    return lower(shape, [gen(shape, r) for r in range(pp)])
 
 
 def check(kind: ScheduleKind, pp: int, vpp: int, m: int) -> None:
@@ -31,9 +39,93 @@ def check(kind: ScheduleKind, pp: int, vpp: int, m: int) -> None:
         if m % pp:
             raise ValueError(f"interleaved 1F1B needs microbatches ({m}) to be a multiple of "
                              f"pp={pp}; change training.global_batch_size or microbatch_size")
+    elif kind is ScheduleKind.ZBV:
+        if vpp != 2:
+            raise ValueError(f"zbv places two chunks per rank in a V (vpp=2), not vpp={vpp}; "
+                             "set parallelism.vpp=2")
     elif vpp != 1:
         raise ValueError(f"schedule {kind.value} has one chunk per rank (vpp={vpp}); use "
-                         "interleaved-1f1b for vpp > 1")
+                         "interleaved-1f1b or zbv for vpp > 1")
+
+
+def zero_bubble(shape: PipeShape, limit: int) -> list[list[Action]]:
+    """Compute orders with the backward split into I (input gradients) and W (weight gradients),
+    chosen greedily on unit costs the way the zero-bubble paper's heuristic does (Qi et al.,
+    2023): at each moment a rank runs a ready I first (it is on the critical path: the stage
+    before waits for it), else a ready F if fewer than ``limit`` microbatch-chunks hold
+    activations (F done, W not yet), else a deferred W — so the W's fill what would have been
+    bubbles. With two chunks per rank in a V and ``limit = 2·pp`` this is ZBV."""
+    pp, m, last = shape.pp, shape.microbatches, shape.num_stages - 1
+    done: dict[tuple[str, int, int], float] = {}  # (op, stage, mb) → finish time
+    nxt = {(op, s): 0 for s in range(last + 1) for op in "FI"}  # next microbatch per stage
+    clock, held = [0.0] * pp, [0] * pp
+    waiting_w: list[list[tuple[int, int]]] = [[] for _ in range(pp)]
+    out: list[list[Action]] = [[] for _ in range(pp)]
+
+    def arrival(op: str, s: int) -> float | None:
+        i = nxt[(op, s)]
+        if i >= m:
+            return None
+        if op == "F":
+            return 0.0 if s == 0 else done.get(("F", s - 1, i))
+        own = done.get(("F", s, i))
+        grad = own if s == last else done.get(("I", s + 1, i))
+        return None if own is None or grad is None else max(own, grad)
+
+    def options(r: int) -> list[tuple[float, int, str, int]]:
+        """(ready time, priority, op, stage) of what rank r could start next."""
+        opts = []
+        for s in shape.stages_of(r):
+            for op, prio in (("I", 0), ("F", 1)):
+                at = arrival(op, s)
+                if at is not None and (op == "I" or held[r] < limit):
+                    opts.append((max(at, clock[r]), prio, op, -s))
+        return opts
+
+    total = 3 * m * (last + 1)
+    while sum(len(o) for o in out) < total:
+        best = None  # (start, priority, rank, op, stage)
+        for r in range(pp):
+            opts = options(r)
+            now = [o for o in opts if o[0] <= clock[r]]
+            if now:
+                start, prio, op, s = min(now)
+                cand = (clock[r], prio, r, op, -s)
+            elif waiting_w[r]:
+                cand = (clock[r], 2, r, "W", waiting_w[r][0][0])
+            elif opts:
+                start, prio, op, s = min(opts)
+                cand = (start, prio, r, op, -s)
+            else:
+                continue
+            best = cand if best is None or cand < best else best
+        if best is None:
+            raise RuntimeError("zero-bubble generator stalled")  # cannot happen for legal shapes
+        start, _, r, op, s = best
+        if op == "W":
+            s, i = waiting_w[r].pop(0)
+            held[r] -= 1
+            out[r].append(Action(Op.WEIGHT, s, i, Phase.COOLDOWN))
+        else:
+            i = nxt[(op, s)]
+            nxt[(op, s)] += 1
+            done[(op, s, i)] = start + 1.0
+            if op == "F":
+                held[r] += 1
+            else:
+                waiting_w[r].append((s, i))
+            out[r].append(Action(Op.FORWARD if op == "F" else Op.BACKWARD_INPUT, s, i))
+        clock[r] = start + 1.0
+    return [_phases(actions) for actions in out]
+
+
+def _phases(actions: list[Action]) -> list[Action]:
+    """Warm-up: before the rank's first backward; cool-down: after its last forward."""
+    first = next(i for i, a in enumerate(actions) if a.op is not Op.FORWARD)
+    final = max(i for i, a in enumerate(actions) if a.op is Op.FORWARD)
+    return [Action(a.op, a.stage, a.microbatch,
+                   Phase.WARMUP if i < first else Phase.COOLDOWN if i > final else Phase.STEADY)
+            for i, a in enumerate(actions)]
 
 
 def _gpipe(shape: PipeShape, rank: int) -> list[Action]:
@@ -73,4 +165,26 @@ def _interleaved(shape: PipeShape, rank: int) -> list[Action]:
         out.append(Action(Op.FORWARD, *unit(warm + i, True), Phase.STEADY))
         out.append(Action(Op.BACKWARD, *unit(i, False), Phase.STEADY))
     out += [Action(Op.BACKWARD, *unit(k, False), Phase.COOLDOWN) for k in range(total - warm, total)]
+    return out
+
+
+def _zb_h1(shape: PipeShape, rank: int) -> list[Action]:
+    """ZB-H1 (Qi et al., 2023): 1F1B with each backward split into I and W, and rank r's W's
+    held back by r microbatches — the later ranks, which finish their I's first, do their
+    deferred W's in what was 1F1B's cool-down bubble. Activations held: at most the warm-up
+    (pp - r - 1) + 1 + r = pp, 1F1B's peak; bubble (pp - 1)·(F + I - W) instead of
+    (pp - 1)·(F + B)."""
+    s, m = rank, shape.microbatches
+    warm = min(shape.pp - rank - 1, m)
+    out = [Action(Op.FORWARD, s, i, Phase.WARMUP) for i in range(warm)]
+    w = 0  # next W
+    for j in range(m):
+        phase = Phase.STEADY if j < m - warm else Phase.COOLDOWN
+        if j < m - warm:
+            out.append(Action(Op.FORWARD, s, warm + j, phase))
+        out.append(Action(Op.BACKWARD_INPUT, s, j, phase))
+        if j - rank >= w:
+            out.append(Action(Op.WEIGHT, s, w, phase))
+            w += 1
+    out += [Action(Op.WEIGHT, s, i, Phase.COOLDOWN) for i in range(w, m)]
     return out
