@@ -12,12 +12,15 @@ from trainmesh.platform.ray_group import RayWorkerGroup, placement_for
 from trainmesh.platform.topology import Topology
 
 # The test process's Triton mode too (conftest), so kernel tests share the pool's actors.
+# Pipeline point-to-point under NCCL's rules (pipeline/nccl_rules.py) for every parallel test:
+# what passes here cannot deadlock or mismatch messages on GPUs (gloo's own semantics are the
+# fault matrix's and the demo's).
 ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
-       "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "0")}
+       "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "0"), "TRAINMESH_P2P": "nccl-rules"}
 
 
 class RankPool:
-    def __init__(self, max_ranks: int = 4):
+    def __init__(self, max_ranks: int = 8):
         self.max_ranks = max_ranks  # beyond this (or another env), a group of its own
         self.group: RayWorkerGroup | None = None
         self.env: dict[str, str] = {}
@@ -26,8 +29,12 @@ class RankPool:
         """A worker group for ``spec``'s mesh, with the process group formed; call ``release``
         on it when done (it stays running for the next test when it came from the pool)."""
         env = {**ENV, **(env or {})}
+        if dims.world_size <= self.max_ranks:  # the pool's ranks take half a logical CPU each:
+            # up to 8 of them leave room on the shared instance for a 4-rank job beside them
+            spec = spec.model_copy(update={"runtime": spec.runtime.model_copy(
+                update={"cpus_per_rank": 0.5})})
         placement = placement_for(spec, dims, Topology.uniform(1, dims.world_size, "cpu"))
-        if dims.world_size > self.max_ranks or spec.runtime.cpus_per_rank != 1:
+        if dims.world_size > self.max_ranks:
             # A group of its own beside the pool (the shared instance has CPUs for both; the
             # pool's idle actors use no core).
             return RayWorkerGroup(spec, dims, placement, env)

@@ -1,5 +1,6 @@
-"""Pipeline parallel (GPipe, 1F1B, interleaved 1F1B) alone and in full 3D with TP and ZeRO-3,
-on real ranks over gloo, against the single-process model."""
+"""Pipeline parallel (GPipe, 1F1B, interleaved 1F1B, zero-bubble ZB-H1 and ZBV) alone and
+with TP and ZeRO-3, on real ranks over gloo under NCCL's point-to-point rules (the rank pool's
+TRAINMESH_P2P), against the single-process model."""
 
 from __future__ import annotations
 
@@ -13,17 +14,25 @@ from trainmesh.jobs.loading import load_spec
 from trainmesh.parallel.dims import ParallelDims
 
 CASES = {  # largest meshes first: the rank pool then only shrinks
+    "3d-pp2-vpp2-tp2-dp2": (ParallelDims(pp=2, dp=2, tp=2),
+                            ["schedule.name=interleaved-1f1b", "parallelism.vpp=2",
+                             "parallelism.sequence_parallel=true"]),
+    # Zero-bubble: split backward (I now, W later), ZeRO-3 reducing after a stage's last W.
+    "zb-h1-pp4-dp2": (ParallelDims(pp=4, dp=2), ["schedule.name=zb-h1"]),
+    "zbv-pp4-dp2": (ParallelDims(pp=4, dp=2), ["schedule.name=zbv", "parallelism.vpp=2",
+                                               "model.n_layers=8"]),
+    "zbv-pp2-tp2-dp2": (ParallelDims(pp=2, dp=2, tp=2),
+                        ["schedule.name=zbv", "parallelism.vpp=2", "parallelism.sequence_parallel=true"]),
     "pp4-gpipe": (ParallelDims(pp=4), ["schedule.name=gpipe"]),
     "pp4-1f1b": (ParallelDims(pp=4), ["schedule.name=1f1b"]),
     "pp4-vpp2-interleaved": (ParallelDims(pp=4), ["schedule.name=interleaved-1f1b",
                                                   "parallelism.vpp=2", "model.n_layers=8"]),
+    "zb-h1-pp2-dp2": (ParallelDims(pp=2, dp=2), ["schedule.name=zb-h1"]),
+    "zbv-pp2-dp2": (ParallelDims(pp=2, dp=2), ["schedule.name=zbv", "parallelism.vpp=2"]),
     "pp2-gpipe": (ParallelDims(pp=2), ["schedule.name=gpipe"]),
     "pp2-1f1b": (ParallelDims(pp=2), ["schedule.name=1f1b"]),
     "pp2-vpp2-interleaved": (ParallelDims(pp=2), ["schedule.name=interleaved-1f1b",
                                                   "parallelism.vpp=2"]),
-    "3d-pp2-vpp2-tp2-dp2": (ParallelDims(pp=2, dp=2, tp=2),
-                            ["schedule.name=interleaved-1f1b", "parallelism.vpp=2",
-                             "parallelism.sequence_parallel=true", "runtime.cpus_per_rank=0.5"]),
 }
 
 

@@ -33,7 +33,7 @@ from trainmesh.parallel.dims import Axis
 from trainmesh.parallel.mesh import Mesh
 from trainmesh.parallel.pipeline import nccl_rules
 from trainmesh.parallel.pipeline.executor import P2PSpec, PipelineExecutor
-from trainmesh.parallel.pipeline.ir import splits_backward
+from trainmesh.parallel.pipeline.ir import PipeShape, splits_backward
 from trainmesh.parallel.pipeline.schedules import build_schedule, pipe_shape
 from trainmesh.parallel.zero import ZeroPolicy, apply_zero3
 from trainmesh.spec.job import JobSpec
@@ -59,7 +59,7 @@ class Engine:
         # The Llama holding this rank's layers (all of them without PP), with global names,
         # built on the meta device: no process ever holds more than its own shards.
         vpp = par.vpp if pp > 1 else 1
-        shape = pipe_shape(spec.schedule.name, pp, vpp, 1) if pp > 1 else None
+        shape = PipeShape(pp, vpp, 1, v_shape=spec.schedule.name == "zbv") if pp > 1 else None
         with torch.device("meta"):
             self.model, stage_ids = rank_model(
                 LlamaArgs.from_config(spec.model, device.type), mesh.coord(Axis.PP), pp, vpp,
