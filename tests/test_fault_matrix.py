@@ -180,12 +180,16 @@ def test_every_fault_is_recovered_warm_in_seconds_with_nothing_lost(cluster, tmp
     for step in complete:  # every file present, its size and sha256 as the manifest says
         assert store.read_manifest(store.step_dir(step)) is not None, step
 
-    # The pipeline's planned grid and measured trace reach MLflow (every stage's work measured).
+    # The pipeline's planned grid, and plan against measurement, reach MLflow (every stage's
+    # work measured, and planned from the measured costs).
+    from trainmesh.platform.pipeline_artifacts import NAMES
+
     names = {a.path for a in client.list_artifacts(s["mlflow_run_id"])}
-    assert {"pipeline_schedule.txt", "pipeline_schedule.png", "pipeline_trace.json"} <= names
+    assert set(NAMES) <= names
     trace = json.loads((tmp_path / "out" / "pipeline_trace.json").read_text())
-    computed = {e["name"] for e in trace["traceEvents"] if e.get("cat") == "compute"}
-    assert {"0F0", "2F1", "3B1", "1B0"} <= computed
+    for cat in ("compute", "planned"):
+        assert {"0F0", "2F1", "3B1", "1B0"} <= {e["name"] for e in trace["traceEvents"]
+                                                 if e.get("cat") == cat}, cat
 
 
 @pytest.mark.timeout(120)

@@ -164,3 +164,44 @@ def test_schedule_cli_prints_grid_and_writes_png(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["schedule", "--pp", "4", "--vpp", "2", "--microbatches", "6"]) == 2
     assert "multiple of pp=4" in capsys.readouterr().err
+
+
+def test_zero_bubble_in_the_schedule_cli_shows_weight_actions(capsys, tmp_path):
+    from trainmesh.jobs.cli import main
+
+    png = tmp_path / "zb.png"
+    assert main(["schedule", "--pp", "4", "--microbatches", "8", "--schedule", "zb-h1",
+                 "--png", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "0W7" in out and "3I0" in out and "bubble 11.1%" in out  # (pp-1)/(3m+pp-1)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["schedule", "--pp", "2", "--vpp", "3", "--microbatches", "4", "--schedule", "zbv"]) == 2
+    assert "set parallelism.vpp=2" in capsys.readouterr().err
+
+
+def test_plan_against_measurement_replays_the_measured_costs(tmp_path):
+    """The planned-vs-measured view: per-action costs taken from a measured timeline, fed to
+    the simulator, give back that timeline when the run went as planned (here the "measured"
+    rows are a run on other costs, in seconds), and both land in one trace and one PNG."""
+    import json
+
+    from trainmesh.parallel.pipeline.trace import chrome_trace, measured_costs, plot_schedule
+
+    kind, pp, v, m = "zbv", 2, 2, 4
+    shape = pipe_shape(kind, pp, v, m)
+    sched = build_schedule(kind, pp, v, m)
+    truth = simulate(sched, pp * v, m, Costs(0.01, 0.03, input=0.02, weight=0.01), shape=shape)
+    measured = [[(str(a) if a.op in (Op.FORWARD, Op.BACKWARD_INPUT, Op.WEIGHT) else str(a) + "+",
+                  100.0 + s, 100.0 + e) for a, s, e in row] for row in truth.timeline]
+    costs = measured_costs(measured)
+    assert (costs.forward, costs.input, costs.weight) == pytest.approx((0.01, 0.02, 0.01))
+    planned = simulate(sched, pp * v, m, costs, shape=shape)
+    assert planned.step_time == pytest.approx(truth.step_time)
+    trace = chrome_trace(measured, planned)
+    names = {p: {e["name"] for e in trace["traceEvents"] if e.get("pid") == p and e["ph"] == "X"}
+             for p in (0, 1)}
+    assert {"3W3", "0I0"} <= names[0] & names[1]
+    assert {e["cat"] for e in trace["traceEvents"] if e.get("pid") == 1 and e["ph"] == "X"} == {"planned"}
+    json.dumps(trace)
+    png = plot_schedule(planned, kind, tmp_path / "pvm.png", measured=measured)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
