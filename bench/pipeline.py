@@ -2,12 +2,14 @@
 
     .venv/bin/python bench/pipeline.py [--steps 3]
 
-For 1F1B and interleaved 1F1B at pp = 2 and 4 (8 microbatches, the `tiny` shape with 8
-layers): our executor's measured step time against the simulator's prediction (fed the
-measured mean forward/backward time of a chunk), the measured bubble against the closed form,
-and, in the same run on the same model, mesh and microbatches, torch.distributed.pipelining's
-Schedule1F1B / ScheduleInterleaved1F1B. Ranks share 2 cores here, so absolute times are
-dominated by oversubscription; the ratios are what to read.
+For 1F1B, interleaved 1F1B and the zero-bubble ZB-H1 and ZBV at pp = 2 and 4 (8
+microbatches, the `tiny` shape with 8 layers): our executor's measured step time against the
+simulator's prediction (fed the measured median time of each kind of action), the measured
+bubble against the planner's, the simulated step under NCCL's rules (blocking sends, one stream
+per rank; deadlock-free, slower as receives block the stream), and, in the same run on the same
+model, mesh and microbatches, torch.distributed.pipelining's Schedule1F1B /
+ScheduleInterleaved1F1B (torch has no single-chunk ZB-H1; its ZBV is not compared). Ranks share
+2 cores here, so absolute times are dominated by oversubscription; the ratios are what to read.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ class TorchPipelineWorker(RankWorker):
         spec = JobSpec.model_validate_json(spec_json)
         mesh = self.engine.mesh
         pp, vpp = mesh.size(Axis.PP), spec.parallelism.vpp
+        if spec.schedule.name.startswith("zb"):  # our executor only (see the docstring)
+            self.torch_sched = None
+            return
         model, stage_ids = rank_model(LlamaArgs.from_config(spec.model), mesh.coord(Axis.PP), pp, vpp)
         model.init_weights(spec.training.seed)
         group = mesh[Axis.PP].get_group()
@@ -61,6 +66,8 @@ class TorchPipelineWorker(RankWorker):
     def torch_step(self) -> float:
         import torch
 
+        if self.torch_sched is None:
+            return float("nan")
         tr = self.engine.spec.training
         mbs = self.engine.dataset.microbatches(tr.seed, 0, tr.global_batch_size, 0, 1,
                                                tr.microbatch_size)
@@ -92,8 +99,9 @@ def measure(kind: str, pp: int, vpp: int, steps: int, data_dir: str):
 
     from trainmesh.jobs.loading import load_spec
     from trainmesh.parallel.dims import ParallelDims
-    from trainmesh.parallel.pipeline.schedules import build_schedule
-    from trainmesh.parallel.pipeline.simulate import Costs, simulate
+    from trainmesh.parallel.pipeline.schedules import build_schedule, pipe_shape
+    from trainmesh.parallel.pipeline.simulate import simulate
+    from trainmesh.parallel.pipeline.trace import measured_costs
     from trainmesh.platform.cost_model import bubble_fraction
 
     spec = load_spec(None, ["model.preset=tiny", "model.n_layers=8", "training.seq_len=64",
@@ -128,21 +136,20 @@ def measure(kind: str, pp: int, vpp: int, steps: int, data_dir: str):
         for w in workers:
             ray.kill(w)
         remove_placement_group(pg)
-    fwd = [e - s for row in timelines for n, s, e in row if "F" in n and "+" not in n
-           and not n.startswith(("RF", "SF")) and "RF" not in n and "SF" not in n]
-    bwd = [e - s for row in timelines for n, s, e in row if "B" in n and "+" not in n
-           and "RB" not in n and "SB" not in n]
     m = 16 // 2
-    sim = simulate(build_schedule(kind, pp, vpp, m), pp * vpp, m,
-                   Costs(statistics.mean(fwd), statistics.mean(bwd)))
+    costs = measured_costs(timelines)
+    sched, shape = build_schedule(kind, pp, vpp, m), pipe_shape(kind, pp, vpp, m)
+    sim = simulate(sched, pp * vpp, m, costs, shape=shape)
+    nccl = simulate(sched, pp * vpp, m, costs, nccl=True, shape=shape)
     t0 = min(s for row in timelines for _, s, _ in row)
     span = max(e for row in timelines for _, _, e in row) - t0
     busy = sum(e - s for row in timelines for n, s, e in row if "+" not in n
-               and not any(k in n for k in ("RF", "SF", "RB", "SB")))
+               and not any(k in n for k in ("RF", "SF", "RB", "SB")))  # compute only
     measured_bubble = 1 - busy / (pp * span)
     _ = dims
     return {"schedule": kind, "pp": pp, "vpp": vpp, "ours_s": statistics.median(ours),
-            "predicted_s": sim.step_time, "torch_s": statistics.median(theirs),
+            "predicted_s": sim.step_time, "nccl_s": nccl.step_time,
+            "torch_s": statistics.median(theirs),
             "bubble_measured": measured_bubble, "bubble_formula": bubble_fraction(kind, pp, vpp, m)}
 
 
@@ -158,17 +165,18 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         data_dir = str(ensure_tiny_corpus(os.path.join(tmp, "data")))
-        for kind, vpp in (("1f1b", 1), ("interleaved-1f1b", 2)):
+        for kind, vpp in (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zbv", 2)):
             for pp in (2, 4):
                 rows.append(measure(kind, pp, vpp, args.steps, data_dir))
     ray.shutdown()
     print(f"{'schedule':<17} {'pp':>2} {'vpp':>3} {'ours s':>7} {'sim s':>7} {'ours/sim':>8} "
-          f"{'torch s':>8} {'ours/torch':>10} {'bubble meas':>11} {'bubble formula':>14}")
+          f"{'sim nccl s':>10} {'torch s':>8} {'ours/torch':>10} {'bubble meas':>11} "
+          f"{'bubble plan':>11}")
     for r in rows:
         print(f"{r['schedule']:<17} {r['pp']:>2} {r['vpp']:>3} {r['ours_s']:>7.3f} "
               f"{r['predicted_s']:>7.3f} {r['ours_s'] / r['predicted_s']:>8.2f} "
-              f"{r['torch_s']:>8.3f} {r['ours_s'] / r['torch_s']:>10.2f} "
-              f"{r['bubble_measured']:>11.1%} {r['bubble_formula']:>14.1%}")
+              f"{r['nccl_s']:>10.3f} {r['torch_s']:>8.3f} {r['ours_s'] / r['torch_s']:>10.2f} "
+              f"{r['bubble_measured']:>11.1%} {r['bubble_formula']:>11.1%}")
 
 
 if __name__ == "__main__":

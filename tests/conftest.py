@@ -28,7 +28,10 @@ def pytest_collection_modifyitems(config, items):
     after another, so that instance and its actors serve all of them; modules that start
     clusters of their own (which end the local instance) run after."""
     shared = {item.module.__name__ for item in items if LOCAL_RAY_FIXTURES & set(item.fixturenames)}
-    items.sort(key=lambda item: item.module.__name__ not in shared)
+    # The pipeline parity's 8-rank meshes first: the rank pool starts at its largest and every
+    # later mesh re-forms smaller in the same processes (growing would start all of them again).
+    items.sort(key=lambda item: (item.module.__name__ not in shared,
+                                 item.module.__name__ != "test_pipeline_parity"))
 
 
 @pytest.fixture(scope="session")

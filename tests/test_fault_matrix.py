@@ -28,7 +28,7 @@ from trainmesh.checkpoint.manifest import CheckpointStore
 from trainmesh.jobs.loading import load_spec
 from trainmesh.jobs.runner import run_job
 
-STEPS = 22
+STEPS = 20
 # 4 ranks: a pipeline of 2 stages (interleaved, 2 chunks each), TP 2 inside each stage's node.
 ARGS = ["model.preset=tiny", "training.global_batch_size=16", "training.microbatch_size=2",
         "training.seq_len=32", "optimizer.warmup_steps=1", "runtime.device=auto",
@@ -157,7 +157,9 @@ def test_every_fault_is_recovered_warm_in_seconds_with_nothing_lost(cluster, tmp
     nodes = s["rank_to_node"]
     assert len(set(nodes)) == 2 and nodes[0] == nodes[1] and nodes[2] == nodes[3]
     assert any(r["cause"].startswith("RayTaskError") for r in recs)  # the step that raised
-    assert any(r["cause"] == "HangDetected" for r in recs)  # long before the 120 s timeout
+    # The hung rank is found by the watcher long before the 120 s timeout (its recovery may
+    # also count a survivor's error that the abort caused).
+    assert any("HangDetected" in r["cause"] for r in recs), [r["cause"] for r in recs]
     assert len(recs) >= 8
     # One rank process SIGKILLed, its node fine: the node is kept (a new actor takes the place),
     # as a node is given up only when none of its ranks answers.

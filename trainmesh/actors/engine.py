@@ -80,9 +80,12 @@ class Engine:
             apply_zero3(self.model, mesh[Axis.DP], self.zero)
         else:
             stages = {s: PipelineStage(self.model, s, pp * par.vpp) for s in stage_ids}
-            for stage in stages.values():
+            # FSDP2 at dp = 1 shards nothing, it only casts (mixed precision): a stage that needs
+            # neither is not wrapped, its hooks would be overhead on every microbatch.
+            wrap = mesh.size(Axis.DP) > 1 or dtype != torch.float32
+            for stage in stages.values() if wrap else ():
                 apply_zero3(stage, mesh[Axis.DP], self.zero)
-            self.executor = self._build_executor(stages, dtype)
+            self.executor = self._build_executor(stages, dtype, self.zero if wrap else None)
         # Materialise the local shards only, then fill them from each parameter's global name.
         self.model.to_empty(device=device)
         self.model.init_weights(tr.seed)
@@ -93,7 +96,8 @@ class Engine:
         self.step = 0  # optimizer steps done
         self.activation_peak = 0  # bytes saved for backward, from the last measured step
 
-    def _build_executor(self, stages: dict, dtype: torch.dtype) -> PipelineExecutor:
+    def _build_executor(self, stages: dict, dtype: torch.dtype,
+                        zero: ZeroPolicy | None) -> PipelineExecutor:
         par, tr, mesh = self.spec.parallelism, self.spec.training, self.mesh
         dims, c = mesh.dims, mesh.dims.coords(mesh.rank)
         n_micro = tr.global_batch_size // (dims.dp * tr.microbatch_size)
@@ -106,7 +110,7 @@ class Engine:
                       act_shape=(tr.microbatch_size, seq, self.spec.model.dim), dtype=dtype,
                       device=self.device, timeout=timeout,
                       post=nccl_rules.from_env(timeout) or dist.batch_isend_irecv)
-        return PipelineExecutor(shape, actions, stages, p2p, self.loss_context, self.zero,
+        return PipelineExecutor(shape, actions, stages, p2p, self.loss_context, zero,
                                 self.on_phase)
 
     def train_step(self, measure_activations: bool = False) -> StepStats:

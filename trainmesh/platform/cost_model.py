@@ -10,7 +10,8 @@ the tensors a real rank holds by ``trainmesh run --dry-run`` and the memory-matr
     the one reduce-scatter at the last microbatch. Otherwise: two blocks (computing + prefetched)
     plus the root's embedding / norm / head, gradients reduce-scattered after every
     microbatch (one block's unsharded gradients at a time). FSDP2 makes the gathered copy
-    even at dp = 1.
+    even at dp = 1 — except for pipeline stages at dp = 1 in float32, which are not wrapped
+    (nothing to shard or cast): their gradients are plain fp32 ``.grad``.
   * The peak is the larger of two moments: while microbatches run (gathered copies, their
     gradients, activations, backward transients) and the step's end (the last
     reduce-scatter, or AdamW's parameter-sized temporary), on top of parameters and moments.
@@ -239,7 +240,9 @@ def rank_memory(model, c: Candidate, seq_len: int, pp_rank: int = 0, compute_byt
     # microbatches without a reduce-scatter FSDP2 accumulates them unsharded in the reduce
     # dtype. AdamW's foreach step makes one parameter-sized fp32 temporary.
     reduce_unit = (compute_bytes + reduce_bytes) * layer_gathered
-    if c.keep_gathered and c.num_microbatches > 1:
+    if c.pp > 1 and c.dp == 1 and compute_bytes == 4:  # stages not wrapped (nothing to shard
+        gathered, grads, end_of_step = 0.0, 4 * local, 8 * local  # or cast): plain fp32 grads
+    elif c.keep_gathered and c.num_microbatches > 1:
         gathered = compute_bytes * rp.gathered(c.tp)
         grads = reduce_bytes * rp.gathered(c.tp) + compute_bytes * layer_gathered
         end_of_step = max(gathered + grads + 4 * local + reduce_unit, 8 * local)

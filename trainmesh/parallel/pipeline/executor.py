@@ -56,10 +56,10 @@ class _Clock:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.t0 = time.perf_counter()
-        self.origin = self._mark()
+        self.origin = self.mark()
         self.spans: list[tuple[str, object, object]] = []
 
-    def _mark(self):
+    def mark(self):
         if not self.cuda:
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
@@ -67,7 +67,7 @@ class _Clock:
         return event
 
     def span(self, name: str, start) -> None:
-        self.spans.append((name, start, self._mark()))
+        self.spans.append((name, start, self.mark()))
 
     def resolve(self) -> list[tuple[str, float, float]]:
         if not self.cuda:
@@ -117,7 +117,7 @@ class PipelineExecutor:
             a = self.actions[i]
             if a.op in COMPUTE:
                 self.on_phase("forward" if a.op is Op.FORWARD else "backward")
-                start = clock._mark()
+                start = clock.mark()
                 if a.op is Op.FORWARD:
                     loss_sum = loss_sum + self._forward(a)
                 else:
@@ -128,7 +128,7 @@ class PipelineExecutor:
             j = i
             while j < len(self.actions) and self.actions[j].op not in COMPUTE:
                 j += 1
-            start = clock._mark()
+            start = clock.mark()
             pending_sends += self._communicate(self.actions[i:j])
             clock.span("+".join(str(a) for a in self.actions[i:j]), start)
             i = j
