@@ -112,7 +112,7 @@ def measure(kind: str, pp: int, vpp: int, steps: int, data_dir: str):
     dims = ParallelDims(pp=pp)
     pg = placement_group([{"CPU": pp}])
     ray.get(pg.ready())
-    cls = ray.remote(TorchPipelineWorker)
+    cls = ray.remote(concurrency_groups={"control": 1})(TorchPipelineWorker)
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     workers = [cls.options(num_cpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(pg),

@@ -101,7 +101,7 @@ class PipelineExecutor:
         ranks without the last stage). Gradients are left in ``.grad``."""
         self._inputs: dict[tuple[int, int], torch.Tensor] = {}
         self._outputs: dict[tuple[int, int], torch.Tensor] = {}
-        self._recv: dict[tuple[Op, int, int], tuple[torch.Tensor, dist.Work]] = {}
+        self._recv: dict[tuple[Op, int, int], tuple[torch.Tensor, dist.Work | None]] = {}
         self._split_state: dict[tuple[int, int], tuple] = {}
         self._mbs = microbatches
         if self.split and self.zero is not None:
@@ -117,6 +117,7 @@ class PipelineExecutor:
             a = self.actions[i]
             if a.op in COMPUTE:
                 self.on_phase("forward" if a.op is Op.FORWARD else "backward")
+                self._await_input(a)  # outside the action's time: waiting is not computing
                 start = clock.mark()
                 if a.op is Op.FORWARD:
                     loss_sum = loss_sum + self._forward(a)
@@ -138,9 +139,18 @@ class PipelineExecutor:
         return loss_sum
 
     # -- compute ---------------------------------------------------------------------------
+    def _await_input(self, a: Action) -> None:
+        op = Op.RECV_FORWARD if a.op is Op.FORWARD else Op.RECV_BACKWARD
+        key = (op, a.stage, a.microbatch)
+        if key in self._recv:
+            buf, work = self._recv[key]
+            work.wait(self.p2p.timeout)  # (a coalesced handle may be waited for again: NCCL's
+            self._recv[key] = (buf, None)  # may; a gloo receive's may not)
+
     def _received(self, op: Op, a: Action) -> torch.Tensor:
         buf, work = self._recv.pop((op, a.stage, a.microbatch))
-        work.wait(self.p2p.timeout)  # a coalesced handle may be waited for more than once
+        if work is not None:
+            work.wait(self.p2p.timeout)
         return buf
 
     def _forward(self, a: Action) -> torch.Tensor:
