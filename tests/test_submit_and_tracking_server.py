@@ -125,7 +125,7 @@ def test_tracking_server_outage_then_trainmesh_run_sigkilled_and_run_again(tmp_p
 
     server = MlflowServer(tmp_path / "mlflow")
     server.start()
-    steps = 180  # the first run is killed at about step 100, past a checkpoint after the outage
+    steps = 300
     out = tmp_path / "out"
     # unbuffered: what it printed before the SIGKILL is read back
     env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "PYTHONUNBUFFERED": "1"}
