@@ -102,3 +102,32 @@ def test_meta_build_then_materialise_equals_the_eager_model():
         assert torch.equal(a, b), k
     x = torch.randint(0, args.vocab_size, (2, 9))
     assert torch.equal(eager(x), lazy(x))
+
+
+@pytest.mark.parametrize("preset", ["1b", "8b"])
+def test_presets_carry_llama3_rope_and_it_is_transformers_llama3(preset):
+    """Llama 3.1/3.2's RoPE (base 500,000, "llama3" long-context scaling) as transformers
+    computes it for the same config: the frequencies match to float32 precision; without the
+    scaling they would not (the long wavelengths are stretched by the factor)."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from trainmesh.models.llama.model import rope_frequencies
+
+    m = load_spec(None, [f"model.preset={preset}"]).model
+    s = m.rope_scaling
+    assert m.rope_theta == 500000.0 and s is not None and s.factor == {"1b": 32.0, "8b": 8.0}[preset]
+    cfg = LlamaConfig(hidden_size=m.dim, num_attention_heads=m.n_heads,
+                      max_position_embeddings=131072,
+                      rope_parameters={"rope_type": "llama3", "rope_theta": m.rope_theta,
+                                       "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+                                       "high_freq_factor": s.high_freq_factor,
+                                       "original_max_position_embeddings": s.original_max_position_embeddings})
+    want, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
+    head_dim = m.dim // m.n_heads
+    got = rope_frequencies(head_dim, m.rope_theta, s.model_dump())
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-6, atol=0)
+    plain = rope_frequencies(head_dim, m.rope_theta)
+    assert not torch.allclose(plain.float(), want.float(), rtol=1e-3)
+    with pytest.raises(Exception, match="high_freq_factor"):
+        load_spec(None, [f"model.preset={preset}", "model.rope_scaling.high_freq_factor=0.5"])

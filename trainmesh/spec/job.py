@@ -28,6 +28,26 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class RopeScaling(_Section):
+    """Llama 3.1's long-context RoPE ("llama3" in Hugging Face's ``rope_scaling`` /
+    ``rope_parameters``): wavelengths longer than ``original_max_position_embeddings /
+    low_freq_factor`` are stretched by ``factor``, those shorter than ``... / high_freq_factor``
+    kept, the ones between interpolated smoothly."""
+
+    type: Literal["llama3"] = "llama3"
+    factor: float = Field(gt=0)
+    low_freq_factor: float = Field(1.0, gt=0)
+    high_freq_factor: float = Field(4.0, gt=0)
+    original_max_position_embeddings: int = Field(8192, ge=1)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> RopeScaling:
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(f"high_freq_factor ({self.high_freq_factor}) must exceed "
+                             f"low_freq_factor ({self.low_freq_factor})")
+        return self
+
+
 class ModelConfig(_Section):
     """Llama-style decoder shape. A preset fills every shape field not given explicitly."""
 
@@ -41,6 +61,7 @@ class ModelConfig(_Section):
     max_seq_len: int = Field(0, ge=8, description="longest sequence RoPE is built for")
     norm_eps: float = Field(1e-5, gt=0)
     rope_theta: float = Field(10000.0, gt=0)
+    rope_scaling: RopeScaling | None = Field(None, description="Llama 3.1 RoPE scaling; none: plain")
     tie_embeddings: bool = False
     kernels: Literal["auto", "triton", "torch"] = Field(
         "auto", description="fused ops: Triton kernels (auto: on CUDA) or the torch references")
@@ -53,7 +74,9 @@ class ModelConfig(_Section):
         name = data.get("preset", "tiny")
         if name is None or name not in PRESETS:
             return data  # field validation reports an unknown preset
-        return {**PRESETS[name], **data}
+        preset = PRESETS[name]  # a nested value given in part keeps the preset's other keys
+        return {**preset, **data, **{k: {**preset[k], **data[k]} for k in data
+                                      if isinstance(preset.get(k), dict) and isinstance(data[k], dict)}}
 
     @model_validator(mode="after")
     def _shape_given(self) -> ModelConfig:

@@ -31,6 +31,7 @@ class LlamaArgs:
     max_seq_len: int
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # Llama 3.1's "llama3" scaling (spec.job.RopeScaling)
     tie_embeddings: bool = False
     kernels: str = "torch"  # a resolved kernel set: torch | triton
 
@@ -47,6 +48,8 @@ class LlamaArgs:
         """From a ``trainmesh.spec.job.ModelConfig`` (or anything with the same fields), with
         ``model.kernels`` resolved for ``device_type``."""
         fields = {f: getattr(cfg, f) for f in cls.__dataclass_fields__ if f != "kernels"}
+        if hasattr(fields["rope_scaling"], "model_dump"):
+            fields["rope_scaling"] = fields["rope_scaling"].model_dump()
         return cls(**fields, kernels=resolve(getattr(cfg, "kernels", "auto"), device_type))
 
     def num_params(self, include_embedding: bool = True) -> int:
@@ -66,11 +69,34 @@ class RMSNorm(nn.Module):
         return self.ops.rms_norm(x, self.weight, self.eps)
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (max_seq_len, head_dim // 2)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+def rope_tables(head_dim: int, max_seq_len: int, theta: float,
+                scaling: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (max_seq_len, head_dim // 2); ``scaling``: Llama 3.1's "llama3"
+    long-context frequencies (the kernels take these tables as they are)."""
+    inv_freq = rope_frequencies(head_dim, theta, scaling)
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
     return angles.cos().float(), angles.sin().float()
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
+    """The rotation frequency of each pair of dimensions (float64)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    return inv_freq if scaling is None else _llama3_frequencies(inv_freq, scaling)
+
+
+def _llama3_frequencies(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    """Llama 3.1's RoPE scaling: a wavelength longer than original context / low_freq_factor
+    is divided by ``factor``; shorter than original context / high_freq_factor, kept; between
+    the two, blended linearly in (original context / wavelength)."""
+    if s.get("type", "llama3") != "llama3":
+        raise ValueError(f"model.rope_scaling.type {s['type']!r}: only 'llama3' is supported")
+    context, factor = s["original_max_position_embeddings"], s["factor"]
+    low, high = s["low_freq_factor"], s["high_freq_factor"]
+    wavelen = 2 * math.pi / inv_freq
+    blend = ((context / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+    scaled = (1 - blend) * inv_freq / factor + blend * inv_freq
+    return torch.where(wavelen > context / low, inv_freq / factor,
+                       torch.where(wavelen < context / high, inv_freq, scaled))
 
 
 class Attention(nn.Module):
@@ -146,7 +172,7 @@ class Llama(nn.Module):
         if has_head and not args.tie_embeddings:
             self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.ops = args.ops
-        cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
+        cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta, args.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -168,7 +194,7 @@ class Llama(nn.Module):
         """(Re)compute the RoPE tables on the buffers' device: after a meta-device build and
         ``to_empty`` they hold garbage."""
         a = self.args
-        cos, sin = rope_tables(a.head_dim, a.max_seq_len, a.rope_theta)
+        cos, sin = rope_tables(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling)
         device = self.rope_cos.device
         self.rope_cos = cos.to(device)
         self.rope_sin = sin.to(device)
