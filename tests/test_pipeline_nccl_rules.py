@@ -75,6 +75,20 @@ def _worker(rank: int, port: int, results) -> None:
                           post=post)
             loss = PipelineExecutor(shape, build_schedule(kind, PP, v, M)[rank], stages, p2p).step(_data())
             results[(rank, kind, mode)] = (float(loss), _grads(stages))
+    # FIFO per pair, tags ignored: rank 1 posts its receives in the other order than rank 0
+    # sent, naming each by the other's tag; gloo matches tags, the rules match order.
+    for mode, post in (("gloo", dist.batch_isend_irecv), ("nccl-rules", NcclRulesP2P(timedelta(seconds=30)))):
+        if rank == 0:
+            works = [w for v in (1.0, 2.0) for w in post([dist.P2POp(
+                dist.isend, torch.full((3,), v), 1, dist.group.WORLD, tag=int(v))])]
+        else:
+            bufs = [torch.zeros(3), torch.zeros(3)]
+            works = [w for buf, tag in zip(bufs, (2, 1), strict=True) for w in post([dist.P2POp(
+                dist.irecv, buf, 0, dist.group.WORLD, tag=tag)])]
+        for w in works:
+            w.wait(timedelta(seconds=30))
+        if rank == 1:
+            results[(1, "fifo", mode)] = [float(b[0]) for b in bufs]
     # The old placement under the rules: both ranks block (the layer's timeout says so).
     shape = pipe_shape("interleaved-1f1b", PP, 2, M)
     compute = [[a for a in r if a.op in (Op.FORWARD, Op.BACKWARD)]
@@ -117,5 +131,7 @@ def test_every_schedule_gives_the_reference_step_under_nccl_rules_and_the_old_pl
             for k, g in want_grads.items():
                 torch.testing.assert_close(got[k], g, rtol=1e-5, atol=1e-7,
                                            msg=lambda m, k=k, kind=kind, mode=mode: f"{kind} {mode} {k}: {m}")
+    assert results[(1, "fifo", "gloo")] == [2.0, 1.0]  # by tag
+    assert results[(1, "fifo", "nccl-rules")] == [1.0, 2.0]  # in order, as NCCL would
     for rank in range(PP):
         assert results[(rank, "old", "nccl-rules")].startswith("raised"), results[(rank, "old", "nccl-rules")]

@@ -13,22 +13,25 @@ from trainmesh.data.shards import ensure_tiny_corpus
 from trainmesh.jobs.loading import load_spec
 from trainmesh.parallel.dims import ParallelDims
 
+ZB_BATCH = "training.global_batch_size=32"
 CASES = {  # largest meshes first: the rank pool then only shrinks
     "3d-pp2-vpp2-tp2-dp2": (ParallelDims(pp=2, dp=2, tp=2),
                             ["schedule.name=interleaved-1f1b", "parallelism.vpp=2",
                              "parallelism.sequence_parallel=true"]),
-    # Zero-bubble: split backward (I now, W later), ZeRO-3 reducing after a stage's last W.
-    "zb-h1-pp4-dp2": (ParallelDims(pp=4, dp=2), ["schedule.name=zb-h1"]),
+    # Zero-bubble: split backward (I now, W later), ZeRO-3 reducing after a stage's last W;
+    # 8 microbatches per replica, so W's are deferred in the steady state, not only at the end.
+    "zb-h1-pp4-dp2": (ParallelDims(pp=4, dp=2), ["schedule.name=zb-h1", ZB_BATCH]),
     "zbv-pp4-dp2": (ParallelDims(pp=4, dp=2), ["schedule.name=zbv", "parallelism.vpp=2",
-                                               "model.n_layers=8"]),
+                                               "model.n_layers=8", ZB_BATCH]),
     "zbv-pp2-tp2-dp2": (ParallelDims(pp=2, dp=2, tp=2),
-                        ["schedule.name=zbv", "parallelism.vpp=2", "parallelism.sequence_parallel=true"]),
+                        ["schedule.name=zbv", "parallelism.vpp=2", "parallelism.sequence_parallel=true",
+                         ZB_BATCH]),
     "pp4-gpipe": (ParallelDims(pp=4), ["schedule.name=gpipe"]),
     "pp4-1f1b": (ParallelDims(pp=4), ["schedule.name=1f1b"]),
     "pp4-vpp2-interleaved": (ParallelDims(pp=4), ["schedule.name=interleaved-1f1b",
                                                   "parallelism.vpp=2", "model.n_layers=8"]),
-    "zb-h1-pp2-dp2": (ParallelDims(pp=2, dp=2), ["schedule.name=zb-h1"]),
-    "zbv-pp2-dp2": (ParallelDims(pp=2, dp=2), ["schedule.name=zbv", "parallelism.vpp=2"]),
+    "zb-h1-pp2-dp2": (ParallelDims(pp=2, dp=2), ["schedule.name=zb-h1", ZB_BATCH]),
+    "zbv-pp2-dp2": (ParallelDims(pp=2, dp=2), ["schedule.name=zbv", "parallelism.vpp=2", ZB_BATCH]),
     "pp2-gpipe": (ParallelDims(pp=2), ["schedule.name=gpipe"]),
     "pp2-1f1b": (ParallelDims(pp=2), ["schedule.name=1f1b"]),
     "pp2-vpp2-interleaved": (ParallelDims(pp=2), ["schedule.name=interleaved-1f1b",

@@ -77,6 +77,13 @@ class _Clock:
         return [(n, at(s), at(e)) for n, s, e in self.spans]
 
 
+def _wait(work, timeout: timedelta | None) -> None:
+    if timeout is None:
+        work.wait()
+    else:
+        work.wait(timeout)
+
+
 class PipelineExecutor:
     def __init__(self, shape: PipeShape, actions: list[Action], stages: dict[int, nn.Module],
                  p2p: P2PSpec, loss_context: Callable[[], AbstractContextManager] = nullcontext,
@@ -94,6 +101,12 @@ class PipelineExecutor:
                 last[a.stage] = a.microbatch
         self.last_backward = last  # per stage: the microbatch whose B (or W) ends the step
         self.split = any(a.op is Op.WEIGHT for a in actions)
+        if self.split and zero is not None and not zero.keep_gathered:
+            raise ValueError("a split backward needs its stages kept gathered through the step "
+                             "(ZeroPolicy.keep_gathered): each W uses the forward's parameters")
+        # NCCL: a wait with a timeout holds the CPU until the GPU is done (ProcessGroupNCCL
+        # polls); without one it only orders the streams, and the watchdog enforces the timeout.
+        self._timeout = None if p2p.device.type == "cuda" else p2p.timeout
         self.timeline: list[tuple[str, float, float]] = []
 
     def step(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -134,7 +147,7 @@ class PipelineExecutor:
             clock.span("+".join(str(a) for a in self.actions[i:j]), start)
             i = j
         for work in pending_sends:
-            work.wait(self.p2p.timeout)
+            _wait(work, self._timeout)
         self.timeline = clock.resolve()
         return loss_sum
 
@@ -144,13 +157,13 @@ class PipelineExecutor:
         key = (op, a.stage, a.microbatch)
         if key in self._recv:
             buf, work = self._recv[key]
-            work.wait(self.p2p.timeout)  # (a coalesced handle may be waited for again: NCCL's
+            _wait(work, self._timeout)  # (a coalesced handle may be waited for again: NCCL's
             self._recv[key] = (buf, None)  # may; a gloo receive's may not)
 
     def _received(self, op: Op, a: Action) -> torch.Tensor:
         buf, work = self._recv.pop((op, a.stage, a.microbatch))
         if work is not None:
-            work.wait(self.p2p.timeout)
+            _wait(work, self._timeout)
         return buf
 
     def _forward(self, a: Action) -> torch.Tensor:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import weakref
 from collections import defaultdict
 from datetime import timedelta
 
@@ -51,14 +52,17 @@ class _Handle:
 
 
 class NcclRulesP2P:
-    """Call it as ``batch_isend_irecv``. One stream thread per instance (per rank and group)."""
+    """Call it as ``batch_isend_irecv``. One stream thread per instance (per rank and group),
+    ended when the instance is dropped."""
 
     def __init__(self, timeout: timedelta = timedelta(minutes=5)):
         self.timeout = timeout
         self._sent: dict[int, int] = defaultdict(int)  # peer → messages posted to it
         self._received: dict[int, int] = defaultdict(int)  # peer → receives posted from it
         self._stream: queue.Queue = queue.Queue()
-        threading.Thread(target=self._run, daemon=True, name="nccl-rules-stream").start()
+        threading.Thread(target=_stream, args=(self._stream, timeout), daemon=True,
+                         name="nccl-rules-stream").start()
+        weakref.finalize(self, self._stream.put, None)
 
     def __call__(self, ops: list[dist.P2POp]) -> list[_Handle]:
         plan = []
@@ -73,40 +77,44 @@ class NcclRulesP2P:
         self._stream.put((plan, handle))
         return [handle]
 
-    def _run(self) -> None:
-        while True:
-            plan, handle = self._stream.get()
-            try:
-                self._batch(plan)
-                handle.finish()
-            except BaseException as err:  # noqa: BLE001 - handed to whoever waits
-                handle.finish(err)
 
-    def _batch(self, plan) -> None:
-        works, sends = [], []
-        for kind, tensor, peer, group, k in plan:  # post every receive, then say so
-            if kind == "recv":
-                works.append(dist.irecv(tensor, peer, group, tag=2 * k))
-                works.append(dist.isend(torch.ones(1), peer, group, tag=2 * k + 1))
-            else:
-                token = dist.irecv(torch.zeros(1), peer, group, tag=2 * k + 1)
-                sends.append(threading.Thread(target=self._send, args=(token, tensor, peer, group, k)))
-        self._errors: list[BaseException] = []
-        for s in sends:  # each send goes once its receiver is ready: all of them concurrently
-            s.start()
-        for w in works:
-            w.wait(self.timeout)
-        for s in sends:
-            s.join()
-        if self._errors:
-            raise self._errors[0]
-
-    def _send(self, token, tensor, peer, group, k) -> None:
+def _stream(batches: queue.Queue, timeout: timedelta) -> None:
+    """A rank's stream: each batch runs to completion before the next starts."""
+    while (item := batches.get()) is not None:
+        plan, handle = item
         try:
-            token.wait(self.timeout)
-            dist.isend(tensor, peer, group, tag=2 * k).wait(self.timeout)
-        except BaseException as err:  # noqa: BLE001 - raised by the batch
-            self._errors.append(err)
+            _batch(plan, timeout)
+            handle.finish()
+        except BaseException as err:  # noqa: BLE001 - handed to whoever waits
+            handle.finish(err)
+
+
+def _batch(plan, timeout: timedelta) -> None:
+    works, sends, errors = [], [], []
+    for kind, tensor, peer, group, k in plan:  # post every receive, then say so
+        if kind == "recv":
+            works.append(dist.irecv(tensor, peer, group, tag=2 * k))
+            works.append(dist.isend(torch.ones(1), peer, group, tag=2 * k + 1))
+        else:
+            token = dist.irecv(torch.zeros(1), peer, group, tag=2 * k + 1)
+            sends.append(threading.Thread(target=_send, args=(token, tensor, peer, group, k,
+                                                              timeout, errors)))
+    for s in sends:  # each send goes once its receiver is ready: all of them concurrently
+        s.start()
+    for w in works:
+        w.wait(timeout)
+    for s in sends:
+        s.join()
+    if errors:
+        raise errors[0]
+
+
+def _send(token, tensor, peer, group, k, timeout, errors) -> None:
+    try:
+        token.wait(timeout)
+        dist.isend(tensor, peer, group, tag=2 * k).wait(timeout)
+    except BaseException as err:  # noqa: BLE001 - raised by the batch
+        errors.append(err)
 
 
 def from_env(timeout: timedelta) -> NcclRulesP2P | None:
