@@ -30,7 +30,7 @@ from trainmesh.jobs.runner import run_job
 
 STEPS = 20
 # 4 ranks: a pipeline of 2 stages (interleaved, 2 chunks each), TP 2 inside each stage's node.
-ARGS = ["model.preset=tiny", "training.global_batch_size=16", "training.microbatch_size=2",
+ARGS = ["model.preset=tiny", "training.global_batch_size=8", "training.microbatch_size=2",
         "training.seq_len=32", "optimizer.warmup_steps=1", "runtime.device=auto",
         "runtime.cpus_per_rank=0.5", "parallelism.pp=2", "parallelism.vpp=2", "parallelism.tp=2",
         "parallelism.dp=1", "parallelism.sequence_parallel=true",
