@@ -59,7 +59,8 @@ class Engine:
         # The Llama holding this rank's layers (all of them without PP), with global names,
         # built on the meta device: no process ever holds more than its own shards.
         vpp = par.vpp if pp > 1 else 1
-        shape = PipeShape(pp, vpp, 1, v_shape=spec.schedule.name == "zbv") if pp > 1 else None
+        n_micro = tr.global_batch_size // (mesh.size(Axis.DP) * tr.microbatch_size)
+        shape = pipe_shape(spec.schedule.name, pp, vpp, n_micro) if pp > 1 else None
         with torch.device("meta"):
             self.model, stage_ids = rank_model(
                 LlamaArgs.from_config(spec.model, device.type), mesh.coord(Axis.PP), pp, vpp,
@@ -85,7 +86,7 @@ class Engine:
             wrap = mesh.size(Axis.DP) > 1 or dtype != torch.float32
             for stage in stages.values() if wrap else ():
                 apply_zero3(stage, mesh[Axis.DP], self.zero)
-            self.executor = self._build_executor(stages, dtype, self.zero if wrap else None)
+            self.executor = self._build_executor(shape, stages, dtype, self.zero if wrap else None)
         # Materialise the local shards only, then fill them from each parameter's global name.
         self.model.to_empty(device=device)
         self.model.init_weights(tr.seed)
@@ -96,13 +97,12 @@ class Engine:
         self.step = 0  # optimizer steps done
         self.activation_peak = 0  # bytes saved for backward, from the last measured step
 
-    def _build_executor(self, stages: dict, dtype: torch.dtype,
+    def _build_executor(self, shape: PipeShape, stages: dict, dtype: torch.dtype,
                         zero: ZeroPolicy | None) -> PipelineExecutor:
         par, tr, mesh = self.spec.parallelism, self.spec.training, self.mesh
         dims, c = mesh.dims, mesh.dims.coords(mesh.rank)
-        n_micro = tr.global_batch_size // (dims.dp * tr.microbatch_size)
-        shape = pipe_shape(self.spec.schedule.name, dims.pp, par.vpp, n_micro)
-        actions = build_schedule(self.spec.schedule.name, dims.pp, par.vpp, n_micro)[c[Axis.PP]]
+        actions = build_schedule(self.spec.schedule.name, shape.pp, shape.vpp,
+                                 shape.microbatches)[c[Axis.PP]]
         timeout = timedelta(seconds=self.spec.runtime.collective_timeout_s)
         seq = tr.seq_len // dims.tp if par.sequence_parallel else tr.seq_len
         p2p = P2PSpec(group=mesh[Axis.PP].get_group(),

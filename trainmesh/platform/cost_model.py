@@ -53,6 +53,7 @@ import functools
 from dataclasses import dataclass
 
 from trainmesh.models.llama.model_math import flops_per_token, layer_params
+from trainmesh.parallel.pipeline.ir import splits_backward
 from trainmesh.platform.devices import DeviceSpec
 
 GIB = 1024**3
@@ -114,7 +115,7 @@ def bubble_fraction(schedule: str, pp: int, vpp: int, m: int) -> float:
     interleaved; the zero-bubble schedules are played by the simulator (cached)."""
     if pp == 1:
         return 0.0
-    if schedule in ("zb-h1", "zbv"):
+    if splits_backward(schedule):
         return _zero_bubble(schedule, pp, vpp, m)[0]
     v = vpp if schedule == "interleaved-1f1b" else 1
     idle = (pp - 1) / v

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from trainmesh.parallel.pipeline.ir import splits_backward
 from trainmesh.platform.cost_model import (
     RECOMPUTE,
     SCHEDULES,
@@ -179,7 +180,7 @@ def _inner(req: PlanRequest, tp: int, pp: int, max_dp: int) -> Iterator[Candidat
         schedules = ("1f1b",) if pp == 1 else (
             ("interleaved-1f1b", "zbv") if vpp == 2 else ("interleaved-1f1b",) if vpp > 1
             else ("gpipe", "1f1b", "zb-h1"))
-        schedules = tuple(s for s in schedules if not s.startswith("zb") or fixed.get("schedule") == s)
+        schedules = tuple(s for s in schedules if not splits_backward(s) or fixed.get("schedule") == s)
         for schedule in schedules:
             if "schedule" in fixed and pp > 1 and schedule != fixed["schedule"]:
                 continue
@@ -199,7 +200,7 @@ def _options(req: PlanRequest, tp: int, pp: int, dp: int, vpp: int, schedule: st
     fixed = req.fixed
     sp = bool(fixed.get("sequence_parallel", tp > 1))
     keeps = (True, False)  # FSDP2 gathers a copy even at dp = 1
-    if schedule in ("zb-h1", "zbv"):  # a split backward's W needs the forward's parameters
+    if splits_backward(schedule):  # a split backward's W needs the forward's parameters
         keeps = (True,)
     elif "keep_gathered" in fixed:
         keeps = (bool(fixed["keep_gathered"]),)

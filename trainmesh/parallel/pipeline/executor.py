@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 from torch.distributed.tensor import DTensor
 
-from trainmesh.parallel.pipeline.ir import COMPUTE, Action, Op, PipeShape
+from trainmesh.parallel.pipeline.ir import COMPUTE, Action, Op, PipeShape, message, peer_stage
 from trainmesh.parallel.zero import ZeroPolicy
 
 Post = Callable[[list[dist.P2POp]], list[dist.Work]]
@@ -71,7 +71,7 @@ class _Clock:
 
     def resolve(self) -> list[tuple[str, float, float]]:
         if not self.cuda:
-            return [(n, s, e) for n, s, e in self.spans]
+            return list(self.spans)
         torch.cuda.synchronize()
         at = lambda ev: self.t0 + self.origin.elapsed_time(ev) / 1e3  # noqa: E731
         return [(n, at(s), at(e)) for n, s, e in self.spans]
@@ -114,7 +114,7 @@ class PipelineExecutor:
         ranks without the last stage). Gradients are left in ``.grad``."""
         self._inputs: dict[tuple[int, int], torch.Tensor] = {}
         self._outputs: dict[tuple[int, int], torch.Tensor] = {}
-        self._recv: dict[tuple[Op, int, int], tuple[torch.Tensor, dist.Work | None]] = {}
+        self._recv: dict[tuple[Op, int, int], tuple[torch.Tensor, dist.Work]] = {}
         self._split_state: dict[tuple[int, int], tuple] = {}
         self._mbs = microbatches
         if self.split and self.zero is not None:
@@ -153,18 +153,15 @@ class PipelineExecutor:
 
     # -- compute ---------------------------------------------------------------------------
     def _await_input(self, a: Action) -> None:
+        """Wait for the message ``a`` computes on, if it comes from another rank (once per
+        receive: a gloo receive may not be waited for twice)."""
         op = Op.RECV_FORWARD if a.op is Op.FORWARD else Op.RECV_BACKWARD
-        key = (op, a.stage, a.microbatch)
-        if key in self._recv:
-            buf, work = self._recv[key]
-            _wait(work, self._timeout)  # (a coalesced handle may be waited for again: NCCL's
-            self._recv[key] = (buf, None)  # may; a gloo receive's may not)
+        pending = self._recv.get((op, a.stage, a.microbatch))
+        if pending is not None:
+            _wait(pending[1], self._timeout)
 
     def _received(self, op: Op, a: Action) -> torch.Tensor:
-        buf, work = self._recv.pop((op, a.stage, a.microbatch))
-        if work is not None:
-            _wait(work, self._timeout)
-        return buf
+        return self._recv.pop((op, a.stage, a.microbatch))[0]  # waited for by _await_input
 
     def _forward(self, a: Action) -> torch.Tensor:
         stage = self.stages[a.stage]
@@ -234,12 +231,10 @@ class PipelineExecutor:
             self.zero.reduce_after_split_backward(stage)
 
     # -- communication ---------------------------------------------------------------------
-    def _tag(self, op: Op, stage: int, microbatch: int) -> int:
-        # A forward message is named by its sender's stage, a backward one by its receiver's.
-        sender_stage = stage if op in (Op.SEND_FORWARD, Op.SEND_BACKWARD) else (
-            stage - 1 if op is Op.RECV_FORWARD else stage + 1)
-        direction = 0 if op in (Op.SEND_FORWARD, Op.RECV_FORWARD) else 1
-        return (sender_stage * self.shape.microbatches + microbatch) * 2 + direction
+    def _tag(self, a: Action) -> int:
+        """Unique per message, the same at both ends (gloo matches it; NCCL ignores it)."""
+        direction, sender, microbatch = message(a)
+        return (sender * self.shape.microbatches + microbatch) * 2 + (direction == "bwd")
 
     def _communicate(self, batch: Sequence[Action]) -> list[dist.Work]:
         """Post ``batch`` together; keep its receives' handles for the compute that needs them;
@@ -247,21 +242,17 @@ class PipelineExecutor:
         ops, recvs = [], []
         p = self.p2p
         for a in batch:
-            tag = self._tag(a.op, a.stage, a.microbatch)
+            peer = p.peers[self.shape.rank_of(peer_stage(a))]
             if a.op is Op.SEND_FORWARD:
                 t = self._outputs[(a.stage, a.microbatch)].detach().contiguous()
-                ops.append(dist.P2POp(dist.isend, t, p.peers[self.shape.rank_of(a.stage + 1)],
-                                      p.group, tag))
+                ops.append(dist.P2POp(dist.isend, t, peer, p.group, self._tag(a)))
             elif a.op is Op.SEND_BACKWARD:
                 t = self._inputs.pop((a.stage, a.microbatch)).grad.contiguous()
-                ops.append(dist.P2POp(dist.isend, t, p.peers[self.shape.rank_of(a.stage - 1)],
-                                      p.group, tag))
+                ops.append(dist.P2POp(dist.isend, t, peer, p.group, self._tag(a)))
             else:
                 buf = torch.empty(p.act_shape, dtype=p.dtype, device=p.device)
-                src_stage = a.stage - 1 if a.op is Op.RECV_FORWARD else a.stage + 1
                 recvs.append(((a.op, a.stage, a.microbatch), buf, len(ops)))
-                ops.append(dist.P2POp(dist.irecv, buf, p.peers[self.shape.rank_of(src_stage)],
-                                      p.group, tag))
+                ops.append(dist.P2POp(dist.irecv, buf, peer, p.group, self._tag(a)))
         works = p.post(ops) if ops else []
         per_op = len(works) == len(ops)  # else one coalesced handle for the whole batch
         for key, buf, index in recvs:

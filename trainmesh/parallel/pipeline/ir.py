@@ -128,6 +128,20 @@ def lower(shape: PipeShape, compute: list[list[Action]]) -> Schedule:
     return out
 
 
+SENDS = (Op.SEND_FORWARD, Op.SEND_BACKWARD)
+
+
+def peer_stage(a: Action) -> int:
+    """The stage at the other end of a send or receive."""
+    return a.stage + 1 if a.op in (Op.SEND_FORWARD, Op.RECV_BACKWARD) else a.stage - 1
+
+
+def message(a: Action) -> tuple[str, int, int]:
+    """What both ends of a message call it: (direction, sending stage, microbatch)."""
+    direction = "fwd" if a.op in (Op.SEND_FORWARD, Op.RECV_FORWARD) else "bwd"
+    return direction, a.stage if a.op in SENDS else peer_stage(a), a.microbatch
+
+
 def _inputs_here(a: Action, have: set[tuple[Op, int, int]], last: int) -> bool:
     s, m = a.stage, a.microbatch
     if a.op is Op.FORWARD:

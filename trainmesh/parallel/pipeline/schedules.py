@@ -82,17 +82,16 @@ def zero_bubble(shape: PipeShape, limit: int) -> list[list[Action]]:
                     opts.append((max(at, clock[r]), prio, op, -s))
         return opts
 
-    total = 3 * m * (last + 1)
-    while sum(len(o) for o in out) < total:
+    for _ in range(3 * m * (last + 1)):  # every stage's F, I and W of every microbatch
         best = None  # (start, priority, rank, op, stage)
         for r in range(pp):
             opts = options(r)
             now = [o for o in opts if o[0] <= clock[r]]
             if now:
-                start, prio, op, s = min(now)
+                _, prio, op, s = min(now)
                 cand = (clock[r], prio, r, op, -s)
             elif waiting_w[r]:
-                cand = (clock[r], 2, r, "W", waiting_w[r][0][0])
+                cand = (clock[r], 2, r, "W", 0)
             elif opts:
                 start, prio, op, s = min(opts)
                 cand = (start, prio, r, op, -s)
@@ -105,7 +104,7 @@ def zero_bubble(shape: PipeShape, limit: int) -> list[list[Action]]:
         if op == "W":
             s, i = waiting_w[r].pop(0)
             held[r] -= 1
-            out[r].append(Action(Op.WEIGHT, s, i, Phase.COOLDOWN))
+            out[r].append(Action(Op.WEIGHT, s, i))
         else:
             i = nxt[(op, s)]
             nxt[(op, s)] += 1

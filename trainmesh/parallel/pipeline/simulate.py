@@ -18,7 +18,17 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from trainmesh.parallel.pipeline.ir import COMPUTE, GRADIENT, Action, Op, PipeShape, Schedule
+from trainmesh.parallel.pipeline.ir import (
+    COMPUTE,
+    GRADIENT,
+    SENDS,
+    Action,
+    Op,
+    PipeShape,
+    Schedule,
+    message,
+    peer_stage,
+)
 
 
 class ScheduleError(RuntimeError):
@@ -48,9 +58,6 @@ class SimResult:
     timeline: list[list[tuple[Action, float, float]]] = field(repr=False)
 
 
-SEND = (Op.SEND_FORWARD, Op.SEND_BACKWARD)
-
-
 def _items(actions: list[Action]) -> list[list[Action]]:
     """A rank's list as the executor runs it: a compute action alone, communication batched."""
     out: list[list[Action]] = []
@@ -60,17 +67,6 @@ def _items(actions: list[Action]) -> list[list[Action]]:
         else:
             out.append([a])
     return out
-
-
-def _peer_stage(a: Action) -> int:
-    return a.stage + 1 if a.op in (Op.SEND_FORWARD, Op.RECV_BACKWARD) else a.stage - 1
-
-
-def _message(a: Action) -> tuple[str, int, int]:
-    """Both ends of a message name it the same: (direction, sending stage, microbatch)."""
-    forward = a.op in (Op.SEND_FORWARD, Op.RECV_FORWARD)
-    sender = a.stage if a.op in SEND else _peer_stage(a)
-    return ("fwd" if forward else "bwd", sender, a.microbatch)
 
 
 def simulate(schedule: Schedule, num_stages: int, microbatches: int, costs: Costs = Costs(),
@@ -85,12 +81,12 @@ def simulate(schedule: Schedule, num_stages: int, microbatches: int, costs: Cost
         for a in actions:
             if a.op in COMPUTE:
                 continue
-            peer = shape.rank_of(_peer_stage(a))
-            pair = (r, peer) if a.op in SEND else (peer, r)
-            end = "send" if a.op in SEND else "recv"
+            peer = shape.rank_of(peer_stage(a))
+            pair = (r, peer) if a.op in SENDS else (peer, r)
+            end = "send" if a.op in SENDS else "recv"
             k = counts[(*pair, end)]
             counts[(*pair, end)] += 1
-            fifo[(*pair, end, k)] = _message(a)
+            fifo[(*pair, end, k)] = message(a)
     for (src, dst, end, k), msg in fifo.items():
         other = fifo.get((src, dst, "recv", k))
         if nccl and end == "send" and other is not None and other != msg:
@@ -106,7 +102,7 @@ def simulate(schedule: Schedule, num_stages: int, microbatches: int, costs: Cost
     started: list[float | None] = [None] * pp  # nccl: when the batch in hand was posted
 
     def arrived(a: Action) -> float | None:
-        ends = posted.get(_message(a), {})
+        ends = posted.get(message(a), {})
         if len(ends) < 2:
             return None
         return max(ends.values()) + costs.send_latency
@@ -135,7 +131,7 @@ def simulate(schedule: Schedule, num_stages: int, microbatches: int, costs: Cost
                     if started[r] is None:  # post the batch's ends
                         started[r] = clock[r]
                         for a in item:
-                            posted[_message(a)]["send" if a.op in SEND else "recv"] = clock[r]
+                            posted[message(a)]["send" if a.op in SENDS else "recv"] = clock[r]
                     times = [arrived(a) for a in item]
                     if nccl and None in times:
                         break  # one stream: nothing after this batch runs before it completes

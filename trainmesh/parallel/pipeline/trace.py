@@ -10,7 +10,6 @@ from pathlib import Path
 from trainmesh.parallel.pipeline.ir import COMPUTE, Op, Schedule
 from trainmesh.parallel.pipeline.simulate import Costs, SimResult
 
-_P2P = ("RF", "SF", "RB", "SB")
 _COLORS = {Op.FORWARD: (0.2, 0.45, 0.9), Op.BACKWARD: (0.95, 0.55, 0.15),
            Op.BACKWARD_INPUT: (0.95, 0.55, 0.15), Op.WEIGHT: (0.3, 0.7, 0.35)}
 _NAME = re.compile(r"^(\d+)([FBIW])(\d+)$")
@@ -28,7 +27,7 @@ def chrome_trace(timelines: list[list[tuple[str, float, float]]],
         events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": rank,
                        "args": {"name": f"rank {rank}"}})
         for name, start, end in row:
-            kind = "p2p" if "+" in name or any(tag in name for tag in _P2P) else "compute"
+            kind = "compute" if _NAME.match(name) else "p2p"
             events.append({"name": name, "cat": kind, "ph": "X", "pid": 0, "tid": rank,
                            "ts": (start - t0) * 1e6, "dur": max(0.0, end - start) * 1e6})
     if planned is not None:
