@@ -12,6 +12,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -24,8 +25,7 @@ from trainmesh.actors.step import (
     train_step,
 )
 from trainmesh.checkpoint import dcp_io
-from trainmesh.data.dataset import TokenDataset
-from trainmesh.data.shards import read_tokens
+from trainmesh.data.dataset import open_datasets
 from trainmesh.models.llama.model import Llama, LlamaArgs
 from trainmesh.models.llama.parallelize import apply_activation_checkpointing, apply_tensor_parallel
 from trainmesh.models.llama.stage import PipelineStage, rank_model
@@ -34,16 +34,27 @@ from trainmesh.parallel.mesh import Mesh
 from trainmesh.parallel.pipeline import nccl_rules
 from trainmesh.parallel.pipeline.executor import P2PSpec, PipelineExecutor
 from trainmesh.parallel.pipeline.ir import PipeShape, splits_backward
-from trainmesh.parallel.pipeline.schedules import build_schedule, pipe_shape
+from trainmesh.parallel.pipeline.schedules import build_schedule, forward_only, pipe_shape
 from trainmesh.parallel.zero import ZeroPolicy, apply_zero3
 from trainmesh.spec.job import JobSpec
 
 
 def build_model(spec: JobSpec, device: torch.device) -> Llama:
-    """The whole single-device model, initialised from ``training.seed``."""
+    """The whole single-device model, initialised from ``training.seed`` (or
+    ``model.init_from``)."""
     model = Llama(LlamaArgs.from_config(spec.model, device.type))
-    model.init_weights(spec.training.seed)
+    init_weights(model, spec)
     return model.to(device)
+
+
+def init_weights(model: Llama, spec: JobSpec) -> None:
+    """Fill a (possibly sharded) model part: from ``model.init_from``, or the seeded init."""
+    if spec.model.init_from:
+        from trainmesh.interop.hf_import import load_into
+
+        load_into(model, spec.model.init_from)
+    else:
+        model.init_weights(spec.training.seed)
 
 
 class Engine:
@@ -89,11 +100,16 @@ class Engine:
             self.executor = self._build_executor(shape, stages, dtype, self.zero if wrap else None)
         # Materialise the local shards only, then fill them from each parameter's global name.
         self.model.to_empty(device=device)
-        self.model.init_weights(tr.seed)
+        init_weights(self.model, spec)
         self.model.init_buffers()
         self.optimizer = build_optimizer(self.model, spec.optimizer)
         self.scheduler = build_lr_scheduler(self.optimizer, spec.optimizer, tr.steps)
-        self.dataset = TokenDataset(read_tokens(data_dir), tr.seq_len)
+        self.dataset, self.eval_set = open_datasets(data_dir, tr.seq_len, spec.data.eval_path,
+                                                    spec.data.eval_fraction)
+        vocab = self.dataset.tokens.meta["vocab_size"]
+        if vocab > spec.model.vocab_size:
+            raise ValueError(f"model.vocab_size {spec.model.vocab_size} is smaller than the "
+                             f"{vocab} tokens of the dataset at {data_dir}")
         self.step = 0  # optimizer steps done
         self.activation_peak = 0  # bytes saved for backward, from the last measured step
 
@@ -110,6 +126,9 @@ class Engine:
                       act_shape=(tr.microbatch_size, seq, self.spec.model.dim), dtype=dtype,
                       device=self.device, timeout=timeout,
                       post=nccl_rules.from_env(timeout) or dist.batch_isend_irecv)
+        self.eval_executor = PipelineExecutor(
+            shape, forward_only(self.spec.schedule.name, shape.pp, shape.vpp,
+                                shape.microbatches)[c[Axis.PP]], stages, p2p, self.loss_context)
         return PipelineExecutor(shape, actions, stages, p2p, self.loss_context, zero,
                                 self.on_phase)
 
@@ -146,6 +165,30 @@ class Engine:
         return finish_step(self.model, self.optimizer, self.scheduler,
                            self.spec.optimizer.grad_clip, float(loss), tokens, across=pp_group,
                            on_phase=self.on_phase)
+
+    @torch.no_grad()
+    def evaluate(self, batches: int) -> float:
+        """Collective: the mean loss over the first ``batches`` held-out batches (the same
+        windows for every mesh and every call)."""
+        tr, pp, dp = self.spec.training, self.mesh.size(Axis.PP), self.mesh.size(Axis.DP)
+        total = 0.0
+        for b in range(batches):
+            mbs = self.eval_set.eval_microbatches(b, tr.global_batch_size, self.mesh.coord(Axis.DP),
+                                                  dp, tr.microbatch_size)
+            mbs = [(x.to(self.device), y.to(self.device)) for x, y in mbs]
+            if self.executor is None:
+                with self.loss_context():
+                    loss = sum(self.model(x, y) for x, y in mbs) / len(mbs)
+                loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
+            else:
+                loss = self.eval_executor.step(mbs).detach().double()
+                if pp > 1:
+                    dist.all_reduce(loss, group=self.mesh[Axis.PP].get_group())
+            total += float(loss)
+        for m in self.model.modules():  # forwards without backwards leave ZeRO-3 units gathered
+            if isinstance(m, FSDPModule):
+                m.reshard()
+        return self._dp_mean(total / batches)
 
     def memory_report(self) -> dict[str, int]:
         """Exact bytes of this rank's parameter, gradient and optimizer-state shards, the

@@ -141,6 +141,9 @@ class RankWorker:
         return {**dataclasses.asdict(self.engine.train_step(measure_activations)),
                 "preempted": self.preempted, "save": self.save_status()}
 
+    def evaluate(self, batches: int) -> float:
+        return self.engine.evaluate(batches)
+
     def reset_peak_memory(self) -> None:
         """Start a new CUDA peak (the CPU's peak RSS cannot be reset)."""
         if self.device.type == "cuda":

@@ -1,4 +1,5 @@
-"""Byte-level tokenizer: every UTF-8 byte is a token, plus one end-of-document token."""
+"""Byte-level tokenizer: every UTF-8 byte is a token, plus one end-of-document token.
+(Real tokenizers go through the ``tokenizers`` library: ``data/prepare.py``.)"""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from trainmesh.jobs import goodput_cli, k8s_cli, plan_cli, schedule_cli, submit_cli
+from trainmesh.jobs import data_cli, goodput_cli, k8s_cli, plan_cli, schedule_cli, submit_cli
 from trainmesh.jobs.loading import SpecError, load_spec, unsupported_problems
 from trainmesh.platform.elastic import JobFailed
 from trainmesh.platform.job_plan import PlanError
@@ -46,11 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     schedule_cli.add_parser(sub)
     k8s_cli.add_parser(sub)
     submit_cli.add_parsers(sub)
-    data = sub.add_parser("data", help="dataset tools").add_subparsers(dest="data_cmd", required=True)
-    p = data.add_parser("prepare", help="tokenize text files into Parquet token shards")
-    p.add_argument("inputs", nargs="+", help="UTF-8 text files, one document each")
-    p.add_argument("--out", required=True, help="output directory for shard-*.parquet")
-    p.add_argument("--shard-tokens", type=int, default=1 << 20)
+    data_cli.add_parsers(sub, _add_spec_args)
     return ap
 
 
@@ -78,7 +74,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "jobs":
             return submit_cli.jobs(args)
         if args.command == "data":
-            return _data_prepare(args)
+            return data_cli.prepare(args)
+        if args.command == "eval":
+            return data_cli.evaluate(args, load_spec, unsupported_problems, SpecError)
+        if args.command == "export":
+            return data_cli.export(args)
     except SpecError as err:
         for problem in err.problems:
             print(problem, file=sys.stderr)
@@ -126,19 +126,6 @@ def _run(args: argparse.Namespace) -> int:
           f"summary {out}/summary.json; MLflow run {summary['mlflow_run_id']} "
           f"at {summary['tracking_uri']}")
     return 0 if summary["status"] == "FINISHED" else 1
-
-
-def _data_prepare(args: argparse.Namespace) -> int:
-    from trainmesh.data.shards import prepare_text_files
-
-    missing = [p for p in args.inputs if not os.path.isfile(p)]
-    if missing:
-        print(f"inputs: not a file: {', '.join(missing)}; pass existing text files",
-              file=sys.stderr)
-        return EXIT_BAD_INPUT
-    paths = prepare_text_files(args.inputs, args.out, args.shard_tokens)
-    print(f"wrote {len(paths)} shard(s) to {args.out}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -55,6 +55,7 @@ def load_spec(path: str | Path | None, overrides: list[str] | tuple[str, ...] = 
 
 def spec_from_dict(raw: dict[str, Any]) -> JobSpec:
     _default_schedule(raw)
+    _shape_from_init(raw)
     try:
         spec = JobSpec.model_validate(raw)
     except ValidationError as err:
@@ -72,6 +73,38 @@ def _default_schedule(raw: dict[str, Any]) -> None:
     named = isinstance(sched, dict) and "name" in sched
     if isinstance(vpp, int) and vpp > 1 and not named and (sched is None or isinstance(sched, dict)):
         raw["schedule"] = {**(sched or {}), "name": "interleaved-1f1b"}
+
+
+def _shape_from_init(raw: dict[str, Any]) -> None:
+    """``model.init_from``: the shape comes from its config.json; a shape field the spec gives
+    (or its named preset gives) that differs is refused, naming both values."""
+    from trainmesh.interop.hf_config import SHAPE_FIELDS, HfConfigError, model_fields, read_config
+    from trainmesh.spec.presets import PRESETS
+
+    model = raw.get("model")
+    if not isinstance(model, dict) or not isinstance(model.get("init_from"), str):
+        return
+    src = model["init_from"]
+    try:
+        theirs = model_fields(read_config(src))
+    except (HfConfigError, OSError, ValueError) as err:
+        raise SpecError([Problem("model.init_from", str(err), "give a Hugging Face Llama "
+                                 "directory (config.json + model.safetensors)")]) from None
+    given = {**PRESETS.get(model.get("preset") or "", {}), **model}
+    wrong = [Problem(f"model.{f}", f"{given[f]!r} here but {theirs[f]!r} in {src}/config.json",
+                     "drop it (the shape comes from model.init_from) or import a matching model")
+             for f in SHAPE_FIELDS if f in given and f in theirs and not _same(given[f], theirs[f])]
+    if wrong:
+        raise SpecError(wrong)
+    model.update({**theirs, "preset": None})
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return all(_same(a.get(k), b.get(k)) for k in {*a, *b} - {"type"})
+    if isinstance(a, int | float) and isinstance(b, int | float):
+        return float(a) == float(b)
+    return a == b
 
 
 def _read_env(name: str) -> dict[str, Any]:
@@ -231,7 +264,7 @@ def consistency_problems(spec: JobSpec) -> list[Problem]:
          f"use a divisor of {m.n_heads}")
     need((m.dim // m.n_heads) % 2 == 0, "model.dim", f"head dim {m.dim // m.n_heads} is odd",
          "RoPE needs an even head dim: change model.dim or model.n_heads")
-    need(m.vocab_size >= BYTE_TOKENIZER_VOCAB, "model.vocab_size",
+    need(spec.data.path is not None or m.vocab_size >= BYTE_TOKENIZER_VOCAB, "model.vocab_size",
          f"{m.vocab_size} is smaller than the byte tokenizer's {BYTE_TOKENIZER_VOCAB} tokens",
          f"use at least {BYTE_TOKENIZER_VOCAB} (264 keeps it divisible by 8)")
     need(tr.seq_len <= m.max_seq_len, "training.seq_len",
@@ -269,6 +302,10 @@ def consistency_problems(spec: JobSpec) -> list[Problem]:
     need(el.max_world_size is None or el.min_world_size <= el.max_world_size,
          "elastic.min_world_size", f"{el.min_world_size} exceeds max_world_size={el.max_world_size}",
          "make min_world_size ≤ max_world_size")
+    need(spec.eval.every == 0 or bool(spec.data.eval_path or spec.data.eval_fraction), "eval.every",
+         "evaluation needs held-out data", "set data.eval_path or data.eval_fraction, or eval.every=0")
+    need(not (spec.data.eval_path and spec.data.eval_fraction), "data.eval_fraction",
+         "is set beside data.eval_path", "hold out one way: drop one of them")
     need(spec.optimizer.warmup_steps <= tr.steps, "optimizer.warmup_steps",
          f"{spec.optimizer.warmup_steps} exceeds training.steps={tr.steps}",
          "shorten the warm-up or train longer")
@@ -295,6 +332,7 @@ def unsupported_problems(spec: JobSpec) -> list[Problem]:
         out.append(Problem("model.kernels", "triton kernels need a CUDA device (runtime.device is "
                            "cpu)", "use model.kernels=auto, or TRITON_INTERPRET=1 to interpret "
                            "them on CPU (slow)"))
+    out += _dataset_problems(spec)
     ckpt_dir = spec.checkpoint.dir
     if ckpt_dir and "://" in ckpt_dir:
         from fsspec.core import url_to_fs
@@ -305,4 +343,28 @@ def unsupported_problems(spec: JobSpec) -> list[Problem]:
             out.append(Problem("checkpoint.dir", f"no filesystem for {ckpt_dir!r} ({err})",
                                "install the fsspec implementation it names (s3fs, gcsfs, adlfs) "
                                "or give a local path"))
+    return out
+
+
+def _dataset_problems(spec: JobSpec) -> list[Problem]:
+    """The datasets must exist, and the model's vocabulary hold every id in them."""
+    from trainmesh.data.shards import read_meta
+
+    out = []
+    for field in ("path", "eval_path"):
+        path = getattr(spec.data, field)
+        if not path:
+            continue
+        try:
+            meta = read_meta(path)
+        except (OSError, ValueError) as err:
+            out.append(Problem(f"data.{field}", str(err).removeprefix(f"data.path {path}: "),
+                               "prepare it with `trainmesh data prepare INPUTS --out DIR`"))
+            continue
+        if meta["vocab_size"] > spec.model.vocab_size:
+            out.append(Problem("model.vocab_size", f"{spec.model.vocab_size} is smaller than the "
+                               f"{meta['vocab_size']} tokens of the dataset at {path} "
+                               f"(tokenizer: {meta['tokenizer'].get('source', meta['tokenizer']['kind'])})",
+                               f"use at least {meta['vocab_size']}, or a dataset made with a "
+                               "smaller tokenizer"))
     return out

@@ -24,11 +24,16 @@ def loopback_environment(environ: dict[str, str] | os._Environ) -> None:
 
 
 def with_absolute_output(spec: JobSpec, cwd: Path) -> JobSpec:
-    """Actors run in other directories: pin ``runtime.output_dir`` to an absolute path."""
-    out = Path(spec.resolved_output_dir())
-    out = out if out.is_absolute() else (cwd / out)
-    runtime = spec.runtime.model_copy(update={"output_dir": str(out.resolve())})
-    return spec.model_copy(update={"runtime": runtime})
+    """Actors run in other directories: pin ``runtime.output_dir`` and the local paths of
+    data and ``model.init_from`` to absolute paths."""
+    def pinned(path: str | None) -> str | None:
+        return path if path is None or "://" in path else str((cwd / path).resolve())
+
+    runtime = spec.runtime.model_copy(update={"output_dir": pinned(spec.resolved_output_dir())})
+    data = spec.data.model_copy(update={"path": pinned(spec.data.path),
+                                        "eval_path": pinned(spec.data.eval_path)})
+    model = spec.model.model_copy(update={"init_from": pinned(spec.model.init_from)})
+    return spec.model_copy(update={"runtime": runtime, "data": data, "model": model})
 
 
 def worker_env(spec: JobSpec, local: bool) -> dict[str, str]:
@@ -104,6 +109,16 @@ def run_job(spec: JobSpec, environ: Mapping[str, str], show_progress: bool = Tru
 def dry_run_job(spec: JobSpec, environ: Mapping[str, str], step: bool) -> list[dict[str, Any]]:
     """Plan, place and build every rank (one step with ``step``); per-rank memory rows
     (``trainmesh.platform.dry_run``). Nothing is trained, saved or tracked."""
+    return _controller_once(spec, "dry_run", step)
+
+
+def evaluate_job(spec: JobSpec, environ: Mapping[str, str]) -> dict[str, Any]:
+    """Build every rank, restore the run's newest checkpoint (or the initial model) and
+    return the held-out loss (``trainmesh.platform.evaluation``)."""
+    return _controller_once(spec, "evaluate")
+
+
+def _controller_once(spec: JobSpec, method: str, *args: Any) -> Any:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -115,7 +130,7 @@ def dry_run_job(spec: JobSpec, environ: Mapping[str, str], step: bool) -> list[d
         actor = ray.remote(Controller).options(num_cpus=0, scheduling_strategy=here).remote(
             spec.model_dump_json(), None, worker_env(spec, local))
         try:
-            return ray.get(actor.dry_run.remote(step))
+            return ray.get(getattr(actor, method).remote(*args))
         except ray.exceptions.RayTaskError as err:
             raise _user_error(err) from None
         finally:

@@ -26,6 +26,7 @@ from trainmesh.platform.elastic import (
     recovery_phases,
     warm_assignment,
 )
+from trainmesh.platform.evaluation import Evaluator, evaluate_once
 from trainmesh.platform.failure_costs import predicted_save
 from trainmesh.platform.job_plan import PlanError, plan_for
 from trainmesh.platform.pipeline_artifacts import write_pipeline_artifacts
@@ -92,10 +93,10 @@ class Controller:
         self.dims = ParallelDims()
         self.eff = self.spec  # the spec with the current plan written in
         self.boundary = StepBoundary(self.spec, self._available)
+        self.evals = Evaluator(self.spec)
 
     # -- public ----------------------------------------------------------------------------
-    def progress(self) -> dict[str, Any]:
-        """Where the run is, and every notice so far (the driver prints the new ones)."""
+    def progress(self) -> dict[str, Any]:  # where the run is, every notice so far (the driver prints new ones)
         return {**self._progress, "notices": list(self.notices)}
 
     def _notice(self, text: str) -> None:
@@ -119,9 +120,7 @@ class Controller:
             self._set(state=status.lower())
         return summary
 
-    def dry_run(self, step: bool) -> list[dict]:
-        """Plan, place, build every rank's part (and run steps with ``step``), then report
-        each rank's memory beside the plan's prediction; no training, saving or tracking."""
+    def dry_run(self, step: bool) -> list[dict]:  # memory per rank beside the plan: dry_run.py
         from trainmesh.platform.dry_run import measure, memory_rows
 
         group = self._place(replan=False)
@@ -130,6 +129,9 @@ class Controller:
         finally:
             group.shutdown()
         return memory_rows(reports, self.eff, self.candidate, self.dims, self.device, step)
+
+    def evaluate(self) -> dict[str, Any]:  # `trainmesh eval`: evaluation.py
+        return evaluate_once(self)
 
     def _run_with_recovery(self, tracker) -> None:
         """The state machine of ``platform/states.py``, from SCHEDULING to FINISHED (or
@@ -159,8 +161,7 @@ class Controller:
         except JobFailed as err:
             return Errored(str(err))
 
-    def _schedule(self, state: Scheduling, tracker) -> State:
-        """Cold: a new group of rank actors for the plan (re-planned after a stop)."""
+    def _schedule(self, state: Scheduling, tracker) -> State:  # cold: new rank actors for the plan
         self._drop()
         self.group = self._place(replan=state.stop is not None)
         return Restoring(state.stop, "cold")
@@ -178,8 +179,7 @@ class Controller:
                          f"part of the new plan {self.dims.as_dict()}; restarting every rank")
             return Scheduling(state.stop)
         try:
-            self.group.reform(assignment, placement,
-                              timeout_s=self.spec.runtime.collective_timeout_s * 2 + 30,
+            self.group.reform(assignment, placement, timeout_s=self.spec.runtime.collective_timeout_s * 2 + 30,
                               refill=set(state.refill) & set(assignment),
                               avoid=self.dead_nodes | set(draining_nodes()))
         except RayActorError:  # a rank died while re-forming: recover again, warm if we can
@@ -342,6 +342,8 @@ class Controller:
                 on_first_step()
                 on_first_step = None
             last = step + 1 == tr.steps
+            if self.evals.due(step + 1, last):
+                self._set(eval_loss=self.evals.run(group, step + 1, tracker))
             notified = self.boundary.notified(stats, self.rank_nodes)
             if notified and not last:  # checkpoint now, then let those ranks go
                 self._notice(f"preemption notice for rank(s) {notified} after step {step + 1}: "
@@ -376,21 +378,19 @@ class Controller:
         step = int(meta["step"])
         group.load(uri, step, rng)
         self.losses = list(meta.get("losses", []))[:step]
-        if not self.recoveries:
-            self.recoveries = list(meta.get("recoveries", []))
+        self.recoveries = self.recoveries or list(meta.get("recoveries", []))
         tracker.event("resume", step=step, path=uri, from_mesh=meta.get("mesh"))
         return step
 
-    # -- helpers ---------------------------------------------------------------------------
     def _write_summary(self, dims: ParallelDims, tracker, status: str) -> dict[str, Any]:
         summary = {
             "name": self.spec.name, "status": status, "steps_done": len(self.losses),
             "losses": self.losses, "final_loss": self.losses[-1] if self.losses else None,
+            "eval": self.evals.results,
             "mesh": {**dims.as_dict(), "vpp": self.plan_row.get("vpp", 1)},
             "plan": self.plan_row, "rank_to_node": self.rank_nodes,
-            "checkpoints": self.ckpts.published(),
-            "recoveries": self.recoveries, "rank_pids": self.pid_history,
-            "checkpoint_cadence": self.cadence.choices,
+            "checkpoints": self.ckpts.published(), "recoveries": self.recoveries,
+            "rank_pids": self.pid_history, "checkpoint_cadence": self.cadence.choices,
             "mlflow_run_id": tracker.run_id, "tracking_uri": tracker.uri,
         }
         write_json_atomically(self.out / "summary.json", summary)

@@ -117,6 +117,10 @@ class RayWorkerGroup:
         self._steps = [*self._steps[-19:], time.monotonic() - t0]
         return out
 
+    def evaluate(self, batches: int) -> float:
+        """The held-out loss (every rank computes it; all hold the same value)."""
+        return self.group.call("evaluate", batches, timeout_s=self.timeout * 2)[0]
+
     def reset_peak_memory(self) -> None:
         self.group.call("reset_peak_memory", timeout_s=self.timeout)
 

@@ -63,6 +63,9 @@ class ModelConfig(_Section):
     rope_theta: float = Field(10000.0, gt=0)
     rope_scaling: RopeScaling | None = Field(None, description="Llama 3.1 RoPE scaling; none: plain")
     tie_embeddings: bool = False
+    init_from: str | None = Field(
+        None, description="a Hugging Face Llama directory (config.json, safetensors) to start "
+        "from; each rank reads only its slices. Shape fields not given come from its config.json")
     kernels: Literal["auto", "triton", "torch"] = Field(
         "auto", description="fused ops: Triton kernels (auto: on CUDA) or the torch references")
 
@@ -91,10 +94,23 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    """Pre-tokenized Parquet shards; ``path: null`` uses the bundled tiny corpus."""
+    """A token dataset made by ``trainmesh data prepare`` (its ``dataset.json`` names the
+    tokenizer); ``path: null`` uses the bundled tiny corpus."""
 
-    path: str | None = None
-    tokenizer: Literal["byte"] = "byte"
+    path: str | None = Field(None, description="dataset directory: a local path or an fsspec URI")
+    eval_path: str | None = Field(None, description="a held-out dataset (same tokenizer)")
+    eval_fraction: float = Field(0.0, ge=0, lt=1, description="without eval_path: hold out this "
+                                 "fraction of data.path's samples (the last ones; never trained on)")
+
+
+class EvalConfig(_Section):
+    """Held-out loss over a fixed set of windows (``data.eval_path`` or ``data.eval_fraction``),
+    logged to MLflow as ``eval_loss`` and to summary.json."""
+
+    every: int = Field(0, ge=0, description="evaluate every N steps (0: only after the last "
+                       "step, when held-out data is given)")
+    batches: int = Field(4, ge=1, description="held-out batches of training.global_batch_size "
+                         "windows each")
 
 
 class ParallelismConfig(_Section):
@@ -240,6 +256,7 @@ class JobSpec(_Section):
     name: str = Field("job", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
+    eval: EvalConfig = EvalConfig()
     parallelism: ParallelismConfig = ParallelismConfig()
     activation_checkpoint: ActivationCheckpointConfig = ActivationCheckpointConfig()
     schedule: ScheduleConfig = ScheduleConfig()
