@@ -54,15 +54,30 @@ def test_bad_slices_are_refused():
 
 def test_shards_round_trip_and_samples_shift_by_one(tmp_path):
     docs = ["hello world", "trainmesh ü", "x" * 50]
-    paths = shards.write_shards(docs, tmp_path, shard_tokens=16)
-    assert len(paths) > 1
+    meta = shards.write_shards(docs, tmp_path, shard_tokens=16)
+    assert len(meta["shards"]) > 1 and meta["dtype"] == "uint16" and meta["documents"] == 3
     tokens = shards.read_tokens(tmp_path)
     expect = [t for d in docs for t in tokenizer.encode(d)]
     assert tokens.tolist() == expect
-    ds = TokenDataset(tokens, seq_len=8)
-    x, y = ds.batch(np.array([0, 2]))
+    # Samples read from the shard files (spanning shard boundaries) are the array's samples.
+    streamed, in_memory = TokenDataset(shards.TokenStream(tmp_path), 8), TokenDataset(tokens, 8)
+    for ids in (np.array([0, 2]), np.array([1, 7, 3])):
+        for a, b in zip(streamed.batch(ids), in_memory.batch(ids), strict=True):
+            assert torch.equal(a, b)
+    x, y = streamed.batch(np.array([0, 2]))
     assert x.shape == (2, 8) and torch.equal(x[:, 1:], y[:, :-1])
     assert x[1, 0].item() == expect[16]
+
+
+def test_token_type_is_the_smallest_that_holds_the_vocabulary():
+    assert [shards.token_dtype(v).name for v in (256, 257, 65536, 65537)] == \
+        ["uint8", "uint16", "uint16", "uint32"]
+
+
+def test_a_directory_without_dataset_json_is_not_a_dataset(tmp_path):
+    (tmp_path / "shard-00000.parquet").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="Parquet shards of an earlier trainmesh.*data prepare"):
+        shards.TokenStream(tmp_path)
 
 
 def test_cli_prepare(tmp_path):

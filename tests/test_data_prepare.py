@@ -1,0 +1,134 @@
+"""Real tokenizers and streamed token datasets: ``data prepare`` from JSONL and Parquet (local
+and fsspec URIs) with a tokenizer trained here, the dataset's record of it, clear refusals,
+and a reader whose memory does not grow with the data."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from trainmesh.data import corpus, sampler, shards
+from trainmesh.data.dataset import TokenDataset, open_datasets
+from trainmesh.jobs.cli import main
+from trainmesh.jobs.loading import load_spec, unsupported_problems
+
+EOS = "<|endoftext|>"
+
+
+def train_tokenizer(path, vocab_size: int = 600):
+    """A byte-level BPE trained on the bundled corpus with the ``tokenizers`` trainer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus.documents(), trainer)
+    tok.save(str(path))
+    return tok
+
+
+@pytest.fixture(scope="module")
+def tokenized(tmp_path_factory):
+    """The corpus as gzipped JSONL (field ``body``) and as Parquet (column ``content``), a
+    trained tokenizer, and both prepared with it (the JSONL through file:// URIs)."""
+    d = tmp_path_factory.mktemp("tok")
+    tok = train_tokenizer(d / "tokenizer.json")
+    docs = corpus.documents()
+    with gzip.open(d / "docs.jsonl.gz", "wt") as f:
+        for i, doc in enumerate(docs):
+            f.write(json.dumps({"id": i, "body": doc}) + "\n")
+    pq.write_table(pa.table({"content": docs[:200]}), d / "a.parquet")
+    pq.write_table(pa.table({"content": docs[200:]}), d / "b.parquet")
+    assert main(["data", "prepare", f"file://{d}/docs.jsonl.gz", "--field", "body", "--tokenizer",
+                 str(d), "--out", f"file://{d}/from-jsonl", "--shard-tokens", "4096"]) == 0
+    assert main(["data", "prepare", str(d / "a.parquet"), str(d / "b.parquet"), "--column",
+                 "content", "--tokenizer", str(d / "tokenizer.json"), "--out", str(d / "from-parquet")]) == 0
+    return d, tok, docs
+
+
+def test_jsonl_and_parquet_hold_the_tokenizers_ids_and_record_it(tokenized):
+    d, tok, docs = tokenized
+    eos = tok.token_to_id(EOS)
+    want = [t for doc in docs for t in [*tok.encode(doc).ids, eos]]
+    for name in ("from-jsonl", "from-parquet"):
+        meta = shards.read_meta(d / name)
+        assert shards.read_tokens(d / name).tolist() == want, name
+        assert meta["vocab_size"] == tok.get_vocab_size() and meta["eos_id"] == eos
+        assert meta["dtype"] == "uint16" and meta["documents"] == len(docs)
+        blob = (d / name / "tokenizer.json").read_bytes()
+        assert meta["tokenizer"]["sha256"] == hashlib.sha256((d / "tokenizer.json").read_bytes()).hexdigest()
+        assert hashlib.sha256(blob).hexdigest() == meta["tokenizer"]["sha256"]
+    assert len(shards.read_meta(d / "from-jsonl")["shards"]) > 1
+
+
+def test_bad_inputs_are_refused_naming_the_flag(tokenized, tmp_path, capsys):
+    d, _, _ = tokenized
+    assert main(["data", "prepare", str(d / "docs.jsonl.gz"), "--field", "text",
+                 "--out", str(tmp_path / "x")]) == 2
+    assert "no field 'text'; pass --field NAME" in capsys.readouterr().err
+    assert main(["data", "prepare", str(d / "a.parquet"), "--out", str(tmp_path / "x")]) == 2
+    assert "no column 'text' (columns: content); pass --column NAME" in capsys.readouterr().err
+    assert main(["data", "prepare", str(d / "a.parquet"), "--column", "content", "--tokenizer",
+                 str(d), "--eos", "<nope>", "--out", str(tmp_path / "x")]) == 2
+    assert "has no token '<nope>'; pass --eos TOKEN" in capsys.readouterr().err
+    assert main(["data", "prepare", str(d / "a.parquet"), "--tokenizer", str(tmp_path),
+                 "--out", str(tmp_path / "x")]) == 2
+    assert "no tokenizer.json there" in capsys.readouterr().err
+
+
+def test_a_model_vocabulary_smaller_than_the_datasets_is_refused(tokenized):
+    d, tok, _ = tokenized
+    vocab = tok.get_vocab_size()
+    assert vocab > 264  # the tiny preset's vocabulary: the refusal below is real
+    spec = load_spec(None, [f"data.path={d}/from-parquet"])
+    [problem] = unsupported_problems(spec)
+    assert problem.path == "model.vocab_size" and f"smaller than the {vocab} tokens" in str(problem)
+    assert f"use at least {vocab}" in str(problem)
+    ok = load_spec(None, [f"data.path={d}/from-parquet", f"model.vocab_size={vocab}"])
+    assert unsupported_problems(ok) == []
+    [problem] = unsupported_problems(load_spec(None, [f"data.path={d}/nothing"]))
+    assert problem.path == "data.path" and "trainmesh data prepare" in str(problem)
+
+
+def test_held_out_windows_are_fixed_and_never_trained_on(tokenized):
+    d, _, _ = tokenized
+    train, held = open_datasets(str(d / "from-parquet"), 32, eval_fraction=0.1)
+    assert train.num_samples + held.num_samples == (len(train.tokens) - 1) // 32
+    assert held.first == train.num_samples  # held-out samples come after every training one
+    drawn = {int(i) for s in range(200) for i in sampler.sample_ids(0, s, 8, train.num_samples)}
+    assert max(drawn) == train.num_samples - 1  # training draws all of its own, none beyond
+    # The same held-out windows for any DP degree: the union over ranks is the dp=1 batch.
+    one = held.eval_microbatches(1, 8, 0, 1, 2)
+    four = [mb for r in range(4) for mb in held.eval_microbatches(1, 8, r, 4, 2)]
+    assert all(np.array_equal(a[0], b[0]) for a, b in zip(one, four, strict=True))
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def test_reading_a_corpus_far_larger_than_the_budget_keeps_rss_flat(tmp_path):
+    budget = 16 << 20
+    writer = shards.ShardWriter(str(tmp_path), 50_000, 0, {"kind": "test"}, shard_tokens=16 << 20)
+    rng = np.random.default_rng(0)
+    for _ in range(8):  # 8 × 8M uint16 tokens: 128 MiB on disk, 8 × the budget
+        writer.add(rng.integers(1, 50_000, 8 << 20, dtype=np.int64))
+    meta = writer.close()
+    assert meta["tokens"] * 2 >= 8 * budget
+    ds = TokenDataset(shards.TokenStream(tmp_path), seq_len=4096)
+    x, _ = ds.batch(np.arange(64))  # the reader's and allocator's fixed costs, once
+    before, checksum = _rss_bytes(), int(x[:, 0].sum())
+    for start in range(64, ds.num_samples, 64):  # every other sample of the corpus, in batches
+        x, _ = ds.batch(np.arange(start, min(start + 64, ds.num_samples)))
+        checksum += int(x[:, 0].sum())
+    grown = _rss_bytes() - before
+    assert checksum > 0 and grown < budget, f"RSS grew by {grown / 2**20:.1f} MiB"
