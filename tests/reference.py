@@ -6,8 +6,7 @@ import torch
 
 from trainmesh.actors.engine import build_model
 from trainmesh.actors.step import build_lr_scheduler, build_optimizer, train_step
-from trainmesh.data.dataset import TokenDataset
-from trainmesh.data.shards import read_tokens
+from trainmesh.data.dataset import open_datasets
 from trainmesh.spec.job import JobSpec
 
 
@@ -19,7 +18,7 @@ def reference_run(spec: JobSpec, data_dir: str, steps: int, grads_after: int | N
     model = build_model(spec, torch.device("cpu"))
     opt = build_optimizer(model, spec.optimizer)
     sched = build_lr_scheduler(opt, spec.optimizer, tr.steps)
-    data = TokenDataset(read_tokens(data_dir), tr.seq_len)
+    data, _ = open_datasets(data_dir, tr.seq_len, spec.data.eval_path, spec.data.eval_fraction)
     losses, grads = [], {}
     for step in range(steps):
         mbs = data.microbatches(tr.seed, step, tr.global_batch_size, 0, 1, tr.microbatch_size)

@@ -29,8 +29,11 @@ def find_checkpoint(source: str) -> tuple[str, dict[str, Any]]:
     under ``checkpoints/`` or where summary.json's checkpoints are) or a checkpoint directory."""
     src = Path(source)
     if (src / MANIFEST).is_file():
-        store = CheckpointStore(src.parent)
-        return str(src), store.read_manifest(str(src.resolve()), hashes=False)
+        meta = CheckpointStore(src.parent.resolve()).read_manifest(str(src.resolve()), hashes=False)
+        if meta is None:
+            raise ExportError(f"{source}: its files do not match its {MANIFEST} (incomplete or "
+                              "corrupt); pass an intact checkpoint")
+        return str(src), meta
     roots = [src / "checkpoints"]
     if (src / "summary.json").is_file():
         published = json.loads((src / "summary.json").read_text()).get("checkpoints") or []

@@ -1,0 +1,127 @@
+"""Hugging Face Llama in and out: import from ``LlamaForCausalLM.save_pretrained`` and export
+back (logits equal transformers' own, GQA, tied and untied, llama3 RoPE scaling); import onto
+tp2 × dp2 and pp2 × dp2 meshes gives the single process's held-out and training losses; one
+job trains from an imported model on tokenizer-prepared data, evaluates held-out loss into
+MLflow, and its checkpoint is exported and evaluated again on another mesh."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from reference import load_checkpoint_params, reference_run
+from test_data_prepare import EOS, train_tokenizer
+
+from trainmesh.actors.engine import build_model
+from trainmesh.checkpoint.manifest import CheckpointStore
+from trainmesh.data.dataset import open_datasets
+from trainmesh.data.shards import ensure_tiny_corpus
+from trainmesh.jobs.cli import main
+from trainmesh.jobs.loading import SpecError, load_spec
+from trainmesh.parallel.dims import ParallelDims
+
+transformers = pytest.importorskip("transformers")  # a dev dependency: installed by .ci/run
+
+SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 32}
+CASES = {"gqa-untied": dict(num_key_value_heads=2),
+         "tied": dict(num_key_value_heads=4, tie_word_embeddings=True),
+         "mqa-llama3": dict(num_key_value_heads=1, rope_scaling=SCALING, rope_theta=500000.0)}
+
+
+def save_hf(path, vocab_size: int = 300, seed: int = 0, **kw):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=4,
+                                   num_attention_heads=4, vocab_size=vocab_size,
+                                   max_position_embeddings=256, rms_norm_eps=1e-5,
+                                   **{"num_key_value_heads": 2, **kw})
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    return {name: (str(root / name), save_hf(root / name, **kw)) for name, kw in CASES.items()}
+
+
+def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_import_and_export_keep_transformers_logits(hf_models, tmp_path, case):
+    path, theirs = hf_models[case]
+    spec = load_spec(None, [f"model.init_from={path}", f"runtime.output_dir={tmp_path}"])
+    assert spec.model.tie_embeddings == (case == "tied") and spec.model.n_layers == 4
+    ours = build_model(spec, torch.device("cpu")).eval()
+    x = torch.randint(0, 300, (2, 96), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = theirs(x).logits
+        assert _relative_error(ours(x), want) < 1e-5
+    # A checkpoint of it, exported in small shards, loads into transformers as the same model.
+    import torch.distributed.checkpoint as dcp
+
+    store = CheckpointStore(tmp_path / "ckpt")
+    partial = store.partial_dir(7)
+    dcp.save({"model": ours.state_dict()}, checkpoint_id=partial, no_dist=True)
+    step_dir = store.commit(partial, {"step": 7, "spec": json.loads(spec.model_dump_json())})
+    assert main(["export", step_dir, "--hf", str(tmp_path / "out"), "--max-shard-size", "200000"]) == 0
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    back, info = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched keys
+    with torch.no_grad():
+        assert _relative_error(back.eval()(x).logits, want) < 1e-5
+
+
+def test_a_shape_that_differs_from_config_json_is_refused_naming_both(hf_models):
+    path, _ = hf_models["gqa-untied"]
+    with pytest.raises(SpecError) as err:
+        load_spec(None, [f"model.init_from={path}", "model.n_kv_heads=4", "model.dim=128"])
+    text = str(err.value)
+    assert "model.n_kv_heads: 4 here but 2 in" in text and "model.dim: 128 here but 64" in text
+    with pytest.raises(SpecError, match="model.vocab_size: 264 here but 300"):  # the preset's
+        load_spec(None, [f"model.init_from={path}", "model.preset=tiny"])
+    with pytest.raises(SpecError, match="model.init_from: .*config.json not found"):
+        load_spec(None, [f"model.init_from={path}/nowhere"])
+
+
+def _held_out_loss(hf_model, data_dir: str, spec) -> float:
+    """transformers' own mean loss over the held-out windows the job evaluates."""
+    tr = spec.training
+    _, held = open_datasets(data_dir, tr.seq_len, eval_fraction=spec.data.eval_fraction)
+    losses = []
+    with torch.no_grad():
+        for b in range(spec.eval.batches):
+            x, y = held.eval_microbatches(b, tr.global_batch_size, 0, 1, tr.global_batch_size)[0]
+            logits = hf_model(x).logits
+            losses.append(float(F.cross_entropy(logits.flatten(0, 1), y.flatten())))
+    return sum(losses) / len(losses)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("dims", [ParallelDims(tp=2, dp=2), ParallelDims(pp=2, dp=2)],
+                         ids=["tp2-dp2", "pp2-dp2"])
+def test_import_onto_a_mesh_gives_the_single_process_losses(rank_pool, hf_models, tmp_path, dims):
+    path, theirs = hf_models["gqa-untied"]
+    spec = load_spec(None, [f"model.init_from={path}", f"parallelism.tp={dims.tp}",
+                            f"parallelism.pp={dims.pp}", f"parallelism.dp={dims.dp}",
+                            "data.eval_fraction=0.2", "eval.batches=2", "training.seq_len=32",
+                            "training.global_batch_size=8", "training.microbatch_size=2",
+                            "optimizer.warmup_steps=1", "tracking.enabled=false", "runtime.device=cpu",
+                            f"runtime.output_dir={tmp_path}"])
+    data_dir = str(ensure_tiny_corpus(tmp_path / "data"))
+    group = rank_pool.group_for(spec, dims)
+    try:
+        group.build(spec.model_dump_json(), dims, data_dir)
+        held_out = group.evaluate(spec.eval.batches)
+        losses = [group.train_step()[0]["loss"] for _ in range(2)]
+    finally:
+        rank_pool.release(group)
+    assert held_out == pytest.approx(_held_out_loss(theirs, data_dir, spec), rel=1e-5)
+    ref, _ = reference_run(spec, data_dir, steps=2)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=0)
