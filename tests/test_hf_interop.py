@@ -125,3 +125,58 @@ def test_import_onto_a_mesh_gives_the_single_process_losses(rank_pool, hf_models
     assert held_out == pytest.approx(_held_out_loss(theirs, data_dir, spec), rel=1e-5)
     ref, _ = reference_run(spec, data_dir, steps=2)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=0)
+
+
+@pytest.mark.timeout(300)
+def test_job_from_an_imported_model_on_tokenized_data_evaluates_exports_and_reevaluates(
+        ray_local, tmp_path, capsys):
+    import yaml
+    from mlflow.tracking import MlflowClient
+
+    from trainmesh.data import corpus
+    from trainmesh.jobs.runner import run_job
+
+    (tmp_path / "tok").mkdir()
+    tok = train_tokenizer(tmp_path / "tok" / "tokenizer.json")
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": d}) + "\n" for d in corpus.documents()))
+    assert main(["data", "prepare", str(docs), "--tokenizer", str(tmp_path / "tok"),
+                 "--out", str(tmp_path / "data")]) == 0
+    save_hf(tmp_path / "hf", vocab_size=tok.get_vocab_size(), seed=3)
+    out = tmp_path / "run"
+    raw = {"name": "from-hf", "model": {"init_from": str(tmp_path / "hf")},
+           "data": {"path": str(tmp_path / "data"), "eval_fraction": 0.1},
+           "eval": {"every": 2, "batches": 2}, "parallelism": {"dp": 2},
+           "training": {"steps": 4, "seq_len": 32, "global_batch_size": 8, "microbatch_size": 2},
+           "optimizer": {"warmup_steps": 1}, "runtime": {"device": "cpu", "output_dir": str(out)}}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(raw))
+    summary = run_job(load_spec(tmp_path / "job.yaml"), environ={}, show_progress=False)
+    assert summary["status"] == "FINISHED" and [e["step"] for e in summary["eval"]] == [2, 4]
+    client = MlflowClient(summary["tracking_uri"])
+    history = sorted(client.get_metric_history(summary["mlflow_run_id"], "eval_loss"), key=lambda m: m.step)
+    assert [(m.step, m.value) for m in history] == [(e["step"], e["loss"]) for e in summary["eval"]]
+
+    # Exported back to the Hugging Face format with its tokenizer, and logged to the run.
+    assert main(["export", str(out), "--hf", str(tmp_path / "export"), "--mlflow"]) == 0
+    back, info = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "export", output_loading_info=True)
+    assert not any(info.values()), info
+    spec = load_spec(tmp_path / "job.yaml")
+    ours = build_model(spec, torch.device("cpu"))
+    ours.load_state_dict(load_checkpoint_params(spec, summary["checkpoints"][-1]))
+    x = torch.randint(0, tok.get_vocab_size(), (2, 32), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert _relative_error(back.eval()(x).logits, ours.eval()(x)) < 1e-5
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "export" / "tokenizer.json"))
+    text = corpus.documents(1)[0]
+    assert fast.encode(text) == tok.encode(text).ids
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert config["eos_token_id"] == tok.token_to_id(EOS)
+    logged = {a.path for a in client.list_artifacts(summary["mlflow_run_id"], "hf")}
+    assert {"hf/config.json", "hf/tokenizer.json", "hf/model.safetensors.index.json"} <= logged
+
+    # `trainmesh eval` on another mesh restores the newest checkpoint: the same held-out loss.
+    capsys.readouterr()
+    assert main(["eval", str(tmp_path / "job.yaml"), "--set", "parallelism.dp=1", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["step"] == 4 and result["mesh"]["dp"] == 1
+    assert result["eval_loss"] == pytest.approx(summary["eval"][-1]["loss"], rel=1e-5)
