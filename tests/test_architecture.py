@@ -10,14 +10,15 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "trainmesh"
 
-# What each subpackage may import (besides itself): jobs → platform → actors → the leaves,
-# with no exemption. The job spec (plain data) is a leaf every layer may read; deploy gets the
+# What each subpackage may import (besides itself): jobs → platform → actors → (interop →) the
+# leaves, with no exemption. The job spec (plain data) is a leaf every layer may read; deploy gets the
 # plan's numbers from its caller.
 LEAVES = {"parallel", "models", "kernels", "checkpoint", "data", "spec"}
 ALLOWED = {
-    "jobs": {"platform", "actors", "tracking", "deploy"} | LEAVES,
+    "jobs": {"platform", "actors", "tracking", "deploy", "interop"} | LEAVES,
     "platform": {"actors", "tracking"} | LEAVES,
-    "actors": LEAVES,
+    "actors": {"interop"} | LEAVES,
+    "interop": {"models", "checkpoint", "data"},  # Hugging Face in and out: above the leaves
     "parallel": {"models", "kernels", "spec"},
     "models": {"kernels", "spec"},
     "kernels": set(),

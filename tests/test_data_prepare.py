@@ -111,6 +111,22 @@ def test_held_out_windows_are_fixed_and_never_trained_on(tokenized):
     assert all(np.array_equal(a[0], b[0]) for a, b in zip(one, four, strict=True))
 
 
+def test_a_dataset_at_a_uri_is_read_with_ranged_reads(tokenized):
+    """``data.path`` as an fsspec URI: an in-memory filesystem stands in for an object store."""
+    import fsspec
+
+    d, _, _ = tokenized
+    fs = fsspec.filesystem("memory")
+    for f in (d / "from-parquet").iterdir():
+        fs.pipe_file(f"/tm-test/{f.name}", f.read_bytes())
+    stream = shards.TokenStream("memory://tm-test")
+    assert not stream.local
+    want = TokenDataset(shards.read_tokens(d / "from-parquet"), 32).batch(np.array([5, 0, 77]))
+    got = TokenDataset(stream, 32).batch(np.array([5, 0, 77]))
+    assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
+    fs.rm("/tm-test", recursive=True)
+
+
 def _rss_bytes() -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))

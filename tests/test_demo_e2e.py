@@ -50,6 +50,10 @@ def test_demo_job_through_cli_lands_in_mlflow(tmp_path):
     assert last < 0.5 * first, (first, last)  # it visibly learns
     for name in ("lr", "grad_norm", "tokens_per_s", "step_time_s", "mfu"):
         assert len(client.get_metric_history(run.info.run_id, name)) == 150, name
+    # Held-out loss every 50 steps, in MLflow and the summary; it falls as training goes on.
+    evals = sorted(client.get_metric_history(run.info.run_id, "eval_loss"), key=lambda m: m.step)
+    assert [(m.step, m.value) for m in evals] == [(e["step"], e["loss"]) for e in summary["eval"]]
+    assert [m.step for m in evals] == [50, 100, 150] and evals[-1].value < evals[0].value
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"spec.json", "mesh.json", "summary.json", "events.json"} <= artifacts
     events = json.loads(Path(client.download_artifacts(run.info.run_id, "events.json", str(tmp_path)))

@@ -41,7 +41,7 @@ def controller_node_id() -> str:
 def data_dir(spec: JobSpec, out: Path) -> str:
     """The spec's dataset, or the bundled tiny corpus prepared under the run's output."""
     if spec.data.path:
-        return str(Path(spec.data.path).resolve())
+        return spec.data.path if "://" in spec.data.path else str(Path(spec.data.path).resolve())
     from trainmesh.data.shards import ensure_tiny_corpus
 
     return str(ensure_tiny_corpus(out / "data" / "tiny-corpus"))
