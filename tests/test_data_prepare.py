@@ -12,6 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from trainmesh.data import corpus, sampler, shards
 from trainmesh.data.dataset import TokenDataset, open_datasets
@@ -67,6 +68,18 @@ def test_jsonl_and_parquet_hold_the_tokenizers_ids_and_record_it(tokenized):
         assert meta["tokenizer"]["sha256"] == hashlib.sha256((d / "tokenizer.json").read_bytes()).hexdigest()
         assert hashlib.sha256(blob).hexdigest() == meta["tokenizer"]["sha256"]
     assert len(shards.read_meta(d / "from-jsonl")["shards"]) > 1
+
+
+def test_every_dp_degree_reads_the_same_samples_of_a_tokenized_dataset(tokenized):
+    """What makes a resume at another DP degree exact: at any step, the ranks' shares of the
+    global batch, in rank order, are the dp=1 batch, read from the shard files."""
+    d, _, _ = tokenized
+    ds = TokenDataset(shards.TokenStream(f"file://{d}/from-jsonl"), 32)
+    for step in (0, 3, 1000):  # 1000: past an epoch of this small dataset
+        want = torch.cat([x for x, _ in ds.microbatches(7, step, 16, 0, 1, 2)])
+        for dp in (2, 4):
+            got = torch.cat([x for r in range(dp) for x, _ in ds.microbatches(7, step, 16, r, dp, 2)])
+            assert torch.equal(got, want), (step, dp)
 
 
 def test_bad_inputs_are_refused_naming_the_flag(tokenized, tmp_path, capsys):
