@@ -13,6 +13,7 @@ from trainmesh.parallel.dims import ParallelDims
 
 SOURCE = (ParallelDims(pp=2, tp=2), ["parallelism.vpp=2", "schedule.name=interleaved-1f1b",
                                      "parallelism.sequence_parallel=true"])
+SNAPSHOT = "0001-00000002"
 TARGETS = {
     "dp4": (ParallelDims(dp=4), []),
     "tp4": (ParallelDims(tp=4), ["model.n_heads=4", "model.n_kv_heads=4"]),
@@ -52,9 +53,56 @@ def source_checkpoint(rank_pool, tmp_path_factory):
         for _ in range(2):  # non-trivial Adam moments
             g.train_step()
         g.save_to(str(tmp / "ckpt"))
+        # The same state as an in-memory snapshot, each rank's copy handed to the rank two
+        # further on (as if ranks 0-1 and 2-3 were two nodes).
+        snap = g.memory_snapshot(SNAPSHOT, [2, 3, 0, 1])
+        assert all(r["blocked_s"] > 0 and r["bytes"] > 0 for r in snap)
     finally:
         rank_pool.release(g)
     return tmp / "ckpt", data_dir, _flat(tmp / "ckpt", tmp, "src")
+
+
+def _assert_same_state(got: dict, want: dict) -> None:
+    assert set(got["model"]) == set(want["model"])
+    for k, v in want["model"].items():
+        assert torch.equal(got["model"][k], v), k
+    optim_keys = {k for k in want["optim"] if k.startswith("state.")}
+    assert optim_keys and optim_keys == {k for k in got["optim"] if k.startswith("state.")}
+    for k in optim_keys:
+        assert torch.equal(torch.as_tensor(got["optim"][k]), torch.as_tensor(want["optim"][k])), k
+
+
+@pytest.mark.timeout(300)
+def test_restore_from_peers_memory_onto_another_plan_is_bit_identical(rank_pool, source_checkpoint,
+                                                                      tmp_path):
+    """Two of the four processes stand for a lost node: restored onto tp2 × dp2 from what the
+    other two hold in memory (their own snapshots and the copies of the lost ones'), the state
+    equals the storage checkpoint's (which every storage target below restores bit-identically)."""
+    import itertools
+    import time
+
+    _, data_dir, want = source_checkpoint
+    dims, extra = TARGETS["tp2-dp2"]
+    spec = _spec(dims, extra, tmp_path)
+    g = _group(rank_pool, spec, dims, data_dir)
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # the copies travel in the background: wait until they have arrived
+            held = [set(h.get(SNAPSHOT, [])) for h in g.memory_inventory()]
+            files = set().union(*held)
+            pair = next((p for p in itertools.combinations(range(4), 2)
+                         if held[p[0]] | held[p[1]] == files and len(files) == 5), None)
+            if pair or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert pair, held  # 4 rank files + the metadata, two survivors covering all of them
+        assert all(held[r] != files for r in pair)  # neither alone: the copies are needed
+        holders = {f: next(r for r in pair if f in held[r]) for f in files}
+        g.memory_load(SNAPSHOT, holders, 2, None)
+        g.save_to(str(tmp_path / "again"))
+    finally:
+        rank_pool.release(g)
+    _assert_same_state(_flat(tmp_path / "again", tmp_path, "again"), want)
 
 
 @pytest.mark.timeout(300)
@@ -70,11 +118,4 @@ def test_restore_under_another_plan_is_bit_identical(rank_pool, source_checkpoin
         g.save_to(str(tmp_path / "again"))
     finally:
         rank_pool.release(g)
-    got = _flat(tmp_path / "again", tmp_path, "again")
-    assert set(got["model"]) == set(want["model"])
-    for k, v in want["model"].items():
-        assert torch.equal(got["model"][k], v), k
-    optim_keys = {k for k in want["optim"] if k.startswith("state.")}
-    assert optim_keys and optim_keys == {k for k in got["optim"] if k.startswith("state.")}
-    for k in optim_keys:
-        assert torch.equal(torch.as_tensor(got["optim"][k]), torch.as_tensor(want["optim"][k])), k
+    _assert_same_state(_flat(tmp_path / "again", tmp_path, "again"), want)

@@ -30,7 +30,7 @@ import signal
 import time
 from dataclasses import dataclass
 
-PHASES = ("forward", "backward", "optimizer", "save", "write", "restore", "reform")
+PHASES = ("forward", "backward", "optimizer", "save", "write", "restore", "reform", "snapshot")
 FAULT_ENV = "TRAINMESH_FAULT"
 FAULT_KINDS = ("hang", "raise", "exit", "wait", "term")
 

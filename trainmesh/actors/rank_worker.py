@@ -42,6 +42,7 @@ class RankWorker:
         self._save_group: dist.ProcessGroup | None = None
         self._saving: concurrent.futures.Future | None = None
         self._saved_files: dict = {}
+        self._replica = None  # the copy of the last in-memory snapshot on its way to the buddy
         # A preemption notice (SIGTERM: a spot reclaim, a node drain) does not end the rank at
         # once: it is reported with the next step so the controller can checkpoint first.
         self.preempted = False
@@ -221,6 +222,68 @@ class RankWorker:
         self._progress.step = step
         self._progress.mark("restore")
         self.engine.load(directory, step, rng)
+
+    # -- in-memory checkpoints (checkpoint/memory_fs.py) --------------------------------------
+    def memory_snapshot(self, directory: str, buddy) -> dict:
+        """Collective: snapshot this rank's shards into its memory as ``directory``, then hand
+        a copy to ``buddy`` (a rank actor on another node) without waiting for it; the copy
+        handed at the last snapshot is waited for first, so at most one is in flight."""
+        import time
+
+        from trainmesh.checkpoint import dcp_io, memory_fs
+
+        self._progress.mark("snapshot")
+        if self._replica is not None:
+            ray.wait([self._replica], timeout=self._timeout_s)
+            self._replica = None
+        t0 = time.perf_counter()
+        written = dcp_io.snapshot(memory_fs.uri(directory), self.engine.model, self.engine.optimizer)
+        blocked = time.perf_counter() - t0
+        memory_fs.keep_newest(2)
+        if buddy is not None:
+            files = {n: memory_fs.read(directory, n) for n in written}
+            self._replica = buddy.keep_replica.remote(directory, files)
+        return {"files": written, "blocked_s": blocked, "bytes": memory_fs.nbytes(directory),
+                "rng": torch.random.get_rng_state().numpy().tobytes() if self.rank == 0 else None}
+
+    @ray.method(concurrency_group="memory")
+    def keep_replica(self, directory: str, files: dict) -> int:
+        """A peer's snapshot files, kept in this process's memory (the newest two snapshots)."""
+        from trainmesh.checkpoint import memory_fs
+
+        memory_fs.put(directory, files)
+        memory_fs.keep_newest(2)
+        return sum(len(b) for b in files.values())
+
+    @ray.method(concurrency_group="memory")
+    def memory_inventory(self) -> dict:
+        """Snapshot directory → the file names this process holds there."""
+        from trainmesh.checkpoint import memory_fs
+
+        return memory_fs.held()
+
+    @ray.method(concurrency_group="memory")
+    def memory_file(self, directory: str, name: str) -> bytes | None:
+        from trainmesh.checkpoint import memory_fs
+
+        return memory_fs.read(directory, name)
+
+    def memory_load(self, directory: str, holders: dict, step: int, rng_state: bytes | None) -> None:
+        """Collective: restore from snapshot ``directory`` onto this rank's (new) part: files it
+        does not hold are fetched from ``holders`` (file name → the rank actor holding it)."""
+        from trainmesh.checkpoint import memory_fs
+
+        def fetch(path: str) -> bytes | None:
+            name = path.rpartition("/")[2]
+            holder = holders.get(name)
+            return None if holder is None else ray.get(holder.memory_file.remote(directory, name),
+                                                       timeout=self._timeout_s)
+
+        memory_fs.RankMemoryFS.fetch = fetch
+        try:
+            self.load(memory_fs.uri(directory), step, rng_state)
+        finally:
+            memory_fs.drop_fetched()
 
     def full_state(self) -> dict:
         return self.engine.full_state()

@@ -111,7 +111,8 @@ class WorkerGroup:
         """An actor for each (rank, bundle index of ``pg``)."""
         res = self.placement.resources_per_rank
         # "control": calls that must not queue behind a step (abort, health checks).
-        cls = ray.remote(concurrency_groups={"control": 1})(RankWorker)
+        # "memory": a peer's in-memory snapshot arriving or being read while this rank trains.
+        cls = ray.remote(concurrency_groups={"control": 1, "memory": 1})(RankWorker)
         return [
             cls.options(
                 num_cpus=res.get("CPU", 0), num_gpus=res.get("GPU", 0),

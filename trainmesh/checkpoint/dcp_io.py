@@ -45,8 +45,9 @@ class _Recording:
         if self.on_write is not None:
             self.on_write()
         fut = super().write_data(plan, planner)
+        # a torch.futures.Future (``value()``), which DCP's writer has already completed
         fut.add_done_callback(lambda f: self.written.extend(
-            {r.storage_data.relative_path for r in f.result()}))
+            {r.storage_data.relative_path for r in f.value()}))
         return fut
 
     def finish(self, metadata, results) -> None:
@@ -86,6 +87,15 @@ def save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimiz
     writer = _writer(directory)
     dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=writer)
     return file_digests(str(directory), writer.written)
+
+
+def snapshot(directory: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """Collective: ``save`` to a URI without digesting (the in-memory tier, ``memory_fs``);
+    returns the names of the files this rank wrote."""
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTS)
+    writer = _writer(directory)
+    dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=writer)
+    return list(writer.written)
 
 
 def async_save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,

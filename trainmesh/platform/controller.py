@@ -29,6 +29,7 @@ from trainmesh.platform.elastic import (
 from trainmesh.platform.evaluation import Evaluator, evaluate_once
 from trainmesh.platform.failure_costs import predicted_save
 from trainmesh.platform.job_plan import PlanError, plan_for
+from trainmesh.platform.memory_tier import MemoryTier, restore_newest
 from trainmesh.platform.pipeline_artifacts import write_pipeline_artifacts
 from trainmesh.platform.ray_group import RayWorkerGroup, draining_nodes, live_topology, placement_for
 from trainmesh.platform.run_files import (
@@ -94,6 +95,7 @@ class Controller:
         self.eff = self.spec  # the spec with the current plan written in
         self.boundary = StepBoundary(self.spec, self._available)
         self.evals = Evaluator(self.spec)
+        self.memory, self.restored_from = MemoryTier(self.spec.checkpoint.in_memory.every), "none"
 
     # -- public ----------------------------------------------------------------------------
     def progress(self) -> dict[str, Any]:  # where the run is, every notice so far (the driver prints new ones)
@@ -298,7 +300,7 @@ class Controller:
         self._set(state="building")
         self.ckpts.forget()  # a save in flight when the job stopped never counts
         group.build(self.eff.model_dump_json(), self.dims, data_dir(self.spec, self.out))
-        start = self._resume(group, self.ckpts.latest(group), tracker)
+        start = self._resume(group, tracker)
         tracker.event("start", step=start, mesh=self.dims.as_dict())
         return start
 
@@ -306,7 +308,7 @@ class Controller:
         m = {**self._marks, "first_step": time.time()}
         rec = Recovery(step=start, cause=stop.cause, old_mesh=stop.mesh,
                        new_mesh=self.dims.as_dict(), downtime_s=time.monotonic() - stop.at,
-                       steps_lost=max(0, stop.step - start), mode=mode,
+                       steps_lost=max(0, stop.step - start), mode=mode, restored_from=self.restored_from,
                        failed_at=m.get("failed", 0.0), phases=recovery_phases(m))
         self._open, self.in_a_row = None, 0
         self.recoveries.append(rec.as_dict())
@@ -359,6 +361,9 @@ class Controller:
                                  background=self.spec.checkpoint.async_save and not (last or grow))
                 if grow:  # the resize restores from this checkpoint
                     return Stop(SCALE_UP, SCALE_UP, step + 1, dims.as_dict(), time.monotonic())
+            if self.memory.due(step + 1) and not last:
+                tracker.log_metrics(self.memory.snapshot(group, step + 1, self.rank_nodes, self.losses,
+                                                         dims.as_dict()), step=step + 1)
         self.ckpts.settle(group, tracker)
         if on_first_step is not None:  # resumed at the end: nothing left to run
             on_first_step()
@@ -369,17 +374,12 @@ class Controller:
         self.cadence.saving(step)
         self.ckpts.save(group, step, meta, tracker, background)
 
-    def _resume(self, group, resume, tracker) -> int:
-        if resume is None:  # from the start: losses of steps trained before a failure go too
-            self.losses = []
-            return 0
-        directory, meta = resume
-        uri, rng = self.ckpts.restored(directory)
-        step = int(meta["step"])
-        group.load(uri, step, rng)
-        self.losses = list(meta.get("losses", []))[:step]
-        self.recoveries = self.recoveries or list(meta.get("recoveries", []))
-        tracker.event("resume", step=step, path=uri, from_mesh=meta.get("mesh"))
+    def _resume(self, group, tracker) -> int:
+        got = restore_newest(group, self.ckpts, self.memory, tracker)
+        self.memory.generation += 1  # later snapshots are of this build's mesh
+        step, losses, recoveries, self.restored_from = got or (0, [], [], "none")
+        self.losses = list(losses)[:step]  # a start from scratch drops earlier steps' losses
+        self.recoveries = self.recoveries or recoveries
         return step
 
     def _write_summary(self, dims: ParallelDims, tracker, status: str) -> dict[str, Any]:

@@ -25,6 +25,7 @@ class Recovery:
     downtime_s: float
     steps_lost: int
     mode: str = "cold"  # warm: the surviving rank actors were kept; cold: every rank restarted
+    restored_from: str = "storage"  # memory (peers' in-memory snapshots), storage, none (step 0)
     failed_at: float = 0.0  # wall time the controller saw the failure
     # seconds: decide (health check, backoff, re-plan), reform (process group: new actors and
     # placement when cold), restore (build model parts, load the checkpoint), first_step

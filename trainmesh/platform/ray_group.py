@@ -165,6 +165,22 @@ class RayWorkerGroup:
     def load(self, directory: str, step: int, rng: bytes | None) -> None:
         self.group.call("load", directory, step, rng, timeout_s=self.timeout * 2)
 
+    def memory_snapshot(self, directory: str, buddies: list[int | None]) -> list[dict]:
+        """Collective in-memory snapshot; rank r's copy goes to rank ``buddies[r]``."""
+        w = self.group.workers
+        args = [(directory, None if b is None else w[b]) for b in buddies]
+        return self.group.call_each("memory_snapshot", args, timeout_s=self.timeout * 2)
+
+    def memory_inventory(self) -> list[dict[str, list[str]]]:
+        """Per rank: snapshot directory → the files it holds (its own and its replicas)."""
+        return self.group.call("memory_inventory", timeout_s=self.timeout)
+
+    def memory_load(self, directory: str, holders: dict[str, int], step: int, rng: bytes | None) -> None:
+        """Collective restore from snapshot ``directory``; ``holders``: file → rank holding it."""
+        w = self.group.workers
+        self.group.call("memory_load", directory, {f: w[r] for f, r in holders.items()}, step, rng,
+                        timeout_s=self.timeout * 2)
+
     def save_to(self, directory: str) -> None:
         """A raw collective save (no manifest): for inspection and tests."""
         self.group.call("save", directory, timeout_s=self.timeout * 2)

@@ -179,6 +179,14 @@ class TrainingConfig(_Section):
     dtype: Literal["float32", "bfloat16"] = "float32"
 
 
+class InMemoryConfig(_Section):
+    """Snapshots in host memory, each rank's copied to a rank on another node: a single
+    node's loss restores from the survivors' memory (onto the re-planned mesh) instead of
+    storage, losing at most the step in flight. Storage checkpoints stay the durable record."""
+
+    every: int = Field(0, ge=0, description="snapshot every N steps (0: off)")
+
+
 class CheckpointConfig(_Section):
     """Sharded Distributed Checkpoints under ``DIR/step-NNNNNN/`` (DIR: ``OUTPUT/checkpoints``
     unless ``dir`` says otherwise)."""
@@ -196,6 +204,7 @@ class CheckpointConfig(_Section):
     resume: Literal["auto", "never"] = "auto"
     keep_last: int = Field(3, ge=1)
     save_final: bool = True
+    in_memory: InMemoryConfig = InMemoryConfig()
 
 
 class ElasticConfig(_Section):
