@@ -208,3 +208,22 @@ class RayHead:
             if str(self.root) in cmd or self.marker.encode() in env:
                 mine.append(int(entry.name))
         return [p for p in mine if p != os.getpid()]
+
+
+def rank_pids_under(raylet: int) -> list[int]:
+    """The rank actors' processes a raylet started."""
+    return [p for p, (pp, cmd) in process_parents().items()
+            if pp == raylet and cmd.startswith(b"ray::RankWorker")]
+
+
+def remove_node_hard(cluster, node_id: str) -> None:
+    """End a simulated node as a machine's loss would: its raylet, and its rank processes
+    (which a real node's end takes with it) killed."""
+    import os
+    import signal
+
+    [node] = [n for n in cluster.worker_nodes if n.node_id == node_id]
+    doomed = rank_pids_under(node.all_processes["raylet"][0].process.pid)
+    cluster.remove_node(node, allow_graceful=False)
+    for pid in doomed:
+        os.kill(pid, signal.SIGKILL)

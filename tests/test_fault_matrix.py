@@ -13,8 +13,6 @@ with a fake worker group (cold restarts, too few accelerators left): test_contro
 from __future__ import annotations
 
 import json
-import os
-import signal
 import threading
 import time
 from pathlib import Path
@@ -22,7 +20,7 @@ from pathlib import Path
 import pytest
 import ray
 import torch
-from servers import process_parents, simulated_cluster
+from servers import rank_pids_under, remove_node_hard, simulated_cluster
 
 from trainmesh.checkpoint.manifest import CheckpointStore
 from trainmesh.jobs.loading import load_spec
@@ -64,11 +62,6 @@ def cluster():
         yield c
 
 
-def _rank_pids_under(raylet: int) -> list[int]:
-    return [p for p, (pp, cmd) in process_parents().items()
-            if pp == raylet and cmd.startswith(b"ray::RankWorker")]
-
-
 def _act_on_faults(cluster, markers: dict[str, Path], job: threading.Thread,
                    store: CheckpointStore) -> dict[str, float]:
     """Until the job ends, act on each fault as it fires (its marker appears): remove the node
@@ -90,16 +83,11 @@ def _act_on_faults(cluster, markers: dict[str, Path], job: threading.Thread,
             where = json.loads(path.read_text())
             kind = dict(FAULTS)[name].split("@")[0]
             if kind == "wait":
-                [node] = [n for n in cluster.worker_nodes if n.node_id == where["node"]]
-                raylet = node.all_processes["raylet"][0].process.pid
-                doomed = _rank_pids_under(raylet)
-                cluster.remove_node(node, allow_graceful=False)
-                for pid in doomed:
-                    os.kill(pid, signal.SIGKILL)
+                remove_node_hard(cluster, where["node"])
             if name == "kill":  # (recovered in place) the spare goes: at the notice the job
                 # has no node to move to and shrinks to 2 ranks
                 for node in list(cluster.worker_nodes):
-                    if not _rank_pids_under(node.all_processes["raylet"][0].process.pid):
+                    if not rank_pids_under(node.all_processes["raylet"][0].process.pid):
                         cluster.remove_node(node)
             acted[name] = time.time()
             if kind in DROPS_NODE:
