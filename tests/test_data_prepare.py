@@ -95,6 +95,30 @@ def test_bad_inputs_are_refused_naming_the_flag(tokenized, tmp_path, capsys):
     assert main(["data", "prepare", str(d / "a.parquet"), "--tokenizer", str(tmp_path),
                  "--out", str(tmp_path / "x")]) == 2
     assert "no tokenizer.json there" in capsys.readouterr().err
+    assert main(["data", "prepare", str(d / "a.parquet"), "--shard-tokens", "0",
+                 "--out", str(tmp_path / "x")]) == 2
+    assert "--shard-tokens 0: give a positive number" in capsys.readouterr().err
+
+
+def test_special_tokens_the_tokenizer_adds_are_kept_once(tokenized, tmp_path):
+    """A Llama-3-style post-processor (BOS first, EOS last): BOS is kept and recorded, EOS is
+    not doubled."""
+    from tokenizers import Tokenizer, processors
+
+    d, _, docs = tokenized
+    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    tok.add_special_tokens(["<|begin_of_text|>"])
+    bos, eos = tok.token_to_id("<|begin_of_text|>"), tok.token_to_id(EOS)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"<|begin_of_text|> $A {EOS}", special_tokens=[("<|begin_of_text|>", bos), (EOS, eos)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    assert main(["data", "prepare", str(d / "a.parquet"), "--column", "content", "--tokenizer",
+                 str(tmp_path), "--out", str(tmp_path / "ds")]) == 0
+    meta = shards.read_meta(tmp_path / "ds")
+    assert meta["tokenizer"]["bos_id"] == bos and meta["eos_id"] == eos
+    plain = Tokenizer.from_file(str(d / "tokenizer.json"))
+    want = [t for doc in docs[:200] for t in [bos, *plain.encode(doc).ids, eos]]
+    assert shards.read_tokens(tmp_path / "ds").tolist() == want
 
 
 def test_a_model_vocabulary_smaller_than_the_datasets_is_refused(tokenized):
@@ -109,6 +133,10 @@ def test_a_model_vocabulary_smaller_than_the_datasets_is_refused(tokenized):
     assert unsupported_problems(ok) == []
     [problem] = unsupported_problems(load_spec(None, [f"data.path={d}/nothing"]))
     assert problem.path == "data.path" and "trainmesh data prepare" in str(problem)
+    shards.write_shards(["held out, in bytes"] * 20, d / "bytes")  # another tokenizer's data
+    [problem] = unsupported_problems(load_spec(None, [f"data.path={d}/from-parquet",
+                                                      f"data.eval_path={d}/bytes", f"model.vocab_size={vocab}"]))
+    assert problem.path == "data.eval_path" and "same --tokenizer" in str(problem)
 
 
 def test_held_out_windows_are_fixed_and_never_trained_on(tokenized):
@@ -127,17 +155,27 @@ def test_held_out_windows_are_fixed_and_never_trained_on(tokenized):
 def test_a_dataset_at_a_uri_is_read_with_ranged_reads(tokenized):
     """``data.path`` as an fsspec URI: an in-memory filesystem stands in for an object store."""
     import fsspec
+    from fsspec.implementations.memory import MemoryFileSystem
 
+    class Counting(MemoryFileSystem):  # counts the bytes each read brings over
+        protocol, store, fetched = "countmem", {}, []
+
+        def cat_file(self, path, start=None, end=None, **kw):
+            data = super().cat_file(path, start, end, **kw)
+            Counting.fetched.append(len(data))
+            return data
+
+    fsspec.register_implementation("countmem", Counting, clobber=True)
     d, _, _ = tokenized
-    fs = fsspec.filesystem("memory")
     for f in (d / "from-parquet").iterdir():
-        fs.pipe_file(f"/tm-test/{f.name}", f.read_bytes())
-    stream = shards.TokenStream("memory://tm-test")
+        Counting().pipe_file(f"countmem://ds/{f.name}", f.read_bytes())
+    stream = shards.TokenStream("countmem://ds")
     assert not stream.local
+    Counting.fetched.clear()
     want = TokenDataset(shards.read_tokens(d / "from-parquet"), 32).batch(np.array([5, 0, 77]))
     got = TokenDataset(stream, 32).batch(np.array([5, 0, 77]))
     assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
-    fs.rm("/tm-test", recursive=True)
+    assert Counting.fetched == [33 * 2] * 3  # one ranged read per sample, of its bytes only
 
 
 def _rss_bytes() -> int:

@@ -52,7 +52,8 @@ def test_bad_slices_are_refused():
         sampler.rank_slice(0, 3, 8)
 
 
-def test_shards_round_trip_and_samples_shift_by_one(tmp_path):
+def test_shards_round_trip_and_samples_shift_by_one(tmp_path, monkeypatch):
+    monkeypatch.setattr(shards, "OPEN_FILES", 2)  # reading 5 shards keeps at most 2 open
     docs = ["hello world", "trainmesh ü", "x" * 50]
     meta = shards.write_shards(docs, tmp_path, shard_tokens=16)
     assert len(meta["shards"]) > 1 and meta["dtype"] == "uint16" and meta["documents"] == 3
@@ -64,6 +65,7 @@ def test_shards_round_trip_and_samples_shift_by_one(tmp_path):
     for ids in (np.array([0, 2]), np.array([1, 7, 3])):
         for a, b in zip(streamed.batch(ids), in_memory.batch(ids), strict=True):
             assert torch.equal(a, b)
+    assert len(streamed.tokens._handles) == 2
     x, y = streamed.batch(np.array([0, 2]))
     assert x.shape == (2, 8) and torch.equal(x[:, 1:], y[:, :-1])
     assert x[1, 0].item() == expect[16]

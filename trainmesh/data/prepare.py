@@ -105,11 +105,17 @@ class Encoder:
                 f"has no token {eos!r}" if eos else "has none of the usual end-of-document "
                 f"tokens ({', '.join(EOS_CANDIDATES)})") + "; pass --eos TOKEN, a token it has")
         self.eos_id = tok.token_to_id(names[0])
+        # What the tokenizer's own post-processor adds around a document (Llama 3: BOS first):
+        # kept, recorded; an EOS it appends itself is not appended twice.
+        probe = tok.encode("", add_special_tokens=True).ids
+        bos = probe[0] if probe and probe[0] != self.eos_id else None
+        own_eos = bool(probe) and probe[-1] == self.eos_id
         self.files = {"tokenizer.json": blob, **_companions(file)}
         self.meta = {"kind": "tokenizers", "file": "tokenizer.json", "source": tokenizer_path,
-                     "sha256": hashlib.sha256(blob).hexdigest(), "eos": names[0],
+                     "sha256": hashlib.sha256(blob).hexdigest(), "eos": names[0], "bos_id": bos,
                      "files": sorted(self.files)}
-        self._batch = lambda docs: [e.ids for e in tok.encode_batch(docs, add_special_tokens=True)]
+        self._batch = lambda docs: [e.ids[:-1] if own_eos else e.ids
+                                    for e in tok.encode_batch(docs, add_special_tokens=True)]
 
     def encode_batch(self, docs: list[str]) -> list[list[int]]:
         return self._batch(docs)
@@ -128,7 +134,7 @@ def _companions(tokenizer_file: str) -> dict[str, bytes]:
 
 def prepare(inputs: Iterable[str | Path], out_dir: str | Path, tokenizer_path: str | None = None,
             field: str = "text", column: str = "text", eos: str | None = None,
-            shard_tokens: int = 1 << 24) -> dict[str, Any]:
+            shard_tokens: int = 1 << 28) -> dict[str, Any]:
     """Tokenize every document of ``inputs`` into a dataset at ``out_dir``; its metadata."""
     enc = Encoder(tokenizer_path, eos)
     writer = ShardWriter(str(out_dir), enc.vocab_size, enc.eos_id, enc.meta, shard_tokens)

@@ -9,8 +9,9 @@ Layout of a dataset directory (a local path or any fsspec URI)::
     tokenizer.json      a copy of the tokenizer it was made with (none for bytes)
 
 Ranks never load a dataset whole: :class:`TokenStream` reads the tokens a sample needs with a
-positioned read (local files) or a ranged read (URIs), so a process's resident memory does not
-grow with the corpus (a memory map would count every page it touched in the reader's RSS).
+positioned read (local files; at most ``OPEN_FILES`` kept open) or one ranged GET (URIs: no
+read-ahead cache, no handle kept), so a process's resident memory does not grow with the corpus
+(a memory map would count every page it touched in the reader's RSS).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from fsspec.implementations.local import LocalFileSystem
 from trainmesh.data import corpus, tokenizer
 
 FORMAT = "trainmesh-tokens/1"
+OPEN_FILES = 64  # local shard files a reader keeps open (least recently used closed first)
 META = "dataset.json"
 
 
@@ -43,11 +45,13 @@ class ShardWriter:
     """Writes token shards of at most ``shard_tokens`` tokens, then ``dataset.json``."""
 
     def __init__(self, out_dir: str, vocab_size: int, eos_id: int, tokenizer_meta: dict[str, Any],
-                 shard_tokens: int = 1 << 24):
+                 shard_tokens: int = 1 << 28):
         self.fs, self.root = url_to_fs(str(out_dir))
         self.fs.makedirs(self.root, exist_ok=True)
         if self.fs.exists(f"{self.root}/{META}"):  # the old dataset stops being one first
             self.fs.rm(f"{self.root}/{META}")
+        if shard_tokens < 1:
+            raise ValueError(f"shard_tokens={shard_tokens}: give a positive number of tokens per shard")
         self.dtype, self.shard_tokens = token_dtype(vocab_size), shard_tokens
         self.meta: dict[str, Any] = {"format": FORMAT, "dtype": self.dtype.name, "vocab_size": vocab_size,
                                      "eos_id": eos_id, "tokenizer": tokenizer_meta, "shards": [],
@@ -58,6 +62,9 @@ class ShardWriter:
     def add(self, ids: Iterable[int] | np.ndarray) -> None:
         """One document's token ids (EOS is appended here)."""
         arr = np.asarray(list(ids) if not isinstance(ids, np.ndarray) else ids, dtype=np.int64)
+        bad = arr[(arr < 0) | (arr >= self.meta["vocab_size"])]
+        if len(bad):
+            raise ValueError(f"token id {int(bad[0])} is outside the vocabulary of {self.meta['vocab_size']}")
         self._buf.append(np.append(arr, self.meta["eos_id"]).astype(self.dtype))
         self._buffered += len(arr) + 1
         self.meta["documents"] += 1
@@ -83,7 +90,7 @@ class ShardWriter:
         return self.meta
 
 
-def write_shards(docs: Iterable[str], out_dir: str | Path, shard_tokens: int = 1 << 24) -> dict[str, Any]:
+def write_shards(docs: Iterable[str], out_dir: str | Path, shard_tokens: int = 1 << 28) -> dict[str, Any]:
     """Byte-tokenize ``docs`` into a dataset at ``out_dir``; returns its metadata."""
     w = ShardWriter(str(out_dir), tokenizer.VOCAB_SIZE, tokenizer.EOS, {"kind": "byte"}, shard_tokens)
     for doc in docs:
@@ -147,27 +154,23 @@ class TokenStream:
     def _read_shard(self, i: int, offset: int, n: int) -> np.ndarray:
         size = self.dtype.itemsize
         if self.local:
-            fd = self._handles.get(i)
+            fd = self._handles.pop(i, None)
             if fd is None:
-                fd = self._handles[i] = os.open(self.files[i], os.O_RDONLY)
+                fd = os.open(self.files[i], os.O_RDONLY)
+                if len(self._handles) >= OPEN_FILES:
+                    os.close(self._handles.pop(next(iter(self._handles))))
+            self._handles[i] = fd  # most recently used last
             raw = os.pread(fd, n * size, offset * size)
         else:
-            f = self._handles.get(i)
-            if f is None:
-                f = self._handles[i] = self.fs.open(self.files[i], "rb")
-            f.seek(offset * size)
-            raw = f.read(n * size)
+            raw = self.fs.cat_file(self.files[i], start=offset * size, end=(offset + n) * size)
         if len(raw) != n * size:
             raise OSError(f"{self.files[i]}: short read ({len(raw)} of {n * size} bytes); "
                           "the dataset is truncated, prepare it again")
         return np.frombuffer(raw, dtype=self.dtype)
 
     def close(self) -> None:
-        for h in self._handles.values():
-            if self.local:
-                os.close(h)
-            else:
-                h.close()
+        for fd in self._handles.values():
+            os.close(fd)
         self._handles.clear()
 
     def __del__(self) -> None:

@@ -66,6 +66,9 @@ def model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     out["rope_theta"] = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind == "llama3":
+        missing = [k for k in _SCALING_KEYS if k not in rope]
+        if missing:
+            raise HfConfigError(f"llama3 RoPE scaling without {', '.join(missing)}")
         out["rope_scaling"] = {"type": "llama3", **{k: rope[k] for k in _SCALING_KEYS}}
     elif kind == "default":
         out["rope_scaling"] = None
@@ -82,7 +85,7 @@ def config_json(model: dict[str, Any], eos_token_id: int | None = None,
                            "head_dim": model["dim"] // model["n_heads"], "hidden_act": "silu",
                            "attention_bias": False, "mlp_bias": False, "rope_theta": model["rope_theta"],
                            "bos_token_id": bos_token_id, "eos_token_id": eos_token_id,
-                           "dtype": dtype}
+                           "dtype": dtype, "torch_dtype": dtype}  # the latter: transformers < 4.56
     s = model.get("rope_scaling")
     cfg["rope_scaling"] = {"rope_type": "llama3", **{k: s[k] for k in _SCALING_KEYS}} if s else None
     return cfg

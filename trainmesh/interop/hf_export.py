@@ -4,8 +4,8 @@ the Distributed Checkpoint a few tensors at a time: no process ever holds the wh
 
 from __future__ import annotations
 
+import hashlib
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +60,7 @@ def export(source: str, out: str | Path, dtype: str | None = None,
     metadata = reader.read_metadata().state_dict_metadata
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    tok = _tokenizer_files(spec, out)  # first: a problem with it leaves no half-written export
     head_dim = model["dim"] // model["n_heads"]
     weight_map: dict[str, str] = {}
     shards = _plan_shards(names, {n: metadata[f"model.{n}"] for n in names}, DTYPES[dtype], max_shard_bytes)
@@ -79,11 +80,10 @@ def export(source: str, out: str | Path, dtype: str | None = None,
         del hf
     (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total},
                                          "weight_map": dict(sorted(weight_map.items()))}, indent=1))
-    tok = _tokenizer_files(spec, out)
-    eos = tok.get("eos_id")
-    (out / "config.json").write_text(json.dumps(config_json(model, eos, dtype=dtype), indent=1))
+    eos, bos = tok.get("eos_id"), tok.get("bos_id")
+    (out / "config.json").write_text(json.dumps(config_json(model, eos, bos, dtype=dtype), indent=1))
     (out / "generation_config.json").write_text(json.dumps(
-        {"eos_token_id": eos, "bos_token_id": None}, indent=1))
+        {"eos_token_id": eos, "bos_token_id": bos}, indent=1))
     return {"checkpoint": ckpt, "step": manifest.get("step"), "out": str(out), "shards": len(shards),
             "tensors": len(weight_map), "bytes": total, "dtype": dtype,
             "tokenizer": tok.get("files", []), "mlflow_run_id": manifest.get("mlflow_run_id")}
@@ -126,15 +126,23 @@ def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
 
 
 def _tokenizer_files(spec: dict[str, Any], out: Path) -> dict[str, Any]:
-    """Copy the run's tokenizer files (recorded in its dataset) beside the weights."""
+    """Copy the run's tokenizer files (recorded in its dataset, a local path or a URI) beside
+    the weights, checking that tokenizer.json is still the one the data was made with."""
+    from fsspec.core import url_to_fs
+
     from trainmesh.data import tokenizer as byte_tokenizer
     from trainmesh.data.shards import read_meta
 
     path = spec.get("data", {}).get("path")
     if not path:
-        return {"eos_id": byte_tokenizer.EOS, "files": []}
+        return {"eos_id": byte_tokenizer.EOS, "bos_id": None, "files": []}
     meta = read_meta(path)
-    files = meta["tokenizer"].get("files", [])
-    for name in files:
-        shutil.copyfile(Path(path) / name, out / name)
-    return {"eos_id": meta["eos_id"], "files": files}
+    tok = meta["tokenizer"]
+    fs, root = url_to_fs(path)
+    blobs = {name: fs.cat_file(f"{root}/{name}") for name in tok.get("files", [])}
+    if "sha256" in tok and hashlib.sha256(blobs.get(tok["file"], b"")).hexdigest() != tok["sha256"]:
+        raise ExportError(f"{path}/{tok['file']} is not the tokenizer the data was prepared with "
+                          f"(sha256 {tok['sha256'][:12]}…); restore it, or export without it")
+    for name, blob in blobs.items():
+        (out / name).write_bytes(blob)
+    return {"eos_id": meta["eos_id"], "bos_id": tok.get("bos_id"), "files": sorted(blobs)}

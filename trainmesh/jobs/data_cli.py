@@ -22,7 +22,7 @@ def add_parsers(sub, add_spec_args) -> None:
     p.add_argument("--column", default="text", help="Parquet: the column holding the text")
     p.add_argument("--eos", default=None, help="the end-of-document token (default: the "
                    "tokenizer's <|end_of_text|>, </s>, ... whichever it has)")
-    p.add_argument("--shard-tokens", type=int, default=1 << 24, help="tokens per shard file")
+    p.add_argument("--shard-tokens", type=int, default=1 << 28, help="tokens per shard file")
     p = sub.add_parser("eval", help="held-out loss of a run's newest checkpoint (or of "
                                     "model.init_from when the run has none)")
     add_spec_args(p)
@@ -41,6 +41,9 @@ def prepare(args: argparse.Namespace) -> int:
     from trainmesh.data.prepare import PrepareError
     from trainmesh.data.prepare import prepare as run
 
+    if args.shard_tokens < 1:
+        print(f"--shard-tokens {args.shard_tokens}: give a positive number", file=sys.stderr)
+        return 2
     local = [p for p in args.inputs if "://" not in p]
     missing = [p for p in local if not os.path.isfile(p)]
     if missing:

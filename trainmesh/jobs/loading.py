@@ -347,16 +347,17 @@ def unsupported_problems(spec: JobSpec) -> list[Problem]:
 
 
 def _dataset_problems(spec: JobSpec) -> list[Problem]:
-    """The datasets must exist, and the model's vocabulary hold every id in them."""
+    """The datasets must exist, the model's vocabulary hold every id in them, and the held-out
+    data and an imported model's tokenizer be the training data's tokenizer."""
     from trainmesh.data.shards import read_meta
 
-    out = []
+    out, metas = [], {}
     for field in ("path", "eval_path"):
         path = getattr(spec.data, field)
         if not path:
             continue
         try:
-            meta = read_meta(path)
+            meta = metas[field] = read_meta(path)
         except (OSError, ValueError) as err:
             out.append(Problem(f"data.{field}", str(err).removeprefix(f"data.path {path}: "),
                                "prepare it with `trainmesh data prepare INPUTS --out DIR`"))
@@ -364,7 +365,28 @@ def _dataset_problems(spec: JobSpec) -> list[Problem]:
         if meta["vocab_size"] > spec.model.vocab_size:
             out.append(Problem("model.vocab_size", f"{spec.model.vocab_size} is smaller than the "
                                f"{meta['vocab_size']} tokens of the dataset at {path} "
-                               f"(tokenizer: {meta['tokenizer'].get('source', meta['tokenizer']['kind'])})",
+                               f"(tokenizer: {_tokenizer_name(meta)})",
                                f"use at least {meta['vocab_size']}, or a dataset made with a "
                                "smaller tokenizer"))
+    train = metas.get("path", {}).get("tokenizer", {"kind": "byte"} if not spec.data.path else None)
+    if train and "eval_path" in metas and _tokenizer_id(metas["eval_path"]["tokenizer"]) != _tokenizer_id(train):
+        out.append(Problem("data.eval_path", f"made with tokenizer {_tokenizer_name(metas['eval_path'])}, "
+                           f"the training data with {train.get('source', train['kind'])}",
+                           "prepare both with the same --tokenizer"))
+    model_tok = Path(spec.model.init_from or "", "tokenizer.json")
+    if train and spec.model.init_from and "://" not in spec.model.init_from and model_tok.is_file():
+        import hashlib
+
+        if hashlib.sha256(model_tok.read_bytes()).hexdigest() != train.get("sha256"):
+            out.append(Problem("data.path", f"made with tokenizer {train.get('source', train['kind'])}, "
+                               f"not model.init_from's {model_tok}",
+                               f"prepare the data with --tokenizer {spec.model.init_from}"))
     return out
+
+
+def _tokenizer_id(tok: dict[str, Any]) -> str:
+    return tok.get("sha256", tok["kind"])
+
+
+def _tokenizer_name(meta: dict[str, Any]) -> str:
+    return meta["tokenizer"].get("source", meta["tokenizer"]["kind"])
