@@ -4,7 +4,13 @@ after one step with ``--step``), next to what the planner predicted for it."""
 from __future__ import annotations
 
 from trainmesh.parallel.dims import Axis, ParallelDims
-from trainmesh.platform.cost_model import GIB, Candidate, rank_memory, uses_fused_kernels
+from trainmesh.platform.cost_model import (
+    GIB,
+    Candidate,
+    rank_memory,
+    snapshot_host_bytes,
+    uses_fused_kernels,
+)
 from trainmesh.platform.devices import DeviceSpec
 from trainmesh.spec.job import JobSpec
 
@@ -31,6 +37,9 @@ def memory_rows(reports: list[dict], spec: JobSpec, c: Candidate, dims: Parallel
             "optimizer_gib": r["optimizer"] / GIB, "activations_gib": r["activations"] / GIB,
             "predicted": pred.as_gib(),
         })
+        if spec.checkpoint.in_memory.every:  # host memory: own snapshot + a buddy's copy
+            rows[-1]["snapshot_host_gib"] = {"predicted": snapshot_host_bytes(spec.model, c, pp_rank) / GIB,
+                                             "measured": 2 * r["snapshot"] / GIB if "snapshot" in r else None}
     return rows
 
 
@@ -46,6 +55,11 @@ def format_rows(rows: list[dict], stepped: bool) -> str:
                      f"{r['params_gib']:>8.3f} {r['grads_gib']:>8.3f} {r['optimizer_gib']:>8.3f} "
                      f"{r['activations_gib']:>8.3f} {r['measured_peak_gib']:>8.3f} "
                      f"{r['predicted_gib']:>9.3f}")
+        if r["rank"] == 0 and "snapshot_host_gib" in r:
+            h = r["snapshot_host_gib"]
+            got = "" if h["measured"] is None else f", measured {h['measured']:.3f}"
+            lines.append(f"     host memory for in-memory snapshots (own + a buddy's copy): predicted "
+                         f"{h['predicted']:.3f}{got} per rank")
         if r["rank"] == 0:
             lines.append(f"     predicted for rank 0: params {p['params']:.3f}, grads {p['grads']:.3f}, "
                          f"optimizer {p['optimizer']:.3f}, gathered {p['gathered']:.3f}, "
@@ -62,4 +76,8 @@ def measure(group, spec_json: str, dims, data_dir: str, step: bool) -> list[dict
         group.train_step(measure_activations=True)
         group.reset_peak_memory()
         group.train_step()
-    return group.memory_reports()
+    reports = group.memory_reports()
+    if step and JobSpec.model_validate_json(spec_json).checkpoint.in_memory.every:
+        for r, snap in zip(reports, group.memory_snapshot("0000-00000000", [None] * len(reports)), strict=True):
+            r["snapshot"] = snap["bytes"]
+    return reports

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainmesh.parallel.dims import ParallelDims
-from trainmesh.platform.cost_model import Candidate
+from trainmesh.platform.cost_model import GIB, Candidate, snapshot_host_bytes
 from trainmesh.platform.planner import PlanRequest, PlanResult, plan, summarize_rejections
 from trainmesh.platform.topology import Topology
 from trainmesh.spec.job import JobSpec
@@ -123,6 +123,25 @@ def plan_for(spec: JobSpec, topo: Topology, replan: bool) -> Replan:
     """The plan a run uses on ``topo``: a job's first plan (pinned degrees checked as given;
     ``auto``: the planner's best for the batch) or, with ``replan``, ``replan_job``'s."""
     if replan or spec.parallelism.auto:
-        return replan_job(spec, topo)
-    dims, result = plan_job(spec, topo)
-    return Replan(dims, result, effective_spec(spec, result.best.candidate))
+        new = replan_job(spec, topo)
+    else:
+        dims, result = plan_job(spec, topo)
+        new = Replan(dims, result, effective_spec(spec, result.best.candidate))
+    check_snapshot_memory(spec, new.result.best.candidate, topo)
+    return new
+
+
+def check_snapshot_memory(spec: JobSpec, c: Candidate, topo: Topology) -> None:
+    """``checkpoint.in_memory``: a node's ranks' snapshots and their buddies' copies must fit
+    in its host memory (known from Ray or ``topology.host_memory_gib``)."""
+    host = topo.host_memory_gib
+    if not spec.checkpoint.in_memory.every or host is None:
+        return
+    per_rank = snapshot_host_bytes(spec.model, c)
+    ranks = max(topo.allocate(c.tp, c.world_size))
+    need = per_rank * ranks
+    if need > host * GIB:
+        raise PlanError(f"checkpoint.in_memory: snapshots need {need / GIB:.1f} GiB of host memory per "
+                        f"node ({per_rank / GIB:.2f} GiB per rank, its own snapshot and a buddy's copy, "
+                        f"× {ranks} ranks) but a node has {host:.1f} GiB; set checkpoint.in_memory.every=0, "
+                        "or spread the model over more ranks (parallelism.dp, pp)")

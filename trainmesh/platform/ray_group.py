@@ -204,7 +204,7 @@ class RayWorkerGroup:
 def live_topology(spec: JobSpec) -> Topology:
     device = "cpu" if spec.runtime.device == "cpu" else spec.topology.device
     topo = topology_from_ray(device, spec.runtime.cpus_per_rank)
-    return topo.with_overrides(spec.topology.overrides())
+    return topo.with_overrides(spec.topology.overrides()).with_host_memory(spec.topology.host_memory_gib)
 
 
 

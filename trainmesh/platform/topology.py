@@ -18,6 +18,7 @@ from trainmesh.platform.devices import DeviceSpec, device_spec
 class Node:
     node_id: str
     accelerators: int
+    host_memory_gib: float | None = None  # what Ray lets tasks and actors use there
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,18 @@ class Topology:
     def largest_node(self) -> int:
         """Accelerators on the largest node: TP degrees are its divisors."""
         return max(n.accelerators for n in self.nodes)
+
+    @property
+    def host_memory_gib(self) -> float | None:
+        """Host memory of the smallest node (None: unknown)."""
+        known = [n.host_memory_gib for n in self.nodes if n.host_memory_gib is not None]
+        return min(known) if known else None
+
+    def with_host_memory(self, gib: float | None) -> Topology:
+        if gib is None:
+            return self
+        return dataclasses.replace(self, nodes=tuple(dataclasses.replace(n, host_memory_gib=gib)
+                                                     for n in self.nodes))
 
     def with_overrides(self, overrides: Mapping[str, Any]) -> Topology:
         """Replace device facts (``memory_gib``, ``peak_tflops``, ...) that are not None."""
@@ -82,16 +95,21 @@ def topology_from_nodes(ray_nodes: Iterable[Mapping[str, Any]], device: str | No
     alive = [n for n in ray_nodes if n.get("Alive", n.get("alive", True))]
     gpus = [int(n.get("Resources", {}).get("GPU", 0)) for n in alive]
     if any(gpus) and device != "cpu":
-        nodes = tuple(Node(n["NodeID"], g) for n, g in zip(alive, gpus, strict=True) if g > 0)
+        nodes = tuple(Node(n["NodeID"], g, _host_gib(n)) for n, g in zip(alive, gpus, strict=True) if g > 0)
         name = device or _accelerator_label(alive) or "h100"
     else:
-        nodes = tuple(Node(n["NodeID"], int(n.get("Resources", {}).get("CPU", 0) // cpus_per_rank))
-                      for n in alive)
+        nodes = tuple(Node(n["NodeID"], int(n.get("Resources", {}).get("CPU", 0) // cpus_per_rank),
+                           _host_gib(n)) for n in alive)
         nodes = tuple(n for n in nodes if n.accelerators > 0)
         name = device or "cpu"
     if not nodes:
         raise RuntimeError("the Ray cluster has no alive node with GPUs or CPUs to run ranks on")
     return Topology(nodes, device_spec(name))
+
+
+def _host_gib(node: Mapping[str, Any]) -> float | None:
+    mem = node.get("Resources", {}).get("memory")
+    return None if mem is None else mem / 2**30
 
 
 def _accelerator_label(nodes: list[Mapping[str, Any]]) -> str | None:

@@ -244,6 +244,10 @@ class TopologyConfig(_Section):
     intra_node_gbps: float | None = Field(None, gt=0)
     inter_node_gbps: float | None = Field(None, gt=0)
 
+    host_memory_gib: float | None = Field(
+        None, gt=0, description="host memory per node (default: what Ray reports); bounds "
+        "checkpoint.in_memory's snapshots")
+
     def overrides(self) -> dict[str, float | None]:
         return {k: getattr(self, k) for k in ("memory_gib", "peak_tflops", "intra_node_gbps",
                                               "inter_node_gbps")}
