@@ -1,5 +1,6 @@
-"""Recovery after a node's death, trainmesh (warm and cold) beside Ray Train v2, and checkpoint
-save/restore bandwidth beside plain sequential file IO of the same bytes.
+"""Recovery after a node's death, trainmesh (warm from storage, warm with the in-memory tier,
+cold) beside Ray Train v2, and checkpoint save/restore bandwidth beside plain sequential file IO
+of the same bytes; in-memory snapshots and their replication (Ray against gloo).
 
     .venv/bin/python bench/recovery.py [--trials 3] [--seed 0] [--skip-ray-train] [--ckpt-mib 256]
 
@@ -20,6 +21,11 @@ workers spread over the 2 nodes, checkpoint every 2 steps through ray.train.repo
 the same fault: it restarts its 4 workers on the surviving node from its latest checkpoint.
 The workloads differ (8 → 4 re-planned ranks vs 4 → 4 restarted ones); what is compared is
 the recovery path.
+
+"trainmesh warm, in-memory tier" adds ``checkpoint.in_memory.every=1`` (tracked in MLflow: the
+seconds each snapshot blocks training beside the step time) and restores from the survivors'
+memory. "vs plain" of the in-memory rows is against DCP on local storage (page cache warm: an
+upper bound for storage); the gloo row is against Ray's transfer.
 
 Part 2: DCP save and load of a state dict of --ckpt-mib MiB (one process) against writing the
 same bytes to one file with a sequential write + fsync, and reading them back; and DCP's async
@@ -109,8 +115,9 @@ def trainmesh_recovery(cluster, mode: str, tmp: Path, delay_s: float) -> dict:
 
     _ensure_two(cluster)
     out = tmp / f"trainmesh-{mode}-{delay_s:.3f}"
-    spec = load_spec(None, [*COMMON, f"elastic.warm_recovery={str(mode == 'warm').lower()}",
-                            f"runtime.output_dir={out}"])
+    extra = ["checkpoint.in_memory.every=1", "tracking.enabled=true"] if mode == "memory" else []
+    spec = load_spec(None, [*COMMON, f"elastic.warm_recovery={str(mode != 'cold').lower()}",
+                            f"runtime.output_dir={out}", *extra])
     box: dict = {}
 
     def target():
@@ -131,11 +138,14 @@ def trainmesh_recovery(cluster, mode: str, tmp: Path, delay_s: float) -> dict:
     if "error" in box:
         raise box["error"]
     [rec] = [r for r in box["summary"]["recoveries"] if r["cause"] != "scale-up"]
-    if rec["mode"] != mode:  # reported, not hidden: a warm recovery that fell back to cold
+    if rec["mode"] != ("cold" if mode == "cold" else "warm"):  # reported, not hidden
         print(f"note: asked for a {mode} recovery, got {rec['mode']}")
     ph = rec["phases"]
     detection = rec["failed_at"] - t_kill
-    return {"system": f"trainmesh {mode}", "detection": detection, **ph, "mode": rec["mode"],
+    costs = snapshot_costs(out) if mode == "memory" else {}
+    name = "trainmesh warm, in-memory tier" if mode == "memory" else f"trainmesh {mode}"
+    return {"system": name, "detection": detection, **ph, "mode": rec["mode"], **costs,
+            "restored_from": rec["restored_from"],
             "total": detection + sum(ph.values()), "steps_lost": rec["steps_lost"],
             "mesh": f"{rec['old_mesh']['world_size']} → {rec['new_mesh']['world_size']} ranks"}
 
@@ -258,9 +268,13 @@ def checkpoint_bandwidth(mib: int, tmp: Path, reps: int = 3) -> list[dict]:
     per = mib * 2**20 // 4 // n_tensors
     state = {f"layer{i}.weight": torch.randn(per) for i in range(n_tensors)}
     nbytes = sum(t.numel() * 4 for t in state.values())
+    from trainmesh.checkpoint import memory_fs
+
     rows: dict[str, list[float]] = {"dcp save": [], "dcp async save: caller blocked": [],
                                      "dcp async save: until written": [],
-                                     "plain write + fsync": [], "dcp load": [], "plain read": []}
+                                     "plain write + fsync": [], "dcp load": [], "plain read": [],
+                                     "in-memory snapshot (dcp save to memory)": [],
+                                     "restore from memory (dcp load)": []}
     for r in range(reps):
         d = tmp / f"dcp-{r}"
         t0 = time.perf_counter()
@@ -291,11 +305,108 @@ def checkpoint_bandwidth(mib: int, tmp: Path, reps: int = 3) -> list[dict]:
         rows["plain read"].append(time.perf_counter() - t0)
         shutil.rmtree(d)
         f.unlink()
+        snap = memory_fs.uri(f"{r:04d}-00000001")
+        t0 = time.perf_counter()
+        dcp.save(state, storage_writer=_mem_writer(snap), no_dist=True)
+        rows["in-memory snapshot (dcp save to memory)"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        dcp.load(target, storage_reader=_mem_reader(snap), no_dist=True)
+        rows["restore from memory (dcp load)"].append(time.perf_counter() - t0)
+        memory_fs.keep_newest(0)
     out = []
     for name, times in rows.items():
         s = statistics.median(times)
         out.append({"op": name, "s": s, "gb_s": nbytes / s / 1e9})
     return out
+
+
+def _mem_writer(uri: str):
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    return FsspecWriter(uri)
+
+
+def _mem_reader(uri: str):
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    return FsspecReader(uri)
+
+
+class _Peer:
+    """One end of a replication: receives a snapshot's bytes over Ray or over gloo."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def keep(self, blob: bytes) -> int:
+        self.kept = blob
+        return len(blob)
+
+    def send_ray(self, other, nbytes: int) -> float:
+        import ray
+
+        blob = os.urandom(nbytes)
+        t0 = time.perf_counter()
+        ray.get(other.keep.remote(blob))
+        return time.perf_counter() - t0
+
+    def gloo(self, host: str, port: int, nbytes: int) -> float:
+        from datetime import timedelta
+
+        import torch
+        import torch.distributed as dist
+
+        store = dist.TCPStore(host, port, 2, is_master=self.rank == 0, timeout=timedelta(seconds=60))
+        dist.init_process_group("gloo", store=store, rank=self.rank, world_size=2)
+        t = torch.empty(nbytes, dtype=torch.uint8)
+        dist.barrier()
+        t0 = time.perf_counter()
+        if self.rank == 0:
+            dist.send(t, 1)
+        else:
+            dist.recv(t, 0)
+        dt = time.perf_counter() - t0
+        dist.destroy_process_group()
+        return dt
+
+
+def replication(mib: int, reps: int = 3) -> list[dict]:
+    """A snapshot's bytes to a buddy on the other node: Ray's actor-to-actor transfer (what
+    trainmesh uses: no process group, so it survives a failed one) against a gloo send/recv."""
+    import socket
+
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    nbytes = mib * 2**20
+    nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU")][:2]
+    cls = ray.remote(num_cpus=0)(_Peer)
+    peers = [cls.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False),
+                         runtime_env={"env_vars": {"GLOO_SOCKET_IFNAME": "lo"}}).remote(i)
+             for i, n in enumerate(nodes)]
+    rows: dict[str, list[float]] = {"replicate: Ray actor → actor": [], "replicate: gloo send/recv": []}
+    for _ in range(reps):
+        rows["replicate: Ray actor → actor"].append(ray.get(peers[0].send_ray.remote(peers[1], nbytes)))
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        rows["replicate: gloo send/recv"].append(
+            max(ray.get([p.gloo.remote("127.0.0.1", port, nbytes) for p in peers])))
+    for p in peers:
+        ray.kill(p)
+    return [{"op": k, "s": statistics.median(v), "gb_s": nbytes / statistics.median(v) / 1e9}
+            for k, v in rows.items()]
+
+
+def snapshot_costs(out: Path) -> dict:
+    """From a run tracked in MLflow: seconds blocked per in-memory snapshot beside the step."""
+    from mlflow.tracking import MlflowClient
+
+    summary = json.loads((out / "summary.json").read_text())
+    client = MlflowClient(summary["tracking_uri"])
+    blocked = [m.value for m in client.get_metric_history(summary["mlflow_run_id"], "snapshot_blocked_s")]
+    steps = [m.value for m in client.get_metric_history(summary["mlflow_run_id"], "step_time_s")]
+    return {"blocked_s": statistics.median(blocked), "step_s": statistics.median(steps)}
 
 
 def summarize(trials: list[dict]) -> dict:
@@ -305,7 +416,8 @@ def summarize(trials: list[dict]) -> dict:
         return statistics.median(vals) if vals else None
     totals = [t["total"] for t in trials]
     return {**trials[0], **{k: med(k) for k in ("detection", "decide_s", "reform_s", "restore_s",
-                                                 "first_step_s")},
+                                                 "first_step_s", "blocked_s", "step_s")},
+            "restored_from": sorted({t.get("restored_from", "") for t in trials}),
             "total": statistics.median(totals), "worst": max(totals),
             "steps_lost": f"{min(t['steps_lost'] for t in trials)}–{max(t['steps_lost'] for t in trials)}",
             "modes": sorted({t.get("mode", "") for t in trials} - {""}), "trials": len(trials)}
@@ -319,6 +431,8 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ckpt-mib", type=int, default=256)
+    ap.add_argument("--modes", default="warm,memory,cold",
+                    help="trainmesh recoveries to run: warm (from storage), memory (the in-memory tier), cold")
     args = ap.parse_args()
     import ray
     from ray.cluster_utils import Cluster
@@ -333,8 +447,9 @@ def main() -> None:
         try:
             _ensure_two(cluster)
             ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
+            replicated = replication(args.ckpt_mib)
             for delay in delays:
-                for mode in ("warm", "cold"):
+                for mode in args.modes.split(","):
                     runs.setdefault(f"trainmesh {mode}", []).append(
                         trainmesh_recovery(cluster, mode, tmp, delay))
                 if not args.skip_ray_train:
@@ -342,7 +457,7 @@ def main() -> None:
         finally:
             ray.shutdown()
             cluster.shutdown()
-        ckpt = checkpoint_bandwidth(args.ckpt_mib, tmp)
+        ckpt = checkpoint_bandwidth(args.ckpt_mib, tmp) + replicated
     rows = [summarize(t) for t in runs.values()]
 
     def f(v):
@@ -358,10 +473,19 @@ def main() -> None:
         print(f"| {r['system']} | {r['mesh']} | {f(r['detection'])} | {f(r.get('decide_s'))} | "
               f"{f(r.get('reform_s'))} | {f(r.get('restore_s'))} | {f(r.get('first_step_s'))} | "
               f"{r['total']:.2f} | {r['worst']:.2f} | {r['total'] / base:.2f}× | {r['steps_lost']} |")
+    for r in rows:
+        if any(r["restored_from"]):
+            print(f"{r['system']}: restored from {', '.join(r['restored_from'])}")
+        if r.get("blocked_s") is not None:
+            print(f"{r['system']}: a snapshot blocks training {r['blocked_s'] * 1e3:.1f} ms per step "
+                  f"({r['blocked_s'] / r['step_s']:.1%} of a {r['step_s']:.2f} s step; median)")
     print(f"\n| checkpoint op ({args.ckpt_mib} MiB) | s | GB/s | vs plain |")
     print("|---|---:|---:|---:|")
     plain = {"dcp save": "plain write + fsync", "dcp async save: caller blocked": "plain write + fsync",
-             "dcp async save: until written": "plain write + fsync", "dcp load": "plain read"}
+             "dcp async save: until written": "plain write + fsync", "dcp load": "plain read",
+             "in-memory snapshot (dcp save to memory)": "dcp save",
+             "restore from memory (dcp load)": "dcp load",
+             "replicate: gloo send/recv": "replicate: Ray actor → actor"}
     by = {r["op"]: r for r in ckpt}
     for r in ckpt:
         ref = by.get(plain.get(r["op"], r["op"]))

@@ -227,3 +227,23 @@ def remove_node_hard(cluster, node_id: str) -> None:
     cluster.remove_node(node, allow_graceful=False)
     for pid in doomed:
         os.kill(pid, signal.SIGKILL)
+
+
+def job_in_background(spec, environ: dict[str, str]):
+    """``run_job`` in a thread (Ray adds and removes nodes from the main thread only): the
+    thread, and a dict that receives ``summary`` or ``error``."""
+    import threading
+
+    from trainmesh.jobs.runner import run_job
+
+    box: dict = {}
+
+    def job():
+        try:
+            box["summary"] = run_job(spec, environ=environ, show_progress=False)
+        except Exception as err:  # noqa: BLE001 - handed to the test
+            box["error"] = err
+
+    thread = threading.Thread(target=job, daemon=True)
+    thread.start()
+    return thread, box

@@ -20,11 +20,10 @@ from pathlib import Path
 import pytest
 import ray
 import torch
-from servers import rank_pids_under, remove_node_hard, simulated_cluster
+from servers import job_in_background, rank_pids_under, remove_node_hard, simulated_cluster
 
 from trainmesh.checkpoint.manifest import CheckpointStore
 from trainmesh.jobs.loading import load_spec
-from trainmesh.jobs.runner import run_job
 
 STEPS = 20
 # 4 ranks: a pipeline of 2 stages (interleaved, 2 chunks each), TP 2 inside each stage's node.
@@ -105,16 +104,7 @@ def test_every_fault_is_recovered_warm_in_seconds_with_nothing_lost(cluster, tmp
     markers = {name: tmp_path / f"fired-{name}" for name, _ in FAULTS}
     env = ";".join(f"{fault},marker={markers[name]}" for name, fault in FAULTS)
     spec = load_spec(None, [*ARGS, f"runtime.output_dir={tmp_path / 'out'}"])
-    box: dict = {}
-
-    def job():
-        try:
-            box["summary"] = run_job(spec, environ={FAULT_ENV: env}, show_progress=False)
-        except Exception as err:  # noqa: BLE001 - handed to the test
-            box["error"] = err
-
-    thread = threading.Thread(target=job, daemon=True)
-    thread.start()
+    thread, box = job_in_background(spec, {FAULT_ENV: env})
     store = CheckpointStore(tmp_path / "out" / "checkpoints")
     acted = _act_on_faults(cluster, markers, thread, store)
     assert "error" not in box, box.get("error")

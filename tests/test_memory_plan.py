@@ -114,7 +114,7 @@ def test_snapshots_that_do_not_fit_in_host_memory_are_refused_with_the_numbers()
     with pytest.raises(PlanError) as err:
         plan_for(load_spec(None, args), topo.with_host_memory(64), replan=False)
     # 8.03e9 parameters over tp 8 × dp 2: 0.50e9 each, 12 B apiece, twice (own + buddy's copy)
-    assert "checkpoint.in_memory: snapshots need 89.8 GiB of host memory per node (11.23 GiB " \
+    assert "checkpoint.in_memory: snapshots need 89.9 GiB of host memory per node (11.23 GiB " \
            "per rank" in str(err.value) and "× 8 ranks) but a node has 64.0 GiB" in str(err.value)
     assert plan_for(load_spec(None, args), topo.with_host_memory(128), replan=False).dims.world_size == 16
     plan_for(load_spec(None, args[:-1]), topo.with_host_memory(64), replan=False)  # tier off: fine

@@ -7,16 +7,14 @@ test_reshard_restore.py.)"""
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 import pytest
 import torch
 from reference import reference_run
-from servers import remove_node_hard, simulated_cluster
+from servers import job_in_background, remove_node_hard, simulated_cluster
 
 from trainmesh.jobs.loading import load_spec
-from trainmesh.jobs.runner import run_job
 
 ARGS = ["model.preset=tiny", "training.global_batch_size=8", "training.microbatch_size=2",
         "training.seq_len=32", "optimizer.warmup_steps=1", "runtime.device=auto",
@@ -32,16 +30,7 @@ def _run_losing_nodes(cluster, tmp_path, args: list[str], faults: list[str]) -> 
     markers = [tmp_path / f"fired-{i}" for i in range(len(faults))]
     env = ";".join(f"{f},marker={m}" for f, m in zip(faults, markers, strict=True))
     spec = load_spec(None, [*ARGS, *args, f"runtime.output_dir={tmp_path / 'out'}"])
-    box: dict = {}
-
-    def job():
-        try:
-            box["summary"] = run_job(spec, environ={FAULT_ENV: env}, show_progress=False)
-        except Exception as err:  # noqa: BLE001 - handed to the test
-            box["error"] = err
-
-    thread = threading.Thread(target=job, daemon=True)
-    thread.start()
+    thread, box = job_in_background(spec, {FAULT_ENV: env})
     removed = False
     while thread.is_alive():
         if not removed and all(m.exists() and m.read_text() for m in markers):
@@ -63,14 +52,15 @@ def _assert_reference_losses(summary: dict, tmp_path) -> None:
 
 @pytest.mark.timeout(300)
 def test_a_lost_node_restores_from_peers_memory_onto_the_survivors_mesh(tmp_path):
-    """8 ranks (tp 2 × pp 2 × dp 2) on 2 nodes, snapshots every step, storage every 6: the
+    """8 ranks (tp 2 × pp 2 × dp 2) on 2 nodes, snapshots every step, storage every 6 (the
+    last step here): the
     node of rank 5 goes mid-forward of step 5; the 4 survivors re-plan to tp 2 × pp 2 and
     restore step 4 from their own snapshots and the copies of the lost ranks'."""
     with simulated_cluster(2, num_cpus=2, num_gpus=4) as cluster:
         s = _run_losing_nodes(cluster, tmp_path, [
-            "parallelism.tp=2", "parallelism.pp=2", "parallelism.dp=2", "training.steps=8",
+            "parallelism.tp=2", "parallelism.pp=2", "parallelism.dp=2", "training.steps=6",
             "checkpoint.every=6", "elastic.max_world_size=8"], ["wait@rank=5,step=4,phase=forward"])
-    assert s["status"] == "FINISHED" and s["steps_done"] == 8
+    assert s["status"] == "FINISHED" and s["steps_done"] == 6
     [rec] = s["recoveries"]
     assert rec["restored_from"] == "memory" and rec["mode"] == "warm", rec
     assert rec["step"] == 4 and rec["steps_lost"] == 0, rec  # only the step in flight
@@ -87,9 +77,9 @@ def test_a_node_lost_with_its_buddy_falls_back_to_storage(tmp_path):
     with simulated_cluster(3, num_cpus=1, num_gpus=2) as cluster:
         s = _run_losing_nodes(cluster, tmp_path, [
             "parallelism.tp=2", "parallelism.dp=3", "training.global_batch_size=12",
-            "training.steps=5", "checkpoint.every=2", "elastic.max_world_size=6"],
+            "training.steps=4", "checkpoint.every=2", "elastic.max_world_size=6"],
             ["wait@rank=2,step=3,phase=forward", "wait@rank=4,step=3,phase=forward"])
-    assert s["status"] == "FINISHED" and s["steps_done"] == 5
+    assert s["status"] == "FINISHED" and s["steps_done"] == 4
     [rec] = s["recoveries"]
     assert rec["restored_from"] == "storage" and rec["step"] == 2 and rec["steps_lost"] == 1, rec
     assert rec["new_mesh"]["world_size"] == 2

@@ -91,11 +91,11 @@ def test_restore_from_peers_memory_onto_another_plan_is_bit_identical(rank_pool,
             held = [set(h.get(SNAPSHOT, [])) for h in g.memory_inventory()]
             files = set().union(*held)
             pair = next((p for p in itertools.combinations(range(4), 2)
-                         if held[p[0]] | held[p[1]] == files and len(files) == 5), None)
+                         if held[p[0]] | held[p[1]] == files and len(files) == 8), None)
             if pair or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
-        assert pair, held  # 4 rank files + the metadata, two survivors covering all of them
+        assert pair, held  # 4 ranks: shards and metadata; two survivors covering all of them
         assert all(held[r] != files for r in pair)  # neither alone: the copies are needed
         holders = {f: next(r for r in pair if f in held[r]) for f in files}
         g.memory_load(SNAPSHOT, holders, 2, None)

@@ -214,9 +214,14 @@ class Engine:
         return dcp_io.async_save(directory, self.model, self.optimizer, group,
                                  on_write=lambda: self.on_phase("write"))
 
-    def load(self, directory: str, step: int, rng_state: torch.Tensor | None) -> None:
-        """Restore model + optimizer shards, then the schedule position and RNG."""
-        dcp_io.load(directory, self.model, self.optimizer)
+    def load(self, directory: str, step: int, rng_state: torch.Tensor | None,
+             metadata_files: list[str] | None = None) -> None:
+        """Restore model + optimizer shards, then the schedule position and RNG.
+        ``metadata_files``: an in-memory snapshot's per-rank metadata (``dcp_io.snapshot``)."""
+        if metadata_files:
+            dcp_io.load_snapshot(directory, metadata_files, self.model, self.optimizer)
+        else:
+            dcp_io.load(directory, self.model, self.optimizer)
         self.step = step
         self.scheduler.last_epoch = step
         for group, base, fn in zip(self.optimizer.param_groups, self.scheduler.base_lrs,

@@ -225,18 +225,19 @@ class RankWorker:
 
     # -- in-memory checkpoints (checkpoint/memory_fs.py) --------------------------------------
     def memory_snapshot(self, directory: str, buddy) -> dict:
-        """Collective: snapshot this rank's shards into its memory as ``directory``, then hand
-        a copy to ``buddy`` (a rank actor on another node) without waiting for it; the copy
-        handed at the last snapshot is waited for first, so at most one is in flight."""
+        """This rank alone (no collective): snapshot its shards into its memory as
+        ``directory``, then hand a copy to ``buddy`` (a rank actor on another node) without
+        waiting for it; the copy handed at the last snapshot is waited for first, so at most
+        one is in flight."""
         import time
 
         from trainmesh.checkpoint import dcp_io, memory_fs
 
         self._progress.mark("snapshot")
+        t0 = time.perf_counter()  # what training waits for: the last copy's arrival, and the save
         if self._replica is not None:
             ray.wait([self._replica], timeout=self._timeout_s)
             self._replica = None
-        t0 = time.perf_counter()
         written = dcp_io.snapshot(memory_fs.uri(directory), self.engine.model, self.engine.optimizer)
         blocked = time.perf_counter() - t0
         memory_fs.keep_newest(2)
@@ -280,8 +281,12 @@ class RankWorker:
                                                        timeout=self._timeout_s)
 
         memory_fs.RankMemoryFS.fetch = fetch
+        rng = torch.frombuffer(bytearray(rng_state), dtype=torch.uint8) if rng_state else None
+        self._progress.step = step
+        self._progress.mark("restore")
         try:
-            self.load(memory_fs.uri(directory), step, rng_state)
+            self.engine.load(memory_fs.uri(directory), step, rng,
+                             sorted(n for n in holders if n.endswith(".metadata")))
         finally:
             memory_fs.drop_fetched()
 

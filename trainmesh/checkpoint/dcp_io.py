@@ -8,6 +8,7 @@ storage.
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -52,7 +53,8 @@ class _Recording:
 
     def finish(self, metadata, results) -> None:
         super().finish(metadata, results)
-        self.written.append(Path(str(self._get_metadata_path())).name)
+        own = None if self.use_collectives else self.rank  # an uncoordinated save's own metadata
+        self.written.append(Path(str(self._get_metadata_path(own))).name)
 
 
 class _LocalWriter(_Recording, FileSystemWriter):
@@ -80,6 +82,42 @@ def _reader(directory: str | Path):
     return FileSystemReader(d)
 
 
+def _merged_reader_class():
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+
+    class MergedReader(FsspecReader):
+        def __init__(self, directory: str, metadata_files: list[str]):
+            super().__init__(directory)
+            self.metadata_files = metadata_files
+
+        def read_metadata(self, *args, **kwargs) -> Metadata:
+            parts = []
+            for name in self.metadata_files:
+                with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as f:
+                    parts.append(pickle.load(f))
+            merged = Metadata(state_dict_metadata={}, planner_data={}, storage_data={},
+                              storage_meta=parts[0].storage_meta or StorageMeta(), version=parts[0].version)
+            for md in parts:
+                for key, item in md.state_dict_metadata.items():
+                    have = merged.state_dict_metadata.setdefault(key, item)
+                    if have is not item and isinstance(item, TensorStorageMetadata):
+                        seen = {(tuple(c.offsets), tuple(c.sizes)) for c in have.chunks}
+                        have.chunks += [c for c in item.chunks
+                                        if (tuple(c.offsets), tuple(c.sizes)) not in seen]
+                merged.planner_data.update(md.planner_data or {})
+                for index, info in md.storage_data.items():  # a replica's copy: one is enough
+                    merged.storage_data.setdefault(index, info)
+            merged.storage_meta.load_id = self.load_id
+            return merged
+
+    return MergedReader
+
+
+def _MergedReader(directory: str, metadata_files: list[str]):  # noqa: N802 - a class, made late
+    return _merged_reader_class()(directory, metadata_files)
+
+
 def save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """Collective: every rank of the job calls it with its own shards. Returns the size and
     sha256 of each file this rank wrote, computed here (in parallel over the ranks)."""
@@ -90,12 +128,25 @@ def save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimiz
 
 
 def snapshot(directory: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
-    """Collective: ``save`` to a URI without digesting (the in-memory tier, ``memory_fs``);
-    returns the names of the files this rank wrote."""
+    """This rank alone (no collective: the in-memory tier, ``memory_fs``) saves its shards to
+    ``directory`` with metadata of its own (``__R.metadata``, DCP's uncoordinated save);
+    returns the names of the files it wrote. ``load_snapshot`` merges every rank's metadata."""
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTS)
     writer = _writer(directory)
-    dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=writer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=writer, use_collectives=False)
     return list(writer.written)
+
+
+def load_snapshot(directory: str, metadata_files: list[str], model: nn.Module,
+                  optimizer: torch.optim.Optimizer) -> None:
+    """Collective: fill ``model`` and ``optimizer`` from an uncoordinated save (``snapshot``)
+    made under any mesh: the ranks' metadata (``metadata_files``) merged into one, as a
+    coordinated save would have written it, so DCP plans and reshards the load as usual."""
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTS)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, storage_reader=_MergedReader(directory, metadata_files))
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"], options=_OPTS)
 
 
 def async_save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
