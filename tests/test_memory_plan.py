@@ -56,7 +56,8 @@ def test_planned_memory_matches_what_ranks_hold(rank_pool, tmp_path):
             group.build(eff.model_dump_json(), dims, data_dir)
             group.train_step(measure_activations=True)
             reports = group.memory_reports()
-            for r, snap in zip(reports, group.memory_snapshot(f"{i:04d}-00000001", [None] * 4), strict=True):
+            snaps = group.memory_snapshot(f"{i:04d}-00000001", [None] * 4, wait=True)
+            for r, snap in zip(reports, snaps, strict=True):
                 r["snapshot"] = snap["bytes"]
             rows = memory_rows(reports, eff, result.best.candidate, dims, device_spec("cpu"), stepped=True)
             for row in rows:

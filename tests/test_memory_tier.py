@@ -53,9 +53,8 @@ def _assert_reference_losses(summary: dict, tmp_path) -> None:
 @pytest.mark.timeout(300)
 def test_a_lost_node_restores_from_peers_memory_onto_the_survivors_mesh(tmp_path):
     """8 ranks (tp 2 × pp 2 × dp 2) on 2 nodes, snapshots every step, storage every 6 (the
-    last step here): the
-    node of rank 5 goes mid-forward of step 5; the 4 survivors re-plan to tp 2 × pp 2 and
-    restore step 4 from their own snapshots and the copies of the lost ranks'."""
+    last step here): the node of rank 5 goes as step 5 begins; the 4 survivors re-plan to
+    tp 2 × pp 2 and restore step 4 from their own snapshots and the copies of the lost ranks'."""
     with simulated_cluster(2, num_cpus=2, num_gpus=4) as cluster:
         s = _run_losing_nodes(cluster, tmp_path, [
             "parallelism.tp=2", "parallelism.pp=2", "parallelism.dp=2", "training.steps=6",

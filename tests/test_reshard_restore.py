@@ -55,7 +55,7 @@ def source_checkpoint(rank_pool, tmp_path_factory):
         g.save_to(str(tmp / "ckpt"))
         # The same state as an in-memory snapshot, each rank's copy handed to the rank two
         # further on (as if ranks 0-1 and 2-3 were two nodes).
-        snap = g.memory_snapshot(SNAPSHOT, [2, 3, 0, 1])
+        snap = g.memory_snapshot(SNAPSHOT, [2, 3, 0, 1], wait=True)
         assert all(r["blocked_s"] > 0 and r["bytes"] > 0 for r in snap)
     finally:
         rank_pool.release(g)

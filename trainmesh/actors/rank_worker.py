@@ -224,11 +224,11 @@ class RankWorker:
         self.engine.load(directory, step, rng)
 
     # -- in-memory checkpoints (checkpoint/memory_fs.py) --------------------------------------
-    def memory_snapshot(self, directory: str, buddy) -> dict:
+    def memory_snapshot(self, directory: str, buddy, wait: bool = False) -> dict:
         """This rank alone (no collective): snapshot its shards into its memory as
         ``directory``, then hand a copy to ``buddy`` (a rank actor on another node) without
         waiting for it; the copy handed at the last snapshot is waited for first, so at most
-        one is in flight."""
+        one is in flight (``wait``: this one's copy too)."""
         import time
 
         from trainmesh.checkpoint import dcp_io, memory_fs
@@ -244,6 +244,8 @@ class RankWorker:
         if buddy is not None:
             files = {n: memory_fs.read(directory, n) for n in written}
             self._replica = buddy.keep_replica.remote(directory, files)
+            if wait:
+                ray.wait([self._replica], timeout=self._timeout_s)
         return {"files": written, "blocked_s": blocked, "bytes": memory_fs.nbytes(directory),
                 "rng": torch.random.get_rng_state().numpy().tobytes() if self.rank == 0 else None}
 
@@ -255,6 +257,15 @@ class RankWorker:
         memory_fs.put(directory, files)
         memory_fs.keep_newest(2)
         return sum(len(b) for b in files.values())
+
+    @ray.method(concurrency_group="memory")
+    def memory_handoff(self, target) -> None:
+        """Everything this process holds in memory, copied to ``target`` (before its end)."""
+        from trainmesh.checkpoint import memory_fs
+
+        for directory, names in memory_fs.held().items():
+            ray.get(target.keep_replica.remote(directory, {n: memory_fs.read(directory, n) for n in names}),
+                    timeout=self._timeout_s)
 
     @ray.method(concurrency_group="memory")
     def memory_inventory(self) -> dict:

@@ -193,9 +193,22 @@ class WorkerGroup:
         _, pending = ray.wait(list(refs), num_returns=len(refs), timeout=wait_s)
         stuck = sorted(refs[ref] for ref in pending)
         for r in stuck:
+            self._hand_off_memory(r, [t for t in range(len(self.workers)) if t not in stuck])
             ray.kill(self.workers[r])
         self._inflight = []
         return stuck
+
+    def _hand_off_memory(self, rank: int, others: list[int], timeout_s: float = 10.0) -> None:
+        """Before a stuck rank is killed: the in-memory snapshots it holds (its own and its
+        buddies' copies) go to a rank of its node (whose node is fine) or else any other that
+        takes them; its "memory" thread serves them while its main thread is stuck."""
+        others = sorted(others, key=lambda t: self.nodes[t] != self.nodes[rank])
+        for t in others:
+            try:
+                ray.get(self.workers[rank].memory_handoff.remote(self.workers[t]), timeout=timeout_s)
+                return
+            except Exception:  # noqa: BLE001 - that one is gone too: the next
+                continue
 
     @property
     def world_size(self) -> int:

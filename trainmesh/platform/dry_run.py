@@ -78,6 +78,7 @@ def measure(group, spec_json: str, dims, data_dir: str, step: bool) -> list[dict
         group.train_step()
     reports = group.memory_reports()
     if step and JobSpec.model_validate_json(spec_json).checkpoint.in_memory.every:
-        for r, snap in zip(reports, group.memory_snapshot("0000-00000000", [None] * len(reports)), strict=True):
+        snaps = group.memory_snapshot("0000-00000000", [None] * len(reports), wait=True)
+        for r, snap in zip(reports, snaps, strict=True):
             r["snapshot"] = snap["bytes"]
     return reports

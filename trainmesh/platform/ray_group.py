@@ -165,10 +165,10 @@ class RayWorkerGroup:
     def load(self, directory: str, step: int, rng: bytes | None) -> None:
         self.group.call("load", directory, step, rng, timeout_s=self.timeout * 2)
 
-    def memory_snapshot(self, directory: str, buddies: list[int | None]) -> list[dict]:
-        """Collective in-memory snapshot; rank r's copy goes to rank ``buddies[r]``."""
+    def memory_snapshot(self, directory: str, buddies: list[int | None], wait: bool = False) -> list[dict]:
+        """In-memory snapshot on every rank; rank r's copy goes to rank ``buddies[r]``."""
         w = self.group.workers
-        args = [(directory, None if b is None else w[b]) for b in buddies]
+        args = [(directory, None if b is None else w[b], wait) for b in buddies]
         return self.group.call_each("memory_snapshot", args, timeout_s=self.timeout * 2)
 
     def memory_inventory(self) -> list[dict[str, list[str]]]:
