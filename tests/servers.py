@@ -18,6 +18,13 @@ from pathlib import Path
 BIN = Path(sys.executable).parent
 
 
+# The in-memory checkpoint tier (checkpoint/memory_fs.py, platform/memory_tier.py) meeting node losses
+MEMORY_ARGS = ["model.preset=tiny", "training.global_batch_size=8", "training.microbatch_size=2",
+               "training.seq_len=32", "optimizer.warmup_steps=1", "runtime.device=auto",
+               "runtime.cpus_per_rank=0.5", "checkpoint.in_memory.every=1", "elastic.max_restarts=4",
+               "tracking.enabled=false"]
+
+
 @contextlib.contextmanager
 def simulated_cluster(nodes: int, num_cpus: float, num_gpus: int):
     """``ray.cluster_utils.Cluster``: a head (1 CPU, no GPU) and ``nodes`` nodes advertising
@@ -247,3 +254,40 @@ def job_in_background(spec, environ: dict[str, str]):
     thread = threading.Thread(target=job, daemon=True)
     thread.start()
     return thread, box
+
+
+def run_losing_nodes(cluster, out, args: list[str], faults: list[str]) -> dict:
+    """Run a job (``args`` over-riding ``load_spec``'s defaults, output in ``out``); once every
+    fault (``wait@rank=R,...``: that rank stops there) has fired, remove the nodes of those ranks
+    at once, hard. Returns the summary, with the spec under ``spec``."""
+    import json
+    import time
+
+    from trainmesh.actors.progress import FAULT_ENV
+    from trainmesh.jobs.loading import load_spec
+
+    markers = [out / f"fired-{i}" for i in range(len(faults))]
+    env = ";".join(f"{f},marker={m}" for f, m in zip(faults, markers, strict=True))
+    spec = load_spec(None, [*args, f"runtime.output_dir={out / 'out'}"])
+    thread, box = job_in_background(spec, {FAULT_ENV: env})
+    removed = False
+    while thread.is_alive():
+        if not removed and all(m.exists() and m.read_text() for m in markers):
+            for node in {json.loads(m.read_text())["node"] for m in markers}:
+                remove_node_hard(cluster, node)
+            removed = True
+        time.sleep(0.1)
+    assert "error" not in box, box.get("error")
+    assert removed, "the faults never fired"
+    box["summary"]["spec"] = spec
+    return box["summary"]
+
+
+def assert_reference_losses(summary: dict, out) -> None:
+    """A run's losses are the single-process model's (rtol 1e-4)."""
+    import torch
+    from reference import reference_run
+
+    ref, _ = reference_run(summary["spec"], str(out / "out" / "data" / "tiny-corpus"),
+                           steps=summary["steps_done"])
+    torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(ref), rtol=1e-4, atol=0)

@@ -95,6 +95,28 @@ def _act_on_faults(cluster, markers: dict[str, Path], job: threading.Thread,
     return acted
 
 
+@pytest.mark.timeout(300)
+def test_a_node_lost_with_its_buddy_falls_back_to_storage(cluster, tmp_path):
+    """The in-memory checkpoint tier (first here: the matrix needs the 3 nodes it leaves
+    restored). 6 ranks (tp 2 × dp 3) on the 3 nodes, snapshots every step: the node of ranks 2-3
+    and the node holding their copies (ranks 4-5) go together; the survivors' memory lacks ranks
+    2-3's shards, so the job restores the storage checkpoint of step 2."""
+    from servers import MEMORY_ARGS, assert_reference_losses, run_losing_nodes
+
+    s = run_losing_nodes(cluster, tmp_path, [
+        *MEMORY_ARGS, "parallelism.tp=2", "parallelism.dp=3", "training.global_batch_size=12",
+        "training.steps=4", "checkpoint.every=2", "elastic.max_world_size=6"],
+        ["wait@rank=2,step=3,phase=forward", "wait@rank=4,step=3,phase=forward"])
+    while len(cluster.worker_nodes) < 3:
+        cluster.add_node(num_cpus=1, num_gpus=2)
+    assert s["status"] == "FINISHED" and s["steps_done"] == 4
+    [rec] = s["recoveries"]
+    assert rec["restored_from"] == "storage" and rec["step"] == 2 and rec["steps_lost"] == 1, rec
+    assert rec["new_mesh"]["world_size"] == 2
+    assert_reference_losses(s, tmp_path)
+    cluster.wait_for_nodes()
+
+
 @pytest.mark.timeout(600)
 def test_every_fault_is_recovered_warm_in_seconds_with_nothing_lost(cluster, tmp_path):
     from reference import reference_run

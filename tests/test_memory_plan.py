@@ -56,7 +56,7 @@ def test_planned_memory_matches_what_ranks_hold(rank_pool, tmp_path):
             group.build(eff.model_dump_json(), dims, data_dir)
             group.train_step(measure_activations=True)
             reports = group.memory_reports()
-            snaps = group.memory_snapshot(f"{i:04d}-00000001", [None] * 4, wait=True)
+            snaps = group.memory_snapshot(f"0000-{i:08d}", [None] * 4, wait=True)  # older than later modules'
             for r, snap in zip(reports, snaps, strict=True):
                 r["snapshot"] = snap["bytes"]
             rows = memory_rows(reports, eff, result.best.candidate, dims, device_spec("cpu"), stepped=True)

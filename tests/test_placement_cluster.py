@@ -108,3 +108,25 @@ def test_doctor_reports_the_cluster_and_each_problem_with_its_fix(gpu_cluster, t
     by = {line.split()[1]: line for line in lines[:-1]}
     assert "9 cpu rank slot(s) on 3 node(s)" in by["accelerators"]
     assert "tp=2 pp=1 dp=4: 8 rank(s), 1 idle" in by["plan"]
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_node_restores_from_peers_memory_onto_the_survivors_mesh(gpu_cluster, tmp_path):
+    """The in-memory checkpoint tier (last here: it removes a node). 8 ranks (tp 2 × pp 2 ×
+    dp 2) on the 2 nodes, snapshots every step, storage every 6 (the last step here): the node of
+    rank 5 goes as step 5 begins; the 4 survivors re-plan to tp 2 × pp 2 and restore step 4 from
+    their own snapshots and the copies of the lost ranks', losing only the step in flight. (A
+    node lost with its buddy: test_fault_matrix.py; restored state = storage's, bit for bit, on
+    another mesh: test_reshard_restore.py.)"""
+    from servers import MEMORY_ARGS, assert_reference_losses, run_losing_nodes
+
+    s = run_losing_nodes(gpu_cluster, tmp_path, [
+        *MEMORY_ARGS, "parallelism.tp=2", "parallelism.pp=2", "parallelism.dp=2", "training.steps=6",
+        "checkpoint.every=6", "elastic.max_world_size=8"], ["wait@rank=5,step=4,phase=forward"])
+    assert s["status"] == "FINISHED" and s["steps_done"] == 6
+    [rec] = s["recoveries"]
+    assert rec["restored_from"] == "memory" and rec["mode"] == "warm", rec
+    assert rec["step"] == 4 and rec["steps_lost"] == 0, rec  # only the step in flight
+    assert (rec["old_mesh"]["world_size"], rec["new_mesh"]["world_size"]) == (8, 4)
+    assert (rec["new_mesh"]["tp"], rec["new_mesh"]["pp"]) == (2, 2)
+    assert_reference_losses(s, tmp_path)
