@@ -59,7 +59,7 @@ def _reference(v: int) -> tuple[float, dict[str, torch.Tensor]]:
             h = stages[s](h)
         loss = stages[PP * v - 1](h, y) / M
         loss.backward()
-        total += float(loss)
+        total += float(loss.detach())
     return total, _grads(stages)
 
 
