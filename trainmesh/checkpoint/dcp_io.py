@@ -66,10 +66,14 @@ def _writer(directory: str | Path):
     if is_uri(d):
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
+        from trainmesh.checkpoint.memory_fs import PROTOCOL
+
         class _UriWriter(_Recording, FsspecWriter):
             pass
 
-        return _UriWriter(d)
+        # Memory has nothing to sync, and DCP, finding no file descriptor to fsync, would call
+        # os.sync(): every dirty page of the machine flushed at every snapshot.
+        return _UriWriter(d, sync_files=not d.startswith(f"{PROTOCOL}://"))
     return _LocalWriter(d)
 
 
