@@ -82,7 +82,7 @@ class Engine:
             self.loss_context = loss_parallel
         apply_activation_checkpointing(self.model, spec.activation_checkpoint.mode,
                                        spec.activation_checkpoint.stride)
-        self.executor = None
+        self.executor = self.eval_executor = None
         # A split backward (zero-bubble schedules) keeps each stage gathered through the step:
         # its deferred W's need the parameters the forward used.
         split = pp > 1 and splits_backward(spec.schedule.name)
@@ -117,8 +117,8 @@ class Engine:
                         zero: ZeroPolicy | None) -> PipelineExecutor:
         par, tr, mesh = self.spec.parallelism, self.spec.training, self.mesh
         dims, c = mesh.dims, mesh.dims.coords(mesh.rank)
-        actions = build_schedule(self.spec.schedule.name, shape.pp, shape.vpp,
-                                 shape.microbatches)[c[Axis.PP]]
+        self._schedule = build_schedule(self.spec.schedule.name, shape.pp, shape.vpp,
+                                        shape.microbatches)
         timeout = timedelta(seconds=self.spec.runtime.collective_timeout_s)
         seq = tr.seq_len // dims.tp if par.sequence_parallel else tr.seq_len
         p2p = P2PSpec(group=mesh[Axis.PP].get_group(),
@@ -126,11 +126,9 @@ class Engine:
                       act_shape=(tr.microbatch_size, seq, self.spec.model.dim), dtype=dtype,
                       device=self.device, timeout=timeout,
                       post=nccl_rules.from_env(timeout) or dist.batch_isend_irecv)
-        self.eval_executor = PipelineExecutor(
-            shape, forward_only(self.spec.schedule.name, shape.pp, shape.vpp,
-                                shape.microbatches)[c[Axis.PP]], stages, p2p, self.loss_context)
-        return PipelineExecutor(shape, actions, stages, p2p, self.loss_context, zero,
-                                self.on_phase)
+        self._shape, self._stages, self._p2p = shape, stages, p2p  # for the eval executor
+        return PipelineExecutor(shape, self._schedule[c[Axis.PP]], stages, p2p, self.loss_context,
+                                zero, self.on_phase)
 
     def train_step(self, measure_activations: bool = False) -> StepStats:
         """One optimizer step. ``measure_activations``: count the bytes autograd saves for
@@ -181,6 +179,11 @@ class Engine:
                     loss = sum(self.model(x, y) for x, y in mbs) / len(mbs)
                 loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
             else:
+                if self.eval_executor is None:  # the schedule's forwards alone, built once
+                    rank = self.mesh.coord(Axis.PP)
+                    self.eval_executor = PipelineExecutor(
+                        self._shape, forward_only(self._shape, self._schedule)[rank], self._stages,
+                        self._p2p, self.loss_context)
                 loss = self.eval_executor.step(mbs).detach().double()
                 if pp > 1:
                     dist.all_reduce(loss, group=self.mesh[Axis.PP].get_group())

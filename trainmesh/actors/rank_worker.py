@@ -217,11 +217,12 @@ class RankWorker:
             self._saving = None
         return status
 
-    def load(self, directory: str, step: int, rng_state: bytes | None) -> None:
+    def load(self, directory: str, step: int, rng_state: bytes | None,
+             metadata_files: list[str] | None = None) -> None:
         rng = torch.frombuffer(bytearray(rng_state), dtype=torch.uint8) if rng_state else None
         self._progress.step = step
         self._progress.mark("restore")
-        self.engine.load(directory, step, rng)
+        self.engine.load(directory, step, rng, metadata_files)
 
     # -- in-memory checkpoints (checkpoint/memory_fs.py) --------------------------------------
     def memory_snapshot(self, directory: str, buddy, wait: bool = False) -> dict:
@@ -292,12 +293,9 @@ class RankWorker:
                                                        timeout=self._timeout_s)
 
         memory_fs.RankMemoryFS.fetch = fetch
-        rng = torch.frombuffer(bytearray(rng_state), dtype=torch.uint8) if rng_state else None
-        self._progress.step = step
-        self._progress.mark("restore")
         try:
-            self.engine.load(memory_fs.uri(directory), step, rng,
-                             sorted(n for n in holders if n.endswith(".metadata")))
+            self.load(memory_fs.uri(directory), step, rng_state,
+                      sorted(n for n in holders if n.endswith(".metadata")))
         finally:
             memory_fs.drop_fetched()
 

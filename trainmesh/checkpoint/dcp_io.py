@@ -18,6 +18,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -26,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from trainmesh.checkpoint.manifest import file_digests, is_uri
+from trainmesh.checkpoint.memory_fs import PROTOCOL
 
 # Optimizer state flattened to one key per parameter and field ("state.layers.0...exp_avg",
 # "param_groups.layers.0....lr"): no per-rank param_groups lists, so a rank holding other
@@ -61,16 +64,13 @@ class _LocalWriter(_Recording, FileSystemWriter):
     pass
 
 
+class _UriWriter(_Recording, FsspecWriter):
+    pass
+
+
 def _writer(directory: str | Path):
     d = str(directory)
     if is_uri(d):
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
-        from trainmesh.checkpoint.memory_fs import PROTOCOL
-
-        class _UriWriter(_Recording, FsspecWriter):
-            pass
-
         # Memory has nothing to sync, and DCP, finding no file descriptor to fsync, would call
         # os.sync(): every dirty page of the machine flushed at every snapshot.
         return _UriWriter(d, sync_files=not d.startswith(f"{PROTOCOL}://"))
@@ -80,46 +80,38 @@ def _writer(directory: str | Path):
 def _reader(directory: str | Path):
     d = str(directory)
     if is_uri(d):
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
         return FsspecReader(d)
     return FileSystemReader(d)
 
 
-def _merged_reader_class():
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+class _MergedReader(FsspecReader):
+    """Reads an uncoordinated save (``snapshot``) through the metadata a coordinated one would
+    have written: every rank's ``__R.metadata`` merged (chunks and storage entries; a tensor
+    replicated over ranks kept once)."""
 
-    class MergedReader(FsspecReader):
-        def __init__(self, directory: str, metadata_files: list[str]):
-            super().__init__(directory)
-            self.metadata_files = metadata_files
+    def __init__(self, directory: str, metadata_files: list[str]):
+        super().__init__(directory)
+        self.metadata_files = metadata_files
 
-        def read_metadata(self, *args, **kwargs) -> Metadata:
-            parts = []
-            for name in self.metadata_files:
-                with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as f:
-                    parts.append(pickle.load(f))
-            merged = Metadata(state_dict_metadata={}, planner_data={}, storage_data={},
-                              storage_meta=parts[0].storage_meta or StorageMeta(), version=parts[0].version)
-            for md in parts:
-                for key, item in md.state_dict_metadata.items():
-                    have = merged.state_dict_metadata.setdefault(key, item)
-                    if have is not item and isinstance(item, TensorStorageMetadata):
-                        seen = {(tuple(c.offsets), tuple(c.sizes)) for c in have.chunks}
-                        have.chunks += [c for c in item.chunks
-                                        if (tuple(c.offsets), tuple(c.sizes)) not in seen]
-                merged.planner_data.update(md.planner_data or {})
-                for index, info in md.storage_data.items():  # a replica's copy: one is enough
-                    merged.storage_data.setdefault(index, info)
-            merged.storage_meta.load_id = self.load_id
-            return merged
-
-    return MergedReader
-
-
-def _MergedReader(directory: str, metadata_files: list[str]):  # noqa: N802 - a class, made late
-    return _merged_reader_class()(directory, metadata_files)
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        parts = []
+        for name in self.metadata_files:
+            with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as f:
+                parts.append(pickle.load(f))
+        merged = Metadata(state_dict_metadata={}, planner_data={}, storage_data={},
+                          storage_meta=parts[0].storage_meta or StorageMeta(), version=parts[0].version)
+        for md in parts:
+            for key, item in md.state_dict_metadata.items():
+                have = merged.state_dict_metadata.setdefault(key, item)
+                if have is not item and isinstance(item, TensorStorageMetadata):
+                    seen = {(tuple(c.offsets), tuple(c.sizes)) for c in have.chunks}
+                    have.chunks += [c for c in item.chunks
+                                    if (tuple(c.offsets), tuple(c.sizes)) not in seen]
+            merged.planner_data.update(md.planner_data or {})
+            for index, info in md.storage_data.items():  # a replica's copy: one is enough
+                merged.storage_data.setdefault(index, info)
+        merged.storage_meta.load_id = self.load_id
+        return merged
 
 
 def save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:

@@ -76,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "data":
             return data_cli.prepare(args)
         if args.command == "eval":
-            return data_cli.evaluate(args, load_spec, unsupported_problems, SpecError)
+            return data_cli.evaluate(args)
         if args.command == "export":
             return data_cli.export(args)
     except SpecError as err:

@@ -62,18 +62,17 @@ def prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-def evaluate(args: argparse.Namespace, load_spec, unsupported_problems, spec_error) -> int:
+def evaluate(args: argparse.Namespace) -> int:
+    from trainmesh.jobs.loading import Problem, SpecError, load_spec, unsupported_problems
     from trainmesh.jobs.runner import evaluate_job, loopback_environment
 
     spec = load_spec(args.spec, args.overrides)
     problems = unsupported_problems(spec)
     if not (spec.data.eval_path or spec.data.eval_fraction):
-        from trainmesh.jobs.loading import Problem
-
         problems.append(Problem("data.eval_path", "no held-out data", "set data.eval_path or "
                                 "data.eval_fraction (e.g. --set data.eval_fraction=0.05)"))
     if problems:
-        raise spec_error(problems)
+        raise SpecError(problems)
     if spec.runtime.ray_address == "local":
         loopback_environment(os.environ)
     result = evaluate_job(spec, os.environ)

@@ -31,11 +31,10 @@ def build_schedule(kind: ScheduleKind | str, pp: int, vpp: int, microbatches: in
     return lower(shape, [gen(shape, r) for r in range(pp)])
 
 
-def forward_only(kind: ScheduleKind | str, pp: int, vpp: int, microbatches: int) -> Schedule:
-    """``kind``'s forwards alone, in its order, with their sends and receives: evaluation."""
-    compute = [[a for a in actions if a.op is Op.FORWARD]
-               for actions in build_schedule(kind, pp, vpp, microbatches)]
-    return lower(pipe_shape(kind, pp, vpp, microbatches), compute)
+def forward_only(shape: PipeShape, schedule: Schedule) -> Schedule:
+    """A built schedule's forwards alone, in its order, with their sends and receives placed
+    anew (the same lowering): evaluation."""
+    return lower(shape, [[a for a in actions if a.op is Op.FORWARD] for actions in schedule])
 
 
 def check(kind: ScheduleKind, pp: int, vpp: int, m: int) -> None:
