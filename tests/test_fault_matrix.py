@@ -81,6 +81,8 @@ def _act_on_faults(cluster, markers: dict[str, Path], job: threading.Thread,
                 continue
             where = json.loads(path.read_text())
             kind = dict(FAULTS)[name].split("@")[0]
+            if kind in DROPS_NODE:  # the stand-in first: registered before the job re-plans
+                cluster.add_node(num_cpus=1, num_gpus=2)
             if kind == "wait":
                 remove_node_hard(cluster, where["node"])
             if name == "kill":  # (recovered in place) the spare goes: at the notice the job
@@ -89,8 +91,6 @@ def _act_on_faults(cluster, markers: dict[str, Path], job: threading.Thread,
                     if not rank_pids_under(node.all_processes["raylet"][0].process.pid):
                         cluster.remove_node(node)
             acted[name] = time.time()
-            if kind in DROPS_NODE:
-                cluster.add_node(num_cpus=1, num_gpus=2)
         time.sleep(0.1)
     return acted
 
