@@ -135,14 +135,16 @@ def test_tracking_server_outage_then_trainmesh_run_sigkilled_and_run_again(tmp_p
                "--set", f"runtime.output_dir={out}", "--set", f"tracking.uri={server.uri}",
                "--set", "tracking.experiment=outage"]
 
+    log_path = tmp_path / "run.log"
+
     def start():
-        return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, env=env, cwd=tmp_path)
+        with open(log_path, "w") as log:
+            return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
 
     def logged_steps(at_least: int) -> list:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
-            assert job.poll() is None, job.communicate()[0][-3000:]
+            assert job.poll() is None, log_path.read_text()[-3000:]
             client, runs = _runs(server.uri, "outage")
             if runs:
                 history = client.get_metric_history(runs[0].info.run_id, "loss")
@@ -155,9 +157,16 @@ def test_tracking_server_outage_then_trainmesh_run_sigkilled_and_run_again(tmp_p
     try:
         logged_steps(5)
         server.stop()
-        time.sleep(3)  # steps go on while nothing listens
+        time.sleep(2)  # steps go on while nothing listens
         assert job.poll() is None, "the job ended while the server was down"
+        frozen = descendants(job.pid) | {job.pid}  # (while the server restarts, however long
+        _signal(frozen, signal.SIGSTOP)  # that takes: the job must not reach its end meanwhile)
         server.start()
+        _signal(frozen, signal.SIGCONT)
+        deadline = time.monotonic() + 120
+        while "is back" not in log_path.read_text():  # its next retry found the server
+            assert job.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.2)
         store = CheckpointStore(out / "checkpoints")
         after = max(m.step for m in logged_steps(1))  # what it logged while nothing listened
         while True:  # a checkpoint after the outage, and steps past it on the server
@@ -171,13 +180,13 @@ def test_tracking_server_outage_then_trainmesh_run_sigkilled_and_run_again(tmp_p
                 break
             _signal(started, signal.SIGCONT)
         job.kill()  # SIGKILL: no handler runs, no summary, the MLflow run left RUNNING
-        log, _ = job.communicate(timeout=60)
-        assert "unreachable" in log and "is back" in log
+        job.wait(timeout=60)
+        assert "unreachable" in log_path.read_text()
         _signal(started, signal.SIGKILL)  # the rest of its Ray instance (agents outlive it)
 
         job = start()
-        log, _ = job.communicate(timeout=400)
-        assert job.returncode == 0, log[-3000:]
+        job.wait(timeout=400)
+        assert job.returncode == 0, log_path.read_text()[-3000:]
         client, runs = _runs(server.uri, "outage")
         assert len(runs) == 1  # the same MLflow run, resumed
         (run,) = runs

@@ -6,6 +6,7 @@ nothing is tracked, so no ``if tracking_enabled`` is scattered through the loop.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -97,7 +98,7 @@ class MlflowTracker:
         self._on_warning = on_warning
         self.retry_interval_s, self.flush_timeout_s = retry_interval_s, flush_timeout_s
         self.client = MlflowClient(tracking_uri=uri)
-        self._pending: deque[tuple[str, Callable[[], object]]] = deque()
+        self._pending: deque[tuple[str, Callable[[], object] | _Metrics]] = deque()
         self._down_since: float | None = None
         try:
             if run_id is not None:
@@ -132,15 +133,27 @@ class MlflowTracker:
             self._wake.clear()
 
     def _drain(self) -> bool:
-        """Send queued calls in order; False when the server is (still) unreachable."""
+        """Send queued calls in order; False when the server is (still) unreachable. Metrics
+        queued one after another go in one request (up to MLflow's ``log_batch`` limit), so the
+        sender keeps up with steps faster than a request and a backlog clears in a few calls."""
         while self._pending:
             what, call = self._pending[0]
+            n = 1
+            if isinstance(call, _Metrics):
+                batch = list(call.batch)
+                while n < len(self._pending) and isinstance(self._pending[n][1], _Metrics) and \
+                        len(batch) + len(self._pending[n][1].batch) <= _BATCH_LIMIT:
+                    batch += self._pending[n][1].batch
+                    n += 1
+                call = functools.partial(self.client.log_batch, self.run_id, metrics=batch)
             try:
                 call()
             except Exception as err:  # noqa: BLE001 - classified below
                 if _rejected(err):  # the server answered "no": retrying cannot help
-                    self._warn(f"MLflow rejected {what}: {_short(err)}")
-                    self._pending.popleft()
+                    self._warn(f"MLflow rejected {what}" + (f" and {n - 1} more" if n > 1 else "")
+                               + f": {_short(err)}")
+                    for _ in range(n):
+                        self._pending.popleft()
                     continue
                 if self._down_since is None:
                     self._down_since = time.monotonic()
@@ -148,7 +161,8 @@ class MlflowTracker:
                                "training goes on, metrics are buffered and retried every "
                                f"{self.retry_interval_s:.0f} s")
                 return False
-            self._pending.popleft()
+            for _ in range(n):
+                self._pending.popleft()
             if self._down_since is not None:  # said at once: the backlog may take a while
                 self._warn(f"MLflow tracking server at {self.uri} is back after "
                            f"{time.monotonic() - self._down_since:.0f} s; sending the "
@@ -178,7 +192,7 @@ class MlflowTracker:
 
         now = int(time.time() * 1000)  # when it happened, not when the server got it
         batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
-        self._submit(f"metrics of step {step}", lambda: self.client.log_batch(self.run_id, metrics=batch))
+        self._submit(f"metrics of step {step}", _Metrics(batch))
 
     def log_dict(self, obj: Any, artifact_file: str) -> None:
         self._submit(artifact_file, lambda: self.client.log_dict(self.run_id, obj, artifact_file))
@@ -204,6 +218,16 @@ class MlflowTracker:
             self._warn(f"MLflow tracking server at {self.uri} did not come back within "
                        f"{self.flush_timeout_s:.0f} s; {len(self._pending)} buffered calls were "
                        "not sent")
+
+
+_BATCH_LIMIT = 1000  # metrics in one MLflow log_batch request
+
+
+class _Metrics:
+    """Queued metrics of one step (sent with the metrics queued after them, see ``_drain``)."""
+
+    def __init__(self, batch: list) -> None:
+        self.batch = batch
 
 
 def _rejected(err: Exception) -> bool:
