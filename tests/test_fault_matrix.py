@@ -61,19 +61,17 @@ def cluster():
         yield c
 
 
-def _act_on_faults(cluster, markers: dict[str, Path], job: threading.Thread,
-                   store: CheckpointStore) -> dict[str, float]:
+def _act_on_faults(cluster, markers: dict[str, Path], job: threading.Thread) -> dict[str, float]:
     """Until the job ends, act on each fault as it fires (its marker appears): remove the node
     of a rank that waits there (hard, its rank processes killed as the node's end would), and
     bring a fresh node for every node the job loses; before the preemption notice take the
-    idle spare away, and bring a node once the job has saved on the 2 ranks left (it grows
-    back). (Ray adds nodes from
-    the main thread only: the job runs in another.)"""
+    idle spare away, and bring a node once the job runs on the 2 ranks left (it grows back at
+    a checkpoint). (Ray adds nodes from the main thread only: the job runs in another.)"""
     acted: dict[str, float] = {}
     while job.is_alive():
-        if "notice" in acted and "grown" not in acted and any(
-                (store.read_manifest(store.step_dir(k), hashes=False) or {}).get(
-                    "mesh", {}).get("world_size") == 2 for k in store.complete_steps()):
+        if "notice" in acted and "grown" not in acted and sum(
+                len(rank_pids_under(node.all_processes["raylet"][0].process.pid))
+                for node in cluster.worker_nodes) == 2:  # the job goes on with the 2 ranks left
             cluster.add_node(num_cpus=1, num_gpus=2)
             acted["grown"] = time.time()
         for name, path in markers.items():
@@ -127,8 +125,7 @@ def test_every_fault_is_recovered_warm_in_seconds_with_nothing_lost(cluster, tmp
     env = ";".join(f"{fault},marker={markers[name]}" for name, fault in FAULTS)
     spec = load_spec(None, [*ARGS, f"runtime.output_dir={tmp_path / 'out'}"])
     thread, box = job_in_background(spec, {FAULT_ENV: env})
-    store = CheckpointStore(tmp_path / "out" / "checkpoints")
-    acted = _act_on_faults(cluster, markers, thread, store)
+    acted = _act_on_faults(cluster, markers, thread)
     assert "error" not in box, box.get("error")
     assert sorted(acted) == sorted([*markers, "grown"]), "faults that never fired"
     s = box["summary"]
@@ -177,6 +174,7 @@ def test_every_fault_is_recovered_warm_in_seconds_with_nothing_lost(cluster, tmp
     torch.testing.assert_close(torch.tensor(s["losses"]), torch.tensor(want), rtol=1e-4, atol=0)
 
     # No complete checkpoint was lost or damaged: every one committed is there, intact.
+    store = CheckpointStore(tmp_path / "out" / "checkpoints")
     complete = store.complete_steps()
     assert STEPS in complete and notice["step"] in complete and up["step"] in complete
     for step in complete:  # every file present, its size and sha256 as the manifest says
