@@ -114,15 +114,18 @@ def test_doctor_reports_the_cluster_and_each_problem_with_its_fix(gpu_cluster, t
 def test_a_lost_node_restores_from_peers_memory_onto_the_survivors_mesh(gpu_cluster, tmp_path):
     """The in-memory checkpoint tier (last here: it removes a node). 8 ranks (tp 2 × pp 2 ×
     dp 2) on the 2 nodes, snapshots every step, storage every 6 (the last step here): the node of
-    rank 5 goes as step 5 begins; the 4 survivors re-plan to tp 2 × pp 2 and restore step 4 from
-    their own snapshots and the copies of the lost ranks', losing only the step in flight. (A
-    node lost with its buddy: test_fault_matrix.py; restored state = storage's, bit for bit, on
-    another mesh: test_reshard_restore.py.)"""
+    ranks 4-7 goes as step 5 begins, once their snapshots of step 4 are complete (a ``wait``
+    fault lets the rank's background snapshot land first); the 4 survivors re-plan to tp 2 × pp 2
+    and restore step 4 from their own snapshots and the copies of the lost ranks', losing only
+    the step in flight. (A node lost while its copies travel restores the snapshot before:
+    test_memory_tier.py; a node lost with its buddy: test_fault_matrix.py; restored state =
+    storage's, bit for bit, on another mesh: test_reshard_restore.py.)"""
     from servers import MEMORY_ARGS, assert_reference_losses, run_losing_nodes
 
     s = run_losing_nodes(gpu_cluster, tmp_path, [
         *MEMORY_ARGS, "parallelism.tp=2", "parallelism.pp=2", "parallelism.dp=2", "training.steps=6",
-        "checkpoint.every=6", "elastic.max_world_size=8"], ["wait@rank=5,step=4,phase=forward"])
+        "checkpoint.every=6", "elastic.max_world_size=8"],
+        [f"wait@rank={r},step=4,phase=forward" for r in range(4, 8)])
     assert s["status"] == "FINISHED" and s["steps_done"] == 6
     [rec] = s["recoveries"]
     assert rec["restored_from"] == "memory" and rec["mode"] == "warm", rec

@@ -53,6 +53,11 @@ def source_checkpoint(rank_pool, tmp_path_factory):
         for _ in range(2):  # non-trivial Adam moments
             g.train_step()
         g.save_to(str(tmp / "ckpt"))
+        # A snapshot is the rank's alone (no collective, even from its background thread): one
+        # rank takes one while the others take none.
+        import ray
+        alone = ray.get(g.group.workers[0].memory_snapshot.remote("0001-00000001", None, True), timeout=30)
+        assert alone["files_bytes"] > alone["bytes"] > 0
         # The same state as an in-memory snapshot, each rank's copy handed to the rank two
         # further on (as if ranks 0-1 and 2-3 were two nodes).
         snap = g.memory_snapshot(SNAPSHOT, [2, 3, 0, 1], wait=True)

@@ -65,7 +65,11 @@ class Fault:
             raise ValueError(f"{FAULT_ENV}={text!r}: kind one of {FAULT_KINDS}, phase one of {PHASES}")
         return fault
 
-    def fire(self) -> None:
+    def fire(self, settle=None) -> None:
+        if os.path.exists(self.marker):
+            return  # fired already in this job
+        if self.kind == "wait" and settle is not None:
+            settle()  # the rank's background work landed first: the node is lost right here
         try:
             fd = os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
@@ -95,6 +99,7 @@ class Progress:
         self.phase, self._step, self.since = "idle", 0, time.monotonic()
         text = os.environ.get(FAULT_ENV)
         self._faults = Fault.parse(text) if text else []
+        self.settle = None  # what a ``wait`` fault lets finish before it fires (the rank's)
 
     @property
     def step(self) -> int:
@@ -111,7 +116,7 @@ class Progress:
         self.phase, self.since = phase, time.monotonic()
         for f in self._faults:
             if f.rank == self.rank and f.phase == phase and f.step in (None, self.step):
-                f.fire()
+                f.fire(self.settle)
 
     def snapshot(self) -> dict:
         return {"step": self.step, "phase": self.phase, "counts": dict(self.counts),

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from trainmesh.actors.progress import Progress
+from trainmesh.actors.snapshots import Snapshots
 from trainmesh.parallel.dims import ParallelDims
 from trainmesh.spec.job import JobSpec
 
@@ -42,7 +43,9 @@ class RankWorker:
         self._save_group: dist.ProcessGroup | None = None
         self._saving: concurrent.futures.Future | None = None
         self._saved_files: dict = {}
-        self._replica = None  # the copy of the last in-memory snapshot on its way to the buddy
+        self._snapshots = Snapshots()  # the in-memory tier's (checkpoint.in_memory)
+        # (tests) a node is lost at a fault's point with this rank's snapshot in flight landed
+        self._progress.settle = self._snapshots.settle
         # A preemption notice (SIGTERM: a spot reclaim, a node drain) does not end the rank at
         # once: it is reported with the next step so the controller can checkpoint first.
         self.preempted = False
@@ -98,6 +101,7 @@ class RankWorker:
         # save first): it never counts, and one stuck in its group's collective would wait for
         # the collective timeout, so it is given a moment and then left behind.
         self.wait_save(timeout_s=1.0)
+        self._snapshots.forget(timeout_s=self._timeout_s)  # (a recovery may restore it)
         self._saving, self._save_group, self.engine = None, None, None
         _abandon_process_groups()
         _forget_dtensor_caches()
@@ -226,29 +230,18 @@ class RankWorker:
 
     # -- in-memory checkpoints (checkpoint/memory_fs.py) --------------------------------------
     def memory_snapshot(self, directory: str, buddy, wait: bool = False) -> dict:
-        """This rank alone (no collective): snapshot its shards into its memory as
-        ``directory``, then hand a copy to ``buddy`` (a rank actor on another node) without
-        waiting for it; the copy handed at the last snapshot is waited for first, so at most
-        one is in flight (``wait``: this one's copy too)."""
-        import time
-
-        from trainmesh.checkpoint import dcp_io, memory_fs
+        """This rank alone (no collective): snapshot its shards as ``directory`` in its memory
+        and hand a copy to ``buddy`` (a rank actor on another node); training waits only for
+        the copy to host memory (``actors/snapshots.py``). ``wait``: for the whole of it."""
+        from trainmesh.checkpoint import memory_fs
 
         self._progress.mark("snapshot")
-        t0 = time.perf_counter()  # what training waits for: the last copy's arrival, and the save
-        if self._replica is not None:
-            ray.wait([self._replica], timeout=self._timeout_s)
-            self._replica = None
-        written = dcp_io.snapshot(memory_fs.uri(directory), self.engine.model, self.engine.optimizer)
-        blocked = time.perf_counter() - t0
-        memory_fs.keep_newest(2)
-        if buddy is not None:
-            files = {n: memory_fs.read(directory, n) for n in written}
-            self._replica = buddy.keep_replica.remote(directory, files)
-            if wait:
-                ray.wait([self._replica], timeout=self._timeout_s)
-        return {"files": written, "blocked_s": blocked, "bytes": memory_fs.nbytes(directory),
-                "rng": torch.random.get_rng_state().numpy().tobytes() if self.rank == 0 else None}
+        got = self._snapshots.take(directory, self.rank, self.engine.model, self.engine.optimizer,
+                                   buddy, self._timeout_s)
+        if wait:
+            self._snapshots.settle(self._timeout_s)
+            got["files_bytes"] = memory_fs.nbytes(directory)
+        return {**got, "rng": torch.random.get_rng_state().numpy().tobytes() if self.rank == 0 else None}
 
     @ray.method(concurrency_group="memory")
     def keep_replica(self, directory: str, files: dict) -> int:

@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -123,13 +124,51 @@ def save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimiz
     return file_digests(str(directory), writer.written)
 
 
-def snapshot(directory: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
-    """This rank alone (no collective: the in-memory tier, ``memory_fs``) saves its shards to
-    ``directory`` with metadata of its own (``__R.metadata``, DCP's uncoordinated save);
-    returns the names of the files it wrote. ``load_snapshot`` merges every rank's metadata."""
+def stager(device: torch.device) -> DefaultStager:
+    """DCP's stager for copies of the state in host memory, its buffers kept from one copy to
+    the next (pinned, the copy asynchronous and synchronised once, on GPUs)."""
+    cuda = device.type == "cuda"
+    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                        use_async_staging=False, use_non_blocking_copy=cuda))
+
+
+def stage(staging: DefaultStager, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, int]:
+    """This rank's shards (model and optimizer, as ``save`` writes them) copied to host memory
+    by ``staging``; returns the copy and its tensor bytes."""
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTS)
-    writer = _writer(directory)
-    dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=writer, use_collectives=False)
+    staged = staging.stage({"model": model_sd, "optim": optim_sd})
+    nbytes = 0
+    for part in staged.values():
+        for v in part.values():
+            if isinstance(v, torch.Tensor):
+                local = v.to_local() if hasattr(v, "to_local") else v
+                nbytes += local.numel() * local.element_size()
+    return staged, nbytes
+
+
+class _RankWriter(_UriWriter):
+    """An uncoordinated save's writer that names its files after ``rank`` (``__R_*``,
+    ``__R.metadata``) though DCP runs without a process group (``no_dist``: it tells the
+    writer rank 0)."""
+
+    def __init__(self, path: str, rank: int, **kwargs):
+        super().__init__(path, **kwargs)
+        self._own_rank = rank
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
+        super().set_up_storage_writer(is_coordinator, *args, **{**kwargs, "rank": self._own_rank,
+                                                                "use_collectives": False})
+
+
+def snapshot(directory: str, rank: int, state: dict) -> list[str]:
+    """Rank ``rank`` alone (the in-memory tier, ``memory_fs``; any thread) saves ``state`` (its
+    shards as ``stage`` copied them) to ``directory`` with metadata of its own
+    (``__R.metadata``, DCP's uncoordinated save); returns the names of the files it wrote.
+    ``load_snapshot`` merges every rank's metadata. No process group is touched: DCP's
+    uncoordinated save still ends in a barrier over the default group (torch 2.13), which
+    from a background thread would interleave with the training thread's collectives."""
+    writer = _RankWriter(directory, rank, sync_files=False)  # memory: nothing to sync (_writer)
+    dcp.save(state, storage_writer=writer, no_dist=True, use_collectives=False)
     return list(writer.written)
 
 

@@ -44,13 +44,15 @@ def uri(directory: str, name: str = "") -> str:
 
 
 def held() -> dict[str, list[str]]:
-    """Directory → the file names this process holds there (its own and its replicas)."""
+    """Directory → the file names this process holds there (its own and its replicas; not a
+    snapshot still being written: its directory is hidden, ``.NAME``, until ``commit``)."""
     out: dict[str, list[str]] = {}
     for path in list(RankMemoryFS.store):
         if path in RankMemoryFS.fetched:
             continue
         directory, _, name = path.removeprefix(f"{PROTOCOL}://").rpartition("/")
-        out.setdefault(directory, []).append(name)
+        if not directory.startswith("."):
+            out.setdefault(directory, []).append(name)
     return out
 
 
@@ -59,10 +61,29 @@ def read(directory: str, name: str) -> bytes | None:
     return None if f is None else f.getvalue()
 
 
+def _metadata_last(names) -> list[str]:
+    """A rank's files in the order they become visible: its metadata (what says it is there,
+    ``MemoryTier.newest_complete``) after its data."""
+    return sorted(names, key=lambda n: (n.endswith(".metadata"), n))
+
+
 def put(directory: str, files: dict[str, bytes]) -> None:
     fs = RankMemoryFS()
-    for name, data in files.items():
-        fs.pipe_file(uri(directory, name), data)
+    for name in _metadata_last(files):
+        fs.pipe_file(uri(directory, name), files[name])
+
+
+def commit(hidden: str, directory: str) -> dict[str, bytes]:
+    """Make the files written under ``hidden`` part of ``directory`` (metadata last); returns
+    them, name → bytes."""
+    prefix = uri(hidden) + "/"
+    names = [p.removeprefix(prefix) for p in list(RankMemoryFS.store) if p.startswith(prefix)]
+    files = {}
+    for name in _metadata_last(names):
+        f = RankMemoryFS.store.pop(prefix + name)
+        RankMemoryFS.store[uri(directory, name)] = f
+        files[name] = f.getvalue()
+    return files
 
 
 def nbytes(directory: str) -> int:

@@ -287,11 +287,16 @@ DCP_ENTRY_BYTES = 8 * 1024
 
 def snapshot_host_bytes(model, c: Candidate, pp_rank: int | None = None) -> float:
     """Host memory the in-memory checkpoint tier holds for one rank (``pp_rank``; None: the
-    heaviest): its own snapshot and a buddy's copy, each its fp32 parameter and AdamW shards
-    (12 bytes per local parameter)."""
+    heaviest) at its peak, while a snapshot is written: its own newest two snapshots and a
+    buddy's two copies (DCP files: each the fp32 parameter and AdamW shards, 12 bytes per
+    local parameter, and DCP's framing of each tensor), and the host copy the next snapshot
+    is staged in."""
     ranks = {0, c.pp - 1} if pp_rank is None else {pp_rank}
-    return 2 * max(12 * rank_params(model, c.pp, r, c.schedule).local(c.tp, c.dp)
-                   + 3 * DCP_ENTRY_BYTES * _tensors(model, c, r) for r in ranks)
+
+    def one(r: int) -> float:
+        state = 12 * rank_params(model, c.pp, r, c.schedule).local(c.tp, c.dp)
+        return 4 * (state + 3 * DCP_ENTRY_BYTES * _tensors(model, c, r)) + state
+    return max(one(r) for r in ranks)
 
 
 def _tensors(model, c: Candidate, pp_rank: int) -> int:

@@ -37,9 +37,11 @@ def memory_rows(reports: list[dict], spec: JobSpec, c: Candidate, dims: Parallel
             "optimizer_gib": r["optimizer"] / GIB, "activations_gib": r["activations"] / GIB,
             "predicted": pred.as_gib(),
         })
-        if spec.checkpoint.in_memory.every:  # host memory: own snapshot + a buddy's copy
-            rows[-1]["snapshot_host_gib"] = {"predicted": snapshot_host_bytes(spec.model, c, pp_rank) / GIB,
-                                             "measured": 2 * r["snapshot"] / GIB if "snapshot" in r else None}
+        if spec.checkpoint.in_memory.every:  # host memory (snapshot_host_bytes): from one
+            # snapshot's files and its staged copy, as measured, their peak
+            rows[-1]["snapshot_host_gib"] = {
+                "predicted": snapshot_host_bytes(spec.model, c, pp_rank) / GIB,
+                "measured": (4 * r["snapshot"] + r["staged"]) / GIB if "snapshot" in r else None}
     return rows
 
 
@@ -58,7 +60,7 @@ def format_rows(rows: list[dict], stepped: bool) -> str:
         if r["rank"] == 0 and "snapshot_host_gib" in r:
             h = r["snapshot_host_gib"]
             got = "" if h["measured"] is None else f", measured {h['measured']:.3f}"
-            lines.append(f"     host memory for in-memory snapshots (own + a buddy's copy): predicted "
+            lines.append(f"     host memory for in-memory snapshots (own two, a buddy's two, staging): predicted "
                          f"{h['predicted']:.3f}{got} per rank")
         if r["rank"] == 0:
             lines.append(f"     predicted for rank 0: params {p['params']:.3f}, grads {p['grads']:.3f}, "
@@ -80,5 +82,5 @@ def measure(group, spec_json: str, dims, data_dir: str, step: bool) -> list[dict
     if step and JobSpec.model_validate_json(spec_json).checkpoint.in_memory.every:
         snaps = group.memory_snapshot("0000-00000000", [None] * len(reports), wait=True)
         for r, snap in zip(reports, snaps, strict=True):
-            r["snapshot"] = snap["bytes"]
+            r["snapshot"], r["staged"] = snap["files_bytes"], snap["bytes"]
     return reports

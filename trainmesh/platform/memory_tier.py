@@ -37,16 +37,18 @@ class MemoryTier:
         """Every rank snapshots; returns the metrics (seconds blocked: the slowest rank's)."""
         directory = f"{self.generation:04d}-{step:08d}"
         got = group.memory_snapshot(directory, buddies(rank_nodes))
-        self.snapshots[directory] = {"step": step, "files": sorted({f for r in got for f in r["files"]}),
-                                     "rng": got[0]["rng"], "losses": list(losses[:step]), "mesh": mesh}
+        self.snapshots[directory] = {"step": step, "ranks": len(got), "rng": got[0]["rng"],
+                                     "losses": list(losses[:step]), "mesh": mesh}
         for old in sorted(self.snapshots)[:-2]:  # the ranks keep the newest two as well
             del self.snapshots[old]
         return {"snapshot_blocked_s": max(r["blocked_s"] for r in got),
                 "snapshot_bytes": float(sum(r["bytes"] for r in got))}
 
     def newest_complete(self, group, at_least: int) -> tuple[str, dict, dict[str, int]] | None:
-        """The newest snapshot of step ≥ ``at_least`` whose every file some rank of ``group``
-        holds: (directory, its record, file → the rank to read it from)."""
+        """The newest snapshot of step ≥ ``at_least`` of which some rank of ``group`` holds
+        every rank's files — a rank's metadata (``__R.metadata``) is held only with its data
+        (``memory_fs.commit``, ``put``): (directory, its record, file → the rank to read it
+        from)."""
         if not self.snapshots:
             return None
         inventory = group.memory_inventory()
@@ -58,7 +60,7 @@ class MemoryTier:
             for rank, held in enumerate(inventory):
                 for name in held.get(directory, []):
                     holders.setdefault(name, rank)
-            if set(meta["files"]) <= set(holders):
+            if {f"__{r}.metadata" for r in range(meta["ranks"])} <= set(holders):
                 return directory, meta, holders
         return None
 
