@@ -53,11 +53,11 @@ def swiglu_case(shape, dtype=torch.float32, device="cpu"):
     check(k.swiglu, ref.swiglu, g, u, dtype=dtype)
 
 
-def rope_case(b, t, h, d, dtype=torch.float32, device="cpu"):
+def rope_case(b, t, h, d, dtype=torch.float32, device="cpu", theta=10000.0, scaling=None):
     from trainmesh.models.llama.model import rope_tables
 
     k = kernel_set("triton")
-    cos, sin = (c[:t].to(device) for c in rope_tables(d, t + 3, 10000.0))
+    cos, sin = (c[:t].to(device) for c in rope_tables(d, t + 3, theta, scaling))
     x = rand(b, t, h, d, dtype=dtype, device=device)
     check(lambda a: k.rope(a, cos, sin), lambda a: ref.rope(a, cos, sin), x, dtype=dtype)
 

@@ -1,8 +1,9 @@
 """Hugging Face Llama in and out: import from ``LlamaForCausalLM.save_pretrained`` and export
 back (logits equal transformers' own, GQA, tied and untied, llama3 RoPE scaling); import onto
-tp2 × dp2 and pp2 × dp2 meshes gives the single process's held-out and training losses; one
-job trains from an imported model on tokenizer-prepared data, evaluates held-out loss into
-MLflow, and its checkpoint is exported and evaluated again on another mesh."""
+tp2 × dp2 and pp2 × dp2 meshes gives the single process's held-out and training losses, each
+rank reading its own slices; one job trains from an imported model on tokenizer-prepared data,
+evaluates held-out data into MLflow, resumes on another mesh with the same losses, and its
+checkpoint is exported and evaluated again on another mesh."""
 
 from __future__ import annotations
 
@@ -76,6 +77,10 @@ def test_import_and_export_keep_transformers_logits(hf_models, tmp_path, case):
     assert not any(info.values()), info  # no missing, unexpected or mismatched keys
     with torch.no_grad():
         assert _relative_error(back.eval()(x).logits, want) < 1e-5
+    # ... and imports again from its sharded index.
+    again = build_model(load_spec(None, [f"model.init_from={tmp_path / 'out'}"]), torch.device("cpu"))
+    with torch.no_grad():
+        assert _relative_error(again.eval()(x), want) < 1e-5
 
 
 def test_a_shape_that_differs_from_config_json_is_refused_naming_both(hf_models):
@@ -119,17 +124,24 @@ def test_import_onto_a_mesh_gives_the_single_process_losses(rank_pool, hf_models
     try:
         group.build(spec.model_dump_json(), dims, data_dir)
         held_out = group.evaluate(spec.eval.batches)
+        read = [r["imported"] for r in group.memory_reports()]
         losses = [group.train_step()[0]["loss"] for _ in range(2)]
     finally:
         rank_pool.release(group)
+    # each rank read its own slices of the safetensors file, about a quarter of it (the
+    # permuted wq/wk rows come in whole heads), and together they read all of it
+    whole = sum(p.numel() * 4 for p in theirs.parameters())
+    assert sum(read) >= whole and max(read) < 0.4 * whole, (read, whole)
     assert held_out == pytest.approx(_held_out_loss(theirs, data_dir, spec), rel=1e-5)
     ref, _ = reference_run(spec, data_dir, steps=2)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=0)
 
 
 @pytest.mark.timeout(300)
-def test_job_from_an_imported_model_on_tokenized_data_evaluates_exports_and_reevaluates(
+def test_job_from_an_imported_model_on_tokenized_data_evaluates_resumes_exports_and_reevaluates(
         ray_local, tmp_path, capsys):
+    import shutil
+
     import yaml
     from mlflow.tracking import MlflowClient
 
@@ -138,29 +150,41 @@ def test_job_from_an_imported_model_on_tokenized_data_evaluates_exports_and_reev
 
     (tmp_path / "tok").mkdir()
     tok = train_tokenizer(tmp_path / "tok" / "tokenizer.json")
-    docs = tmp_path / "docs.jsonl"
-    docs.write_text("".join(json.dumps({"text": d}) + "\n" for d in corpus.documents()))
-    assert main(["data", "prepare", str(docs), "--tokenizer", str(tmp_path / "tok"),
-                 "--out", str(tmp_path / "data")]) == 0
-    save_hf(tmp_path / "hf", vocab_size=tok.get_vocab_size(), seed=3)
+    docs = corpus.documents()
+    for name, part in (("train", docs[:-4]), ("held", docs[-4:])):  # held-out documents apart
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in part))
+        assert main(["data", "prepare", str(tmp_path / f"{name}.jsonl"), "--tokenizer",
+                     str(tmp_path / "tok"), "--out", str(tmp_path / name)]) == 0
+    vocab = -(-tok.get_vocab_size() // 8) * 8  # padded, so that tp can split it
+    save_hf(tmp_path / "hf", vocab_size=vocab, seed=3)
     out = tmp_path / "run"
     raw = {"name": "from-hf", "model": {"init_from": str(tmp_path / "hf")},
-           "data": {"path": str(tmp_path / "data"), "eval_fraction": 0.1},
+           "data": {"path": str(tmp_path / "train"), "eval_path": str(tmp_path / "held")},
            "eval": {"every": 2, "batches": 2}, "parallelism": {"dp": 2},
-           "training": {"steps": 4, "seq_len": 32, "global_batch_size": 8, "microbatch_size": 2},
-           "optimizer": {"warmup_steps": 1}, "runtime": {"device": "cpu", "output_dir": str(out)}}
+           "training": {"steps": 6, "seq_len": 32, "global_batch_size": 8, "microbatch_size": 2},
+           "checkpoint": {"every": 2}, "optimizer": {"warmup_steps": 1},
+           "runtime": {"device": "cpu", "output_dir": str(out)}}
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(raw))
-    summary = run_job(load_spec(tmp_path / "job.yaml"), environ={}, show_progress=False)
-    assert summary["status"] == "FINISHED" and [e["step"] for e in summary["eval"]] == [2, 4]
-    client = MlflowClient(summary["tracking_uri"])
-    history = sorted(client.get_metric_history(summary["mlflow_run_id"], "eval_loss"), key=lambda m: m.step)
-    assert [(m.step, m.value) for m in history] == [(e["step"], e["loss"]) for e in summary["eval"]]
+    first = run_job(load_spec(tmp_path / "job.yaml"), environ={}, show_progress=False)
+    assert first["status"] == "FINISHED" and [e["step"] for e in first["eval"]] == [2, 4, 6]
+    client = MlflowClient(first["tracking_uri"])
+    history = sorted(client.get_metric_history(first["mlflow_run_id"], "eval_loss"), key=lambda m: m.step)
+    assert [(m.step, m.value) for m in history] == [(e["step"], e["loss"]) for e in first["eval"]]
 
-    # Exported back to the Hugging Face format with its tokenizer, and logged to the run.
+    # Resumed from step 4 on another mesh (dp 2 → tp 2): the same samples, the same losses.
+    shutil.rmtree(first["checkpoints"][-1])
+    spec = load_spec(tmp_path / "job.yaml", ["parallelism.dp=1", "parallelism.tp=2"])
+    summary = run_job(spec, environ={}, show_progress=False)
+    assert summary["steps_done"] == 6 and summary["eval"][-1]["step"] == 6
+    torch.testing.assert_close(torch.tensor(summary["losses"][4:]), torch.tensor(first["losses"][4:]),
+                               rtol=1e-5, atol=0)
+    assert summary["eval"][-1]["loss"] == pytest.approx(first["eval"][-1]["loss"], rel=1e-5)
+
+    # Its step-6 checkpoint (written under tp 2) exported to the Hugging Face format with its
+    # tokenizer, and logged to the run.
     assert main(["export", str(out), "--hf", str(tmp_path / "export"), "--mlflow"]) == 0
     back, info = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "export", output_loading_info=True)
     assert not any(info.values()), info
-    spec = load_spec(tmp_path / "job.yaml")
     ours = build_model(spec, torch.device("cpu"))
     ours.load_state_dict(load_checkpoint_params(spec, summary["checkpoints"][-1]))
     x = torch.randint(0, tok.get_vocab_size(), (2, 32), generator=torch.Generator().manual_seed(2))
@@ -175,7 +199,7 @@ def test_job_from_an_imported_model_on_tokenized_data_evaluates_exports_and_reev
     from trainmesh.jobs.loading import unsupported_problems
 
     again = [f"model.init_from={tmp_path / 'export'}", "runtime.device=cpu"]
-    assert unsupported_problems(load_spec(None, [*again, f"data.path={tmp_path / 'data'}"])) == []
+    assert unsupported_problems(load_spec(None, [*again, f"data.path={tmp_path / 'train'}"])) == []
     [problem] = unsupported_problems(load_spec(None, again))
     assert problem.path == "data.path" and "prepare the data with --tokenizer" in str(problem)
     logged = {a.path for a in client.list_artifacts(summary["mlflow_run_id"], "hf")}
@@ -185,5 +209,5 @@ def test_job_from_an_imported_model_on_tokenized_data_evaluates_exports_and_reev
     capsys.readouterr()
     assert main(["eval", str(tmp_path / "job.yaml"), "--set", "parallelism.dp=1", "--json"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert result["step"] == 4 and result["mesh"]["dp"] == 1
+    assert result["step"] == 6 and result["mesh"]["dp"] == 1
     assert result["eval_loss"] == pytest.approx(summary["eval"][-1]["loss"], rel=1e-5)

@@ -35,6 +35,15 @@ def test_rope(b, t, h, d, dtype):
     rope_case(b, t, h, d, dtype)
 
 
+def test_rope_with_llama3_scaled_tables():
+    """Llama 3.1's scaling changes only the tables the kernel is given: short, medium and long
+    wavelengths all present (original context 64 over a head of 32: wavelengths 6.3, 14, 32,
+    73, ... against the bounds 16 and 64)."""
+    rope_case(2, 16, 2, 32, theta=500000.0, scaling={"factor": 8.0, "low_freq_factor": 1.0,
+                                                      "high_freq_factor": 4.0,
+                                                      "original_max_position_embeddings": 64})
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("rows", "dim", "vocab"), [((1,), 8, 5), ((2, 7), 16, 50), ((3, 11), 24, 1500),
                                                     ((40,), 8, 264)])

@@ -72,3 +72,37 @@ def test_a_snapshot_being_written_is_not_held_until_committed():
         assert memory_fs.read("0001-00000007", "__3_0.distcp") == b"shard"
     finally:
         memory_fs.keep_newest(0)
+
+
+def test_the_host_copy_is_the_state_as_copied_and_reuses_its_buffers():
+    """What training waits for (``checkpoint/host_copy.py``): a copy apart from the training
+    state, DTensors kept DTensors (DCP reshards them), the next copy into the same buffers."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from trainmesh.checkpoint.host_copy import HostCopy
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        w = distribute_tensor(torch.randn(4, 3), init_device_mesh("cpu", (1,)), [Shard(0)])
+        state = {"model": {"w": w, "b": torch.randn(3)}, "optim": {"lr": 0.1, "betas": (0.9, 0.95)}}
+        host = HostCopy(torch.device("cpu"))
+        first = host.copy(state)
+        assert type(first["model"]["w"]) is DTensor and first["model"]["w"].placements == (Shard(0),)
+        assert torch.equal(first["model"]["w"].to_local(), w.to_local()) and host.nbytes == 15 * 4
+        buffer = first["model"]["w"].to_local().data_ptr()
+        with torch.no_grad():  # training goes on
+            w.to_local().add_(1.0)
+            state["model"]["b"].mul_(2.0)
+        state["optim"]["lr"] = 0.05
+        assert not torch.equal(first["model"]["w"].to_local(), w.to_local())
+        second = host.copy(state)
+        assert torch.equal(second["model"]["w"].to_local(), w.to_local())
+        assert torch.equal(second["model"]["b"], state["model"]["b"]) and second["optim"]["lr"] == 0.05
+        assert second["model"]["w"].to_local().data_ptr() == buffer  # the same host buffer
+        state["model"]["c"] = torch.ones(2)  # another structure: copied anew
+        assert torch.equal(host.copy(state)["model"]["c"], torch.ones(2)) and host.nbytes == 17 * 4
+    finally:
+        dist.destroy_process_group()

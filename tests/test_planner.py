@@ -23,7 +23,8 @@ def _model(preset, **kw):
 
 def _brute_force_best(req: PlanRequest, topo: Topology) -> float:
     """Every tuple of degrees and options, filtered only by the documented rules: tp divides
-    a node's accelerators, tp × pp × dp whole TP groups fit the nodes (the rest idle)."""
+    a node's accelerators and the vocabulary, tp × pp × dp whole TP groups fit the nodes (the
+    rest idle), a tied head neither tensor- nor pipeline-parallel."""
     m, world = req.model, topo.world_size
     limit = topo.device.memory_gib * MEMORY_HEADROOM * 1024**3
     best = (0, 0.0)  # (ranks used, tokens/s): every usable accelerator first, then speed
@@ -32,10 +33,11 @@ def _brute_force_best(req: PlanRequest, topo: Topology) -> float:
             cost_model.AUTO_SCHEDULES, cost_model.RECOMPUTE, (True, False)):
         groups = sum(n.accelerators // tp for n in topo.nodes)
         rules = [m.n_heads % tp == 0, m.n_kv_heads % tp == 0, topo.largest_node % tp == 0,
+                 m.vocab_size % tp == 0,
                  pp * dp <= groups, m.n_layers % (pp * vpp) == 0,
                  req.global_batch_size % (dp * mbs) == 0,
                  (vpp > 1) == (sched == "interleaved-1f1b"), pp > 1 or sched == "1f1b",
-                 pp > 1 or vpp == 1]
+                 pp > 1 or vpp == 1, not m.tie_embeddings or tp == pp == 1]
         if not all(rules):
             continue
         n = req.global_batch_size // (dp * mbs)
@@ -72,7 +74,8 @@ def test_planner_matches_brute_force(preset, nodes, per_node, device, batch, seq
     ("8b", 2, 8, "a100-40gb"), ("70b", 4, 8, "h100"), ("1b", 3, 4, "l40s")])
 def test_plan_properties(preset, nodes, per_node, device):
     topo = Topology.uniform(nodes, per_node, device)
-    result = plan(PlanRequest(_model(preset), 96, 4096), topo)
+    model = _model(preset)
+    result = plan(PlanRequest(model, 96, 4096), topo)
     limit = topo.device.memory_gib * MEMORY_HEADROOM
     for p in result.plans:
         c = p.candidate
@@ -80,9 +83,10 @@ def test_plan_properties(preset, nodes, per_node, device):
         assert all(n % c.tp == 0 for n in p.node_ranks) and per_node % c.tp == 0
         assert p.estimate.memory_per_rank_gib <= limit
         assert c.dp * c.microbatch_size * c.num_microbatches == 96
+        assert not model.tie_embeddings or c.tp == c.pp == 1  # 1b: tied
     assert result.rejected
     for r in result.rejected:
-        assert r.reason.split(":")[0] in {"memory", "divisibility", "topology"}, r.reason
+        assert r.reason.split(":")[0] in {"memory", "divisibility", "topology", "tied embeddings"}, r.reason
     order = [(p.idle, -p.estimate.tokens_per_s) for p in result.plans]
     assert order == sorted(order)
 
@@ -103,7 +107,7 @@ def test_llama70b_on_1024_h100_ranks_8_8_16_near_the_top():
 
 def test_gpt3_175b_on_1024_a100_ranks_8_16_8_near_the_top():
     gpt3 = SimpleNamespace(dim=12288, n_layers=96, n_heads=96, n_kv_heads=96, ffn_dim=49152,
-                           vocab_size=50257, tie_embeddings=False)
+                           vocab_size=50304, tie_embeddings=False)  # 50257 padded, as Megatron does
     result = plan(PlanRequest(gpt3, 1536, 2048), Topology.uniform(128, 8, "a100-80gb"))
     assert _ratio_of(result, 8, 16, 8) >= 0.9
 

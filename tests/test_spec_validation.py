@@ -37,6 +37,7 @@ BAD_SPECS = [
     ("model: 12", "model"),
     ("parallelism: {tp: 0}", "parallelism.tp"),
     ("parallelism: {tp: 3}", "parallelism.tp"),
+    ("model: {vocab_size: 263}\nparallelism: {tp: 2}", "parallelism.tp"),  # vocab-parallel
     ("parallelism: {pp: 3}", "parallelism.pp"),
     ("parallelism: {vpp: 2}", "parallelism.vpp"),
     ("parallelism: {dp: two}", "parallelism.dp"),
@@ -142,14 +143,13 @@ def test_cli_subprocess_never_tracebacks(tmp_path):
     assert "Traceback" not in proc.stderr and "not valid YAML" in proc.stderr
 
 
-@pytest.mark.parametrize(("override", "field"), [("parallelism.sequence_parallel=true",
-                                                  "parallelism.sequence_parallel"),
-                                                 ("model.preset=1b", "model.tie_embeddings"),
-                                                 ("checkpoint.dir=nosuchfs://bucket/run",
-                                                  "checkpoint.dir")])
-def test_run_refuses_what_this_version_cannot_run(capsys, override, field):
-    extra = ["--set", "parallelism.pp=2", "--set", "parallelism.dp=1"] if "1b" in override else []
-    assert main(["run", "jobs/tiny-cpu.yaml", "--set", override, *extra]) == 2
+@pytest.mark.parametrize(("overrides", "field"), [
+    (["parallelism.sequence_parallel=true"], "parallelism.sequence_parallel"),
+    (["model.preset=1b", "parallelism.pp=2", "parallelism.dp=1"], "model.tie_embeddings"),
+    (["model.preset=1b", "parallelism.tp=2", "parallelism.dp=1"], "model.tie_embeddings"),
+    (["checkpoint.dir=nosuchfs://bucket/run"], "checkpoint.dir")])
+def test_run_refuses_what_this_version_cannot_run(capsys, overrides, field):
+    assert main(["run", "jobs/tiny-cpu.yaml", *(a for o in overrides for a in ("--set", o))]) == 2
     assert capsys.readouterr().err.startswith(f"{field}: ")
 
 

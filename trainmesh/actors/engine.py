@@ -47,14 +47,15 @@ def build_model(spec: JobSpec, device: torch.device) -> Llama:
     return model.to(device)
 
 
-def init_weights(model: Llama, spec: JobSpec) -> None:
-    """Fill a (possibly sharded) model part: from ``model.init_from``, or the seeded init."""
+def init_weights(model: Llama, spec: JobSpec) -> int:
+    """Fill a (possibly sharded) model part: from ``model.init_from`` (returns the bytes read),
+    or the seeded init (0)."""
     if spec.model.init_from:
         from trainmesh.interop.hf_import import load_into
 
-        load_into(model, spec.model.init_from)
-    else:
-        model.init_weights(spec.training.seed)
+        return load_into(model, spec.model.init_from)
+    model.init_weights(spec.training.seed)
+    return 0
 
 
 class Engine:
@@ -100,7 +101,7 @@ class Engine:
             self.executor = self._build_executor(shape, stages, dtype, self.zero if wrap else None)
         # Materialise the local shards only, then fill them from each parameter's global name.
         self.model.to_empty(device=device)
-        init_weights(self.model, spec)
+        self.imported_bytes = init_weights(self.model, spec)  # read from model.init_from
         self.model.init_buffers()
         self.optimizer = build_optimizer(self.model, spec.optimizer)
         self.scheduler = build_lr_scheduler(self.optimizer, spec.optimizer, tr.steps)
@@ -195,9 +196,10 @@ class Engine:
 
     def memory_report(self) -> dict[str, int]:
         """Exact bytes of this rank's parameter, gradient and optimizer-state shards, the
-        activation peak of the last measured step, and the process's peak."""
+        activation peak of the last measured step, the process's peak, and what the build read
+        of ``model.init_from``."""
         return {**state_bytes(self.model, self.optimizer), "activations": self.activation_peak,
-                "peak": peak_process_bytes(self.device)}
+                "peak": peak_process_bytes(self.device), "imported": self.imported_bytes}
 
     def timeline(self) -> list[tuple[str, float, float]]:
         """The last step's measured actions (name, start, end), for the pipeline trace."""

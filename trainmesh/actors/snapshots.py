@@ -1,6 +1,6 @@
 """A rank's side of the in-memory checkpoint tier: taking a snapshot costs training only the
-copy of its shards to host memory (``dcp_io.stage``: pinned buffers and one synchronisation on
-GPUs, kept from one snapshot to the next); saving that copy as a Distributed Checkpoint in this
+copy of its shards to host memory (``checkpoint/host_copy.py``: pinned buffers and one
+synchronisation on GPUs, kept from one snapshot to the next); saving that copy as a Distributed Checkpoint in this
 process's memory (``checkpoint/memory_fs.py``) and handing it to the buddy rank on another node
 go on in a background thread while training goes on. The next snapshot first waits for the last
 one's (at most one in flight), so a node lost meanwhile costs the step before at most."""
@@ -14,6 +14,7 @@ import time
 import ray
 
 from trainmesh.checkpoint import dcp_io, memory_fs
+from trainmesh.checkpoint.host_copy import HostCopy
 
 log = logging.getLogger(__name__)
 
@@ -22,19 +23,19 @@ class Snapshots:
     def __init__(self) -> None:
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="snapshot")
         self._inflight: concurrent.futures.Future | None = None
-        self._stager = None  # the host buffers of one engine's state (``forget`` drops them)
+        self._host: HostCopy | None = None  # one engine's state in host memory (``forget`` drops it)
 
     def take(self, directory: str, rank: int, model, optimizer, buddy, timeout_s: float) -> dict:
         """Snapshot this rank's shards as ``directory``; returns the seconds training waited
         (the last snapshot's end, and the copy) and the bytes copied."""
         t0 = time.perf_counter()
         self.settle(timeout_s)
-        if self._stager is None:
-            self._stager = dcp_io.stager(next(model.parameters()).device)
-        staged, nbytes = dcp_io.stage(self._stager, model, optimizer)
+        if self._host is None:
+            self._host = HostCopy(next(model.parameters()).device)
+        staged = self._host.copy(dcp_io.rank_state(model, optimizer))
         blocked = time.perf_counter() - t0
         self._inflight = self._pool.submit(self._write, directory, rank, staged, buddy, timeout_s)
-        return {"blocked_s": blocked, "bytes": nbytes}
+        return {"blocked_s": blocked, "bytes": self._host.nbytes}
 
     def settle(self, timeout_s: float | None = None) -> None:
         """Wait for the snapshot in flight: saved in this process's memory and its copy at the
@@ -50,9 +51,9 @@ class Snapshots:
             self.settle(timeout_s)
         except Exception as err:  # noqa: BLE001 - the snapshot is then simply not complete
             log.warning("in-memory snapshot not finished: %s", err)
-        if self._stager is not None:
-            self._stager.close()
-            self._stager = None
+        if self._host is not None:
+            self._host.close()
+            self._host = None
 
     @staticmethod
     def _write(directory: str, rank: int, staged: dict, buddy, timeout_s: float) -> None:

@@ -20,7 +20,6 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -118,32 +117,16 @@ class _MergedReader(FsspecReader):
 def save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """Collective: every rank of the job calls it with its own shards. Returns the size and
     sha256 of each file this rank wrote, computed here (in parallel over the ranks)."""
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTS)
     writer = _writer(directory)
-    dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=writer)
+    dcp.save(rank_state(model, optimizer), storage_writer=writer)
     return file_digests(str(directory), writer.written)
 
 
-def stager(device: torch.device) -> DefaultStager:
-    """DCP's stager for copies of the state in host memory, its buffers kept from one copy to
-    the next (pinned, the copy asynchronous and synchronised once, on GPUs)."""
-    cuda = device.type == "cuda"
-    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                        use_async_staging=False, use_non_blocking_copy=cuda))
-
-
-def stage(staging: DefaultStager, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, int]:
-    """This rank's shards (model and optimizer, as ``save`` writes them) copied to host memory
-    by ``staging``; returns the copy and its tensor bytes."""
+def rank_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """This rank's shards as every save here writes them: ``{"model": ..., "optim": ...}``
+    keyed by global names (DTensors where sharded)."""
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTS)
-    staged = staging.stage({"model": model_sd, "optim": optim_sd})
-    nbytes = 0
-    for part in staged.values():
-        for v in part.values():
-            if isinstance(v, torch.Tensor):
-                local = v.to_local() if hasattr(v, "to_local") else v
-                nbytes += local.numel() * local.element_size()
-    return staged, nbytes
+    return {"model": model_sd, "optim": optim_sd}
 
 
 class _RankWriter(_UriWriter):
@@ -177,8 +160,7 @@ def load_snapshot(directory: str, metadata_files: list[str], model: nn.Module,
     """Collective: fill ``model`` and ``optimizer`` from an uncoordinated save (``snapshot``)
     made under any mesh: the ranks' metadata (``metadata_files``) merged into one, as a
     coordinated save would have written it, so DCP plans and reshards the load as usual."""
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTS)
-    state = {"model": model_sd, "optim": optim_sd}
+    state = rank_state(model, optimizer)
     dcp.load(state, storage_reader=_MergedReader(directory, metadata_files))
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"], options=_OPTS)
@@ -190,11 +172,9 @@ def async_save(directory: str | Path, model: nn.Module, optimizer: torch.optim.O
     thread (coordinating over ``group``, a gloo group of its own so the writer never shares a
     communicator with training), then digest what this rank wrote. Returns a future of the
     digests (as ``save``); training may go on at once."""
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTS)
     writer = _writer(directory)
     writer.on_write = on_write
-    written = dcp.async_save({"model": model_sd, "optim": optim_sd}, storage_writer=writer,
-                             process_group=group)
+    written = dcp.async_save(rank_state(model, optimizer), storage_writer=writer, process_group=group)
     digests: Future = Future()
 
     def then(f: Future) -> None:
@@ -215,8 +195,7 @@ def load(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimiz
         dcp.load({"model": model_sd}, storage_reader=_reader(directory))
         set_state_dict(model, [], model_state_dict=model_sd, optim_state_dict={})
         return
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTS)
-    state = {"model": model_sd, "optim": optim_sd}
+    state = rank_state(model, optimizer)
     dcp.load(state, storage_reader=_reader(directory))
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"], options=_OPTS)

@@ -281,6 +281,11 @@ def consistency_problems(spec: JobSpec) -> list[Problem]:
         need(m.n_heads % par.tp == 0 and m.n_kv_heads % par.tp == 0, "parallelism.tp",
              f"tp={par.tp} does not divide n_heads={m.n_heads} and n_kv_heads={m.n_kv_heads}",
              f"use one of {_divisors_of_both(m.n_heads, m.n_kv_heads)}")
+        need(m.vocab_size % par.tp == 0, "parallelism.tp",
+             f"tp={par.tp} does not divide model.vocab_size={m.vocab_size} (the embedding and the "
+             "output are split over tp by vocabulary)",
+             f"pad model.vocab_size to a multiple of {par.tp} (a model's vocabulary may exceed "
+             "its data's), or use another tp")
         need(m.n_layers % (par.pp * par.vpp) == 0, "parallelism.pp",
              f"n_layers={m.n_layers} is not divisible by pp × vpp = {par.pp * par.vpp}",
              "choose pp and vpp whose product divides model.n_layers")
@@ -324,6 +329,9 @@ def unsupported_problems(spec: JobSpec) -> list[Problem]:
     if par.pp > 1 and spec.model.tie_embeddings:
         out.append(Problem("model.tie_embeddings", "the tied head needs the embedding on the "
                            "last pipeline stage", "set it to false when parallelism.pp > 1"))
+    if par.tp > 1 and spec.model.tie_embeddings:
+        out.append(Problem("model.tie_embeddings", "the tied head is not tensor-parallel here",
+                           "set it to false when parallelism.tp > 1"))
     if par.sequence_parallel and par.tp == 1 and not par.auto:
         out.append(Problem("parallelism.sequence_parallel", "needs tensor parallel (tp > 1)",
                            "set it to false or raise parallelism.tp"))

@@ -58,7 +58,7 @@ class RankedPlan:
 @dataclass(frozen=True)
 class Rejection:
     candidate: Candidate | None
-    reason: str  # "memory: ...", "divisibility: ...", "topology: ..."
+    reason: str  # "memory: ...", "divisibility: ...", "topology: ...", "tied embeddings: ..."
 
 
 @dataclass(frozen=True)
@@ -114,13 +114,25 @@ def candidates(req: PlanRequest, topo: Topology) -> Iterator[Candidate | Rejecti
             yield Rejection(None, f"divisibility: tp={tp} does not divide n_heads={m.n_heads} "
                                   f"and n_kv_heads={m.n_kv_heads}")
             continue
+        if m.tie_embeddings and tp > 1:
+            yield Rejection(None, f"tied embeddings: tp={tp} (the tied head is not tensor-parallel "
+                                  "here); set model.tie_embeddings=false to use tp > 1")
+            continue
         if largest % tp:
             yield Rejection(None, f"topology: tp={tp} does not divide the {largest} "
                                   "accelerators of a node (TP groups stay whole inside a node)")
             continue
+        if m.vocab_size % tp:
+            yield Rejection(None, f"divisibility: tp={tp} does not divide vocab_size={m.vocab_size} "
+                                  "(the vocab-parallel embedding and output)")
+            continue
         usable = topo.usable(tp).world_size
         pps = [int(fixed["pp"])] if "pp" in fixed else _divisors(m.n_layers)
         for pp in pps:
+            if m.tie_embeddings and pp > 1:
+                yield Rejection(None, f"tied embeddings: pp={pp} (the tied head needs the embedding "
+                                      "on the last stage); set model.tie_embeddings=false to use pp > 1")
+                continue
             if tp * pp > usable:
                 yield Rejection(None, f"topology: tp×pp = {tp}×{pp} exceeds the {usable} "
                                       f"accelerators usable in whole TP groups of {tp}")
