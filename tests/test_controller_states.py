@@ -204,6 +204,18 @@ def test_a_rank_process_dying_on_a_live_node_is_refilled_there(tmp_path):
     assert len(set(before) & set(after)) == 3 and before[1] not in after
 
 
+def test_a_tracking_server_out_of_reach_ends_the_job_before_training_naming_the_fix(tmp_path):
+    """The MLflow run opens while the ranks start (it takes seconds); one that cannot be opened
+    ends the job before its first step, with no restart."""
+    cluster = FakeCluster({"n0": 2})
+    ctl = _controller(tmp_path, cluster, "parallelism.dp=2", "tracking.enabled=true")
+    ctl.tracking_uri = "http://127.0.0.1:9"
+    with pytest.raises(JobFailed, match="tracking.uri: cannot open an MLflow run at http://127.0.0.1:9 .*"
+                                        "start the tracking server, fix the URI"):
+        ctl.run()
+    assert ctl.trace == ["scheduling", "restoring"] and ctl.losses == [] and ctl.restarts == 0
+
+
 def test_a_failure_before_any_checkpoint_starts_over_with_no_stale_losses(tmp_path):
     cluster = FakeCluster({"n0": 2, "n1": 2})
     cluster.before_step[1] = _kill(cluster, "n1")  # step 1 done, no checkpoint yet

@@ -150,7 +150,9 @@ def snapshot(directory: str, rank: int, state: dict) -> list[str]:
     ``load_snapshot`` merges every rank's metadata. No process group is touched: DCP's
     uncoordinated save still ends in a barrier over the default group (torch 2.13), which
     from a background thread would interleave with the training thread's collectives."""
-    writer = _RankWriter(directory, rank, sync_files=False)  # memory: nothing to sync (_writer)
+    # memory: nothing to sync (_writer); the state is in host memory already, so DCP's loader
+    # must not synchronise the training thread's GPU stream (as it does when copying ahead)
+    writer = _RankWriter(directory, rank, sync_files=False, per_thread_copy_ahead=0)
     dcp.save(state, storage_writer=writer, no_dist=True, use_collectives=False)
     return list(writer.written)
 

@@ -46,8 +46,10 @@ class HostCopy:
             if self._staged is None:
                 raise _Changed
             staged = self._refill(state, self._staged)
-            if self._async:
-                torch.accelerator.synchronize(self._device)
+            if self._async:  # the copies queued on the current stream: wait for them alone
+                done = torch.Event(self._device)
+                done.record()
+                done.synchronize()
         except _Changed:
             staged = self._stager.stage(state)
             self.nbytes = sum(_local(t).numel() * _local(t).element_size() for t in _tensors(staged))
@@ -60,7 +62,8 @@ class HostCopy:
 
     def _refill(self, src, dst):
         if isinstance(src, torch.Tensor):
-            if type(dst) is not type(src):
+            if type(dst) is not type(src) or (isinstance(src, DTensor) and (
+                    src.placements != dst.placements or src.shape != dst.shape)):
                 raise _Changed
             s, d = _local(src), _local(dst)
             if s.shape != d.shape or s.dtype != d.dtype:

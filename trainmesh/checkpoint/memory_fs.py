@@ -11,6 +11,7 @@ opens it, and dropped after the load.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import fsspec
@@ -37,6 +38,11 @@ class RankMemoryFS(MemoryFileSystem):
 
 
 fsspec.register_implementation(PROTOCOL, RankMemoryFS, clobber=True)
+
+# Moves and drops of whole directories (a snapshot's save thread, the Ray thread that keeps
+# a buddy's copies, restores) one at a time; DCP's own writes and reads of single files need
+# none (a dict item set or read at once).
+_LOCK = threading.Lock()
 
 
 def uri(directory: str, name: str = "") -> str:
@@ -69,21 +75,33 @@ def _metadata_last(names) -> list[str]:
 
 def put(directory: str, files: dict[str, bytes]) -> None:
     fs = RankMemoryFS()
-    for name in _metadata_last(files):
-        fs.pipe_file(uri(directory, name), files[name])
+    with _LOCK:
+        for name in _metadata_last(files):
+            fs.pipe_file(uri(directory, name), files[name])
 
 
 def commit(hidden: str, directory: str) -> dict[str, bytes]:
     """Make the files written under ``hidden`` part of ``directory`` (metadata last); returns
     them, name → bytes."""
     prefix = uri(hidden) + "/"
-    names = [p.removeprefix(prefix) for p in list(RankMemoryFS.store) if p.startswith(prefix)]
     files = {}
-    for name in _metadata_last(names):
-        f = RankMemoryFS.store.pop(prefix + name)
-        RankMemoryFS.store[uri(directory, name)] = f
-        files[name] = f.getvalue()
+    with _LOCK:
+        names = [p.removeprefix(prefix) for p in list(RankMemoryFS.store) if p.startswith(prefix)]
+        for name in _metadata_last(names):
+            f = RankMemoryFS.store.pop(prefix + name)
+            RankMemoryFS.store[uri(directory, name)] = f
+            files[name] = f.getvalue()
     return files
+
+
+def drop(directory: str) -> None:
+    """Forget ``directory`` and its files."""
+    prefix = uri(directory) + "/"
+    with _LOCK:
+        for p in [p for p in list(RankMemoryFS.store) if p.startswith(prefix)]:
+            RankMemoryFS.store.pop(p, None)
+        RankMemoryFS.pseudo_dirs[:] = [d for d in RankMemoryFS.pseudo_dirs
+                                       if not (d == prefix[:-1] or d.startswith(prefix))]
 
 
 def nbytes(directory: str) -> int:
@@ -94,14 +112,13 @@ def nbytes(directory: str) -> int:
 def keep_newest(n: int) -> None:
     """Drop all but the ``n`` newest directories (names sort by generation, then step)."""
     for directory in sorted(held())[:-n] if n else sorted(held()):
-        prefix = uri(directory) + "/"
-        for p in [p for p in RankMemoryFS.store if p.startswith(prefix)]:
-            RankMemoryFS.store.pop(p, None)
+        drop(directory)
 
 
 def drop_fetched() -> None:
     """After a restore: forget the peers' files fetched for it."""
-    for p in RankMemoryFS.fetched:
-        RankMemoryFS.store.pop(p, None)
-    RankMemoryFS.fetched.clear()
-    RankMemoryFS.fetch = None
+    with _LOCK:
+        for p in RankMemoryFS.fetched:
+            RankMemoryFS.store.pop(p, None)
+        RankMemoryFS.fetched.clear()
+        RankMemoryFS.fetch = None

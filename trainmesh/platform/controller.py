@@ -73,12 +73,10 @@ class Controller:
         self.ckpts = Checkpointer(self.spec, self.out, on_warning=self._notice)
         self.cadence = CheckpointCadence(self.spec.checkpoint, self.spec.elastic)
         self.ckpts.on_commit = self.cadence.saved
-        self.tracking_uri = tracking_uri
-        self.worker_env = worker_env
+        self.tracking_uri, self.worker_env = tracking_uri, worker_env
         self._group_factory = group_factory or RayWorkerGroup
         self._topology_fn = topology_fn or live_topology
-        self.plan_row: dict[str, Any] = {}
-        self.peak_tflops = 1.0
+        self.plan_row, self.peak_tflops = {}, 1.0
         self.rank_nodes: list[str] = []
         self._progress: dict[str, Any] = {"state": "starting", "step": 0,
                                           "steps": self.spec.training.steps}
@@ -300,6 +298,8 @@ class Controller:
         self._set(state="building")
         self.ckpts.forget()  # a save in flight when the job stopped never counts
         group.build(self.eff.model_dump_json(), self.dims, data_dir(self.spec, self.out))
+        if (failed := tracker.opened()) is not None:  # (it opened while the ranks started)
+            raise JobFailed(failed)
         start = self._resume(group, tracker)
         tracker.event("start", step=start, mesh=self.dims.as_dict())
         return start

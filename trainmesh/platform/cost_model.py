@@ -287,15 +287,15 @@ DCP_ENTRY_BYTES = 8 * 1024
 
 def snapshot_host_bytes(model, c: Candidate, pp_rank: int | None = None) -> float:
     """Host memory the in-memory checkpoint tier holds for one rank (``pp_rank``; None: the
-    heaviest) at its peak, while a snapshot is written: its own newest two snapshots and a
-    buddy's two copies (DCP files: each the fp32 parameter and AdamW shards, 12 bytes per
-    local parameter, and DCP's framing of each tensor), and the host copy the next snapshot
-    is staged in."""
+    heaviest) at its peak, while a snapshot is written: its own newest two snapshots and the
+    one being written, a buddy's two copies and the one arriving (DCP files: each the fp32
+    parameter and AdamW shards, 12 bytes per local parameter, and DCP's framing of each
+    tensor), and the host copy the snapshot is written from."""
     ranks = {0, c.pp - 1} if pp_rank is None else {pp_rank}
 
     def one(r: int) -> float:
         state = 12 * rank_params(model, c.pp, r, c.schedule).local(c.tp, c.dp)
-        return 4 * (state + 3 * DCP_ENTRY_BYTES * _tensors(model, c, r)) + state
+        return 6 * (state + 3 * DCP_ENTRY_BYTES * _tensors(model, c, r)) + state
     return max(one(r) for r in ranks)
 
 

@@ -37,11 +37,11 @@ def memory_rows(reports: list[dict], spec: JobSpec, c: Candidate, dims: Parallel
             "optimizer_gib": r["optimizer"] / GIB, "activations_gib": r["activations"] / GIB,
             "predicted": pred.as_gib(),
         })
-        if spec.checkpoint.in_memory.every:  # host memory (snapshot_host_bytes): from one
-            # snapshot's files and its staged copy, as measured, their peak
+        if spec.checkpoint.in_memory.every:  # host memory (snapshot_host_bytes): its peak,
+            # from one snapshot's files and host copy as measured
             rows[-1]["snapshot_host_gib"] = {
                 "predicted": snapshot_host_bytes(spec.model, c, pp_rank) / GIB,
-                "measured": (4 * r["snapshot"] + r["staged"]) / GIB if "snapshot" in r else None}
+                "measured": (6 * r["snapshot"] + r["staged"]) / GIB if "snapshot" in r else None}
     return rows
 
 
@@ -60,8 +60,8 @@ def format_rows(rows: list[dict], stepped: bool) -> str:
         if r["rank"] == 0 and "snapshot_host_gib" in r:
             h = r["snapshot_host_gib"]
             got = "" if h["measured"] is None else f", measured {h['measured']:.3f}"
-            lines.append(f"     host memory for in-memory snapshots (own two, a buddy's two, staging): predicted "
-                         f"{h['predicted']:.3f}{got} per rank")
+            lines.append("     host memory for in-memory snapshots (own three, a buddy's three, the host "
+                         f"copy): predicted {h['predicted']:.3f}{got} per rank")
         if r["rank"] == 0:
             lines.append(f"     predicted for rank 0: params {p['params']:.3f}, grads {p['grads']:.3f}, "
                          f"optimizer {p['optimizer']:.3f}, gathered {p['gathered']:.3f}, "

@@ -142,7 +142,8 @@ def check_snapshot_memory(spec: JobSpec, c: Candidate, topo: Topology) -> None:
     need = per_rank * ranks
     if need > host * GIB:
         raise PlanError(f"checkpoint.in_memory: snapshots need {need / GIB:.1f} GiB of host memory per "
-                        f"node ({per_rank / GIB:.2f} GiB per rank: its own newest two snapshots, a buddy's "
-                        f"two copies and the host copy being staged, × {ranks} ranks) but a node has "
+                        f"node ({per_rank / GIB:.2f} GiB per rank at its peak: its own two snapshots and "
+                        f"one being written, a buddy's two and one arriving, and the host copy, × {ranks} "
+                        f"ranks) but a node has "
                         f"{host:.1f} GiB; set checkpoint.in_memory.every=0, "
                         "or spread the model over more ranks (parallelism.dp, pp)")

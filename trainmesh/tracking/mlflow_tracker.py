@@ -24,6 +24,7 @@ class Tracker(Protocol):
     run_id: str | None
     uri: str | None
 
+    def opened(self) -> str | None: ...
     def log_params(self, params: Mapping[str, Any]) -> None: ...
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None: ...
     def log_dict(self, obj: Any, artifact_file: str) -> None: ...
@@ -35,6 +36,9 @@ class Tracker(Protocol):
 class NullTracker:
     run_id = None
     uri = None
+
+    def opened(self) -> None:
+        return None
 
     def log_params(self, params: Mapping[str, Any]) -> None:
         pass
@@ -92,39 +96,56 @@ class MlflowTracker:
                  on_warning: Callable[[str], None] | None = None):
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
-        from mlflow.tracking import MlflowClient
-
-        self.uri = uri
+        self.uri, self.run_id = uri, run_id
         self._on_warning = on_warning
         self.retry_interval_s, self.flush_timeout_s = retry_interval_s, flush_timeout_s
-        self.client = MlflowClient(tracking_uri=uri)
         self._pending: deque[tuple[str, Callable[[], object] | _Metrics]] = deque()
         self._down_since: float | None = None
+        self._events: list[dict[str, Any]] = []
+        self._wake, self._closing = threading.Event(), False
+        # The run opens in the sender thread (importing MLflow and creating a store take
+        # seconds: they overlap the ranks' start); calls queue meanwhile. ``opened`` waits.
+        self._opened, self._open_error = threading.Event(), None
+        self._sender = threading.Thread(target=self._send_loop, args=(experiment, run_name),
+                                        name="mlflow-sender", daemon=True)
+        self._sender.start()
+
+    def opened(self) -> str | None:
+        """Wait until the run is open; returns why it cannot be (naming the fix), or None."""
+        self._opened.wait()
+        return self._open_error
+
+    def _open(self, experiment: str, run_name: str) -> None:
         try:
-            if run_id is not None:
-                self.run_id = self.client.get_run(run_id).info.run_id
+            from mlflow.tracking import MlflowClient
+
+            self.client = MlflowClient(tracking_uri=self.uri)
+            if self.run_id is not None:
+                self.run_id = self.client.get_run(self.run_id).info.run_id
                 self.client.update_run(self.run_id, status="RUNNING")
             else:
                 exp = self.client.get_experiment_by_name(experiment)
                 exp_id = exp.experiment_id if exp else self.client.create_experiment(experiment)
                 self.run_id = self.client.create_run(exp_id, run_name=run_name).info.run_id
         except Exception as err:  # noqa: BLE001 - any failure here means no run to log to
-            raise RuntimeError(f"tracking.uri: cannot open an MLflow run at {uri} ({_short(err)}); "
-                               "start the tracking server, fix the URI, or set "
-                               "tracking.enabled=false") from None
-        self._events: list[dict[str, Any]] = []
-        self._wake, self._closing = threading.Event(), False
-        self._sender = threading.Thread(target=self._send_loop, name="mlflow-sender", daemon=True)
-        self._sender.start()
+            self._open_error = (f"tracking.uri: cannot open an MLflow run at {self.uri} "
+                                f"({_short(err)}); start the tracking server, fix the URI, or set "
+                                "tracking.enabled=false")
+        finally:
+            self._opened.set()
 
     # -- the queue -----------------------------------------------------------------------------
     def _submit(self, what: str, call: Callable[[], object]) -> None:
         self._pending.append((what, call))
         self._wake.set()
 
-    def _send_loop(self) -> None:
-        """The sender thread: deliver what is queued; after a failure wait ``retry_interval_s``
-        (``finish`` cuts the first wait short); end once closing and nothing is left."""
+    def _send_loop(self, experiment: str, run_name: str) -> None:
+        """The sender thread: open the run, then deliver what is queued; after a failure wait
+        ``retry_interval_s`` (``finish`` cuts the first wait short); end once closing and
+        nothing is left (or at once if the run could not be opened)."""
+        self._open(experiment, run_name)
+        if self._open_error is not None:
+            return
         while True:
             delivered = self._drain()
             if self._closing and delivered:
@@ -177,9 +198,9 @@ class MlflowTracker:
 
     # -- the Tracker interface -----------------------------------------------------------------
     def log_params(self, params: Mapping[str, Any]) -> None:
-        from mlflow.entities import Param
-
         def call():
+            from mlflow.entities import Param
+
             existing = self.client.get_run(self.run_id).data.params
             items = [Param(k, str(v)[:6000]) for k, v in flatten(params).items() if k not in existing]
             for i in range(0, len(items), 100):
