@@ -116,15 +116,14 @@ def test_submit_refuses_a_bad_spec_and_a_dead_address(capsys, tmp_path):
 
 
 @pytest.mark.timeout(500)
-def test_tracking_server_outage_then_trainmesh_run_sigkilled_and_run_again(tmp_path):
+def test_tracking_server_outage_then_trainmesh_run_sigkilled_and_run_again(mlflow_server, tmp_path):
     """``trainmesh run`` goes on while the tracking server is down and logs what it missed once
     it is back; then the run itself is SIGKILLed, and the same command run again resumes from
     the newest complete checkpoint in the same MLflow run: every step logged, the steps trained
     twice with equal losses (the exact data position), the run FINISHED."""
     from trainmesh.checkpoint.manifest import CheckpointStore
 
-    server = MlflowServer(tmp_path / "mlflow")
-    server.start()
+    server = mlflow_server  # the module's: stopped and started again here
     steps = 300
     out = tmp_path / "out"
     # unbuffered: what it printed before the SIGKILL is read back
@@ -207,7 +206,8 @@ def test_tracking_server_outage_then_trainmesh_run_sigkilled_and_run_again(tmp_p
     finally:
         if job.poll() is None:
             job.kill()
-        server.stop()
+        if server.proc is None:  # left stopped by a failure: the module's other tests use it
+            server.start()
 
 
 def _signal(pids: set[int], sig: int) -> None:

@@ -29,7 +29,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 from torch.distributed.tensor import DTensor
 
 from trainmesh.parallel.pipeline.ir import COMPUTE, Action, Op, PipeShape, message, peer_stage
@@ -213,6 +212,10 @@ class PipelineExecutor:
         grad = self._output_grad(a)
         state = None
         if a.stage > 0:  # the first stage has no input gradient: its W does it all
+            # (imported here: torch's pipelining package brings in dynamo, ~0.5 s of every
+            # rank's start, and only split-backward schedules need it)
+            from torch.distributed.pipelining._backward import stage_backward_input
+
             inp = self._inputs[(a.stage, a.microbatch)]
             with self.loss_context():
                 _, state = stage_backward_input([out], None if grad is None else [grad], [inp],
@@ -226,6 +229,8 @@ class PipelineExecutor:
             if state is None:
                 torch.autograd.backward(out, grad_tensors=grad)
             else:
+                from torch.distributed.pipelining._backward import stage_backward_weight
+
                 stage_backward_weight(stage.parameters(), state)
         if self.zero is not None and self.last_backward[a.stage] == a.microbatch:
             self.zero.reduce_after_split_backward(stage)
