@@ -13,7 +13,7 @@ from trainmesh.actors.worker_group import WorkerGroup
 from trainmesh.jobs.loading import load_spec
 from trainmesh.parallel.dims import Axis, ParallelDims
 from trainmesh.platform.ray_group import placement_for
-from trainmesh.platform.topology import topology_from_ray
+from trainmesh.platform.topology import Topology, topology_from_ray
 
 
 def _nodes_seen_by_ranks(dims: ParallelDims) -> list[str]:
@@ -40,14 +40,16 @@ def test_tp_groups_and_stages_stay_inside_a_node(gpu_cluster):
     assert len(set(nodes)) == 2  # one node per stage, two nodes
 
 
-@pytest.mark.timeout(300)
-def test_dp_peers_span_nodes(gpu_cluster):
+def test_dp_peers_span_nodes():
+    """Which bundle each rank takes is the placement's (pure); that each bundle is a node of
+    its own, and each rank runs on its bundle's node, the test above checks from the ranks."""
     dims = ParallelDims(pp=1, dp=4, tp=2)
-    nodes = _nodes_seen_by_ranks(dims)
+    spec = load_spec(None, ["parallelism.tp=2", "parallelism.pp=1", "parallelism.dp=4"])
+    bundle = placement_for(spec, dims, Topology.uniform(2, 4, "h100")).rank_bundle
     for group in dims.groups(Axis.TP):
-        assert len({nodes[r] for r in group}) == 1
+        assert len({bundle[r] for r in group}) == 1
     for group in dims.groups(Axis.DP):
-        assert len({nodes[r] for r in group}) == 2, group
+        assert len({bundle[r] for r in group}) == 2, group
 
 
 @pytest.mark.timeout(300)
