@@ -129,7 +129,7 @@ def rank_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     return {"model": model_sd, "optim": optim_sd}
 
 
-class _RankWriter(_UriWriter):
+class _RankWriter(FsspecWriter):
     """An uncoordinated save's writer that names its files after ``rank`` (``__R_*``,
     ``__R.metadata``) though DCP runs without a process group (``no_dist``: it tells the
     writer rank 0)."""
@@ -143,10 +143,10 @@ class _RankWriter(_UriWriter):
                                                                 "use_collectives": False})
 
 
-def snapshot(directory: str, rank: int, state: dict) -> list[str]:
+def snapshot(directory: str, rank: int, state: dict) -> None:
     """Rank ``rank`` alone (the in-memory tier, ``memory_fs``; any thread) saves ``state`` (its
-    shards as ``stage`` copied them) to ``directory`` with metadata of its own
-    (``__R.metadata``, DCP's uncoordinated save); returns the names of the files it wrote.
+    shards as ``host_copy.HostCopy`` copied them) to ``directory`` with metadata of its own
+    (``__R.metadata``, DCP's uncoordinated save).
     ``load_snapshot`` merges every rank's metadata. No process group is touched: DCP's
     uncoordinated save still ends in a barrier over the default group (torch 2.13), which
     from a background thread would interleave with the training thread's collectives."""
@@ -154,7 +154,6 @@ def snapshot(directory: str, rank: int, state: dict) -> list[str]:
     # must not synchronise the training thread's GPU stream (as it does when copying ahead)
     writer = _RankWriter(directory, rank, sync_files=False, per_thread_copy_ahead=0)
     dcp.save(state, storage_writer=writer, no_dist=True, use_collectives=False)
-    return list(writer.written)
 
 
 def load_snapshot(directory: str, metadata_files: list[str], model: nn.Module,
