@@ -62,12 +62,12 @@ def main() -> None:
 
     import ray
 
+    from trainmesh.cli.loading import load_spec
+    from trainmesh.controller.ray_group import RayWorkerGroup, placement_for
     from trainmesh.data.shards import ensure_tiny_corpus
-    from trainmesh.jobs.loading import load_spec
     from trainmesh.models.llama.model_math import num_params
     from trainmesh.parallel.dims import ParallelDims
-    from trainmesh.platform.ray_group import RayWorkerGroup, placement_for
-    from trainmesh.platform.topology import Topology
+    from trainmesh.planning.topology import Topology
 
     n = args.ranks
     spec = load_spec(None, [f"model.preset={args.preset}", f"parallelism.dp={n}",

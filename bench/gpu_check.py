@@ -76,15 +76,15 @@ def memory_check() -> list[str]:
     import torch
     import torch.distributed as dist
 
-    from trainmesh.actors.engine import Engine
+    from trainmesh.cli.loading import load_spec
+    from trainmesh.controller.dry_run import memory_rows
     from trainmesh.data.shards import ensure_tiny_corpus
-    from trainmesh.jobs.loading import load_spec
+    from trainmesh.engine.engine import Engine
     from trainmesh.parallel.dims import ParallelDims
     from trainmesh.parallel.mesh import Mesh
-    from trainmesh.platform.devices import device_spec
-    from trainmesh.platform.dry_run import memory_rows
-    from trainmesh.platform.job_plan import effective_spec, plan_job
-    from trainmesh.platform.topology import Topology
+    from trainmesh.planning.devices import device_spec
+    from trainmesh.planning.job_plan import effective_spec, plan_job
+    from trainmesh.planning.topology import Topology
 
     name = "h200" if "h200" in torch.cuda.get_device_name().lower() else "h100"
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)

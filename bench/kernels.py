@@ -146,12 +146,12 @@ def step_table(device: str, smoke: bool, steps: int) -> list[dict]:
     import torch
     import torch.distributed as dist
 
-    from trainmesh.actors.engine import Engine
+    from trainmesh.cli.loading import load_spec
     from trainmesh.data.shards import ensure_tiny_corpus
-    from trainmesh.jobs.loading import load_spec
+    from trainmesh.engine.engine import Engine
     from trainmesh.parallel.dims import ParallelDims
     from trainmesh.parallel.mesh import Mesh
-    from trainmesh.platform.devices import device_spec
+    from trainmesh.planning.devices import device_spec
 
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
     dist.init_process_group("nccl" if device == "cuda" else "gloo", store=store, rank=0, world_size=1)

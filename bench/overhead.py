@@ -29,7 +29,7 @@ ARGS = ["model.preset=small", "training.seq_len=128", "training.global_batch_siz
 
 
 def _spec(steps: int, out: Path, extra=()):
-    from trainmesh.jobs.loading import load_spec
+    from trainmesh.cli.loading import load_spec
 
     return load_spec(None, [*ARGS, f"training.steps={steps}", f"runtime.output_dir={out}", *extra])
 
@@ -39,9 +39,9 @@ def _loop(rank: int, world: int, spec, data_dir: str, report=None) -> list[float
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
-    from trainmesh.actors.step import build_lr_scheduler, build_optimizer
     from trainmesh.data.dataset import TokenDataset
     from trainmesh.data.shards import read_tokens
+    from trainmesh.engine.step import build_lr_scheduler, build_optimizer
     from trainmesh.models.llama.model import Llama, LlamaArgs
 
     torch.set_num_threads(1)
@@ -134,7 +134,7 @@ def ray_train(spec, data_dir: str, tmp: Path) -> list[float]:
 def trainmesh_steps(spec) -> list[float]:
     from mlflow.tracking import MlflowClient
 
-    from trainmesh.jobs.runner import run_job
+    from trainmesh.controller.launch import run_job
 
     summary = run_job(spec, environ={}, show_progress=False)
     hist = MlflowClient(summary["tracking_uri"]).get_metric_history(summary["mlflow_run_id"],

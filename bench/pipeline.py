@@ -97,12 +97,12 @@ def measure(kind: str, pp: int, vpp: int, steps: int, data_dir: str):
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from trainmesh.jobs.loading import load_spec
+    from trainmesh.cli.loading import load_spec
     from trainmesh.parallel.dims import ParallelDims
     from trainmesh.parallel.pipeline.schedules import build_schedule, pipe_shape
     from trainmesh.parallel.pipeline.simulate import simulate
     from trainmesh.parallel.pipeline.trace import measured_costs
-    from trainmesh.platform.cost_model import bubble_fraction
+    from trainmesh.planning.cost_model import bubble_fraction
 
     spec = load_spec(None, ["model.preset=tiny", "model.n_layers=8", "training.seq_len=64",
                             "training.global_batch_size=16", "training.microbatch_size=2",

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import time
 
-from trainmesh.jobs.loading import load_spec
-from trainmesh.platform.planner import PlanRequest, plan
-from trainmesh.platform.topology import Topology
+from trainmesh.cli.loading import load_spec
+from trainmesh.planning.planner import PlanRequest, plan
+from trainmesh.planning.topology import Topology
 
 
 def main() -> None:

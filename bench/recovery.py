@@ -110,8 +110,8 @@ def _worker_pids() -> list[int]:
 
 def trainmesh_recovery(cluster, mode: str, tmp: Path, delay_s: float) -> dict:
     from trainmesh.checkpoint.manifest import CheckpointStore
-    from trainmesh.jobs.loading import load_spec
-    from trainmesh.jobs.runner import run_job
+    from trainmesh.cli.loading import load_spec
+    from trainmesh.controller.launch import run_job
 
     _ensure_two(cluster)
     out = tmp / f"trainmesh-{mode}-{delay_s:.3f}"
@@ -158,10 +158,10 @@ def _ray_train_loop(config):
     from ray.train import Checkpoint
     from torch.nn.parallel import DistributedDataParallel
 
-    from trainmesh.actors.step import build_lr_scheduler, build_optimizer
+    from trainmesh.cli.loading import load_spec
     from trainmesh.data.dataset import TokenDataset
     from trainmesh.data.shards import read_tokens
-    from trainmesh.jobs.loading import load_spec
+    from trainmesh.engine.step import build_lr_scheduler, build_optimizer
     from trainmesh.models.llama.model import Llama, LlamaArgs
 
     spec = load_spec(None, config["spec"])

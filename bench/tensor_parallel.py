@@ -28,11 +28,11 @@ def main() -> None:
 
     import ray
 
+    from trainmesh.cli.loading import load_spec
+    from trainmesh.controller.ray_group import RayWorkerGroup, placement_for
     from trainmesh.data.shards import ensure_tiny_corpus
-    from trainmesh.jobs.loading import load_spec
     from trainmesh.parallel.dims import ParallelDims
-    from trainmesh.platform.ray_group import RayWorkerGroup, placement_for
-    from trainmesh.platform.topology import Topology
+    from trainmesh.planning.topology import Topology
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
     rows = []

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import os
 
+from trainmesh.controller.ray_group import RayWorkerGroup, placement_for
 from trainmesh.parallel.dims import ParallelDims
-from trainmesh.platform.ray_group import RayWorkerGroup, placement_for
-from trainmesh.platform.topology import Topology
+from trainmesh.planning.topology import Topology
 
 # The test process's Triton mode too (conftest), so kernel tests share the pool's actors.
 # Pipeline point-to-point under NCCL's rules (pipeline/nccl_rules.py) for every parallel test:

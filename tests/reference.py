@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from trainmesh.actors.engine import build_model
-from trainmesh.actors.step import build_lr_scheduler, build_optimizer, train_step
 from trainmesh.data.dataset import open_datasets
+from trainmesh.engine.engine import build_model
+from trainmesh.engine.step import build_lr_scheduler, build_optimizer, train_step
 from trainmesh.spec.job import JobSpec
 
 

@@ -241,7 +241,7 @@ def job_in_background(spec, environ: dict[str, str]):
     thread, and a dict that receives ``summary`` or ``error``."""
     import threading
 
-    from trainmesh.jobs.runner import run_job
+    from trainmesh.controller.launch import run_job
 
     box: dict = {}
 
@@ -264,7 +264,7 @@ def run_losing_nodes(cluster, out, args: list[str], faults: list[str]) -> dict:
     import time
 
     from trainmesh.actors.progress import FAULT_ENV
-    from trainmesh.jobs.loading import load_spec
+    from trainmesh.cli.loading import load_spec
 
     markers = [out / f"fired-{i}" for i in range(len(faults))]
     env = ";".join(f"{f},marker={m}" for f, m in zip(faults, markers, strict=True))

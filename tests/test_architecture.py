@@ -1,5 +1,7 @@
-"""Guards for DESIGN.md's layering: no import cycles, downward-only subpackage imports,
-no torch in the planning side, no ray in parallel/."""
+"""Guards for the layout (README's Layout): each top-level folder answers one question, and
+subpackages import downward only: cli → controller → actors → engine → the leaves, with
+planning (torch-free) beside them. No import cycles (submodule edges included), no torch on the
+planning side or in the controller's process, no ray in parallel/, and nothing imports cli/."""
 
 from __future__ import annotations
 
@@ -10,14 +12,16 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "trainmesh"
 
-# What each subpackage may import (besides itself): jobs → platform → actors → (interop →) the
-# leaves, with no exemption. The job spec (plain data) is a leaf every layer may read; deploy gets the
-# plan's numbers from its caller.
+# What each subpackage may import (besides itself), with no exemption. The job spec (plain data
+# and the rules for what a mesh can run) is a leaf every layer may read; deploy gets the plan's
+# numbers from its caller; no package imports cli.
 LEAVES = {"parallel", "models", "kernels", "checkpoint", "data", "spec"}
 ALLOWED = {
-    "jobs": {"platform", "actors", "tracking", "deploy", "interop"} | LEAVES,
-    "platform": {"actors", "tracking"} | LEAVES,
-    "actors": {"interop"} | LEAVES,
+    "cli": {"controller", "actors", "planning", "tracking", "deploy", "interop"} | LEAVES,
+    "controller": {"actors", "planning", "tracking"} | LEAVES,
+    "actors": {"engine"} | LEAVES,
+    "engine": {"interop"} | LEAVES,
+    "planning": {"parallel", "models", "spec"},
     "interop": {"models", "checkpoint", "data"},  # Hugging Face in and out: above the leaves
     "parallel": {"models", "kernels", "spec"},
     "models": {"kernels", "spec"},
@@ -31,10 +35,15 @@ ALLOWED = {
 
 
 def _imports(path: Path) -> set[str]:
+    """Every trainmesh module ``path`` imports, at any depth of the file; ``from pkg import mod``
+    counts as an import of the submodule ``pkg.mod`` (an edge the cycle check must see)."""
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            out.add(node.module)
+            base = PKG.parent.joinpath(*node.module.split("."))
+            subs = {f"{node.module}.{a.name}" for a in node.names
+                    if (base / f"{a.name}.py").is_file() or (base / a.name / "__init__.py").is_file()}
+            out.update(subs or {node.module})
         elif isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
     return {m for m in out if m.startswith("trainmesh.")}
@@ -86,12 +95,26 @@ def _fresh_import(modules: list[str], forbidden: str) -> str:
                           check=True, timeout=120).stdout.strip()
 
 
-def test_spec_and_planning_side_import_no_torch():
-    mods = ["trainmesh.spec.job", "trainmesh.jobs.loading", "trainmesh.deploy.render",
-            "trainmesh.platform.devices",
-            "trainmesh.parallel.dims", "trainmesh.parallel.layout",
+def _modules(*subpackages: str) -> list[str]:
+    return sorted(_module(p) for sub in subpackages for p in (PKG / sub).rglob("*.py"))
+
+
+def test_planning_spec_and_controller_import_no_torch():
+    """The planner, the cost model, the policies and the whole controller (which creates the rank
+    actors, but never runs one) load no torch: `trainmesh plan` and the driver stay light."""
+    mods = [*_modules("planning", "controller", "spec", "deploy", "tracking"),
+            "trainmesh.cli.main", "trainmesh.cli.loading", "trainmesh.actors.worker_group",
+            "trainmesh.actors.rank_worker", "trainmesh.parallel.dims", "trainmesh.parallel.layout",
             "trainmesh.models.llama.model_math", "trainmesh.checkpoint.manifest"]
     assert _fresh_import(mods, "torch") == "[]"
+
+
+def test_nothing_imports_cli():
+    """The command line is the top: only it and ``python -m trainmesh`` (``__main__``) use it."""
+    bad = [f"{_module(p)} imports {m}" for p in PKG.rglob("*.py")
+           if p.relative_to(PKG).parts[0] != "cli" and p.name != "__main__.py"
+           for m in _imports(p) if m.split(".")[1] == "cli"]
+    assert not bad, bad
 
 
 def test_parallel_imports_no_ray():

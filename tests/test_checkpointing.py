@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from trainmesh.checkpoint.manifest import CheckpointStore, bad_files, file_digests, split_by_size
-from trainmesh.jobs.loading import load_spec
-from trainmesh.platform.checkpointing import RNG_FILE, Checkpointer
+from trainmesh.cli.loading import load_spec
+from trainmesh.controller.checkpointing import RNG_FILE, Checkpointer
 
 
 class _Ranks:

@@ -12,10 +12,10 @@ import pytest
 from ray.exceptions import RayActorError
 
 from trainmesh.checkpoint.manifest import file_digests
-from trainmesh.jobs.loading import load_spec
-from trainmesh.platform.controller import Controller
-from trainmesh.platform.elastic import JobFailed
-from trainmesh.platform.states import (
+from trainmesh.cli.loading import load_spec
+from trainmesh.controller.controller import Controller
+from trainmesh.controller.elastic import JobFailed
+from trainmesh.controller.states import (
     FAILURE,
     PREEMPTION,
     SCALE_UP,
@@ -25,7 +25,7 @@ from trainmesh.platform.states import (
     Stop,
     decide,
 )
-from trainmesh.platform.topology import Node, Topology, device_spec
+from trainmesh.planning.topology import Node, Topology, device_spec
 from trainmesh.spec.job import ElasticConfig
 
 _pids = itertools.count(1000)

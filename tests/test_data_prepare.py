@@ -14,10 +14,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from trainmesh.cli.loading import load_spec, unsupported_problems
+from trainmesh.cli.main import main
 from trainmesh.data import corpus, sampler, shards
 from trainmesh.data.dataset import TokenDataset, open_datasets
-from trainmesh.jobs.cli import main
-from trainmesh.jobs.loading import load_spec, unsupported_problems
 
 EOS = "<|endoftext|>"
 

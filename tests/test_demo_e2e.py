@@ -18,7 +18,7 @@ def test_demo_job_through_cli_lands_in_mlflow(tmp_path):
     out = tmp_path / "demo"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.run(
-        [sys.executable, "-m", "trainmesh.jobs.cli", "run", str(REPO / "jobs/tiny-cpu.yaml"),
+        [sys.executable, "-m", "trainmesh.cli.main", "run", str(REPO / "jobs/tiny-cpu.yaml"),
          "--set", f"runtime.output_dir={out}", "--no-progress"],
         capture_output=True, text=True, timeout=380, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -15,12 +15,12 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from trainmesh.cli.k8s import rayjob as render_rayjob
+from trainmesh.cli.loading import load_spec, spec_from_dict
+from trainmesh.cli.main import main
 from trainmesh.deploy import kuberay, kuberay_schema
 from trainmesh.deploy.render import RenderOptions
-from trainmesh.jobs.cli import main
-from trainmesh.jobs.k8s_cli import rayjob as render_rayjob
-from trainmesh.jobs.loading import load_spec, spec_from_dict
-from trainmesh.platform.job_plan import PlanError
+from trainmesh.planning.job_plan import PlanError
 from trainmesh.spec.job import SPEC_ENV
 
 ROOT = Path(__file__).resolve().parents[1]

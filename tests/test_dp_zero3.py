@@ -11,8 +11,8 @@ import torch
 from reference import load_checkpoint_params, reference_run
 
 from trainmesh.checkpoint.manifest import CheckpointStore
-from trainmesh.jobs.loading import load_spec
-from trainmesh.jobs.runner import run_job
+from trainmesh.cli.loading import load_spec
+from trainmesh.controller.launch import run_job
 
 BASE = ["model.preset=tiny", "training.global_batch_size=8", "training.microbatch_size=2",
         "training.seq_len=32", "optimizer.warmup_steps=1", "tracking.enabled=false",

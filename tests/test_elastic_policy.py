@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainmesh.platform.elastic import (
+from trainmesh.controller.elastic import (
     GiveUp,
     Retry,
     bounded_topology,
@@ -14,7 +14,7 @@ from trainmesh.platform.elastic import (
     should_scale_up,
     warm_assignment,
 )
-from trainmesh.platform.topology import Topology
+from trainmesh.planning.topology import Topology
 from trainmesh.spec.job import ElasticConfig
 
 
@@ -124,7 +124,7 @@ def test_hung_ranks_are_the_silent_ones_or_those_behind_when_nothing_moves():
 
 
 def test_hang_bound_from_recent_steps_with_a_floor_or_the_spec():
-    from trainmesh.platform.ray_group import HANG_FLOOR_S, hang_bound_s
+    from trainmesh.controller.ray_group import HANG_FLOOR_S, hang_bound_s
 
     assert hang_bound_s(ElasticConfig(), [1.0, 2.0]) is None  # too few steps measured
     assert hang_bound_s(ElasticConfig(), [1.0, 2.0, 3.0]) == HANG_FLOOR_S

@@ -23,7 +23,7 @@ import torch
 from servers import job_in_background, rank_pids_under, remove_node_hard, simulated_cluster
 
 from trainmesh.checkpoint.manifest import CheckpointStore
-from trainmesh.jobs.loading import load_spec
+from trainmesh.cli.loading import load_spec
 
 STEPS = 20
 # 4 ranks: a pipeline of 2 stages (interleaved, 2 chunks each), TP 2 inside each stage's node.
@@ -182,7 +182,7 @@ def test_every_fault_is_recovered_warm_in_seconds_with_nothing_lost(cluster, tmp
 
     # The pipeline's planned grid, and plan against measurement, reach MLflow (every stage's
     # work measured, and planned from the measured costs).
-    from trainmesh.platform.pipeline_artifacts import NAMES
+    from trainmesh.controller.pipeline_artifacts import NAMES
 
     names = {a.path for a in client.list_artifacts(s["mlflow_run_id"])}
     assert set(NAMES) <= names
@@ -200,7 +200,7 @@ def test_a_drain_is_seen_as_a_notice(cluster):
     from ray.core.generated import autoscaler_pb2
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from trainmesh.platform.ray_group import draining_nodes
+    from trainmesh.controller.ray_group import draining_nodes
 
     node, busy = cluster.add_node(num_cpus=1, num_gpus=1), None
     try:

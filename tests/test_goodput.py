@@ -9,10 +9,10 @@ import statistics
 
 import pytest
 
-from trainmesh.jobs.cli import main
-from trainmesh.platform.cadence import CheckpointCadence, choose, daly_interval_s, system_mtbf_s
-from trainmesh.platform.failure_costs import Assumptions, Measured, MeshCosts
-from trainmesh.platform.goodput import CAUSES, Cluster, Fault, poisson_faults, simulate
+from trainmesh.cli.main import main
+from trainmesh.planning.cadence import CheckpointCadence, choose, daly_interval_s, system_mtbf_s
+from trainmesh.planning.failure_costs import Assumptions, Measured, MeshCosts
+from trainmesh.planning.goodput import CAUSES, Cluster, Fault, poisson_faults, simulate
 from trainmesh.spec.job import CheckpointConfig, ElasticConfig
 
 CRASH_ONLY = Assumptions(crash_share=1.0, unreachable_share=0.0, hang_share=0.0)

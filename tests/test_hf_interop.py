@@ -15,12 +15,12 @@ import torch.nn.functional as F
 from reference import load_checkpoint_params, reference_run
 from test_data_prepare import EOS, train_tokenizer
 
-from trainmesh.actors.engine import build_model
 from trainmesh.checkpoint.manifest import CheckpointStore
+from trainmesh.cli.loading import SpecError, load_spec
+from trainmesh.cli.main import main
 from trainmesh.data.dataset import open_datasets
 from trainmesh.data.shards import ensure_tiny_corpus
-from trainmesh.jobs.cli import main
-from trainmesh.jobs.loading import SpecError, load_spec
+from trainmesh.engine.engine import build_model
 from trainmesh.parallel.dims import ParallelDims
 
 transformers = pytest.importorskip("transformers")  # a dev dependency: installed by .ci/run
@@ -145,8 +145,8 @@ def test_job_from_an_imported_model_on_tokenized_data_evaluates_resumes_exports_
     import yaml
     from mlflow.tracking import MlflowClient
 
+    from trainmesh.controller.launch import run_job
     from trainmesh.data import corpus
-    from trainmesh.jobs.runner import run_job
 
     (tmp_path / "tok").mkdir()
     tok = train_tokenizer(tmp_path / "tok" / "tokenizer.json")
@@ -196,7 +196,7 @@ def test_job_from_an_imported_model_on_tokenized_data_evaluates_resumes_exports_
     config = json.loads((tmp_path / "export" / "config.json").read_text())
     assert config["eos_token_id"] == tok.token_to_id(EOS)
     # Starting from the export again: its tokenizer is the data's; the bundled byte corpus is not.
-    from trainmesh.jobs.loading import unsupported_problems
+    from trainmesh.cli.loading import unsupported_problems
 
     again = [f"model.init_from={tmp_path / 'export'}", "runtime.device=cpu"]
     assert unsupported_problems(load_spec(None, [*again, f"data.path={tmp_path / 'train'}"])) == []

@@ -84,7 +84,7 @@ def test_kernel_selection():
 
 
 def test_triton_on_cpu_without_the_interpreter_is_refused(monkeypatch):
-    from trainmesh.jobs.loading import load_spec, unsupported_problems
+    from trainmesh.cli.loading import load_spec, unsupported_problems
 
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="model.kernels=triton needs a CUDA device"):

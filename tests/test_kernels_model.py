@@ -13,8 +13,8 @@ import torch
 from reference import reference_run
 from test_tensor_parallel import BASE, _close, _parallel_run
 
+from trainmesh.cli.loading import load_spec
 from trainmesh.data.shards import ensure_tiny_corpus
-from trainmesh.jobs.loading import load_spec
 from trainmesh.parallel.dims import ParallelDims
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 
+from trainmesh.cli.loading import load_spec
+from trainmesh.controller.dry_run import memory_rows
+from trainmesh.controller.launch import dry_run_job
 from trainmesh.data.shards import ensure_tiny_corpus
-from trainmesh.jobs.loading import load_spec
-from trainmesh.jobs.runner import dry_run_job
 from trainmesh.models.llama.model_math import num_params
-from trainmesh.platform.devices import device_spec
-from trainmesh.platform.dry_run import memory_rows
-from trainmesh.platform.job_plan import effective_spec, plan_job
-from trainmesh.platform.topology import Topology
+from trainmesh.planning.devices import device_spec
+from trainmesh.planning.job_plan import effective_spec, plan_job
+from trainmesh.planning.topology import Topology
 
 GIB = 1024**3
 BASE = ["model.preset=tiny", "model.dim=128", "model.ffn_dim=352", "training.global_batch_size=8",
@@ -99,7 +99,7 @@ def test_dry_run_builds_a_1b_model_over_4_ranks_in_a_fraction_of_its_size(ray_lo
 
 
 def test_step_and_json_without_dry_run_are_refused(capsys):
-    from trainmesh.jobs.cli import main
+    from trainmesh.cli.main import main
 
     assert main(["run", "jobs/tiny-cpu.yaml", "--step"]) == 2
     err = capsys.readouterr().err
@@ -107,7 +107,7 @@ def test_step_and_json_without_dry_run_are_refused(capsys):
 
 
 def test_snapshots_that_do_not_fit_in_host_memory_are_refused_with_the_numbers():
-    from trainmesh.platform.job_plan import PlanError, plan_for
+    from trainmesh.planning.job_plan import PlanError, plan_for
 
     args = ["model.preset=8b", "parallelism.tp=8", "parallelism.dp=2", "training.seq_len=1024",
             "training.microbatch_size=1", "training.global_batch_size=16", "checkpoint.in_memory.every=10"]

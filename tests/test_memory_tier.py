@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from trainmesh.checkpoint import memory_fs
-from trainmesh.platform.memory_tier import MemoryTier, buddies
+from trainmesh.controller.memory_tier import MemoryTier, buddies
 
 
 @pytest.mark.parametrize("nodes", [["a"] * 4 + ["b"] * 4, ["a", "a", "b", "b", "c", "c"],

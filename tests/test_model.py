@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainmesh.jobs.loading import load_spec
+from trainmesh.cli.loading import load_spec
 from trainmesh.models.llama.model import Llama, LlamaArgs
 from trainmesh.models.llama.model_math import flops_per_token, num_params
 

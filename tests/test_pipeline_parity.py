@@ -9,8 +9,8 @@ import torch
 from reference import reference_run
 from test_tensor_parallel import BASE, _close, _parallel_run
 
+from trainmesh.cli.loading import load_spec
 from trainmesh.data.shards import ensure_tiny_corpus
-from trainmesh.jobs.loading import load_spec
 from trainmesh.parallel.dims import ParallelDims
 
 ZB_BATCH = "training.global_batch_size=32"
@@ -61,8 +61,8 @@ def test_a_rank_dying_mid_schedule_makes_the_others_raise(ray_local, tmp_path):
 
     import ray
 
-    from trainmesh.platform.ray_group import RayWorkerGroup, placement_for
-    from trainmesh.platform.topology import Topology
+    from trainmesh.controller.ray_group import RayWorkerGroup, placement_for
+    from trainmesh.planning.topology import Topology
 
     dims = ParallelDims(pp=2)
     spec = load_spec(None, [*BASE, "parallelism.pp=2", "runtime.collective_timeout_s=10",

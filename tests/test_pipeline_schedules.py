@@ -147,14 +147,14 @@ def test_grid_prints_every_rank():
                                                     ("interleaved-1f1b", 4, 2, 8),
                                                     ("gpipe", 2, 1, 6)])
 def test_planner_closed_form_equals_the_simulator(kind, pp, v, m):
-    from trainmesh.platform.cost_model import bubble_fraction
+    from trainmesh.planning.cost_model import bubble_fraction
 
     sim = simulate(build_schedule(kind, pp, v, m), pp * v, m, Costs(1 / v, 2 / v))
     assert bubble_fraction(kind, pp, v, m) == pytest.approx(sim.bubble_fraction)
 
 
 def test_schedule_cli_prints_grid_and_writes_png(tmp_path, capsys):
-    from trainmesh.jobs.cli import main
+    from trainmesh.cli.main import main
 
     png = tmp_path / "s.png"
     assert main(["schedule", "--pp", "4", "--vpp", "2", "--microbatches", "8", "--png",
@@ -167,7 +167,7 @@ def test_schedule_cli_prints_grid_and_writes_png(tmp_path, capsys):
 
 
 def test_zero_bubble_in_the_schedule_cli_shows_weight_actions(capsys, tmp_path):
-    from trainmesh.jobs.cli import main
+    from trainmesh.cli.main import main
 
     png = tmp_path / "zb.png"
     assert main(["schedule", "--pp", "4", "--microbatches", "8", "--schedule", "zb-h1",

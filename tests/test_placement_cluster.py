@@ -10,10 +10,10 @@ import sys
 import pytest
 
 from trainmesh.actors.worker_group import WorkerGroup
-from trainmesh.jobs.loading import load_spec
+from trainmesh.cli.loading import load_spec
+from trainmesh.controller.ray_group import placement_for
 from trainmesh.parallel.dims import Axis, ParallelDims
-from trainmesh.platform.ray_group import placement_for
-from trainmesh.platform.topology import Topology, topology_from_ray
+from trainmesh.planning.topology import Topology, topology_from_ray
 
 
 def _nodes_seen_by_ranks(dims: ParallelDims) -> list[str]:
@@ -55,7 +55,7 @@ def test_dp_peers_span_nodes():
 @pytest.mark.timeout(300)
 def test_plan_cli_plans_for_the_live_cluster(gpu_cluster, tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "trainmesh.jobs.cli", "plan", "jobs/tiny-cpu.yaml",
+        [sys.executable, "-m", "trainmesh.cli.main", "plan", "jobs/tiny-cpu.yaml",
          "--set", "parallelism=auto", "--set", f"runtime.ray_address={gpu_cluster.address}",
          "--json", "--top", "50"],
         capture_output=True, text=True, timeout=240, env=dict(os.environ))
@@ -70,8 +70,8 @@ def test_checkpoint_dir_the_nodes_do_not_share_is_refused(gpu_cluster, tmp_path)
     """The controller (on the head) writes a probe to ``checkpoint.dir`` and every rank node
     reads it back. ``memory://`` stands in for node-local storage: each process sees its own
     (as each node would see its own disk). Refused before training, naming the field."""
-    from trainmesh.jobs.runner import run_job
-    from trainmesh.platform.elastic import JobFailed
+    from trainmesh.controller.elastic import JobFailed
+    from trainmesh.controller.launch import run_job
 
     spec = load_spec(None, ["model.preset=tiny", "parallelism.dp=2", "training.steps=2",
                             "optimizer.warmup_steps=1",
@@ -83,7 +83,7 @@ def test_checkpoint_dir_the_nodes_do_not_share_is_refused(gpu_cluster, tmp_path)
 
 
 def test_doctor_reports_the_cluster_and_each_problem_with_its_fix(gpu_cluster, tmp_path, capsys):
-    from trainmesh.jobs.cli import main
+    from trainmesh.cli.main import main
 
     blocked = tmp_path / "file"
     blocked.write_text("a file where a directory should be")

@@ -8,13 +8,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from trainmesh.jobs.cli import main
-from trainmesh.jobs.loading import load_spec
-from trainmesh.platform import cost_model
-from trainmesh.platform.devices import device_spec
-from trainmesh.platform.job_plan import PlanError, plan_job
-from trainmesh.platform.planner import MEMORY_HEADROOM, PlanRequest, explain, plan
-from trainmesh.platform.topology import Node, Topology, topology_from_nodes
+from trainmesh.cli.loading import load_spec
+from trainmesh.cli.main import main
+from trainmesh.planning import cost_model
+from trainmesh.planning.devices import device_spec
+from trainmesh.planning.job_plan import PlanError, plan_job
+from trainmesh.planning.planner import MEMORY_HEADROOM, PlanRequest, explain, plan
+from trainmesh.planning.topology import Node, Topology, topology_from_nodes
 
 
 def _model(preset, **kw):
@@ -197,7 +197,7 @@ def test_in_flight_chunks_are_what_the_schedule_simulator_holds(schedule):
 def test_the_plan_reaches_the_runtime_through_the_effective_spec():
     """What the planner decided about memory and time is what the ranks build: sharding
     policy, reduce dtype and recomputation; what the user pinned is kept."""
-    from trainmesh.platform.job_plan import effective_spec
+    from trainmesh.planning.job_plan import effective_spec
 
     topo = Topology.uniform(1, 4, "cpu")
     spec = load_spec(None, ["parallelism.dp=4", "parallelism.keep_gathered=false",
@@ -231,7 +231,7 @@ def test_keeping_parameters_gathered_costs_the_stage_unsharded():
 
 
 def _replan(spec_args, nodes, per_node=8, device="h100"):
-    from trainmesh.platform.job_plan import replan_job
+    from trainmesh.planning.job_plan import replan_job
 
     spec = load_spec("jobs/llama-70b.yaml", spec_args)
     return replan_job(spec, Topology.uniform(nodes, per_node, device))
@@ -287,7 +287,7 @@ def test_heterogeneous_nodes_are_planned_around_not_capping_every_node():
     dims, result = plan_job(spec, topo)
     assert (dims.tp, dims.dp) == (2, 4) and result.best.node_ranks == (4, 4)
     assert result.best.idle == 1
-    from trainmesh.platform.ray_group import placement_for
+    from trainmesh.controller.ray_group import placement_for
 
     placement = placement_for(spec, dims, topo)
     assert [b["CPU"] for b in placement.bundles] == [4.0, 4.0]

@@ -7,8 +7,8 @@ import torch
 from test_tensor_parallel import BASE
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from trainmesh.cli.loading import load_spec
 from trainmesh.data.shards import ensure_tiny_corpus
-from trainmesh.jobs.loading import load_spec
 from trainmesh.parallel.dims import ParallelDims
 
 SOURCE = (ParallelDims(pp=2, tp=2), ["parallelism.vpp=2", "schedule.name=interleaved-1f1b",

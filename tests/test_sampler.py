@@ -83,7 +83,7 @@ def test_a_directory_without_dataset_json_is_not_a_dataset(tmp_path):
 
 
 def test_cli_prepare(tmp_path):
-    from trainmesh.jobs.cli import main
+    from trainmesh.cli.main import main
 
     (tmp_path / "a.txt").write_text("first document")
     (tmp_path / "b.txt").write_text("second one")

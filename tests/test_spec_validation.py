@@ -8,8 +8,8 @@ import sys
 import pytest
 import yaml
 
-from trainmesh.jobs.cli import main
-from trainmesh.jobs.loading import load_spec
+from trainmesh.cli.loading import load_spec
+from trainmesh.cli.main import main
 
 # (spec text, field path that must start a line of the error output)
 BAD_SPECS = [
@@ -137,7 +137,7 @@ def test_parallelism_auto_string():
 def test_cli_subprocess_never_tracebacks(tmp_path):
     path = tmp_path / "s.yaml"
     path.write_text(": : :\n\t- [")
-    proc = subprocess.run([sys.executable, "-m", "trainmesh.jobs.cli", "validate", str(path)],
+    proc = subprocess.run([sys.executable, "-m", "trainmesh.cli.main", "validate", str(path)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and "not valid YAML" in proc.stderr

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from servers import MlflowServer, RayHead, descendants
 
-from trainmesh.jobs.cli import main
+from trainmesh.cli.main import main
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "jobs" / "tiny-cpu.yaml")
@@ -128,7 +128,7 @@ def test_tracking_server_outage_then_trainmesh_run_sigkilled_and_run_again(mlflo
     out = tmp_path / "out"
     # unbuffered: what it printed before the SIGKILL is read back
     env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "PYTHONUNBUFFERED": "1"}
-    command = [sys.executable, "-m", "trainmesh.jobs.cli", "run", TINY, "--no-progress",
+    command = [sys.executable, "-m", "trainmesh.cli.main", "run", TINY, "--no-progress",
                "--set", f"training.steps={steps}", "--set", "checkpoint.every=25",
                "--set", "parallelism.dp=1", "--set", "training.global_batch_size=8",
                "--set", f"runtime.output_dir={out}", "--set", f"tracking.uri={server.uri}",

@@ -7,9 +7,9 @@ import pytest
 import torch
 from reference import load_checkpoint_params, reference_run
 
+from trainmesh.cli.loading import load_spec
+from trainmesh.controller.launch import run_job
 from trainmesh.data.shards import ensure_tiny_corpus
-from trainmesh.jobs.loading import load_spec
-from trainmesh.jobs.runner import run_job
 from trainmesh.parallel.dims import ParallelDims
 
 BASE = ["model.preset=tiny", "training.global_batch_size=8", "training.microbatch_size=2",

@@ -3,6 +3,6 @@ run on a cluster whose PATH has no ``trainmesh`` script)."""
 
 import sys
 
-from trainmesh.jobs.cli import main
+from trainmesh.cli.main import main
 
 sys.exit(main())

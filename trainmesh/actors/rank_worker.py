@@ -1,4 +1,6 @@
-"""RankWorker: the Ray actor that is one accelerator rank of a job."""
+"""RankWorker: the Ray actor that is one accelerator rank of a job. torch is imported inside its
+methods, which run in the rank's own process: the controller, which creates these actors, loads no
+torch."""
 
 from __future__ import annotations
 
@@ -7,19 +9,22 @@ import dataclasses
 import os
 import signal
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import ray
-import torch
-import torch.distributed as dist
+
+if TYPE_CHECKING:
+    import torch
 
 from trainmesh.actors.progress import Progress
-from trainmesh.actors.snapshots import Snapshots
 from trainmesh.parallel.dims import ParallelDims
 from trainmesh.spec.job import JobSpec
 
 
 def select_device(requested: str) -> torch.device:
     """``auto``: this actor's CUDA device when Ray gave it one, else the CPU."""
+    import torch
+
     if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise RuntimeError("runtime.device is 'cuda' but this rank sees no CUDA device; "
@@ -32,6 +37,9 @@ class RankWorker:
     """One rank: process group, mesh, engine. Every method is called on all ranks together."""
 
     def __init__(self, rank: int, world_size: int, cpu_threads: int):
+        import torch
+        import torch.distributed as dist
+
         self.rank, self.world_size = rank, world_size
         torch.set_num_threads(max(1, cpu_threads))
         self._store: dist.TCPStore | None = None
@@ -43,6 +51,8 @@ class RankWorker:
         self._save_group: dist.ProcessGroup | None = None
         self._saving: concurrent.futures.Future | None = None
         self._saved_files: dict = {}
+        from trainmesh.actors.snapshots import Snapshots
+
         self._snapshots = Snapshots()  # the in-memory tier's (checkpoint.in_memory)
         # (tests) a node is lost at a fault's point with this rank's snapshot in flight landed
         self._progress.settle = self._snapshots.settle
@@ -70,6 +80,8 @@ class RankWorker:
         timeout, even with every Python reference dropped; the references (model, mesh, save
         group) are dropped anyway. Afterwards only ``reset`` (or ``shutdown``) is meaningful."""
         import gc
+
+        import torch.distributed as dist
 
         if dist.is_initialized():
             from torch.distributed.distributed_c10d import _abort_process_group
@@ -112,6 +124,8 @@ class RankWorker:
 
     def create_store(self, timeout_s: float) -> tuple[str, int]:
         """Rank 0 only: a TCPStore on an OS-chosen port; returns (host, port)."""
+        import torch.distributed as dist
+
         host = ray.util.get_node_ip_address()
         self._store = dist.TCPStore(host, 0, self.world_size, is_master=True,
                                     wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
@@ -119,6 +133,8 @@ class RankWorker:
 
     def init_process_group(self, host: str, port: int, device: str, timeout_s: float) -> str:
         """Join the job's process group; returns the backend used."""
+        import torch.distributed as dist
+
         self.device = select_device(device)
         self._timeout_s = timeout_s
         backend = "nccl" if self.device.type == "cuda" else "gloo"
@@ -133,7 +149,7 @@ class RankWorker:
     # -- training --------------------------------------------------------------------------
     def build(self, spec_json: str, dims: dict, data_dir: str) -> int:
         """Build this rank's mesh and engine; returns its parameter count (local shards)."""
-        from trainmesh.actors.engine import Engine
+        from trainmesh.engine.engine import Engine
         from trainmesh.parallel.mesh import Mesh
 
         spec = JobSpec.model_validate_json(spec_json)
@@ -151,6 +167,8 @@ class RankWorker:
 
     def reset_peak_memory(self) -> None:
         """Start a new CUDA peak (the CPU's peak RSS cannot be reset)."""
+        import torch
+
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
@@ -165,6 +183,9 @@ class RankWorker:
         """Collective save; rank 0 returns the RNG state for the manifest's sidecar. In the
         background, this rank's shards are copied to host memory before it returns and a
         thread writes them while training goes on (``save_status`` says how that went)."""
+        import torch
+        import torch.distributed as dist
+
         self.wait_save()
         self._saved_files = {}
         self._progress.step = self.engine.step
@@ -223,6 +244,8 @@ class RankWorker:
 
     def load(self, directory: str, step: int, rng_state: bytes | None,
              metadata_files: list[str] | None = None) -> None:
+        import torch
+
         rng = torch.frombuffer(bytearray(rng_state), dtype=torch.uint8) if rng_state else None
         self._progress.step = step
         self._progress.mark("restore")
@@ -233,6 +256,8 @@ class RankWorker:
         """This rank alone (no collective): snapshot its shards as ``directory`` in its memory
         and hand a copy to ``buddy`` (a rank actor on another node); training waits only for
         the copy to host memory (``actors/snapshots.py``). ``wait``: for the whole of it."""
+        import torch
+
         from trainmesh.checkpoint import memory_fs
 
         self._progress.mark("snapshot")
@@ -302,6 +327,8 @@ class RankWorker:
         return self.engine.timeline()
 
     def shutdown(self) -> None:
+        import torch.distributed as dist
+
         self.wait_save(timeout_s=self._timeout_s + 5)
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -320,6 +347,7 @@ def _forget_dtensor_caches() -> None:
     import functools
     import sys
 
+    import torch
     from torch.distributed.tensor import DTensor, _redistribute
     from torch.distributed.tensor._sharding_prop import LocalLRUCache
 
@@ -350,6 +378,8 @@ def _abandon_process_groups() -> None:
     one whose peer died can hang); gloo groups are destroyed — torch documents its abort for
     NCCL only, and destroying a broken gloo group was measured to work (ENVIRONMENT.md).
     torch.distributed is uninitialised afterwards."""
+    import torch.distributed as dist
+
     if not dist.is_initialized():
         return
     if dist.get_backend() == "nccl":

@@ -14,20 +14,9 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from trainmesh.actors.errors import HangDetected, PlacementTimeout
 from trainmesh.actors.rank_worker import RankWorker
 from trainmesh.parallel.layout import Placement
-
-
-class PlacementTimeout(RuntimeError):
-    pass
-
-
-class HangDetected(RuntimeError):
-    """Ranks stopped making progress inside a call; their nodes' actors have been killed."""
-
-    def __init__(self, message: str, ranks: list[int]):
-        super().__init__(message)
-        self.ranks = ranks
 
 
 def gather(refs: list, timeout_s: float | None, poll_s: float = 0.5) -> list:

@@ -106,6 +106,14 @@ def ensure_tiny_corpus(out_dir: str | Path) -> Path:
     return out
 
 
+def resolve_data_dir(path: str | None, out_dir: str | Path) -> str:
+    """The dataset a job reads: ``path`` (a URI as it is, a local path made absolute), or with
+    none the bundled tiny corpus, prepared once under ``out_dir/data/tiny-corpus``."""
+    if path:
+        return path if "://" in path else str(Path(path).resolve())
+    return str(ensure_tiny_corpus(Path(out_dir) / "data" / "tiny-corpus"))
+
+
 def read_meta(path: str | Path) -> dict[str, Any]:
     """``dataset.json`` of the dataset at ``path``, with a clear error when there is none."""
     fs, root = url_to_fs(str(path))

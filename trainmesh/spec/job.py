@@ -235,7 +235,7 @@ class TrackingConfig(_Section):
 
 class TopologyConfig(_Section):
     """What the planner assumes about the accelerators; every field overrides the device table
-    (``trainmesh/platform/devices.py``) when set."""
+    (``trainmesh/planning/devices.py``) when set."""
 
     device: Literal["h100", "h200", "a100-40gb", "a100-80gb", "b200", "l40s", "cpu"] | None = Field(
         None, description="device kind; default: from Ray's accelerator label (CPU: cpu)")

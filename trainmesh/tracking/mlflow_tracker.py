@@ -59,6 +59,15 @@ class NullTracker:
         pass
 
 
+def open_tracker(uri: str | None, experiment: str, run_name: str, run_id: str | None,
+                 on_warning: Callable[[str], None]) -> Tracker:
+    """The MLflow run at ``uri`` (re-opened by ``run_id`` after a restart), or the null tracker
+    where nothing is tracked (no ``uri``)."""
+    if not uri:
+        return NullTracker()
+    return MlflowTracker(uri, experiment, run_name, run_id=run_id, on_warning=on_warning)
+
+
 def resolve_tracking_uri(spec_uri: str | None, env_uri: str | None, output_dir: str | Path) -> str:
     """The spec's URI wins, then ``MLFLOW_TRACKING_URI``, then sqlite in the output directory."""
     if spec_uri:
