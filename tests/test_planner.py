@@ -124,7 +124,7 @@ def test_explicit_infeasible_degrees_say_why():
     spec = load_spec(None, ["model.preset=70b", "parallelism.dp=8", "training.seq_len=4096",
                             "training.global_batch_size=64", "training.microbatch_size=8"])
     with pytest.raises(PlanError, match="memory"):
-        plan_job(spec, Topology.uniform(1, 8, "h100"), runnable_only=False)
+        plan_job(spec, Topology.uniform(1, 8, "h100"))
     with pytest.raises(PlanError, match="16 accelerators"):
         plan_job(load_spec(None, ["parallelism.dp=32", "training.global_batch_size=64"]),
                  Topology.uniform(2, 8, "cpu"))

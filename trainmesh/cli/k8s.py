@@ -44,7 +44,7 @@ def rayjob(spec: JobSpec, opts: RenderOptions | None = None) -> dict[str, Any]:
     else:
         nodes = opts.nodes
     topo = Topology.uniform(nodes, g, opts.device).with_overrides(spec.topology.overrides())
-    dims, _ = plan_job(spec, topo, runnable_only=False)
+    dims, _ = plan_job(spec, topo)
     return render_rayjob(spec, opts, MeshSize(tp=dims.tp, pp=dims.pp, dp=dims.dp))
 
 

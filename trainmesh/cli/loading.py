@@ -9,34 +9,16 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from trainmesh.data.tokenizer import VOCAB_SIZE as BYTE_TOKENIZER_VOCAB
 from trainmesh.spec.job import JobSpec
-
-BYTE_TOKENIZER_VOCAB = 257  # 256 bytes + EOS; kept in step with trainmesh.data.tokenizer
-
-
-@dataclass(frozen=True)
-class Problem:
-    path: str
-    what: str
-    fix: str
-
-    def __str__(self) -> str:
-        return f"{self.path}: {self.what}; {self.fix}"
-
-
-class SpecError(ValueError):
-    """One or more problems with a job spec."""
-
-    def __init__(self, problems: list[Problem]):
-        self.problems = problems
-        super().__init__("\n".join(str(p) for p in problems))
+from trainmesh.spec.mesh_rules import runnable_problems, shape_problems
+from trainmesh.spec.problems import Problem, SpecError
 
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
@@ -242,7 +224,7 @@ def _fix(e: dict[str, Any], loc: list[str]) -> str:
         return "give a value in the allowed range"
     if kind == "string_pattern_mismatch":
         return "use letters, digits, '.', '_' or '-' (at most 63 characters)"
-    return "see the field's documentation in trainmesh/jobs/spec.py"
+    return "see the field's documentation in trainmesh/spec/job.py"
 
 
 def _known_fields(loc: list[str]) -> list[str]:
@@ -286,19 +268,7 @@ def consistency_problems(spec: JobSpec) -> list[Problem]:
         need(tr.global_batch_size % unit == 0, "training.global_batch_size",
              f"{tr.global_batch_size} is not divisible by microbatch_size × dp = {unit}",
              f"use a multiple of {unit}, or change training.microbatch_size or parallelism.dp")
-        need(m.n_heads % par.tp == 0 and m.n_kv_heads % par.tp == 0, "parallelism.tp",
-             f"tp={par.tp} does not divide n_heads={m.n_heads} and n_kv_heads={m.n_kv_heads}",
-             f"use one of {_divisors_of_both(m.n_heads, m.n_kv_heads)}")
-        need(m.vocab_size % par.tp == 0, "parallelism.tp",
-             f"tp={par.tp} does not divide model.vocab_size={m.vocab_size} (the embedding and the "
-             "output are split over tp by vocabulary)",
-             f"pad model.vocab_size to a multiple of {par.tp} (a model's vocabulary may exceed "
-             "its data's), or use another tp")
-        need(m.n_layers % (par.pp * par.vpp) == 0, "parallelism.pp",
-             f"n_layers={m.n_layers} is not divisible by pp × vpp = {par.pp * par.vpp}",
-             "choose pp and vpp whose product divides model.n_layers")
-        need(par.vpp == 1 or par.pp > 1, "parallelism.vpp", "vpp > 1 needs pp > 1",
-             "set parallelism.vpp=1 or parallelism.pp>1")
+        out += shape_problems(m, par.tp, par.pp, par.vpp)
         need(par.vpp == 1 or spec.schedule.name in ("interleaved-1f1b", "zbv"), "schedule.name",
              f"{spec.schedule.name} runs one model chunk per stage but parallelism.vpp={par.vpp}",
              "use schedule.name=interleaved-1f1b (the default when vpp > 1) or zbv, or set vpp=1")
@@ -325,24 +295,11 @@ def consistency_problems(spec: JobSpec) -> list[Problem]:
     return out
 
 
-def _divisors_of_both(a: int, b: int) -> list[int]:
-    return [d for d in range(1, min(a, b) + 1) if a % d == 0 and b % d == 0]
-
-
 def unsupported_problems(spec: JobSpec) -> list[Problem]:
     """What a valid spec asks for that this version cannot run yet (``trainmesh run`` refuses
     it; ``validate`` accepts it, so reference specs for larger layouts stay checkable)."""
     par = spec.parallelism
-    out = []
-    if par.pp > 1 and spec.model.tie_embeddings:
-        out.append(Problem("model.tie_embeddings", "the tied head needs the embedding on the "
-                           "last pipeline stage", "set it to false when parallelism.pp > 1"))
-    if par.tp > 1 and spec.model.tie_embeddings:
-        out.append(Problem("model.tie_embeddings", "the tied head is not tensor-parallel here",
-                           "set it to false when parallelism.tp > 1"))
-    if par.sequence_parallel and par.tp == 1 and not par.auto:
-        out.append(Problem("parallelism.sequence_parallel", "needs tensor parallel (tp > 1)",
-                           "set it to false or raise parallelism.tp"))
+    out = runnable_problems(spec.model, par.tp, par.pp, par.sequence_parallel and not par.auto)
     if (spec.model.kernels == "triton" and spec.runtime.device == "cpu"
             and os.environ.get("TRITON_INTERPRET") != "1"):
         out.append(Problem("model.kernels", "triton kernels need a CUDA device (runtime.device is "

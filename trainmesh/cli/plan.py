@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     topo = cluster_topology(spec, args)
     try:
-        _, result = plan_job(spec, topo, runnable_only=False)
+        _, result = plan_job(spec, topo)
     except PlanError as err:
         print(err, file=sys.stderr)
         return 2

@@ -10,16 +10,11 @@ from trainmesh.planning.planner import PlanRequest, PlanResult, plan, summarize_
 from trainmesh.planning.topology import Topology
 from trainmesh.spec.job import JobSpec
 
-# What the runtime of this version cannot execute yet (nothing now); `trainmesh plan` explores
-# everything regardless.
-RUNTIME_FIXED: dict[str, int] = {}
-
-
 class PlanError(ValueError):
     pass
 
 
-def request_for(spec: JobSpec, runnable_only: bool) -> PlanRequest:
+def request_for(spec: JobSpec) -> PlanRequest:
     par, tr = spec.parallelism, spec.training
     fixed: dict[str, int | str | bool] = {}
     if not par.auto:
@@ -30,21 +25,19 @@ def request_for(spec: JobSpec, runnable_only: bool) -> PlanRequest:
     if par.keep_gathered is not None:
         fixed["keep_gathered"] = par.keep_gathered
     fixed["reduce_dtype"] = par.reduce_dtype
-    if runnable_only:
-        fixed.update(RUNTIME_FIXED)
     compute_bytes = 2 if tr.dtype == "bfloat16" else 4
     return PlanRequest(spec.model, tr.global_batch_size, tr.seq_len, compute_bytes, fixed,
                        spec.model.kernels)
 
 
-def plan_job(spec: JobSpec, topo: Topology, runnable_only: bool = True) -> tuple[ParallelDims, PlanResult]:
+def plan_job(spec: JobSpec, topo: Topology) -> tuple[ParallelDims, PlanResult]:
     """Explicit degrees are checked against the cluster; ``auto`` takes the planner's best.
     Either may leave accelerators idle (``RankedPlan.idle``)."""
     par = spec.parallelism
     if not par.auto and par.world_size > topo.world_size:
         raise PlanError(f"parallelism: tp×pp×dp = {par.world_size} ranks but the cluster has "
                         f"{topo.world_size} accelerators; lower the degrees or add nodes")
-    result = plan(request_for(spec, runnable_only), topo)
+    result = plan(request_for(spec), topo)
     if not result.plans:
         raise PlanError("parallelism: no feasible plan on this cluster: "
                         + summarize_rejections(result.rejected)
@@ -86,7 +79,7 @@ def replan_job(spec: JobSpec, topo: Topology) -> Replan:
     fit, and ``changed`` says what changed and why. A plan below ``elastic.min_world_size``
     is refused."""
     par = spec.parallelism
-    req = request_for(spec, runnable_only=True)
+    req = request_for(spec)
     req.fixed["microbatch_size"] = spec.training.microbatch_size
     changed, result = None, None
     if not par.auto:
@@ -98,7 +91,7 @@ def replan_job(spec: JobSpec, topo: Topology) -> Replan:
                        f"{summarize_rejections(result.rejected)})")
     if result is None or not result.plans:
         auto = spec.model_copy(update={"parallelism": par.model_copy(update={"auto": True})})
-        req = request_for(auto, runnable_only=True)
+        req = request_for(auto)
         req.fixed["microbatch_size"] = spec.training.microbatch_size
         result = plan(req, topo)
     if not result.plans:

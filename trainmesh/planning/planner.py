@@ -17,6 +17,8 @@ from trainmesh.planning.cost_model import (
     uses_fused_kernels,
 )
 from trainmesh.planning.topology import Topology
+from trainmesh.spec.mesh_rules import pp_problems, runnable_problems, tp_problems
+from trainmesh.spec.problems import Problem
 
 MEMORY_HEADROOM = 0.9  # plan within this fraction of device memory
 MICROBATCH_SIZES = (1, 2, 4, 8)
@@ -94,6 +96,11 @@ def summarize_rejections(rejected: list[Rejection]) -> str:
     return text
 
 
+def _rule_rejection(problem: Problem) -> Rejection:
+    """A candidate that breaks one of the mesh rules (``spec/mesh_rules.py``), with its message."""
+    return Rejection(None, f"{problem.kind}: {problem}")
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -110,28 +117,20 @@ def candidates(req: PlanRequest, topo: Topology) -> Iterator[Candidate | Rejecti
     largest = topo.largest_node
     tps = [int(fixed["tp"])] if "tp" in fixed else _divisors(largest)
     for tp in tps:
-        if m.n_heads % tp or m.n_kv_heads % tp:
-            yield Rejection(None, f"divisibility: tp={tp} does not divide n_heads={m.n_heads} "
-                                  f"and n_kv_heads={m.n_kv_heads}")
-            continue
-        if m.tie_embeddings and tp > 1:
-            yield Rejection(None, f"tied embeddings: tp={tp} (the tied head is not tensor-parallel "
-                                  "here); set model.tie_embeddings=false to use tp > 1")
-            continue
         if largest % tp:
             yield Rejection(None, f"topology: tp={tp} does not divide the {largest} "
                                   "accelerators of a node (TP groups stay whole inside a node)")
             continue
-        if m.vocab_size % tp:
-            yield Rejection(None, f"divisibility: tp={tp} does not divide vocab_size={m.vocab_size} "
-                                  "(the vocab-parallel embedding and output)")
+        broken = [*tp_problems(m, tp), *runnable_problems(m, tp, 1)]
+        if broken:
+            yield _rule_rejection(broken[0])
             continue
         usable = topo.usable(tp).world_size
         pps = [int(fixed["pp"])] if "pp" in fixed else _divisors(m.n_layers)
         for pp in pps:
-            if m.tie_embeddings and pp > 1:
-                yield Rejection(None, f"tied embeddings: pp={pp} (the tied head needs the embedding "
-                                      "on the last stage); set model.tie_embeddings=false to use pp > 1")
+            broken = runnable_problems(m, 1, pp)
+            if broken:
+                yield _rule_rejection(broken[0])
                 continue
             if tp * pp > usable:
                 yield Rejection(None, f"topology: tp×pp = {tp}×{pp} exceeds the {usable} "
@@ -184,9 +183,9 @@ def _inner(req: PlanRequest, tp: int, pp: int, max_dp: int) -> Iterator[Candidat
     for vpp in VPP_CHOICES:
         if ("vpp" in fixed and vpp != fixed["vpp"]) or (pp == 1 and vpp > 1):
             continue
-        if m.n_layers % (pp * vpp):
-            yield Rejection(None, f"divisibility: n_layers={m.n_layers} is not divisible by "
-                                  f"pp × vpp = {pp}×{vpp}")
+        broken = pp_problems(m, pp, vpp)
+        if broken:
+            yield _rule_rejection(broken[0])
             continue
         # The zero-bubble schedules are considered when named (schedule.name), not on their own.
         schedules = ("1f1b",) if pp == 1 else (

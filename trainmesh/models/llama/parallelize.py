@@ -18,10 +18,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from trainmesh.models.llama.model import Llama
-
-
-def valid_tp_degrees(n_heads: int, n_kv_heads: int) -> list[int]:
-    return [d for d in range(1, n_kv_heads + 1) if n_heads % d == 0 and n_kv_heads % d == 0]
+from trainmesh.spec.mesh_rules import runnable_problems, tp_problems
 
 
 def apply_tensor_parallel(model: Llama, tp_mesh: DeviceMesh, sequence_parallel: bool) -> Llama:
@@ -31,15 +28,9 @@ def apply_tensor_parallel(model: Llama, tp_mesh: DeviceMesh, sequence_parallel: 
     activations between blocks, and the norms, are sharded on the sequence dimension."""
     tp = tp_mesh.size()
     a = model.args
-    if a.n_heads % tp or a.n_kv_heads % tp:
-        raise ValueError(f"parallelism.tp={tp} must divide n_heads={a.n_heads} and "
-                         f"n_kv_heads={a.n_kv_heads}; valid: {valid_tp_degrees(a.n_heads, a.n_kv_heads)}")
-    if a.vocab_size % tp:
-        raise ValueError(f"model.vocab_size={a.vocab_size} must be divisible by parallelism.tp={tp} "
-                         "for the vocab-parallel embedding; pad the vocabulary")
-    if a.tie_embeddings:
-        raise ValueError("model.tie_embeddings is not supported with parallelism.tp > 1; "
-                         "set it to false")
+    broken = [*tp_problems(a, tp), *runnable_problems(a, tp, 1, sequence_parallel)]
+    if broken:
+        raise ValueError("; ".join(str(p) for p in broken))
     between = Shard(1) if sequence_parallel else Replicate()  # layout of (B, T, D) between blocks
     top: dict[str, object] = {}
     if model.tok_embeddings is not None:
