@@ -278,6 +278,7 @@ def checkpoint_bandwidth(mib: int, tmp: Path, reps: int = 3) -> list[dict]:
                                      "in-memory snapshot: training blocked (staging copy)": [],
                                      "in-memory snapshot (dcp save to memory)": [],
                                      "restore from memory (dcp load)": []}
+    store = memory_fs.MemoryStore()  # a rank's in-memory tier
     staging = HostCopy(torch.device("cpu"))  # its host buffers kept, as a rank keeps them
     staging.copy(state)
     for r in range(reps):
@@ -319,12 +320,12 @@ def checkpoint_bandwidth(mib: int, tmp: Path, reps: int = 3) -> list[dict]:
         staging.copy(state)
         rows["in-memory snapshot: training blocked (staging copy)"].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        dcp.save(state, storage_writer=_mem_writer(snap), no_dist=True)
+        dcp.save(state, storage_writer=_mem_writer(snap, store), no_dist=True)
         rows["in-memory snapshot (dcp save to memory)"].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        dcp.load(target, storage_reader=_mem_reader(snap), no_dist=True)
+        dcp.load(target, storage_reader=_mem_reader(snap, store), no_dist=True)
         rows["restore from memory (dcp load)"].append(time.perf_counter() - t0)
-        memory_fs.keep_newest(0)
+        store.keep_newest(0)
     out = []
     for name, times in rows.items():
         s = statistics.median(times)
@@ -345,16 +346,16 @@ def _evict(directory: Path) -> None:
                 os.close(fd)
 
 
-def _mem_writer(uri: str):
+def _mem_writer(uri: str, store):
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-    return FsspecWriter(uri)
+    return FsspecWriter(uri, store=store)
 
 
-def _mem_reader(uri: str):
+def _mem_reader(uri: str, store):
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-    return FsspecReader(uri)
+    return FsspecReader(uri, store=store)
 
 
 class _Peer:

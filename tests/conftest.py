@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-# Before anything imports ray or torch.distributed (see ENVIRONMENT.md).
+# Before anything imports ray or torch.distributed: Ray and gloo on loopback only.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -480,7 +480,7 @@ def test_chart_refuses_inconsistent_values_with_a_fix(chart, values, message):
 
 def test_values_are_all_documented():
     """Every key in values.yaml is documented by a comment above it, or sits inside a
-    documented map (STYLE.md: charts document every value)."""
+    documented map (a chart documents every value)."""
     lines = (CHART / "values.yaml").read_text().splitlines()
     stack: list[tuple[int, bool]] = []  # (indent, documented) of the enclosing keys
     undocumented = []

@@ -60,18 +60,27 @@ def test_the_newest_snapshot_every_rank_of_which_survives_is_restored():
 
 
 def test_a_snapshot_being_written_is_not_held_until_committed():
-    memory_fs.keep_newest(0)
-    try:
-        fs = memory_fs.RankMemoryFS()
-        fs.pipe_file(memory_fs.uri(".0001-00000007-3", "__3_0.distcp"), b"shard")
-        fs.pipe_file(memory_fs.uri(".0001-00000007-3", "__3.metadata"), b"meta")
-        assert memory_fs.held() == {}
-        files = memory_fs.commit(".0001-00000007-3", "0001-00000007")
-        assert list(files) == ["__3_0.distcp", "__3.metadata"]  # the metadata last
-        assert sorted(memory_fs.held()["0001-00000007"]) == ["__3.metadata", "__3_0.distcp"]
-        assert memory_fs.read("0001-00000007", "__3_0.distcp") == b"shard"
-    finally:
-        memory_fs.keep_newest(0)
+    store = memory_fs.MemoryStore()
+    fs = store.fs()
+    fs.pipe_file(memory_fs.uri(".0001-00000007-3", "__3_0.distcp"), b"shard")
+    fs.pipe_file(memory_fs.uri(".0001-00000007-3", "__3.metadata"), b"meta")
+    assert store.held() == {}
+    files = store.commit(".0001-00000007-3", "0001-00000007")
+    assert list(files) == ["__3_0.distcp", "__3.metadata"]  # the metadata last
+    assert sorted(store.held()["0001-00000007"]) == ["__3.metadata", "__3_0.distcp"]
+    assert store.read("0001-00000007", "__3_0.distcp") == b"shard"
+    assert memory_fs.MemoryStore().held() == {}  # each rank's store is its own
+
+
+def test_a_restore_reads_missing_files_from_peers_and_forgets_them():
+    store, peer = memory_fs.MemoryStore(), {memory_fs.uri("0001-00000004", "__1_0.distcp"): b"theirs"}
+    store.put("0001-00000004", {"__0_0.distcp": b"mine"})
+    with store.fetching(peer.get):
+        with store.fs().open(memory_fs.uri("0001-00000004", "__1_0.distcp"), "rb") as f:  # as DCP reads
+            assert f.read() == b"theirs"
+        assert store.held() == {"0001-00000004": ["__0_0.distcp"]}  # a fetched file is not held
+    assert store.read("0001-00000004", "__1_0.distcp") is None  # dropped after the restore
+    assert store.read("0001-00000004", "__0_0.distcp") == b"mine"
 
 
 def test_the_host_copy_is_the_state_as_copied_and_reuses_its_buffers():

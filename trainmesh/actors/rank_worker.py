@@ -52,8 +52,10 @@ class RankWorker:
         self._saving: concurrent.futures.Future | None = None
         self._saved_files: dict = {}
         from trainmesh.actors.snapshots import Snapshots
+        from trainmesh.checkpoint.memory_fs import MemoryStore
 
-        self._snapshots = Snapshots()  # the in-memory tier's (checkpoint.in_memory)
+        self._memory = MemoryStore()  # the in-memory tier's files this rank holds
+        self._snapshots = Snapshots(self._memory)  # the in-memory tier's (checkpoint.in_memory)
         # (tests) a node is lost at a fault's point with this rank's snapshot in flight landed
         self._progress.settle = self._snapshots.settle
         # A preemption notice (SIGTERM: a spot reclaim, a node drain) does not end the rank at
@@ -244,12 +246,14 @@ class RankWorker:
 
     def load(self, directory: str, step: int, rng_state: bytes | None,
              metadata_files: list[str] | None = None) -> None:
+        """Collective restore from ``directory`` (storage; with ``metadata_files``, an in-memory
+        snapshot read through this rank's store)."""
         import torch
 
         rng = torch.frombuffer(bytearray(rng_state), dtype=torch.uint8) if rng_state else None
         self._progress.step = step
         self._progress.mark("restore")
-        self.engine.load(directory, step, rng, metadata_files)
+        self.engine.load(directory, step, rng, (metadata_files, self._memory) if metadata_files else None)
 
     # -- in-memory checkpoints (checkpoint/memory_fs.py) --------------------------------------
     def memory_snapshot(self, directory: str, buddy, wait: bool = False) -> dict:
@@ -258,46 +262,41 @@ class RankWorker:
         the copy to host memory (``actors/snapshots.py``). ``wait``: for the whole of it."""
         import torch
 
-        from trainmesh.checkpoint import memory_fs
 
         self._progress.mark("snapshot")
         got = self._snapshots.take(directory, self.rank, self.engine.model, self.engine.optimizer,
                                    buddy, self._timeout_s)
         if wait:
             self._snapshots.settle(self._timeout_s)
-            got["files_bytes"] = memory_fs.nbytes(directory)
+            got["files_bytes"] = self._memory.nbytes(directory)
         return {**got, "rng": torch.random.get_rng_state().numpy().tobytes() if self.rank == 0 else None}
 
     @ray.method(concurrency_group="memory")
     def keep_replica(self, directory: str, files: dict) -> int:
         """A peer's snapshot files, kept in this process's memory (the newest two snapshots)."""
-        from trainmesh.checkpoint import memory_fs
 
-        memory_fs.put(directory, files)
-        memory_fs.keep_newest(2)
+        self._memory.put(directory, files)
+        self._memory.keep_newest(2)
         return sum(len(b) for b in files.values())
 
     @ray.method(concurrency_group="memory")
     def memory_handoff(self, target) -> None:
         """Everything this process holds in memory, copied to ``target`` (before its end)."""
-        from trainmesh.checkpoint import memory_fs
 
-        for directory, names in memory_fs.held().items():
-            ray.get(target.keep_replica.remote(directory, {n: memory_fs.read(directory, n) for n in names}),
+        for directory, names in self._memory.held().items():
+            ray.get(target.keep_replica.remote(directory, {n: self._memory.read(directory, n) for n in names}),
                     timeout=self._timeout_s)
 
     @ray.method(concurrency_group="memory")
     def memory_inventory(self) -> dict:
         """Snapshot directory → the file names this process holds there."""
-        from trainmesh.checkpoint import memory_fs
 
-        return memory_fs.held()
+        return self._memory.held()
 
     @ray.method(concurrency_group="memory")
     def memory_file(self, directory: str, name: str) -> bytes | None:
-        from trainmesh.checkpoint import memory_fs
 
-        return memory_fs.read(directory, name)
+        return self._memory.read(directory, name)
 
     def memory_load(self, directory: str, holders: dict, step: int, rng_state: bytes | None) -> None:
         """Collective: restore from snapshot ``directory`` onto this rank's (new) part: files it
@@ -310,12 +309,9 @@ class RankWorker:
             return None if holder is None else ray.get(holder.memory_file.remote(directory, name),
                                                        timeout=self._timeout_s)
 
-        memory_fs.RankMemoryFS.fetch = fetch
-        try:
+        with self._memory.fetching(fetch):
             self.load(memory_fs.uri(directory), step, rng_state,
                       sorted(n for n in holders if n.endswith(".metadata")))
-        finally:
-            memory_fs.drop_fetched()
 
     def full_state(self) -> dict:
         return self.engine.full_state()
@@ -376,7 +372,7 @@ def _forget_dtensor_caches() -> None:
 def _abandon_process_groups() -> None:
     """Leave every process group, even a broken one. NCCL communicators are aborted (destroying
     one whose peer died can hang); gloo groups are destroyed — torch documents its abort for
-    NCCL only, and destroying a broken gloo group was measured to work (ENVIRONMENT.md).
+    NCCL only, and destroying a broken gloo group was measured to work (torch 2.13).
     torch.distributed is uninitialised afterwards."""
     import torch.distributed as dist
 

@@ -1,7 +1,7 @@
 """A rank's side of the in-memory checkpoint tier: taking a snapshot costs training only the
 copy of its shards to host memory (``checkpoint/host_copy.py``: pinned buffers and one
 synchronisation on GPUs, kept from one snapshot to the next); saving that copy as a Distributed
-Checkpoint in this process's memory (``checkpoint/memory_fs.py``) goes on in a background thread
+Checkpoint in the rank's memory store (``checkpoint/memory_fs.py``) goes on in a background thread
 while training goes on, and the files then travel to the buddy rank on another node (a Ray call
 not waited for). The next snapshot first waits for the last one's save (the host buffers are
 then free; at most one copy to the buddy travels at a time), so a node lost meanwhile costs the
@@ -21,12 +21,14 @@ import ray
 
 from trainmesh.checkpoint import dcp_io, memory_fs
 from trainmesh.checkpoint.host_copy import HostCopy
+from trainmesh.checkpoint.memory_fs import MemoryStore
 
 log = logging.getLogger(__name__)
 
 
 class Snapshots:
-    def __init__(self) -> None:
+    def __init__(self, store: MemoryStore) -> None:
+        self.store = store  # the rank's: its snapshots and its buddies' copies
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="snapshot")
         self._saving: concurrent.futures.Future | None = None  # holds the host copy's buffers
         self._replica: ray.ObjectRef | None = None  # the last copy handed to a buddy
@@ -78,13 +80,13 @@ class Snapshots:
         return True
 
     def _save(self, directory: str, rank: int, staged: dict, buddy, timeout_s: float) -> None:
-        hidden = f".{directory}-{rank}"  # invisible (memory_fs.held) until committed
+        hidden = f".{directory}-{rank}"  # invisible (MemoryStore.held) until committed
         try:
-            dcp_io.snapshot(memory_fs.uri(hidden), rank, staged)
-            files = memory_fs.commit(hidden, directory)
+            dcp_io.snapshot(memory_fs.uri(hidden), rank, staged, self.store)
+            files = self.store.commit(hidden, directory)
         finally:
-            memory_fs.drop(hidden)  # whatever a failed save left there
-        memory_fs.keep_newest(2)
+            self.store.drop(hidden)  # whatever a failed save left there
+        self.store.keep_newest(2)
         if buddy is None:
             return
         if self._replica is not None:  # one copy travels at a time

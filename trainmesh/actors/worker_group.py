@@ -66,13 +66,15 @@ def _aged(seen: tuple[float, dict] | None, t: float, first: float, quiet_s: floa
 
 
 class WorkerGroup:
-    """Starts one actor per rank and calls methods on all of them together."""
+    """Starts one actor per rank and calls methods on all of them together. It owns the rank
+    actors' lives: they are created here (``__init__``, ``reform``), re-formed here (``reform``)
+    and ended only through ``end`` (``shutdown`` ends them all)."""
 
     def __init__(self, placement: Placement, env_vars: dict[str, str], ready_timeout_s: float,
                  cpu_threads: int = 1):
         self.placement = placement
         self._env_vars, self._ready_timeout_s, self._cpu_threads = env_vars, ready_timeout_s, cpu_threads
-        self.pgs: list = []  # the first group's, then one per regroup that needed new actors
+        self.pgs: list = []  # the first group's, then one per re-form that needed new actors
         self._inflight: list = []  # the refs of the last call on every rank
         world = len(placement.rank_bundle)
         pg, nodes = self._place(placement.bundles, placement.strategy)
@@ -112,7 +114,7 @@ class WorkerGroup:
             for rank, b in ranks
         ]
 
-    def regroup(self, assignment: list[int | None], placement: Placement, timeout_s: float,
+    def reform(self, assignment: list[int | None], placement: Placement, timeout_s: float,
                 refill: set[int] = frozenset(), avoid: set[str] = frozenset()) -> None:
         """Warm re-formation for a new plan: new rank r is old rank ``assignment[r]``'s actor,
         reset in place (same process); or, where that old rank is in ``refill`` (dead, its
@@ -121,9 +123,7 @@ class WorkerGroup:
         ``avoid``), else in a new placement group holding just the bundles such ranks need.
         Other old actors are ended."""
         old, old_slots, old_nodes = self.workers, self.slots, self.nodes
-        for i, w in enumerate(old):
-            if i not in assignment or i in refill:
-                ray.kill(w)
+        self.end([i for i in range(len(old)) if i not in assignment or i in refill])
         world = len(assignment)
         self.placement = placement
         new: dict[int, tuple[Any, tuple, str]] = {}  # new rank: (actor, slot, node)
@@ -186,7 +186,7 @@ class WorkerGroup:
         in a collective that no abort releases (on gloo, one over a sub-group whose peers have
         left it: it would end only at the collective timeout). They are killed — their
         processes' end releases whoever still waits on them — and returned; their nodes are
-        fine and their reservations can be refilled (``regroup``)."""
+        fine and their reservations can be refilled (``reform``)."""
         refs = {ref: r for r, ref in enumerate(self._inflight)}
         if not refs:
             return []
@@ -194,7 +194,7 @@ class WorkerGroup:
         stuck = sorted(refs[ref] for ref in pending)
         for r in stuck:
             self._hand_off_memory(r, [t for t in range(len(self.workers)) if t not in stuck])
-            ray.kill(self.workers[r])
+        self.end(stuck)
         self._inflight = []
         return stuck
 
@@ -257,8 +257,7 @@ class WorkerGroup:
                 break
         nodes = {self.placement.rank_bundle[r] for r in hung}
         doomed = [r for r, b in enumerate(self.placement.rank_bundle) if b in nodes]
-        for r in doomed:
-            ray.kill(self.workers[r])
+        self.end(doomed)
         where = {r: now[r] for r in hung}
         raise HangDetected(
             f"rank(s) {hung} made no progress for {time.monotonic() - t0:.0f} s in {method} "
@@ -287,6 +286,12 @@ class WorkerGroup:
         backends = self.call("init_process_group", host, port, device, timeout_s)
         return backends[0]
 
+    def end(self, ranks) -> None:
+        """End these ranks' actors (their processes with them): the one place a rank actor is
+        killed. Its reservation stays with the group (``reform`` may refill it)."""
+        for r in ranks:
+            ray.kill(self.workers[r])
+
     def shutdown(self) -> None:
         """End every rank and release the placement groups (safe to call twice)."""
         if not self.pgs:
@@ -295,8 +300,7 @@ class WorkerGroup:
             self.call("shutdown", timeout_s=30)
         except Exception:  # noqa: BLE001 - best effort: dead ranks are killed below anyway
             pass
-        for w in self.workers:
-            ray.kill(w)
+        self.end(range(len(self.workers)))
         for pg in self.pgs:
             remove_placement_group(pg)
         self.pgs = []

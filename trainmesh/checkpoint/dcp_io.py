@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from trainmesh.checkpoint.manifest import file_digests, is_uri
-from trainmesh.checkpoint.memory_fs import PROTOCOL
+from trainmesh.checkpoint.memory_fs import PROTOCOL, MemoryStore
 
 # Optimizer state flattened to one key per parameter and field ("state.layers.0...exp_avg",
 # "param_groups.layers.0....lr"): no per-rank param_groups lists, so a rank holding other
@@ -89,8 +89,8 @@ class _MergedReader(FsspecReader):
     have written: every rank's ``__R.metadata`` merged (chunks and storage entries; a tensor
     replicated over ranks kept once)."""
 
-    def __init__(self, directory: str, metadata_files: list[str]):
-        super().__init__(directory)
+    def __init__(self, directory: str, metadata_files: list[str], **storage_options):
+        super().__init__(directory, **storage_options)
         self.metadata_files = metadata_files
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
@@ -143,7 +143,7 @@ class _RankWriter(FsspecWriter):
                                                                 "use_collectives": False})
 
 
-def snapshot(directory: str, rank: int, state: dict) -> None:
+def snapshot(directory: str, rank: int, state: dict, store: MemoryStore) -> None:
     """Rank ``rank`` alone (the in-memory tier, ``memory_fs``; any thread) saves ``state`` (its
     shards as ``host_copy.HostCopy`` copied them) to ``directory`` with metadata of its own
     (``__R.metadata``, DCP's uncoordinated save).
@@ -152,17 +152,17 @@ def snapshot(directory: str, rank: int, state: dict) -> None:
     from a background thread would interleave with the training thread's collectives."""
     # memory: nothing to sync (_writer); the state is in host memory already, so DCP's loader
     # must not synchronise the training thread's GPU stream (as it does when copying ahead)
-    writer = _RankWriter(directory, rank, sync_files=False, per_thread_copy_ahead=0)
+    writer = _RankWriter(directory, rank, sync_files=False, per_thread_copy_ahead=0, store=store)
     dcp.save(state, storage_writer=writer, no_dist=True, use_collectives=False)
 
 
 def load_snapshot(directory: str, metadata_files: list[str], model: nn.Module,
-                  optimizer: torch.optim.Optimizer) -> None:
+                  optimizer: torch.optim.Optimizer, store: MemoryStore) -> None:
     """Collective: fill ``model`` and ``optimizer`` from an uncoordinated save (``snapshot``)
     made under any mesh: the ranks' metadata (``metadata_files``) merged into one, as a
     coordinated save would have written it, so DCP plans and reshards the load as usual."""
     state = rank_state(model, optimizer)
-    dcp.load(state, storage_reader=_MergedReader(directory, metadata_files))
+    dcp.load(state, storage_reader=_MergedReader(directory, metadata_files, store=store))
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"], options=_OPTS)
 

@@ -17,8 +17,8 @@ LOCAL = "local"
 
 
 def loopback_environment(environ: dict[str, str] | os._Environ) -> None:
-    """Keep a local Ray cluster and gloo on 127.0.0.1 (see ENVIRONMENT.md). Must run before
-    ``import ray``."""
+    """Keep a local Ray cluster and gloo on 127.0.0.1 (Ray binds the external interface by
+    default). Must run before ``import ray``."""
     environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 

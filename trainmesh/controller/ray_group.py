@@ -79,8 +79,7 @@ class RayWorkerGroup:
                 alive.add(refs[ref])
             except ray.exceptions.RayError:
                 pass
-        for r in set(refs.values()) - alive:
-            ray.kill(self.group.workers[r])
+        self.group.end(sorted(set(refs.values()) - alive))
         return alive
 
     def _ask(self) -> dict:
@@ -101,7 +100,7 @@ class RayWorkerGroup:
         """Warm recovery or growth: kept old ranks take their new ranks in the same processes,
         new actors start in the reservations of ``refill`` ranks and where ``assignment`` has
         None (not on the nodes in ``avoid``); all join a new process group on a fresh port."""
-        self.group.regroup(assignment, placement, timeout_s, refill, avoid)
+        self.group.reform(assignment, placement, timeout_s, refill, avoid)
         self.backend = self.group.setup_process_group(self.spec.runtime.device, self.timeout)
 
     def build(self, spec_json: str, dims: ParallelDims, data_dir: str) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -186,10 +186,6 @@ class TokenStream:
             self.close()
         except Exception:  # noqa: BLE001, S110 - interpreter shutdown
             pass
-
-    def iter_all(self, chunk: int = 1 << 20) -> Iterator[np.ndarray]:
-        for s in range(0, len(self), chunk):
-            yield self.read(s, min(chunk, len(self) - s))
 
 
 def read_tokens(path: str | Path) -> np.ndarray:

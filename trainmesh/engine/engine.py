@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from trainmesh.checkpoint import dcp_io
+from trainmesh.checkpoint.memory_fs import MemoryStore
 from trainmesh.data.dataset import open_datasets
 from trainmesh.engine.memory import SavedActivations, peak_process_bytes, state_bytes
 from trainmesh.engine.step import (
@@ -220,11 +221,12 @@ class Engine:
                                  on_write=lambda: self.on_phase("write"))
 
     def load(self, directory: str, step: int, rng_state: torch.Tensor | None,
-             metadata_files: list[str] | None = None) -> None:
+             snapshot: tuple[list[str], MemoryStore] | None = None) -> None:
         """Restore model + optimizer shards, then the schedule position and RNG.
-        ``metadata_files``: an in-memory snapshot's per-rank metadata (``dcp_io.snapshot``)."""
-        if metadata_files:
-            dcp_io.load_snapshot(directory, metadata_files, self.model, self.optimizer)
+        ``snapshot``: an in-memory snapshot's per-rank metadata files (``dcp_io.snapshot``) and
+        the rank's store that reads them."""
+        if snapshot:
+            dcp_io.load_snapshot(directory, *snapshot, self.model, self.optimizer)
         else:
             dcp_io.load(directory, self.model, self.optimizer)
         self.step = step

@@ -111,10 +111,3 @@ def hf_row(row: int, head_dim: int) -> int:
     """The Hugging Face row of trainmesh row ``row`` of ``wq``/``wk``."""
     head, m = divmod(row, head_dim)
     return head * head_dim + (m % 2) * (head_dim // 2) + m // 2
-
-
-def our_row(row: int, head_dim: int) -> int:
-    """The trainmesh row of Hugging Face row ``row`` of ``q_proj``/``k_proj``."""
-    head, m = divmod(row, head_dim)
-    half, i = divmod(m, head_dim // 2)
-    return head * head_dim + 2 * i + half

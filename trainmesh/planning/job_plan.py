@@ -10,6 +10,7 @@ from trainmesh.planning.planner import PlanRequest, PlanResult, plan, summarize_
 from trainmesh.planning.topology import Topology
 from trainmesh.spec.job import JobSpec
 
+
 class PlanError(ValueError):
     pass
 

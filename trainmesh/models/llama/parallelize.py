@@ -1,5 +1,5 @@
 """How to parallelize the Llama model: Megatron-style tensor parallel (+ sequence parallel) as
-DTensor plans, and activation checkpointing. Order (per STYLE.md): TP → AC → ZeRO-3.
+DTensor plans, and activation checkpointing. Order: TP → AC → ZeRO-3.
 
 Parameter names and full shapes are untouched, so checkpoints do not depend on the TP degree.
 """

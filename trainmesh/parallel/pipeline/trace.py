@@ -7,7 +7,7 @@ import re
 import statistics
 from pathlib import Path
 
-from trainmesh.parallel.pipeline.ir import COMPUTE, Op, Schedule
+from trainmesh.parallel.pipeline.ir import COMPUTE, Op
 from trainmesh.parallel.pipeline.simulate import Costs, SimResult
 
 _COLORS = {Op.FORWARD: (0.2, 0.45, 0.9), Op.BACKWARD: (0.95, 0.55, 0.15),
@@ -117,9 +117,3 @@ def _draw(ax, rows, pp: int, title: str) -> None:
                     fontsize=7)
     ax.set_yticks([pp - 1 - r + 0.5 for r in range(pp)], [f"rank {r}" for r in range(pp)])
     ax.set_title(title)
-
-
-def planned_grid_text(schedule: Schedule) -> str:
-    from trainmesh.parallel.pipeline.ir import grid
-
-    return grid(schedule)
