@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install lint clean gpu-check
+.PHONY: demo test quick bench-smoke install lint clean gpu-check
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -24,6 +24,21 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
+
+# Local iteration: everything that starts no Ray cluster (CI runs `make test`, all of it).
+quick: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q -m "not cluster and not gpu"
+
+# Every benchmark at its smallest size, so none can rot unnoticed (not timings: see bench/).
+bench-smoke: $(STAMP)
+	$(BIN)/python bench/planner.py
+	TRITON_INTERPRET=1 $(BIN)/python bench/kernels.py --smoke
+	$(BIN)/python bench/build.py --preset tiny --ranks 2
+	$(BIN)/python bench/tensor_parallel.py --preset tiny --steps 1 --seq-len 32 --batch 2
+	$(BIN)/python bench/pipeline.py --steps 1
+	$(BIN)/python bench/overhead.py --steps 2 --warmup 1 --skip-ray-train
+	$(BIN)/python bench/recovery.py --trials 1 --skip-ray-train --ckpt-mib 8 --modes warm
 
 # On a machine with a CUDA GPU and trainmesh importable (no venv is made: use the GPU's torch).
 gpu-check:

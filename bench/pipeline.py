@@ -24,6 +24,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 from trainmesh.actors.rank_worker import RankWorker  # noqa: E402
+from trainmesh.actors.worker_group import RANK_CONCURRENCY_GROUPS  # noqa: E402
 
 
 class TorchPipelineWorker(RankWorker):
@@ -112,7 +113,7 @@ def measure(kind: str, pp: int, vpp: int, steps: int, data_dir: str):
     dims = ParallelDims(pp=pp)
     pg = placement_group([{"CPU": pp}])
     ray.get(pg.ready())
-    cls = ray.remote(concurrency_groups={"control": 1})(TorchPipelineWorker)
+    cls = ray.remote(concurrency_groups=RANK_CONCURRENCY_GROUPS)(TorchPipelineWorker)
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     workers = [cls.options(num_cpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(pg),

@@ -21,12 +21,16 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 
 LOCAL_RAY_FIXTURES = {"ray_local", "rank_pool"}
+CLUSTER_FIXTURES = LOCAL_RAY_FIXTURES | {"gpu_cluster"}
 
 
 def pytest_collection_modifyitems(config, items):
     """Modules on the shared local Ray instance (and its pool of rank actors) run first, one
     after another, so that instance and its actors serve all of them; modules that start
     clusters of their own (which end the local instance) run after."""
+    for item in items:  # what starts Ray through a fixture is a cluster test (module marks: the rest)
+        if CLUSTER_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.cluster)
     shared = {item.module.__name__ for item in items if LOCAL_RAY_FIXTURES & set(item.fixturenames)}
     # The pipeline parity's 8-rank meshes first: the rank pool starts at its largest and every
     # later mesh re-forms smaller in the same processes (growing would start all of them again).

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.cluster  # every test here starts Ray
+
 REPO = Path(__file__).resolve().parents[1]
 
 

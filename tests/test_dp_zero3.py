@@ -14,6 +14,8 @@ from trainmesh.checkpoint.manifest import CheckpointStore
 from trainmesh.cli.loading import load_spec
 from trainmesh.controller.launch import run_job
 
+pytestmark = pytest.mark.cluster  # every test here starts Ray
+
 BASE = ["model.preset=tiny", "training.global_batch_size=8", "training.microbatch_size=2",
         "training.seq_len=32", "optimizer.warmup_steps=1", "tracking.enabled=false",
         "runtime.device=cpu", "runtime.collective_timeout_s=60"]

@@ -25,6 +25,8 @@ from servers import job_in_background, rank_pids_under, remove_node_hard, simula
 from trainmesh.checkpoint.manifest import CheckpointStore
 from trainmesh.cli.loading import load_spec
 
+pytestmark = pytest.mark.cluster  # every test here starts Ray
+
 STEPS = 20
 # 4 ranks: a pipeline of 2 stages (interleaved, 2 chunks each), TP 2 inside each stage's node.
 ARGS = ["model.preset=tiny", "training.global_batch_size=8", "training.microbatch_size=2",

@@ -15,6 +15,8 @@ from trainmesh.controller.ray_group import placement_for
 from trainmesh.parallel.dims import Axis, ParallelDims
 from trainmesh.planning.topology import Topology, topology_from_ray
 
+pytestmark = pytest.mark.cluster  # every test here starts Ray
+
 
 def _nodes_seen_by_ranks(dims: ParallelDims) -> list[str]:
     spec = load_spec(None, [f"parallelism.tp={dims.tp}", f"parallelism.pp={dims.pp}",

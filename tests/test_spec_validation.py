@@ -196,3 +196,15 @@ def test_bad_command_lines_get_a_few_plain_lines(argv, capsys):
     assert 1 <= len(lines) <= 3, lines
     assert "Traceback" not in err and "trainmesh." not in err and "Error:" not in err, err
     assert ": ;" not in err and not err.endswith(":"), err
+
+
+@pytest.mark.parametrize("field", ["runtime.output_dir", "checkpoint.dir"])
+def test_run_refuses_a_directory_it_cannot_create_in_one_line(tmp_path, capsys, field):
+    """What only a run can see is refused as `validate` refuses a spec: one line naming the
+    field and the fix, exit 2, no traceback — before any Ray or rank starts."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert main(["run", "jobs/tiny-cpu.yaml", "--set", f"{field}={blocker}/out"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"{field}: cannot create or write {blocker}/out")
+    assert "--set " in err and "Traceback" not in err and len(err.strip().splitlines()) == 1

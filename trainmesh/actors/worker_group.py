@@ -18,6 +18,11 @@ from trainmesh.actors.errors import HangDetected, PlacementTimeout
 from trainmesh.actors.rank_worker import RankWorker
 from trainmesh.parallel.layout import Placement
 
+# The rank actor's threads besides its main one, as its methods declare them:
+# "control": calls that must not queue behind a step (abort, health checks).
+# "memory": a peer's in-memory snapshot arriving or being read while this rank trains.
+RANK_CONCURRENCY_GROUPS = {"control": 1, "memory": 1}
+
 
 def gather(refs: list, timeout_s: float | None, poll_s: float = 0.5) -> list:
     """Every result, in order; the first rank that fails raises at once — a dead rank's error
@@ -101,9 +106,7 @@ class WorkerGroup:
     def _actors(self, pg, ranks: list[tuple[int, int]], world: int) -> list:
         """An actor for each (rank, bundle index of ``pg``)."""
         res = self.placement.resources_per_rank
-        # "control": calls that must not queue behind a step (abort, health checks).
-        # "memory": a peer's in-memory snapshot arriving or being read while this rank trains.
-        cls = ray.remote(concurrency_groups={"control": 1, "memory": 1})(RankWorker)
+        cls = ray.remote(concurrency_groups=RANK_CONCURRENCY_GROUPS)(RankWorker)
         return [
             cls.options(
                 num_cpus=res.get("CPU", 0), num_gpus=res.get("GPU", 0),

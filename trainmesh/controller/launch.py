@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from trainmesh.spec.job import JobSpec
+from trainmesh.spec.problems import Problem, SpecError
 
 LOCAL = "local"
 
@@ -65,11 +66,39 @@ def ray_session(spec: JobSpec) -> Iterator[bool]:
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False,
                  log_to_driver=False, configure_logging=False)
     else:
-        ray.init(address=spec.runtime.ray_address, log_to_driver=False)
+        try:
+            ray.init(address=spec.runtime.ray_address, log_to_driver=False)
+        except (ConnectionError, ValueError, RuntimeError) as err:
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+            raise SpecError([Problem("runtime.ray_address", f"no Ray cluster reachable at "
+                                     f"{spec.runtime.ray_address!r} ({first})",
+                                     "start the cluster (`ray start --head`), give its address "
+                                     "(host:6379 or auto), or use local")]) from None
     try:
         yield spec.runtime.ray_address == LOCAL
     finally:
         ray.shutdown()
+
+
+def make_output_dir(spec: JobSpec) -> Path:
+    """The run's output directory (and a local checkpoint directory), created now: a run
+    refuses one it cannot create the way ``validate`` refuses a spec — one line naming the
+    field and the fix — before any Ray or rank starts."""
+    out = Path(spec.runtime.output_dir)
+    dirs = [("runtime.output_dir", out)]
+    if spec.checkpoint.dir and "://" not in spec.checkpoint.dir:
+        dirs.append(("checkpoint.dir", Path(spec.checkpoint.dir)))
+    for field, path in dirs:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            probe = path / f".trainmesh-write-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as err:
+            raise SpecError([Problem(field, f"cannot create or write {path} "
+                                     f"({err.strerror or err})", f"give a writable directory, "
+                                     f"e.g. --set {field}=runs/my-job")]) from None
+    return out
 
 
 def run_job(spec: JobSpec, environ: Mapping[str, str], show_progress: bool = True) -> dict[str, Any]:
@@ -81,8 +110,7 @@ def run_job(spec: JobSpec, environ: Mapping[str, str], show_progress: bool = Tru
     from trainmesh.tracking.mlflow_tracker import resolve_tracking_uri
 
     spec = with_absolute_output(spec, Path.cwd())
-    out = Path(spec.runtime.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_output_dir(spec)
     uri = None
     if spec.tracking.enabled:
         uri = resolve_tracking_uri(spec.tracking.uri, environ.get("MLFLOW_TRACKING_URI"), out)
@@ -125,6 +153,7 @@ def _controller_once(spec: JobSpec, method: str, *args: Any) -> Any:
     from trainmesh.controller.controller import Controller
 
     spec = with_absolute_output(spec, Path.cwd())
+    make_output_dir(spec)
     with ray_session(spec) as local:
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         actor = ray.remote(Controller).options(num_cpus=0, scheduling_strategy=here).remote(
