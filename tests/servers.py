@@ -18,7 +18,7 @@ from pathlib import Path
 BIN = Path(sys.executable).parent
 
 
-# The in-memory checkpoint tier (checkpoint/memory_fs.py, platform/memory_tier.py) meeting node losses
+# The in-memory checkpoint tier (checkpoint/memory_fs.py, controller/memory_tier.py) meeting node losses
 MEMORY_ARGS = ["model.preset=tiny", "training.global_batch_size=8", "training.microbatch_size=2",
                "training.seq_len=32", "optimizer.warmup_steps=1", "runtime.device=auto",
                "runtime.cpus_per_rank=0.5", "checkpoint.in_memory.every=1", "elastic.max_restarts=4",

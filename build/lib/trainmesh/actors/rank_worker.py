@@ -1,0 +1,386 @@
+"""RankWorker: the Ray actor that is one accelerator rank of a job. torch is imported inside its
+methods, which run in the rank's own process: the controller, which creates these actors, loads no
+torch."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+import signal
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+import ray
+
+if TYPE_CHECKING:
+    import torch
+
+from trainmesh.actors.progress import Progress
+from trainmesh.parallel.dims import ParallelDims
+from trainmesh.spec.job import JobSpec
+
+
+def select_device(requested: str) -> torch.device:
+    """``auto``: this actor's CUDA device when Ray gave it one, else the CPU."""
+    import torch
+
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("runtime.device is 'cuda' but this rank sees no CUDA device; "
+                               "set runtime.device to 'cpu' or 'auto'")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class RankWorker:
+    """One rank: process group, mesh, engine. Every method is called on all ranks together."""
+
+    def __init__(self, rank: int, world_size: int, cpu_threads: int):
+        import torch
+        import torch.distributed as dist
+
+        self.rank, self.world_size = rank, world_size
+        torch.set_num_threads(max(1, cpu_threads))
+        self._store: dist.TCPStore | None = None
+        self._timeout_s = 60.0
+        self.engine = None
+        self._progress = Progress(rank)
+        # Background checkpoint writes: their own gloo group (created at the first one) and the
+        # future of the write in flight.
+        self._save_group: dist.ProcessGroup | None = None
+        self._saving: concurrent.futures.Future | None = None
+        self._saved_files: dict = {}
+        from trainmesh.actors.snapshots import Snapshots
+        from trainmesh.checkpoint.memory_fs import MemoryStore
+
+        self._memory = MemoryStore()  # the in-memory tier's files this rank holds
+        self._snapshots = Snapshots(self._memory)  # the in-memory tier's (checkpoint.in_memory)
+        # (tests) a node is lost at a fault's point with this rank's snapshot in flight landed
+        self._progress.settle = self._snapshots.settle
+        # A preemption notice (SIGTERM: a spot reclaim, a node drain) does not end the rank at
+        # once: it is reported with the next step so the controller can checkpoint first.
+        self.preempted = False
+        try:
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+        except ValueError:  # not the main thread: keep Ray's own handling
+            pass
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self.preempted = True
+
+    # -- process group ---------------------------------------------------------------------
+    @ray.method(concurrency_group="control")
+    def abort(self) -> None:
+        """Out of band (the control group: never queued behind a step): abort every
+        communicator of this rank — training's and the background save's — so that what this
+        rank and its peers are blocked in returns now rather than at the collective timeout.
+        NCCL: its documented abort, from another thread, releases a rank blocked in a
+        collective. gloo (measured, torch 2.13): aborting the default group closes its
+        connections and a peer blocked on it raises at once, but a peer blocked on a
+        DeviceMesh/FSDP sub-group is released only by this process's death or the collective
+        timeout, even with every Python reference dropped; the references (model, mesh, save
+        group) are dropped anyway. Afterwards only ``reset`` (or ``shutdown``) is meaningful."""
+        import gc
+
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            from torch.distributed.distributed_c10d import _abort_process_group
+
+            _abort_process_group()
+        self.engine, self._save_group = None, None
+        gc.collect()
+
+    @ray.method(concurrency_group="control")
+    def progress(self) -> dict:
+        """Out of band, while a step runs: the step, the phase it is in, a counter per phase
+        and the seconds since the last phase began (``actors/progress.py``)."""
+        return self._progress.snapshot()
+
+    @ray.method(concurrency_group="control")
+    def node_info(self) -> dict:
+        ctx = ray.get_runtime_context()
+        return {"rank": self.rank, "node_id": ctx.get_node_id(), "pid": os.getpid(),
+                "ip": ray.util.get_node_ip_address()}
+
+    def reset(self, rank: int, world_size: int) -> int:
+        """Warm recovery: drop the model and the (possibly broken) process group and take a
+        new rank, keeping the process (torch stays imported). Returns the pid."""
+        import gc
+
+        self._progress.rank = rank
+        self._progress.mark("reform")
+        # A background write still going here was cut off by a failure (a resize settles its
+        # save first): it never counts, and one stuck in its group's collective would wait for
+        # the collective timeout, so it is given a moment and then left behind.
+        self.wait_save(timeout_s=1.0)
+        self._snapshots.forget(timeout_s=self._timeout_s)  # (a recovery may restore it)
+        self._saving, self._save_group, self.engine = None, None, None
+        _abandon_process_groups()
+        _forget_dtensor_caches()
+        self._store = None
+        self.rank, self.world_size = rank, world_size
+        gc.collect()
+        return os.getpid()
+
+    def create_store(self, timeout_s: float) -> tuple[str, int]:
+        """Rank 0 only: a TCPStore on an OS-chosen port; returns (host, port)."""
+        import torch.distributed as dist
+
+        host = ray.util.get_node_ip_address()
+        self._store = dist.TCPStore(host, 0, self.world_size, is_master=True,
+                                    wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+        return host, self._store.port
+
+    def init_process_group(self, host: str, port: int, device: str, timeout_s: float) -> str:
+        """Join the job's process group; returns the backend used."""
+        import torch.distributed as dist
+
+        self.device = select_device(device)
+        self._timeout_s = timeout_s
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if backend == "nccl":  # a failed collective aborts its communicators, not the process
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        store = self._store or dist.TCPStore(host, port, self.world_size, is_master=False,
+                                             timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, store=store, rank=self.rank,
+                                world_size=self.world_size, timeout=timedelta(seconds=timeout_s))
+        return backend
+
+    # -- training --------------------------------------------------------------------------
+    def build(self, spec_json: str, dims: dict, data_dir: str) -> int:
+        """Build this rank's mesh and engine; returns its parameter count (local shards)."""
+        from trainmesh.engine.engine import Engine
+        from trainmesh.parallel.mesh import Mesh
+
+        spec = JobSpec.model_validate_json(spec_json)
+        mesh = Mesh.build(ParallelDims(**dims), self.device.type, self.rank)
+        self.engine = Engine(spec, mesh, data_dir, self.device, self._progress.mark)
+        return sum(p.numel() for p in self.engine.model.parameters())
+
+    def train_step(self, measure_activations: bool = False) -> dict:
+        self._progress.step = self.engine.step
+        return {**dataclasses.asdict(self.engine.train_step(measure_activations)),
+                "preempted": self.preempted, "save": self.save_status()}
+
+    def evaluate(self, batches: int) -> float:
+        return self.engine.evaluate(batches)
+
+    def reset_peak_memory(self) -> None:
+        """Start a new CUDA peak (the CPU's peak RSS cannot be reset)."""
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def memory_report(self) -> dict:
+        """This rank's bytes by kind (``Engine.memory_report``) and where it runs."""
+        ctx = ray.get_runtime_context()
+        return {"rank": self.rank, "node": ctx.get_node_id(), "device": str(self.device),
+                **self.engine.memory_report()}
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def save(self, directory: str, background: bool = False) -> bytes | None:
+        """Collective save; rank 0 returns the RNG state for the manifest's sidecar. In the
+        background, this rank's shards are copied to host memory before it returns and a
+        thread writes them while training goes on (``save_status`` says how that went)."""
+        import torch
+        import torch.distributed as dist
+
+        self.wait_save()
+        self._saved_files = {}
+        self._progress.step = self.engine.step
+        self._progress.mark("save")
+        if not background:
+            self._saved_files = self.engine.save(directory)
+        else:
+            if self._save_group is None:
+                self._save_group = dist.new_group(backend="gloo",
+                                                  timeout=timedelta(seconds=self._timeout_s))
+            self._saving = self.engine.async_save(directory, self._save_group)
+        return torch.random.get_rng_state().numpy().tobytes() if self.rank == 0 else None
+
+    def save_status(self) -> str | None:
+        """The background save's state: None (none), "running", "done" or "failed: why"."""
+        f = self._saving
+        if f is None:
+            return None
+        if not f.done():
+            return "running"
+        err = f.exception()
+        if err is None:
+            self._saved_files = f.result()
+        return "done" if err is None else f"failed: {err!r}"[:2000]
+
+    def saved_files(self) -> dict:
+        """{file: {"size", "sha256"}} of the files this rank wrote in its last finished save,
+        digested here, where they were written."""
+        return dict(self._saved_files)
+
+    def bad_files(self, directory: str, files: dict) -> list[str]:
+        """Which of ``files`` (this rank's share of a manifest) are missing or corrupt."""
+        from trainmesh.checkpoint.manifest import bad_files
+
+        return bad_files(directory, files)
+
+    def can_read(self, path: str, token: str) -> bool:
+        """Whether this rank's node sees ``token`` in ``path`` (a shared-storage probe)."""
+        from fsspec.core import url_to_fs
+
+        try:
+            fs, p = url_to_fs(path)
+            return fs.cat_file(p).decode() == token
+        except (OSError, UnicodeDecodeError):
+            return False
+
+    def wait_save(self, timeout_s: float | None = None) -> str | None:
+        """Wait (at most ``timeout_s``) for the background save; returns ``save_status``, and
+        forgets the save once it has ended."""
+        if self._saving is not None:
+            concurrent.futures.wait([self._saving], timeout=timeout_s)
+        status = self.save_status()
+        if status != "running":
+            self._saving = None
+        return status
+
+    def load(self, directory: str, step: int, rng_state: bytes | None,
+             metadata_files: list[str] | None = None) -> None:
+        """Collective restore from ``directory`` (storage; with ``metadata_files``, an in-memory
+        snapshot read through this rank's store)."""
+        import torch
+
+        rng = torch.frombuffer(bytearray(rng_state), dtype=torch.uint8) if rng_state else None
+        self._progress.step = step
+        self._progress.mark("restore")
+        self.engine.load(directory, step, rng, (metadata_files, self._memory) if metadata_files else None)
+
+    # -- in-memory checkpoints (checkpoint/memory_fs.py) --------------------------------------
+    def memory_snapshot(self, directory: str, buddy, wait: bool = False) -> dict:
+        """This rank alone (no collective): snapshot its shards as ``directory`` in its memory
+        and hand a copy to ``buddy`` (a rank actor on another node); training waits only for
+        the copy to host memory (``actors/snapshots.py``). ``wait``: for the whole of it."""
+        import torch
+
+
+        self._progress.mark("snapshot")
+        got = self._snapshots.take(directory, self.rank, self.engine.model, self.engine.optimizer,
+                                   buddy, self._timeout_s)
+        if wait:
+            self._snapshots.settle(self._timeout_s)
+            got["files_bytes"] = self._memory.nbytes(directory)
+        return {**got, "rng": torch.random.get_rng_state().numpy().tobytes() if self.rank == 0 else None}
+
+    @ray.method(concurrency_group="memory")
+    def keep_replica(self, directory: str, files: dict) -> int:
+        """A peer's snapshot files, kept in this process's memory (the newest two snapshots)."""
+
+        self._memory.put(directory, files)
+        self._memory.keep_newest(2)
+        return sum(len(b) for b in files.values())
+
+    @ray.method(concurrency_group="memory")
+    def memory_handoff(self, target) -> None:
+        """Everything this process holds in memory, copied to ``target`` (before its end)."""
+
+        for directory, names in self._memory.held().items():
+            ray.get(target.keep_replica.remote(directory, {n: self._memory.read(directory, n) for n in names}),
+                    timeout=self._timeout_s)
+
+    @ray.method(concurrency_group="memory")
+    def memory_inventory(self) -> dict:
+        """Snapshot directory → the file names this process holds there."""
+
+        return self._memory.held()
+
+    @ray.method(concurrency_group="memory")
+    def memory_file(self, directory: str, name: str) -> bytes | None:
+
+        return self._memory.read(directory, name)
+
+    def memory_load(self, directory: str, holders: dict, step: int, rng_state: bytes | None) -> None:
+        """Collective: restore from snapshot ``directory`` onto this rank's (new) part: files it
+        does not hold are fetched from ``holders`` (file name → the rank actor holding it)."""
+        from trainmesh.checkpoint import memory_fs
+
+        def fetch(path: str) -> bytes | None:
+            name = path.rpartition("/")[2]
+            holder = holders.get(name)
+            return None if holder is None else ray.get(holder.memory_file.remote(directory, name),
+                                                       timeout=self._timeout_s)
+
+        with self._memory.fetching(fetch):
+            self.load(memory_fs.uri(directory), step, rng_state,
+                      sorted(n for n in holders if n.endswith(".metadata")))
+
+    def full_state(self) -> dict:
+        return self.engine.full_state()
+
+    def full_grads(self) -> dict:
+        return self.engine.full_grads()
+
+    def timeline(self) -> list:
+        return self.engine.timeline()
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        self.wait_save(timeout_s=self._timeout_s + 5)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.engine = None
+
+
+def _forget_dtensor_caches() -> None:
+    """DTensor caches sharding decisions, redistribution planners and mesh facts keyed by the
+    mesh's shape, not by its process groups: a new mesh equal in shape to one this process had
+    before (a warm re-form) would be handed entries holding the old mesh, whose groups are gone
+    ("Could not resolve the process group registered under the name ..."; group names are
+    counters that restart with the default group: the stale names resolve to the new groups
+    only while the rank keeps its place in the mesh). Every such cache is dropped with the
+    groups: the lru caches of torch.distributed.tensor's modules and classes, the planner
+    cache, and the sharding-propagation caches (C++ and Python, every thread's)."""
+    import functools
+    import sys
+
+    import torch
+    from torch.distributed.tensor import DTensor, _redistribute
+    from torch.distributed.tensor._sharding_prop import LocalLRUCache
+
+    def clear(obj) -> None:
+        if isinstance(obj, functools._lru_cache_wrapper):
+            obj.cache_clear()
+
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith("torch.distributed.tensor"):
+            continue
+        for value in list(vars(module).values()):
+            clear(value)
+            if isinstance(value, type) and value.__module__ == name:
+                for attr in vars(value).values():
+                    clear(getattr(attr, "__func__", attr))
+    _redistribute.clear_redistribute_planner_cache()
+    # The sharding-propagation caches: the C++ dispatch fast path's, which answers first
+    # (missing it: measured, a survivor that changed pipeline stage ran its new stage's ops on its
+    # old mesh's groups), and Python's, one per thread (autograd's device threads run backward
+    # on CUDA), so it is replaced, not cleared in this thread only.
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    sp = DTensor._op_dispatcher.sharding_propagator
+    sp.propagate_op_sharding = LocalLRUCache(sp.propagate_op_sharding_non_cached)
+
+
+def _abandon_process_groups() -> None:
+    """Leave every process group, even a broken one. NCCL communicators are aborted (destroying
+    one whose peer died can hang); gloo groups are destroyed — torch documents its abort for
+    NCCL only, and destroying a broken gloo group was measured to work (torch 2.13).
+    torch.distributed is uninitialised afterwards."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    if dist.get_backend() == "nccl":
+        from torch.distributed.distributed_c10d import _abort_process_group
+
+        _abort_process_group()
+    else:
+        dist.destroy_process_group()

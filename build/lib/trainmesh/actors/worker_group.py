@@ -1,0 +1,309 @@
+"""A group of RankWorker actors placed by a placement group, one bundle per node."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError
+from ray.util.placement_group import (
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from trainmesh.actors.errors import HangDetected, PlacementTimeout
+from trainmesh.actors.rank_worker import RankWorker
+from trainmesh.parallel.layout import Placement
+
+# The rank actor's threads besides its main one, as its methods declare them:
+# "control": calls that must not queue behind a step (abort, health checks).
+# "memory": a peer's in-memory snapshot arriving or being read while this rank trains.
+RANK_CONCURRENCY_GROUPS = {"control": 1, "memory": 1}
+
+
+def gather(refs: list, timeout_s: float | None, poll_s: float = 0.5) -> list:
+    """Every result, in order; the first rank that fails raises at once — a dead rank's error
+    is not waited for behind a survivor still blocked in a collective."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    index = {ref: i for i, ref in enumerate(refs)}
+    results: list = [None] * len(refs)
+    pending = list(refs)
+    while pending:
+        left = poll_s if deadline is None else min(poll_s, deadline - time.monotonic())
+        if left <= 0:
+            raise GetTimeoutError(f"{len(pending)} of {len(refs)} rank(s) did not answer within "
+                                  f"{timeout_s:.0f} s")
+        done, pending = ray.wait(pending, num_returns=len(pending), timeout=left)
+        for ref, value in zip(done, ray.get(done), strict=True):  # raises any failure
+            results[index[ref]] = value
+    return results
+
+
+def stalled(now: list[dict | None], running: set[int], quiet_s: float) -> list[int]:
+    """Which of the ``running`` ranks are hung, from a look at their progress
+    (``RankWorker.progress``; None: the rank has not answered its control path for ``quiet_s``,
+    as a frozen process cannot): the silent ones; else, once every one of them has been in its phase for
+    ``quiet_s`` or more (nobody moves: the others are waiting for someone in a collective), the
+    ones furthest behind; else none (someone still works: a slow step is not a hung one)."""
+    silent = sorted(r for r in running if now[r] is None)
+    if silent:
+        return silent
+    if not running or any(now[r]["idle_s"] < quiet_s for r in running):
+        return []
+    def key(s: dict) -> tuple:
+        return s["step"], sum(s["counts"].values())
+    least = min(key(now[r]) for r in running)
+    return sorted(r for r in running if key(now[r]) == least)
+
+
+def _aged(seen: tuple[float, dict] | None, t: float, first: float, quiet_s: float) -> dict | None:
+    """A rank's last answer as of ``t`` (its phase older by the time since), or None once it has
+    been silent for ``quiet_s`` (a busy process may miss one look; a frozen one misses them all)."""
+    since = seen[0] if seen else first
+    if t - since >= quiet_s:
+        return None
+    if seen is None:
+        return {"step": -1, "counts": {}, "idle_s": 0.0}  # not heard from yet: not judged
+    return {**seen[1], "idle_s": seen[1]["idle_s"] + t - seen[0]}
+
+
+class WorkerGroup:
+    """Starts one actor per rank and calls methods on all of them together. It owns the rank
+    actors' lives: they are created here (``__init__``, ``reform``), re-formed here (``reform``)
+    and ended only through ``end`` (``shutdown`` ends them all)."""
+
+    def __init__(self, placement: Placement, env_vars: dict[str, str], ready_timeout_s: float,
+                 cpu_threads: int = 1):
+        self.placement = placement
+        self._env_vars, self._ready_timeout_s, self._cpu_threads = env_vars, ready_timeout_s, cpu_threads
+        self.pgs: list = []  # the first group's, then one per re-form that needed new actors
+        self._inflight: list = []  # the refs of the last call on every rank
+        world = len(placement.rank_bundle)
+        pg, nodes = self._place(placement.bundles, placement.strategy)
+        ranks = list(enumerate(placement.rank_bundle))
+        self.workers = self._actors(pg, ranks, world)
+        # each rank's reservation (placement group, bundle) and node: known without asking the
+        # actor, so also once it has died; a new actor can take a dead one's reservation
+        self.slots = [(pg, b) for _, b in ranks]
+        self.nodes = [nodes[b] for _, b in ranks]
+
+    def _place(self, bundles, strategy: str) -> tuple[Any, dict[int, str]]:
+        """A placement group of ``bundles``, placed; and the node of each bundle."""
+        pg = placement_group(list(bundles), strategy=strategy)
+        ready, _ = ray.wait([pg.ready()], timeout=self._ready_timeout_s)
+        if not ready:
+            remove_placement_group(pg)
+            raise PlacementTimeout(
+                f"placement group {list(bundles)} ({strategy}) was not placed within "
+                f"{self._ready_timeout_s:.0f} s: the cluster lacks the resources; lower the "
+                "parallel degrees or add nodes")
+        self.pgs.append(pg)
+        return pg, placement_group_table(pg)["bundles_to_node_id"]
+
+    def _actors(self, pg, ranks: list[tuple[int, int]], world: int) -> list:
+        """An actor for each (rank, bundle index of ``pg``)."""
+        res = self.placement.resources_per_rank
+        cls = ray.remote(concurrency_groups=RANK_CONCURRENCY_GROUPS)(RankWorker)
+        return [
+            cls.options(
+                num_cpus=res.get("CPU", 0), num_gpus=res.get("GPU", 0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    pg, placement_group_bundle_index=b),
+                runtime_env={"env_vars": self._env_vars},
+            ).remote(rank, world, self._cpu_threads)
+            for rank, b in ranks
+        ]
+
+    def reform(self, assignment: list[int | None], placement: Placement, timeout_s: float,
+                refill: set[int] = frozenset(), avoid: set[str] = frozenset()) -> None:
+        """Warm re-formation for a new plan: new rank r is old rank ``assignment[r]``'s actor,
+        reset in place (same process); or, where that old rank is in ``refill`` (dead, its
+        node alive), a new actor in the reservation it held; or, where it is None, a new actor
+        in a reservation of this group's that no actor holds any more (not on a node in
+        ``avoid``), else in a new placement group holding just the bundles such ranks need.
+        Other old actors are ended."""
+        old, old_slots, old_nodes = self.workers, self.slots, self.nodes
+        self.end([i for i in range(len(old)) if i not in assignment or i in refill])
+        world = len(assignment)
+        self.placement = placement
+        new: dict[int, tuple[Any, tuple, str]] = {}  # new rank: (actor, slot, node)
+        for r, o in enumerate(assignment):
+            if o is not None:
+                actor = self._actors(old_slots[o][0], [(r, old_slots[o][1])], world)[0] \
+                    if o in refill else old[o]
+                new[r] = (actor, old_slots[o], old_nodes[o])
+        new_bundles = sorted({placement.rank_bundle[r] for r, o in enumerate(assignment) if o is None})
+        kept_slots = {new[r][1] for r in new}
+        for b in list(new_bundles):  # a reservation no actor holds any more, first
+            ranks = [r for r, o in enumerate(assignment) if o is None and placement.rank_bundle[r] == b]
+            found = self._free_slot(placement.bundles[b], kept_slots, avoid)
+            if found is not None:
+                slot, node = found
+                kept_slots.add(slot)
+                new_bundles.remove(b)
+                for r, actor in zip(ranks, self._actors(slot[0], [(r, slot[1]) for r in ranks],
+                                                        world), strict=True):
+                    new[r] = (actor, slot, node)
+        if new_bundles:
+            index = {b: i for i, b in enumerate(new_bundles)}
+            ranks = [(r, index[placement.rank_bundle[r]]) for r, o in enumerate(assignment) if o is None]
+            strategy = placement.strategy if len(new_bundles) > 1 else "PACK"
+            pg, nodes = self._place([placement.bundles[b] for b in new_bundles], strategy)
+            for (r, b), actor in zip(ranks, self._actors(pg, ranks, world), strict=True):
+                new[r] = (actor, (pg, b), nodes[b])
+        self.workers, self.slots, self.nodes = (list(x) for x in zip(*(new[r] for r in range(world)),
+                                                                      strict=True))
+        ray.get([old[o].reset.remote(r, world) for r, o in enumerate(assignment)
+                 if o is not None and o not in refill], timeout=timeout_s)
+        self._release_unused_groups()
+
+    def _release_unused_groups(self) -> None:
+        """Remove the placement groups no rank holds a bundle of any more: kept, they would go
+        on reserving accelerators nobody uses, and Ray re-places their bundles when a node
+        dies, taking the nodes that join (a stand-in) and, while none is free, keeping the GCS
+        busy retrying them (measured: ~40 s of a core over the fault matrix)."""
+        held = {pg.id for pg, _ in self.slots}
+        for pg in [pg for pg in self.pgs if pg.id not in held]:
+            remove_placement_group(pg)
+            self.pgs.remove(pg)
+
+    def _free_slot(self, need: dict[str, float], taken: set, avoid: set[str]):
+        """A bundle of this group's placement groups that no actor holds now, large enough for
+        ``need`` and placed on a node not in ``avoid``, as ((pg, bundle), node): Ray re-places
+        the bundles of a node that died on another node (a spare, often), so reusing them is
+        what lets a recovery use that node at all (a new placement group would find it
+        taken)."""
+        for pg in self.pgs:
+            where = placement_group_table(pg)["bundles_to_node_id"]
+            for b, spec in enumerate(pg.bundle_specs):
+                if ((pg, b) not in taken and where.get(b) and where[b] not in avoid
+                        and all(spec.get(k, 0) >= v for k, v in need.items())):
+                    return (pg, b), where[b]
+        return None
+
+    def release_stuck(self, wait_s: float) -> list[int]:
+        """After an abort: ranks whose last call has not returned within ``wait_s`` are stuck
+        in a collective that no abort releases (on gloo, one over a sub-group whose peers have
+        left it: it would end only at the collective timeout). They are killed — their
+        processes' end releases whoever still waits on them — and returned; their nodes are
+        fine and their reservations can be refilled (``reform``)."""
+        refs = {ref: r for r, ref in enumerate(self._inflight)}
+        if not refs:
+            return []
+        _, pending = ray.wait(list(refs), num_returns=len(refs), timeout=wait_s)
+        stuck = sorted(refs[ref] for ref in pending)
+        for r in stuck:
+            self._hand_off_memory(r, [t for t in range(len(self.workers)) if t not in stuck])
+        self.end(stuck)
+        self._inflight = []
+        return stuck
+
+    def _hand_off_memory(self, rank: int, others: list[int], timeout_s: float = 10.0) -> None:
+        """Before a stuck rank is killed: the in-memory snapshots it holds (its own and its
+        buddies' copies) go to a rank of its node (whose node is fine) or else any other that
+        takes them; its "memory" thread serves them while its main thread is stuck."""
+        others = sorted(others, key=lambda t: self.nodes[t] != self.nodes[rank])
+        for t in others:
+            try:
+                ray.get(self.workers[rank].memory_handoff.remote(self.workers[t]), timeout=timeout_s)
+                return
+            except Exception:  # noqa: BLE001 - that one is gone too: the next
+                continue
+
+    @property
+    def world_size(self) -> int:
+        return len(self.workers)
+
+    def call(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list:
+        """Call ``method`` on every rank; results in rank order."""
+        refs = self._inflight = [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
+        return gather(refs, timeout_s)
+
+    def call_each(self, method: str, args: list[tuple], timeout_s: float | None = None) -> list:
+        """Call ``method`` on every rank with that rank's own arguments; results in rank order."""
+        refs = self._inflight = [getattr(w, method).remote(*a)
+                                 for w, a in zip(self.workers, args, strict=True)]
+        return gather(refs, timeout_s)
+
+    def call_watched(self, method: str, *args: Any, timeout_s: float, hang_after_s: float | None,
+                     poll_s: float = 1.0) -> list:
+        """``call``, watching for hung ranks once ``hang_after_s`` has passed: every ``poll_s``
+        each rank still in the call is asked for its progress out of band (``stalled``: a rank
+        counts as hung once nobody has moved for half the bound, at least two polls); hung
+        ranks' nodes — every actor in a hung rank's bundle — are killed and ``HangDetected``
+        raised, well before the collective timeout would end the call."""
+        refs = self._inflight = [getattr(w, method).remote(*args) for w in self.workers]
+        if hang_after_s is None:
+            return gather(refs, timeout_s)
+        t0 = time.monotonic()
+        try:
+            return gather(refs, min(hang_after_s, timeout_s))
+        except GetTimeoutError:
+            pass
+        quiet_s = max(2 * poll_s, hang_after_s / 2)
+        first, seen = time.monotonic(), {}  # rank: (when it last answered, what it said)
+        while True:
+            try:  # a rank's failure first: it is the cause, those waiting on it are not hung
+                return gather(refs, poll_s)
+            except GetTimeoutError:
+                if time.monotonic() - t0 > timeout_s:
+                    raise
+            looks, t = self._progress(poll_s), time.monotonic()
+            seen.update({r: (t, look) for r, look in enumerate(looks) if look is not None})
+            now = [_aged(seen.get(r), t, first, quiet_s) for r in range(len(refs))]
+            running = {r for r, ref in enumerate(refs) if not ray.wait([ref], timeout=0)[0]}
+            hung = stalled(now, running, quiet_s)
+            if hung:
+                break
+        nodes = {self.placement.rank_bundle[r] for r in hung}
+        doomed = [r for r, b in enumerate(self.placement.rank_bundle) if b in nodes]
+        self.end(doomed)
+        where = {r: now[r] for r in hung}
+        raise HangDetected(
+            f"rank(s) {hung} made no progress for {time.monotonic() - t0:.0f} s in {method} "
+            f"(hang bound {hang_after_s:.3g} s; last seen: {where}); their node(s)' ranks "
+            f"{doomed} were killed", hung)
+
+    def _progress(self, timeout_s: float) -> list[dict | None]:
+        refs = [w.progress.remote() for w in self.workers]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        out: list[dict | None] = []
+        for ref in refs:
+            try:
+                out.append(ray.get(ref) if ref in done else None)
+            except ray.exceptions.RayError:
+                out.append(None)
+        return out
+
+    def abort(self, timeout_s: float = 5.0) -> None:
+        """Every rank aborts its communicators at once, out of band (``RankWorker.abort``);
+        dead ranks are skipped. Returns when all answered or after ``timeout_s``."""
+        refs = [w.abort.remote() for w in self.workers]
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+
+    def setup_process_group(self, device: str, timeout_s: float) -> str:
+        host, port = ray.get(self.workers[0].create_store.remote(timeout_s))
+        backends = self.call("init_process_group", host, port, device, timeout_s)
+        return backends[0]
+
+    def end(self, ranks) -> None:
+        """End these ranks' actors (their processes with them): the one place a rank actor is
+        killed. Its reservation stays with the group (``reform`` may refill it)."""
+        for r in ranks:
+            ray.kill(self.workers[r])
+
+    def shutdown(self) -> None:
+        """End every rank and release the placement groups (safe to call twice)."""
+        if not self.pgs:
+            return
+        try:
+            self.call("shutdown", timeout_s=30)
+        except Exception:  # noqa: BLE001 - best effort: dead ranks are killed below anyway
+            pass
+        self.end(range(len(self.workers)))
+        for pg in self.pgs:
+            remove_placement_group(pg)
+        self.pgs = []

@@ -1,0 +1,208 @@
+"""Save and load model + optimizer state with torch Distributed Checkpoint.
+
+Keys are the model's fully qualified parameter names (``layers.3.attention.wq.weight``), so a
+checkpoint written under one mesh loads under any other: DCP reshards on load. A directory is
+a local path or an fsspec URI (``s3://...``, ``file://...``); URIs go through DCP's fsspec
+storage.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+
+from trainmesh.checkpoint.manifest import file_digests, is_uri
+from trainmesh.checkpoint.memory_fs import PROTOCOL, MemoryStore
+
+# Optimizer state flattened to one key per parameter and field ("state.layers.0...exp_avg",
+# "param_groups.layers.0....lr"): no per-rank param_groups lists, so a rank holding other
+# pipeline stages after a re-plan still finds every entry it needs.
+_OPTS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class _Recording:
+    """A DCP writer that remembers the files this rank wrote (its shards; the coordinator's
+    also the metadata file), so the rank can digest them where they were written."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.written: list[str] = []
+        self.on_write = None  # called as the writing begins (a background save: in its thread)
+
+    def write_data(self, plan, planner):
+        if self.on_write is not None:
+            self.on_write()
+        fut = super().write_data(plan, planner)
+        # a torch.futures.Future (``value()``), which DCP's writer has already completed
+        fut.add_done_callback(lambda f: self.written.extend(
+            {r.storage_data.relative_path for r in f.value()}))
+        return fut
+
+    def finish(self, metadata, results) -> None:
+        super().finish(metadata, results)
+        own = None if self.use_collectives else self.rank  # an uncoordinated save's own metadata
+        self.written.append(Path(str(self._get_metadata_path(own))).name)
+
+
+class _LocalWriter(_Recording, FileSystemWriter):
+    pass
+
+
+class _UriWriter(_Recording, FsspecWriter):
+    pass
+
+
+def _writer(directory: str | Path):
+    d = str(directory)
+    if is_uri(d):
+        # Memory has nothing to sync, and DCP, finding no file descriptor to fsync, would call
+        # os.sync(): every dirty page of the machine flushed at every snapshot.
+        return _UriWriter(d, sync_files=not d.startswith(f"{PROTOCOL}://"))
+    return _LocalWriter(d)
+
+
+def _reader(directory: str | Path):
+    d = str(directory)
+    if is_uri(d):
+        return FsspecReader(d)
+    return FileSystemReader(d)
+
+
+class _MergedReader(FsspecReader):
+    """Reads an uncoordinated save (``snapshot``) through the metadata a coordinated one would
+    have written: every rank's ``__R.metadata`` merged (chunks and storage entries; a tensor
+    replicated over ranks kept once)."""
+
+    def __init__(self, directory: str, metadata_files: list[str], **storage_options):
+        super().__init__(directory, **storage_options)
+        self.metadata_files = metadata_files
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        parts = []
+        for name in self.metadata_files:
+            with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as f:
+                parts.append(pickle.load(f))
+        merged = Metadata(state_dict_metadata={}, planner_data={}, storage_data={},
+                          storage_meta=parts[0].storage_meta or StorageMeta(), version=parts[0].version)
+        for md in parts:
+            for key, item in md.state_dict_metadata.items():
+                have = merged.state_dict_metadata.setdefault(key, item)
+                if have is not item and isinstance(item, TensorStorageMetadata):
+                    seen = {(tuple(c.offsets), tuple(c.sizes)) for c in have.chunks}
+                    have.chunks += [c for c in item.chunks
+                                    if (tuple(c.offsets), tuple(c.sizes)) not in seen]
+            merged.planner_data.update(md.planner_data or {})
+            for index, info in md.storage_data.items():  # a replica's copy: one is enough
+                merged.storage_data.setdefault(index, info)
+        merged.storage_meta.load_id = self.load_id
+        return merged
+
+
+def save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Collective: every rank of the job calls it with its own shards. Returns the size and
+    sha256 of each file this rank wrote, computed here (in parallel over the ranks)."""
+    writer = _writer(directory)
+    dcp.save(rank_state(model, optimizer), storage_writer=writer)
+    return file_digests(str(directory), writer.written)
+
+
+def rank_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """This rank's shards as every save here writes them: ``{"model": ..., "optim": ...}``
+    keyed by global names (DTensors where sharded)."""
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTS)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+class _RankWriter(FsspecWriter):
+    """An uncoordinated save's writer that names its files after ``rank`` (``__R_*``,
+    ``__R.metadata``) though DCP runs without a process group (``no_dist``: it tells the
+    writer rank 0)."""
+
+    def __init__(self, path: str, rank: int, **kwargs):
+        super().__init__(path, **kwargs)
+        self._own_rank = rank
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
+        super().set_up_storage_writer(is_coordinator, *args, **{**kwargs, "rank": self._own_rank,
+                                                                "use_collectives": False})
+
+
+def snapshot(directory: str, rank: int, state: dict, store: MemoryStore) -> None:
+    """Rank ``rank`` alone (the in-memory tier, ``memory_fs``; any thread) saves ``state`` (its
+    shards as ``host_copy.HostCopy`` copied them) to ``directory`` with metadata of its own
+    (``__R.metadata``, DCP's uncoordinated save).
+    ``load_snapshot`` merges every rank's metadata. No process group is touched: DCP's
+    uncoordinated save still ends in a barrier over the default group (torch 2.13), which
+    from a background thread would interleave with the training thread's collectives."""
+    # memory: nothing to sync (_writer); the state is in host memory already, so DCP's loader
+    # must not synchronise the training thread's GPU stream (as it does when copying ahead)
+    writer = _RankWriter(directory, rank, sync_files=False, per_thread_copy_ahead=0, store=store)
+    dcp.save(state, storage_writer=writer, no_dist=True, use_collectives=False)
+
+
+def load_snapshot(directory: str, metadata_files: list[str], model: nn.Module,
+                  optimizer: torch.optim.Optimizer, store: MemoryStore) -> None:
+    """Collective: fill ``model`` and ``optimizer`` from an uncoordinated save (``snapshot``)
+    made under any mesh: the ranks' metadata (``metadata_files``) merged into one, as a
+    coordinated save would have written it, so DCP plans and reshards the load as usual."""
+    state = rank_state(model, optimizer)
+    dcp.load(state, storage_reader=_MergedReader(directory, metadata_files, store=store))
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"], options=_OPTS)
+
+
+def async_save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+               group: dist.ProcessGroup, on_write: Callable[[], None] | None = None) -> Future:
+    """Collective: copy this rank's shards to host memory now, write them in a background
+    thread (coordinating over ``group``, a gloo group of its own so the writer never shares a
+    communicator with training), then digest what this rank wrote. Returns a future of the
+    digests (as ``save``); training may go on at once."""
+    writer = _writer(directory)
+    writer.on_write = on_write
+    written = dcp.async_save(rank_state(model, optimizer), storage_writer=writer, process_group=group)
+    digests: Future = Future()
+
+    def then(f: Future) -> None:
+        try:
+            f.result()
+            digests.set_result(file_digests(str(directory), writer.written))
+        except BaseException as err:  # noqa: BLE001 - handed to whoever waits on the save
+            digests.set_exception(err)
+
+    written.add_done_callback(then)
+    return digests
+
+
+def load(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Collective: fill ``model`` (and ``optimizer``) in place from ``directory``."""
+    if optimizer is None:
+        model_sd = get_model_state_dict(model)
+        dcp.load({"model": model_sd}, storage_reader=_reader(directory))
+        set_state_dict(model, [], model_state_dict=model_sd, optim_state_dict={})
+        return
+    state = rank_state(model, optimizer)
+    dcp.load(state, storage_reader=_reader(directory))
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"], options=_OPTS)
+
+
+def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Collective: every parameter of ``model`` unsharded, on CPU, on every rank."""
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=False)
+    return {k: v.detach().cpu().clone() for k, v in get_model_state_dict(model, options=opts).items()}

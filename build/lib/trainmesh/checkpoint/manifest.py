@@ -1,0 +1,240 @@
+"""Checkpoint directories and their manifests, on any fsspec filesystem (no torch).
+
+Layout: ``ROOT/step-NNNNNN/`` holds the Distributed Checkpoint files and ``manifest.json``.
+ROOT is a local path or a URI (``file://``, ``s3://``, ``gs://``, ... — whatever fsspec has an
+implementation installed for). A save goes to ``ROOT/step-NNNNNN.partial/``; the manifest
+(size and sha256 of every file, computed by the ranks that wrote them) is written last, in
+one atomic write, and only then is the directory published under its final name. A crash at
+any point leaves every complete checkpoint as it was, and restore skips anything without a
+manifest that matches its files — which also covers object stores, where publishing is a
+copy rather than an atomic rename.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+_PREFIX = "step-"
+_PARTIAL = ".partial"
+
+
+def is_uri(root: str) -> bool:
+    return "://" in root
+
+
+class CheckpointStore:
+    """The checkpoints under one root. Paths it returns are the filesystem's own paths (plain
+    absolute paths on a local disk); ``uri`` turns one into what DCP and users are given."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root_uri = str(root)
+        self.fs, self.root = url_to_fs(self.root_uri)
+        self.local = isinstance(self.fs, LocalFileSystem)
+
+    def uri(self, path: str) -> str:
+        return self.fs.unstrip_protocol(path) if is_uri(self.root_uri) else path
+
+    def step_dir(self, step: int) -> str:
+        return f"{self.root}/{_PREFIX}{step:06d}"
+
+    def partial_dir(self, step: int) -> str:
+        """A fresh, empty directory to save ``step`` into (leftovers of a crashed save removed)."""
+        p = self.step_dir(step) + _PARTIAL
+        if self.fs.exists(p):
+            self.fs.rm(p, recursive=True)
+        self.fs.makedirs(p, exist_ok=True)
+        return p
+
+    def discard(self, partial: str) -> None:
+        """Remove an abandoned save (one that failed or was never committed)."""
+        if partial.endswith(_PARTIAL) and self.fs.exists(partial):
+            self.fs.rm(partial, recursive=True)
+
+    def write_bytes(self, directory: str, name: str, data: bytes) -> None:
+        self.fs.makedirs(directory, exist_ok=True)
+        self.fs.pipe_file(f"{directory}/{name}", data)
+
+    def read_bytes(self, directory: str, name: str) -> bytes | None:
+        path = f"{directory}/{name}"
+        return self.fs.cat_file(path) if self.fs.exists(path) else None
+
+    def _sha256(self, path: str) -> str:
+        return _sha256(self.fs, path)
+
+    def _payload_files(self, d: str) -> dict[str, int]:
+        """{path relative to d: size} of every file but the manifest."""
+        found = self.fs.find(d, detail=True)
+        return {p[len(d) + 1:]: int(info["size"]) for p, info in sorted(found.items())
+                if info["type"] == "file" and p.rsplit("/", 1)[-1] != MANIFEST}
+
+    def commit(self, partial: str, meta: dict[str, Any],
+               digests: dict[str, dict[str, Any]] | None = None) -> str:
+        """Write the manifest last and atomically, then publish the directory. Returns it.
+
+        ``digests``: {file: {"size", "sha256"}} the ranks computed for the files they wrote;
+        only files no rank reported (the controller's own) are hashed here. A reported file
+        that is not in the directory means the ranks wrote somewhere else (storage that is not
+        shared): :class:`IncompleteCheckpoint`, and nothing is published."""
+        self.fs.invalidate_cache(partial)
+        digests = digests or {}
+        have = self._payload_files(partial)
+        missing = sorted(set(digests) - set(have))
+        if missing:
+            raise IncompleteCheckpoint(
+                f"{len(missing)} file(s) the ranks wrote are not in {self.uri(partial)} "
+                f"(e.g. {missing[0]}): the ranks do not share this storage")
+        files = {rel: digests[rel] if digests.get(rel, {}).get("size") == size else
+                 {"size": size, "sha256": self._sha256(f"{partial}/{rel}")}
+                 for rel, size in have.items()}
+        data = json.dumps({**meta, "files": files}, indent=1, sort_keys=True).encode()
+        if self.local:  # write, fsync, rename: atomic on a POSIX filesystem
+            tmp = f"{partial}/{MANIFEST}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, f"{partial}/{MANIFEST}")
+        else:  # one object PUT: atomic on object stores
+            self.fs.pipe_file(f"{partial}/{MANIFEST}", data)
+        final = partial[: -len(_PARTIAL)]
+        if self.fs.exists(final):  # the same step saved before (a resumed run): keep that copy
+            self.fs.rm(partial, recursive=True)
+            return final
+        self.fs.mv(partial, final, recursive=True)
+        if self.local:
+            _fsync_dir(os.path.dirname(final))
+        return final
+
+    def read_manifest(self, d: str, verify: bool = True, hashes: bool = True
+                      ) -> dict[str, Any] | None:
+        """The manifest of a complete, intact checkpoint, else None (with a warning why).
+        ``verify``: every file present with its size, and (``hashes``) its sha256 — hashing
+        here is one process; the controller has the ranks do it instead (``bad_files``)."""
+        try:
+            meta = json.loads(self.fs.cat_file(f"{d}/{MANIFEST}"))
+        except (OSError, ValueError) as err:
+            log.warning("skipping checkpoint %s: no readable manifest (%s)", self.uri(d), err)
+            return None
+        if not verify:
+            return meta
+        have = self._payload_files(d)
+        for rel, want in meta.get("files", {}).items():
+            if have.get(rel) != want["size"] or (
+                    hashes and self._sha256(f"{d}/{rel}") != want["sha256"]):
+                log.warning("skipping checkpoint %s: %s is missing or corrupt", self.uri(d), rel)
+                return None
+        return meta
+
+    def complete_steps(self) -> list[int]:
+        """Steps with a published directory (newest last); not yet verified."""
+        self.fs.invalidate_cache(self.root)
+        if not self.fs.isdir(self.root):
+            return []
+        steps = []
+        for info in self.fs.ls(self.root, detail=True):
+            name = info["name"].rstrip("/").rsplit("/", 1)[-1]
+            if info["type"] == "directory" and name.startswith(_PREFIX) and name[len(_PREFIX):].isdigit():
+                steps.append(int(name[len(_PREFIX):]))
+        return sorted(steps)
+
+    def latest(self, hashes: bool = True) -> tuple[str, dict[str, Any]] | None:
+        """The newest intact checkpoint and its manifest, skipping corrupt or partial ones
+        (``hashes=False``: checked by file sizes only)."""
+        return next(self.intact(hashes), None)
+
+    def intact(self, hashes: bool = True) -> Iterator[tuple[str, dict[str, Any]]]:
+        """Published checkpoints whose files match their manifest, newest first."""
+        for step in reversed(self.complete_steps()):
+            d = self.step_dir(step)
+            meta = self.read_manifest(d, hashes=hashes)
+            if meta is not None:
+                yield d, meta
+
+    def quarantine(self, d: str) -> str:
+        """Move a published checkpoint found corrupt out of the way (``step-N.corrupt-T``):
+        never restored again, and the step can be saved anew. Returns where it went."""
+        import time
+
+        aside = f"{d}.corrupt-{int(time.time())}"
+        self.fs.mv(d, aside, recursive=True)
+        return aside
+
+    def prune(self, keep_last: int) -> list[int]:
+        """Delete all but the newest ``keep_last`` published checkpoints; returns deleted steps."""
+        steps = self.complete_steps()
+        doomed = steps[:-keep_last] if keep_last > 0 else []
+        for s in doomed:
+            try:
+                self.fs.rm(self.step_dir(s), recursive=True)
+            except FileNotFoundError:
+                pass
+        return doomed
+
+    def exists(self, step: int) -> bool:
+        return self.fs.exists(f"{self.step_dir(step)}/{MANIFEST}")
+
+
+class IncompleteCheckpoint(RuntimeError):
+    """A save whose files are not all where the manifest is being written."""
+
+
+def _sha256(fs, path: str) -> str:
+    h = hashlib.sha256()
+    with fs.open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def file_digests(directory: str, names: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """{name: {"size", "sha256"}} of files in ``directory`` (a path or URI): what a rank
+    computes for the files it wrote, where it wrote them."""
+    fs, root = url_to_fs(directory)
+    return {n: {"size": int(fs.size(f"{root}/{n}")), "sha256": _sha256(fs, f"{root}/{n}")}
+            for n in names}
+
+
+def bad_files(directory: str, files: dict[str, dict[str, Any]]) -> list[str]:
+    """The names among ``files`` (a share of a manifest) that are missing, or whose size or
+    sha256 differs: what a rank checks, in parallel with the others, before a restore."""
+    fs, root = url_to_fs(directory)
+    bad = []
+    for name, want in sorted(files.items()):
+        path = f"{root}/{name}"
+        try:
+            ok = int(fs.size(path)) == want["size"] and _sha256(fs, path) == want["sha256"]
+        except (OSError, KeyError):
+            ok = False
+        if not ok:
+            bad.append(name)
+    return bad
+
+
+def split_by_size(files: dict[str, dict[str, Any]], n: int) -> list[dict[str, dict[str, Any]]]:
+    """``files`` in ``n`` shares of about equal bytes (largest first, each to the lightest)."""
+    shares: list[dict[str, dict[str, Any]]] = [{} for _ in range(n)]
+    load = [0] * n
+    for name, info in sorted(files.items(), key=lambda kv: -kv[1]["size"]):
+        i = load.index(min(load))
+        shares[i][name] = info
+        load[i] += info["size"]
+    return shares
+
+
+def _fsync_dir(d: str) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,208 @@
+"""``trainmesh goodput``: a job's goodput on a failing cluster, by simulation, for trainmesh's
+recovery (warm, cold) and for restart-from-checkpoint, side by side on the same faults."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from trainmesh.cli.loading import load_spec
+from trainmesh.planning.cadence import choose, system_mtbf_s
+from trainmesh.planning.failure_costs import Assumptions, MeshCosts, mesh_costs
+from trainmesh.planning.goodput import CAUSES, KINDS, STRATEGIES, Cluster, Fault, poisson_faults, simulate
+from trainmesh.planning.job_plan import PlanError, replan_job
+from trainmesh.planning.topology import Topology
+from trainmesh.spec.job import JobSpec
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("goodput", help="simulate a job's goodput on a failing cluster: trainmesh "
+                                       "(warm, cold) beside restart-from-checkpoint")
+    p.add_argument("spec", help="job spec YAML")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--nodes", type=int, action="append", required=True,
+                   help="nodes the job is planned on (repeat for several cluster sizes)")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--device", default=None, help="h100, h200, a100-80gb, b200, ... "
+                                                  "(default: the spec's topology.device, else h100)")
+    rate = p.add_mutually_exclusive_group()
+    rate.add_argument("--mtbf-node-hours", type=float,
+                      help="mean hours between faults of one node (default: elastic.mtbf_node_hours)")
+    rate.add_argument("--failures-per-day", type=float,
+                      help="faults per day of the whole cluster (instead of --mtbf-node-hours)")
+    rate.add_argument("--trace", help="faults to replay instead of random ones: a file of lines "
+                                      "'HOURS NODE [crash|unreachable|hang]'")
+    p.add_argument("--days", type=float, default=30.0, help="wall-clock days simulated")
+    p.add_argument("--spare-nodes", type=int, default=0, help="idle nodes beside the job's")
+    p.add_argument("--replace-minutes", type=float, default=30.0,
+                   help="a failed node is replaced and rejoins after this many minutes")
+    p.add_argument("--seed", type=int, default=0)
+    for f in dataclasses.fields(Assumptions):
+        p.add_argument("--" + f.name.replace("_", "-"), type=float, default=None,
+                       help=f"cost assumption (default {f.default})")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--png", help="write each strategy's world size over time to this PNG")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    spec = load_spec(args.spec, args.overrides)
+    problem = _bad_args(args)
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
+    a = Assumptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Assumptions)
+                       if getattr(args, f.name) is not None})
+    horizon = args.days * 86400
+    trace = _read_trace(args.trace) if args.trace else None
+    results = []
+    for nodes in args.nodes:
+        hours = spec.elastic.mtbf_node_hours if args.mtbf_node_hours is None else args.mtbf_node_hours
+        total = nodes + args.spare_nodes
+        if args.failures_per_day:
+            hours = total * 24 / args.failures_per_day
+        cluster = Cluster(nodes, args.spare_nodes, hours, args.replace_minutes * 60)
+        if trace and max(f.node for f in trace) >= cluster.total:
+            print(f"--trace: node {max(f.node for f in trace)} is not in a cluster of "
+                  f"{cluster.total} nodes (numbered from 0); fix the trace or add --nodes",
+                  file=sys.stderr)
+            return 2
+        plan = _planner(spec, args.gpus_per_node, args.device, a)
+        try:
+            every = _cadence(spec, hours)
+            faults = trace or poisson_faults(cluster, horizon, args.seed, a)
+            outs = [simulate(s, cluster, faults, horizon, plan, every,
+                             spec.runtime.collective_timeout_s, a=a) for s in STRATEGIES]
+        except ValueError as err:
+            print(f"--nodes {nodes}: {err}", file=sys.stderr)
+            return 2
+        first = plan(nodes)
+        results.append({"nodes": nodes, "gpus": nodes * args.gpus_per_node,
+                        "mtbf_node_hours": hours, "faults": len(faults),
+                        "mesh": first.label, "step_s": first.step_s,
+                        "checkpoint_every_steps": every(first),
+                        "outcomes": [o.as_dict() for o in outs]})
+    if args.json:
+        print(json.dumps({"assumptions": dataclasses.asdict(a), "days": args.days,
+                          "results": results}, indent=1))
+    else:
+        _print(spec, args, a, results)
+    if args.png:
+        _plot(results, args.png)
+        print(f"wrote {args.png}")
+    return 0
+
+
+def _bad_args(args: argparse.Namespace) -> str | None:
+    if any(n < 1 for n in args.nodes) or args.gpus_per_node < 1:
+        return "--nodes/--gpus-per-node: must be at least 1; give a positive count"
+    for flag in ("days", "mtbf_node_hours", "failures_per_day"):
+        if getattr(args, flag) is not None and getattr(args, flag) <= 0:
+            return f"--{flag.replace('_', '-')}: must be above 0"
+    if args.spare_nodes < 0 or args.replace_minutes < 0:
+        return "--spare-nodes/--replace-minutes: must be 0 or more"
+    if args.trace and not Path(args.trace).is_file():
+        return f"--trace: {args.trace} is not a file; give a file of 'HOURS NODE [KIND]' lines"
+    return None
+
+
+def _read_trace(path: str) -> list[Fault]:
+    faults = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        parts = line.split("#")[0].split()
+        if not parts:
+            continue
+        try:
+            kind = parts[2] if len(parts) > 2 else "crash"
+            if len(parts) > 3 or kind not in KINDS:
+                raise ValueError
+            faults.append(Fault(float(parts[0]) * 3600, int(parts[1]), kind))
+        except ValueError:
+            raise SystemExit(f"--trace: {path}:{n}: {line.strip()!r} is not 'HOURS NODE "
+                             f"[{'|'.join(KINDS)}]'") from None
+    return sorted(faults, key=lambda f: f.t)
+
+
+def _planner(spec: JobSpec, per_node: int, device: str | None, a: Assumptions):
+    """Alive nodes → the mesh a re-plan picks there (pinned tp/pp kept, dp follows the
+    cluster), with its costs; None where no plan fits."""
+    cache: dict[int, MeshCosts | None] = {}
+    dev = device or spec.topology.device or "h100"
+    tokens = spec.training.global_batch_size * spec.training.seq_len
+
+    def plan(nodes: int) -> MeshCosts | None:
+        if nodes not in cache:
+            topo = Topology.uniform(nodes, per_node, dev).with_overrides(spec.topology.overrides())
+            try:
+                r = replan_job(spec, topo)
+            except PlanError:
+                cache[nodes] = None
+            else:
+                d, best = r.dims, r.result.best
+                used = sum(1 for k in best.node_ranks if k) or nodes
+                cache[nodes] = mesh_costs(spec.model, d.tp, d.pp, d.dp, used,
+                                          best.estimate.step_time_s, tokens,
+                                          spec.checkpoint.async_save, a)
+        return cache[nodes]
+
+    return plan
+
+
+def _cadence(spec: JobSpec, mtbf_node_hours: float):
+    every = spec.checkpoint.every
+    if every != "auto":
+        return lambda mesh: int(every)
+    return lambda mesh: choose(mesh.save_blocked_s, mesh.save_durable_s - mesh.save_blocked_s,
+                               mesh.step_s, system_mtbf_s(mtbf_node_hours, mesh.nodes),
+                               "predicted").every_steps
+
+
+def _print(spec: JobSpec, args, a: Assumptions, results: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{spec.name}: goodput over {args.days:g} days (seed {args.seed})")
+    cols = ["GPUs", "strategy", "goodput", "vs restart", "tokens (B)", "hits",
+            *[c.replace("_", " ") + " h" for c in CAUSES[1:]]]
+    for c in cols:
+        table.add_column(c, justify="left" if c == "strategy" else "right")
+    for r in results:
+        base = next(o for o in r["outcomes"] if o["strategy"] == "restart")
+        for o in r["outcomes"]:
+            lost = o["hours_lost"]
+            table.add_row(f"{r['gpus']:,}", o["strategy"], f"{o['goodput']:.2%}",
+                          f"{o['goodput'] / base['goodput']:.3f}×", f"{o['tokens'] / 1e9:,.1f}",
+                          str(o["interruptions"]), *[f"{lost[c]:.1f}" for c in CAUSES[1:]])
+    Console(width=170).print(table)
+    for r in results:
+        print(f"{r['gpus']:,} GPUs: mesh {r['mesh']}, step {r['step_s']:.3g} s, checkpoint every "
+              f"{r['checkpoint_every_steps']} steps, {r['faults']} faults "
+              f"(node MTBF {r['mtbf_node_hours']:,.0f} h)")
+    print("assumptions: " + ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(a).items())
+          + f", spare_nodes={args.spare_nodes}, replace_minutes={args.replace_minutes:g}")
+
+
+def _plot(results: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [(r, o) for r in results for o in r["outcomes"]]
+    fig, axes = plt.subplots(len(rows), 1, figsize=(10, 1.6 * len(rows)), sharex=True,
+                             squeeze=False)
+    for ax, (r, o) in zip(axes[:, 0], rows, strict=True):
+        ts = [t / 86400 for t, _ in o["timeline"]] + [o["wall_s"] / 86400]
+        ws = [w for _, w in o["timeline"]]
+        ax.step(ts, ws + ws[-1:], where="post", linewidth=0.8)
+        ax.set_ylim(0, r["gpus"] * 1.1)
+        ax.set_ylabel("ranks")
+        ax.set_title(f"{r['gpus']:,} GPUs, {o['strategy']}: goodput {o['goodput']:.1%}",
+                     fontsize=9, loc="left")
+    axes[-1, 0].set_xlabel("day")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

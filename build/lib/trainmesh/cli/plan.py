@@ -1,0 +1,88 @@
+"""``trainmesh plan``: rank the feasible meshes for a spec on a cluster, as a table or JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from trainmesh.cli.loading import load_spec
+from trainmesh.planning.job_plan import PlanError, plan_job
+from trainmesh.planning.planner import explain
+from trainmesh.planning.topology import Topology, topology_from_ray
+from trainmesh.spec.job import JobSpec
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("plan", help="rank feasible (tp, pp, dp, vpp, ...) plans for a cluster")
+    p.add_argument("spec", help="job spec YAML")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--nodes", type=int, help="plan for a hand-described cluster of N nodes")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--device", default=None, help="h100, h200, a100-40gb, a100-80gb, b200, l40s, cpu")
+    p.add_argument("--top", type=int, default=10, help="rows to show")
+    p.add_argument("--json", action="store_true", help="print the plans as JSON (best first)")
+    return p
+
+
+def cluster_topology(spec: JobSpec, args: argparse.Namespace) -> Topology:
+    device = args.device or spec.topology.device
+    if args.nodes is not None:
+        topo = Topology.uniform(args.nodes, args.gpus_per_node, device or "h100")
+    elif spec.runtime.ray_address == "local":  # this machine, as `trainmesh run` would use it
+        ranks = int((os.cpu_count() or 1) // spec.runtime.cpus_per_rank) or 1
+        topo = Topology.uniform(1, ranks, device or "cpu")
+    else:
+        import ray
+
+        ray.init(address=spec.runtime.ray_address, log_to_driver=False)
+        try:
+            topo = topology_from_ray(device, spec.runtime.cpus_per_rank)
+        finally:
+            ray.shutdown()
+    return topo.with_overrides(spec.topology.overrides())
+
+
+def run(args: argparse.Namespace) -> int:
+    spec = load_spec(args.spec, args.overrides)
+    if args.nodes is not None and (args.nodes < 1 or args.gpus_per_node < 1):
+        print("--nodes/--gpus-per-node: must be at least 1; give a positive count",
+              file=sys.stderr)
+        return 2
+    topo = cluster_topology(spec, args)
+    try:
+        _, result = plan_job(spec, topo)
+    except PlanError as err:
+        print(err, file=sys.stderr)
+        return 2
+    rows = [p.as_row() for p in result.plans[: args.top]]
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0 if rows else 1
+    _print_table(spec, topo, rows)
+    print(explain(result))
+    return 0
+
+
+def _print_table(spec: JobSpec, topo: Topology, rows: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    sizes = sorted({n.accelerators for n in topo.nodes})
+    per = str(sizes[0]) if len(sizes) == 1 else f"{sizes[0]}–{sizes[-1]}"
+    title = (f"{spec.name}: {len(topo.nodes)} node(s) × {per} {topo.device.name} "
+             f"= {topo.world_size} accelerators")
+    table = Table(title=title)
+    cols = ["tp", "pp", "dp", "idle", "vpp", "schedule", "mbs", "micro", "recompute", "mem GiB",
+            "step s", "tokens/s", "TFLOP/s/gpu", "MFU", "bubble"]
+    for c in cols:
+        table.add_column(c, justify="left" if c in ("schedule", "recompute") else "right")
+    for r in rows:
+        table.add_row(str(r["tp"]), str(r["pp"]), str(r["dp"]), str(r["idle"]), str(r["vpp"]),
+                      r["schedule"],
+                      str(r["microbatch_size"]), str(r["num_microbatches"]), r["recompute"],
+                      f"{r['memory_per_rank_gib']:.1f}", f"{r['step_time_s']:.3g}",
+                      f"{r['tokens_per_s']:,.0f}", f"{r['tflops_per_gpu']:.1f}",
+                      f"{r['mfu']:.1%}", f"{r['bubble_fraction']:.1%}")
+    Console(width=160).print(table)

@@ -1,0 +1,22 @@
+"""``trainmesh validate``: check a job spec and print it resolved (one line per problem, exit 2)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import yaml
+
+from trainmesh.cli.loading import add_spec_args, load_spec
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("validate", help="check a job spec and print it resolved")
+    add_spec_args(p)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    spec = load_spec(args.spec, args.overrides)
+    print(yaml.safe_dump(json.loads(spec.model_dump_json()), sort_keys=False), end="")
+    return 0

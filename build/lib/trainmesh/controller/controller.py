@@ -1,0 +1,432 @@
+"""The controller: owns the plan, the rank actors, checkpoints, tracking and the run summary.
+
+It runs as a Ray actor (``max_concurrency > 1`` so ``progress()`` answers while ``run()``
+works). The worker group is injected through a factory so the loop can be driven by fakes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from trainmesh.actors.errors import HangDetected, PlacementTimeout
+from trainmesh.controller.boundary import StepBoundary
+from trainmesh.controller.checkpointing import Checkpointer, step_meta
+from trainmesh.controller.elastic import JobFailed, bounded_topology, warm_assignment
+from trainmesh.controller.evaluation import Evaluator, evaluate_once
+from trainmesh.controller.hooks import AfterStep, Hook, step_metrics
+from trainmesh.controller.memory_tier import MemoryTier, restore_newest
+from trainmesh.controller.pipeline_artifacts import write_pipeline_artifacts
+from trainmesh.controller.ray_group import (
+    RayWorkerGroup,
+    controller_node_id,
+    draining_nodes,
+    live_topology,
+    placement_for,
+)
+from trainmesh.controller.recovery import RecoveryBook
+from trainmesh.controller.states import (
+    FAILURE,
+    PREEMPTION,
+    SCALE_UP,
+    Errored,
+    Finished,
+    Recovering,
+    Reforming,
+    Restoring,
+    Running,
+    Scheduling,
+    State,
+    Stop,
+    decide,
+)
+from trainmesh.controller.summary import write_json_atomically
+from trainmesh.data.shards import resolve_data_dir
+from trainmesh.parallel.dims import ParallelDims
+from trainmesh.planning.cadence import CheckpointCadence
+from trainmesh.planning.failure_costs import predicted_save
+from trainmesh.planning.job_plan import PlanError, plan_for
+from trainmesh.planning.topology import Topology
+from trainmesh.spec.job import JobSpec
+from trainmesh.tracking.mlflow_tracker import open_tracker
+
+# What a recovery handles: a rank's actor died, a rank's step raised (a peer's death surfaces
+# as a collective error), a step overran its timeout, ranks hung, or no placement could be made.
+RECOVERABLE = (RayActorError, RayTaskError, GetTimeoutError, PlacementTimeout, HangDetected)
+STUCK_S = 2.0  # after an abort, how long a rank may take to leave the failed call
+ALIVE_S = 3.0  # how long a live rank may take to answer on its control path
+
+
+class Controller:
+    def __init__(self, spec_json: str, tracking_uri: str | None, worker_env: dict[str, str],
+                 group_factory: Callable[..., Any] | None = None,
+                 topology_fn: Callable[[JobSpec], Topology] | None = None):
+        self.spec = JobSpec.model_validate_json(spec_json)
+        self.out = Path(self.spec.resolved_output_dir())
+        self.ckpts = Checkpointer(self.spec, self.out, on_warning=self._notice)
+        self.cadence = CheckpointCadence(self.spec.checkpoint, self.spec.elastic)
+        self.ckpts.on_commit = self.cadence.saved
+        self.tracking_uri, self.worker_env = tracking_uri, worker_env
+        self._group_factory = group_factory or RayWorkerGroup
+        self._topology_fn = topology_fn or live_topology
+        self.plan_row, self.peak_tflops = {}, 1.0
+        self.rank_nodes: list[str] = []
+        self._progress: dict[str, Any] = {"state": "starting", "step": 0,
+                                          "steps": self.spec.training.steps}
+        self.notices: list[str] = []  # warnings for the person running the job
+        self.pid_history: list[list[int]] = []  # the ranks' processes, per (re)start
+        self.losses: list[float] = []
+        self.book = RecoveryBook()  # restarts, dead nodes, the recovery in progress, those done
+        self.group = None  # the rank actors (the injected worker group)
+        self.dims = ParallelDims()
+        self.eff = self.spec  # the spec with the current plan written in
+        self.boundary = StepBoundary(self.spec, self._available)
+        self.evals = Evaluator(self.spec)
+        self.memory = MemoryTier(self.spec.checkpoint.in_memory.every)
+
+    @property
+    def restarts(self) -> int:
+        return self.book.restarts
+
+    @property
+    def dead_nodes(self) -> set[str]:
+        return self.book.dead_nodes
+
+    @property
+    def recoveries(self) -> list[dict[str, Any]]:
+        return self.book.done
+
+    # -- public ----------------------------------------------------------------------------
+    def progress(self) -> dict[str, Any]:  # where the run is, every notice so far (the driver prints new ones)
+        return {**self._progress, "notices": list(self.notices)}
+
+    def _notice(self, text: str) -> None:
+        self.notices.append(text)
+
+    def run(self) -> dict[str, Any]:
+        self.out.mkdir(parents=True, exist_ok=True)
+        resume = self.ckpts.latest()
+        run_id = resume[1].get("mlflow_run_id") if resume else None
+        tracker = open_tracker(self.tracking_uri if self.spec.tracking.enabled else None,
+                               self.spec.tracking.experiment, self.spec.name, run_id, self._notice)
+        status = "FAILED"
+        try:
+            tracker.log_params(json.loads(self.spec.model_dump_json()))
+            tracker.log_dict(json.loads(self.spec.model_dump_json()), "spec.json")
+            self._run_with_recovery(tracker)
+            status = "FINISHED"
+        finally:
+            summary = self._write_summary(self.dims, tracker, status)
+            tracker.log_artifact(self.out / "summary.json")
+            tracker.finish(status)
+            self._set(state=status.lower())
+        return summary
+
+    def dry_run(self, step: bool) -> list[dict]:  # memory per rank beside the plan: dry_run.py
+        from trainmesh.controller.dry_run import measure, memory_rows
+
+        group = self._place(replan=False)
+        try:
+            reports = measure(group, self.eff.model_dump_json(), self.dims, self._data_dir(), step)
+        finally:
+            group.shutdown()
+        return memory_rows(reports, self.eff, self.candidate, self.dims, self.device, step)
+
+    def evaluate(self) -> dict[str, Any]:  # `trainmesh eval`: evaluation.py
+        return evaluate_once(self)
+
+    def _run_with_recovery(self, tracker) -> None:
+        """The state machine of ``controller/states.py``, from SCHEDULING to FINISHED (or
+        ERRORED: ``JobFailed`` with the report)."""
+        state: State = Scheduling()
+        try:
+            while not isinstance(state, Finished):
+                if isinstance(state, Errored):
+                    raise JobFailed(state.report)
+                self._set(state=state.name)
+                state = self._advance(state, tracker)
+        finally:
+            self._drop()
+
+    def _advance(self, state: State, tracker) -> State:
+        """Run ``state``'s action. A failure in it (a rank's actor died; a step raised, hung
+        or overran; no placement) is a stop: RECOVERING, as part of the recovery still open
+        if there is one; a job that cannot go on (nothing to plan, storage not shared) ERRORED."""
+        action = {Scheduling: self._schedule, Reforming: self._reform, Restoring: self._build_and_restore,
+                  Running: self._running, Recovering: self._recover}[type(state)]
+        try:
+            return action(state, tracker)
+        except RECOVERABLE as err:
+            stop = Stop(FAILURE, type(err).__name__, len(self.losses), self.dims.as_dict(),
+                        time.monotonic(), str(err))
+            return Recovering(self.book.joined(stop))
+        except JobFailed as err:
+            return Errored(str(err))
+
+    def _schedule(self, state: Scheduling, tracker) -> State:  # cold: new rank actors for the plan
+        self._drop()
+        self.group = self._place(replan=state.stop is not None)
+        return Restoring(state.stop, "cold")
+
+    def _reform(self, state: Reforming, tracker) -> State:
+        """Warm: the survivors take the new plan's ranks (new actors only for accelerators no
+        survivor holds); cold instead when none can be kept or the re-form breaks other than
+        by a rank's death (that is a stop: recover again, keeping whom we can)."""
+        topo = self._plan(replan=True)
+        placement = placement_for(self.eff, self.dims, topo)
+        assignment = warm_assignment(placement.rank_bundle, self.group.nodes, set(state.alive),
+                                     set(state.refill))
+        if assignment is None:
+            self._notice(f"warm recovery: the {len(state.alive)} surviving ranks cannot hold any "
+                         f"part of the new plan {self.dims.as_dict()}; restarting every rank")
+            return Scheduling(state.stop)
+        try:
+            self.group.reform(assignment, placement, timeout_s=self.spec.runtime.collective_timeout_s * 2 + 30,
+                              refill=set(state.refill) & set(assignment),
+                              avoid=self.book.dead_nodes | set(draining_nodes()))
+        except RayActorError:  # a rank died while re-forming: recover again, warm if we can
+            raise
+        except Exception as err:  # noqa: BLE001 - survivors stuck in a collective, or else: cold
+            self._notice(f"warm recovery failed ({str(err).strip().splitlines()[-1][:200]}); "
+                         "restarting every rank")
+            tracker.event("warm-recovery-failed", error=str(err)[-2000:])
+            return Scheduling(state.stop)
+        self.book.mark("group")
+        return Restoring(state.stop, "warm")
+
+    def _build_and_restore(self, state: Restoring, tracker) -> State:
+        start = self._prepare(self.group, tracker)
+        self.book.mark("restored")
+        return Running(start, state.stop, state.mode)
+
+    def _running(self, state: Running, tracker) -> State:
+        stop = self._train(self.group, self.dims, tracker, state)
+        if stop is not None:
+            return Recovering(stop)
+        for path in write_pipeline_artifacts(self.out, self.eff, self.dims, self.group):
+            tracker.log_artifact(path)
+        return Finished()
+
+    def _recover(self, state: Recovering, tracker) -> State:
+        """Who survived ``state.stop`` (a failure: after every survivor aborted its
+        communicators, out of band), which nodes are gone, and the policy's decision."""
+        stop, group, book = state.stop, self.group, self.book
+        book.begin(stop)
+        nodes, refill = (group.nodes if group is not None else []), set()
+        if stop.kind == SCALE_UP:  # checkpointed already; every rank is kept when warm
+            alive = set(range(len(nodes)))
+        elif stop.kind == PREEMPTION:  # checkpointed already; the notified nodes are going
+            leaving = {nodes[r] for r in stop.ranks}
+            book.dead_nodes |= leaving
+            alive = {r for r in self._alive(group) if nodes[r] not in leaving}
+            tracker.event("preemption", step=stop.step, ranks=list(stop.ranks),
+                          nodes=sorted(leaving))
+        else:
+            stuck: set[int] = set()
+            if group is not None:  # survivors leave their collectives now, not at the timeout
+                group.abort()      # (and any background save with them); those no abort frees
+                stuck = set(group.release_stuck(STUCK_S))  # are killed, their places refilled
+            answered = self._alive(group)  # (asked with the abort: stuck ones answer too)
+            alive, gone = answered - stuck, set(range(len(nodes))) - answered
+            # a node is gone when none of its ranks answers; a rank dead beside ones that do
+            # (its process killed: OOM, a crash) leaves a place its node can refill
+            book.dead_nodes |= {nodes[r] for r in gone} - {nodes[r] for r in answered}
+            refill = {r for r in stuck | gone if nodes[r] not in book.dead_nodes}
+            tracker.event("failure", cause=stop.cause, step=stop.step, stuck=sorted(stuck),
+                          dead_nodes=sorted(book.dead_nodes), error=stop.detail[-2000:])
+        decision = decide(stop, self.spec.elastic, book.restarts, self._available().world_size,
+                          frozenset(alive), frozenset(refill), book.in_a_row)
+        if not isinstance(decision.next, Reforming):
+            self._drop()
+        book.spend(decision)
+        time.sleep(decision.backoff_s)
+        return decision.next
+
+    def _drop(self) -> None:
+        if self.group is not None:
+            self.group.shutdown()
+            self.group = None
+
+    def _available(self) -> Topology:
+        """The accelerators the job may use now: not on a dead node, nor on one being drained."""
+        gone = self.book.dead_nodes | set(draining_nodes())
+        return bounded_topology(self._topology_fn(self.spec), self.spec.elastic, gone)
+
+    def _plan(self, replan: bool) -> Topology:
+        """Plan (or re-plan) for the accelerators alive now; returns that topology."""
+        topo = self._available()
+        try:
+            new = plan_for(self.spec, topo, replan)
+        except PlanError as err:
+            if not replan:
+                raise
+            raise JobFailed(f"re-plan after a failure or resize found nothing: {err}") from None
+        self.dims, result, self.eff = new.dims, new.result, new.spec
+        if new.changed:
+            self._notice(f"re-plan: {new.changed}")
+        self.peak_tflops = topo.device.peak_tflops
+        self.device, self.candidate = topo.device, result.best.candidate
+        self.plan_row = result.best.as_row()
+        if result.best.idle and (replan or self.spec.parallelism.auto):  # pinned: as asked
+            self._notice(f"plan: {self.dims.world_size} of {topo.world_size} accelerators used, "
+                         f"{result.best.idle} left idle as spares")
+        self.book.mark("planned")
+        return topo
+
+    def _place(self, replan: bool):
+        """Cold: place a new group of rank actors for the plan."""
+        topo = self._plan(replan)
+        self._set(state="placing")
+        group = self._group_factory(self.eff, self.dims, placement_for(self.eff, self.dims, topo),
+                                    self.worker_env)
+        self.book.mark("group")
+        return group
+
+    def _prepare(self, group, tracker) -> int:
+        """Build the ranks' model parts for the plan and restore the newest complete
+        checkpoint; returns the step to start from."""
+        infos = group.rank_infos()
+        self.rank_nodes = [i["node_id"] for i in infos]
+        if set(self.rank_nodes) - {controller_node_id()}:  # ranks elsewhere: storage must be shared
+            self.ckpts.check_shared(group)
+        self.pid_history.append([i["pid"] for i in infos])  # warm recovery keeps processes
+        tracker.log_dict({**self.dims.as_dict(), "plan": self.plan_row,
+                          "rank_to_node": self.rank_nodes}, "mesh.json")
+        self._set(state="building")
+        self.ckpts.forget()  # a save in flight when the job stopped never counts
+        group.build(self.eff.model_dump_json(), self.dims, self._data_dir())
+        if (failed := tracker.opened()) is not None:  # (it opened while the ranks started)
+            raise JobFailed(failed)
+        start = self._resume(group, tracker)
+        tracker.event("start", step=start, mesh=self.dims.as_dict())
+        return start
+
+    def _alive(self, group) -> set[int]:  # those that answer (busy ones too: out of band)
+        return set() if group is None else group.alive_ranks(timeout_s=ALIVE_S)
+
+    # -- steps -----------------------------------------------------------------------------
+    def _train(self, group, dims: ParallelDims, tracker, state: Running) -> Stop | None:
+        """Steps from ``state.start`` to the end (None) or to a stop at a step boundary (a
+        preemption notice or a scale-up, each checkpointed first). After each step the hooks
+        of ``_after_step_hooks`` run in their order; the first that returns a stop ends it."""
+        tr, start = self.spec.training, state.start
+        nodes = len(set(self.rank_nodes))
+        self.cadence.start(start, nodes, predicted_save(self.spec.model, dims.tp, dims.pp, dims.dp,
+                                                        nodes, self.spec.checkpoint.async_save))
+        hooks = self._after_step_hooks(state, dims)
+        self._set(state="training", step=start)
+        for step in range(start, tr.steps):
+            t0 = time.perf_counter()
+            stats = group.train_step()
+            done = AfterStep(step + 1, step + 1 == tr.steps, stats, time.perf_counter() - t0,
+                             group, dims, tracker)
+            self.losses.append(stats[0]["loss"])
+            for hook in hooks:
+                stop = hook(done)
+                if stop is not None:
+                    return stop
+        self.ckpts.settle(group, tracker)
+        if state.stop is not None and start >= tr.steps:  # resumed at the end: nothing to run
+            self._recovered(state, tracker)
+        return None
+
+    def _after_step_hooks(self, state: Running, dims: ParallelDims) -> list[Hook]:
+        """What happens after every step, in this order."""
+        metrics_of = step_metrics(self.spec, dims.world_size * self.peak_tflops)
+        first: list[Hook] = []
+        if state.stop is not None:  # a recovery is complete, and measured, once a step is done
+            def recovered(s: AfterStep) -> None:
+                if s.step == state.start + 1:
+                    self._recovered(state, s.tracker)
+            first = [recovered]
+        return [
+            self._poll_background_save,  # a background save that finished: its manifest
+            lambda s: self._log_step(s, metrics_of),  # metrics, progress, the cadence's clock
+            *first,
+            self._evaluate,  # held-out loss, every eval.every steps and after the last
+            self._on_preemption_notice,  # checkpoint, then stop: go on without those nodes
+            self._checkpoint_or_grow,  # the cadence's checkpoint; a scale-up after one
+            self._snapshot,  # the in-memory tier, every checkpoint.in_memory.every steps
+        ]
+
+    def _poll_background_save(self, s: AfterStep) -> None:
+        self.ckpts.poll(s.group, [r.get("save") for r in s.stats], s.tracker)
+
+    def _log_step(self, s: AfterStep, metrics_of) -> None:
+        metrics = metrics_of(s.stats[0], s.seconds)
+        s.tracker.log_metrics(metrics, step=s.step)
+        self.cadence.stepped(s.step, s.seconds, s.tracker)
+        self._set(step=s.step, loss=metrics["loss"], tokens_per_s=metrics["tokens_per_s"])
+
+    def _recovered(self, state: Running, tracker) -> None:
+        rec = self.book.complete(state.stop, state.start, self.dims.as_dict(), state.mode)
+        tracker.event("recovery", **rec.as_dict())
+        tracker.log_metrics({"recovery_downtime_s": rec.downtime_s,
+                             "recovery_steps_lost": rec.steps_lost}, step=state.start)
+
+    def _evaluate(self, s: AfterStep) -> None:
+        if self.evals.due(s.step, s.last):
+            self._set(eval_loss=self.evals.run(s.group, s.step, s.tracker))
+
+    def _on_preemption_notice(self, s: AfterStep) -> Stop | None:
+        notified = self.boundary.notified(s.stats, self.rank_nodes)
+        if not notified or s.last:
+            return None
+        self._notice(f"preemption notice for rank(s) {notified} after step {s.step}: "
+                     "checkpointing, then continuing without their node(s)")
+        self._checkpoint(s.group, s.dims, s.step, s.tracker, background=False)
+        return Stop(PREEMPTION, PREEMPTION, s.step, s.dims.as_dict(), time.monotonic(),
+                    f"preemption notice from ranks {notified} at step {s.step}", tuple(notified))
+
+    def _checkpoint_or_grow(self, s: AfterStep) -> Stop | None:
+        due = self.cadence.due(s.step)
+        grow = not s.last and self.boundary.may_grow(s.dims.world_size, checkpointing=due)
+        if due or grow or (s.last and self.spec.checkpoint.save_final):
+            self._checkpoint(s.group, s.dims, s.step, s.tracker,
+                             background=self.spec.checkpoint.async_save and not (s.last or grow))
+            if grow:  # the resize restores from this checkpoint
+                return Stop(SCALE_UP, SCALE_UP, s.step, s.dims.as_dict(), time.monotonic())
+        return None
+
+    def _snapshot(self, s: AfterStep) -> None:
+        if self.memory.due(s.step) and not s.last:
+            s.tracker.log_metrics(self.memory.snapshot(s.group, s.step, self.rank_nodes, self.losses,
+                                                       s.dims.as_dict()), step=s.step)
+
+    def _checkpoint(self, group, dims: ParallelDims, step: int, tracker, background: bool) -> None:
+        meta = step_meta(self.eff, dims, step, self.losses, self.recoveries, tracker.run_id)
+        self.cadence.saving(step)
+        self.ckpts.save(group, step, meta, tracker, background)
+
+    def _resume(self, group, tracker) -> int:
+        got = restore_newest(group, self.ckpts, self.memory, tracker)
+        self.memory.generation += 1  # later snapshots are of this build's mesh
+        step, losses, recoveries, self.book.restored_from = got or (0, [], [], "none")
+        self.losses = list(losses)[:step]  # a start from scratch drops earlier steps' losses
+        self.book.done = self.book.done or recoveries
+        return step
+
+    def _write_summary(self, dims: ParallelDims, tracker, status: str) -> dict[str, Any]:
+        summary = {
+            "name": self.spec.name, "status": status, "steps_done": len(self.losses),
+            "losses": self.losses, "final_loss": self.losses[-1] if self.losses else None,
+            "eval": self.evals.results,
+            "mesh": {**dims.as_dict(), "vpp": self.plan_row.get("vpp", 1)},
+            "plan": self.plan_row, "rank_to_node": self.rank_nodes,
+            "checkpoints": self.ckpts.published(), "recoveries": self.recoveries,
+            "rank_pids": self.pid_history, "checkpoint_cadence": self.cadence.choices,
+            "mlflow_run_id": tracker.run_id, "tracking_uri": tracker.uri,
+        }
+        write_json_atomically(self.out / "summary.json", summary)
+        return summary
+
+    def _data_dir(self) -> str:
+        return resolve_data_dir(self.spec.data.path, self.out)
+
+    def _set(self, **kw: Any) -> None:
+        self._progress.update(kw)

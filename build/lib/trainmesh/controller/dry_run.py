@@ -1,0 +1,86 @@
+"""``trainmesh run --dry-run``: what every rank really holds after building its part (and
+after one step with ``--step``), next to what the planner predicted for it."""
+
+from __future__ import annotations
+
+from trainmesh.parallel.dims import Axis, ParallelDims
+from trainmesh.planning.cost_model import (
+    GIB,
+    Candidate,
+    rank_memory,
+    snapshot_host_bytes,
+    uses_fused_kernels,
+)
+from trainmesh.planning.devices import DeviceSpec
+from trainmesh.spec.job import JobSpec
+
+
+def memory_rows(reports: list[dict], spec: JobSpec, c: Candidate, dims: ParallelDims,
+                device: DeviceSpec, stepped: bool) -> list[dict]:
+    """One row per rank: measured bytes (from ``RankWorker.memory_report``) beside the cost
+    model's prediction for that rank. Before any step a rank holds its parameter shards only
+    (FSDP2 gathers lazily, optimizer state is created by the first step): that is what is
+    predicted then."""
+    tr = spec.training
+    compute_bytes = 2 if tr.dtype == "bfloat16" else 4
+    fused = uses_fused_kernels(spec.model.kernels, device.name)
+    rows = []
+    for r in reports:
+        pp_rank = dims.coords(r["rank"])[Axis.PP]
+        pred = rank_memory(spec.model, c, tr.seq_len, pp_rank, compute_bytes,
+                           device.framework_gib * GIB, fused_head=fused)
+        predicted = pred.total if stepped else pred.params + pred.framework
+        rows.append({
+            "rank": r["rank"], "node": r["node"], "device": r["device"], "pp_rank": pp_rank,
+            "predicted_gib": predicted / GIB, "measured_peak_gib": r["peak"] / GIB,
+            "params_gib": r["params"] / GIB, "grads_gib": r["grads"] / GIB,
+            "optimizer_gib": r["optimizer"] / GIB, "activations_gib": r["activations"] / GIB,
+            "predicted": pred.as_gib(),
+        })
+        if spec.checkpoint.in_memory.every:  # host memory (snapshot_host_bytes): its peak,
+            # from one snapshot's files and host copy as measured
+            rows[-1]["snapshot_host_gib"] = {
+                "predicted": snapshot_host_bytes(spec.model, c, pp_rank) / GIB,
+                "measured": (6 * r["snapshot"] + r["staged"]) / GIB if "snapshot" in r else None}
+    return rows
+
+
+def format_rows(rows: list[dict], stepped: bool) -> str:
+    """A table for people: one line per rank, GiB."""
+    when = "after one step" if stepped else "built, no step"
+    head = (f"{'rank':>4} {'node':<10} {'pp':>2} {'params':>8} {'grads':>8} {'optim':>8} "
+            f"{'acts':>8} {'peak':>8} {'predicted':>9}  (GiB; {when})")
+    lines = [head]
+    for r in rows:
+        p = r["predicted"]
+        lines.append(f"{r['rank']:>4} {r['node'][:10]:<10} {r['pp_rank']:>2} "
+                     f"{r['params_gib']:>8.3f} {r['grads_gib']:>8.3f} {r['optimizer_gib']:>8.3f} "
+                     f"{r['activations_gib']:>8.3f} {r['measured_peak_gib']:>8.3f} "
+                     f"{r['predicted_gib']:>9.3f}")
+        if r["rank"] == 0 and "snapshot_host_gib" in r:
+            h = r["snapshot_host_gib"]
+            got = "" if h["measured"] is None else f", measured {h['measured']:.3f}"
+            lines.append("     host memory for in-memory snapshots (own three, a buddy's three, the host "
+                         f"copy): predicted {h['predicted']:.3f}{got} per rank")
+        if r["rank"] == 0:
+            lines.append(f"     predicted for rank 0: params {p['params']:.3f}, grads {p['grads']:.3f}, "
+                         f"optimizer {p['optimizer']:.3f}, gathered {p['gathered']:.3f}, "
+                         f"activations {p['activations']:.3f}, framework {p['framework']:.3f}")
+    return "\n".join(lines)
+
+
+def measure(group, spec_json: str, dims, data_dir: str, step: bool) -> list[dict]:
+    """Build every rank's part (and with ``step`` train: activations counted in a first step,
+    which also creates the optimizer state; the peak of a second, without the counting
+    hooks); each rank's memory report."""
+    group.build(spec_json, dims, data_dir)
+    if step:
+        group.train_step(measure_activations=True)
+        group.reset_peak_memory()
+        group.train_step()
+    reports = group.memory_reports()
+    if step and JobSpec.model_validate_json(spec_json).checkpoint.in_memory.every:
+        snaps = group.memory_snapshot("0000-00000000", [None] * len(reports), wait=True)
+        for r, snap in zip(reports, snaps, strict=True):
+            r["snapshot"], r["staged"] = snap["files_bytes"], snap["bytes"]
+    return reports

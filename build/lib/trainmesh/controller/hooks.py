@@ -1,0 +1,45 @@
+"""What happens after a training step, as data: the controller runs its after-step hooks in the
+order of one list (``Controller._after_step_hooks``), each given the step's :class:`AfterStep`;
+a hook that returns a :class:`Stop` ends the run loop at this step boundary."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from trainmesh.controller.states import Stop
+from trainmesh.models.llama.model_math import flops_per_token
+from trainmesh.parallel.dims import ParallelDims
+from trainmesh.spec.job import JobSpec
+
+
+@dataclass(frozen=True)
+class AfterStep:
+    """One finished step as the hooks see it."""
+
+    step: int  # steps done, this one included
+    last: bool  # the job's last step
+    stats: list[dict[str, Any]]  # every rank's (``RankWorker.train_step``)
+    seconds: float  # the step's wall time, as the controller saw it
+    group: Any  # the worker group
+    dims: ParallelDims
+    tracker: Any
+
+
+Hook = Callable[[AfterStep], Stop | None]
+
+
+def step_metrics(spec: JobSpec, peak_tflops: float) -> Callable[[dict[str, Any], float], dict]:
+    """What a step logs, from rank 0's stats and the step's seconds: loss, lr, grad norm, speed
+    and MFU (``peak_tflops``: the whole mesh's). The FLOPs per token are counted once."""
+    tr = spec.training
+    tokens, flops = tr.global_batch_size * tr.seq_len, flops_per_token(spec.model, tr.seq_len)
+
+    def metrics(stats: dict[str, Any], step_s: float) -> dict[str, float]:
+        tps = tokens / step_s
+        return {"loss": stats["loss"], "lr": stats["lr"], "grad_norm": stats["grad_norm"],
+                "tokens_per_s": tps, "step_time_s": step_s,
+                "mfu": flops * tps / (peak_tflops * 1e12)}
+
+    return metrics

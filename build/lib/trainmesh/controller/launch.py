@@ -1,0 +1,229 @@
+"""Run a job: connect to (or start) Ray, start the controller actor, show progress."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from trainmesh.spec.job import JobSpec
+from trainmesh.spec.problems import Problem, SpecError
+
+LOCAL = "local"
+
+
+def loopback_environment(environ: dict[str, str] | os._Environ) -> None:
+    """Keep a local Ray cluster and gloo on 127.0.0.1 (Ray binds the external interface by
+    default). Must run before ``import ray``."""
+    environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
+def with_absolute_output(spec: JobSpec, cwd: Path) -> JobSpec:
+    """Actors run in other directories: pin ``runtime.output_dir`` and the local paths of
+    data and ``model.init_from`` to absolute paths."""
+    def pinned(path: str | None) -> str | None:
+        return path if path is None or "://" in path else str((cwd / path).resolve())
+
+    runtime = spec.runtime.model_copy(update={"output_dir": pinned(spec.resolved_output_dir())})
+    data = spec.data.model_copy(update={"path": pinned(spec.data.path),
+                                        "eval_path": pinned(spec.data.eval_path)})
+    model = spec.model.model_copy(update={"init_from": pinned(spec.model.init_from)})
+    return spec.model_copy(update={"runtime": runtime, "data": data, "model": model})
+
+
+def worker_env(spec: JobSpec, local: bool) -> dict[str, str]:
+    threads = str(max(1, int(spec.runtime.cpus_per_rank)))
+    env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+    if local:
+        env["GLOO_SOCKET_IFNAME"] = "lo"
+    return env
+
+
+def fault_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The test-only fault hook (``actors/progress.py``), passed on to the ranks when set."""
+    from trainmesh.actors.progress import FAULT_ENV
+
+    return {FAULT_ENV: environ[FAULT_ENV]} if environ.get(FAULT_ENV) else {}
+
+
+@contextlib.contextmanager
+def ray_session(spec: JobSpec) -> Iterator[bool]:
+    """Yields True when the cluster is on this machine. Shuts down only what it started."""
+    import ray
+
+    if ray.is_initialized():
+        yield spec.runtime.ray_address == LOCAL
+        return
+    if spec.runtime.ray_address == LOCAL:
+        need = math.ceil(spec.parallelism.world_size * spec.runtime.cpus_per_rank)
+        # address="local": always a new instance, never one that happens to run on this machine
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False,
+                 log_to_driver=False, configure_logging=False)
+    else:
+        try:
+            ray.init(address=spec.runtime.ray_address, log_to_driver=False)
+        except (ConnectionError, ValueError, RuntimeError) as err:
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+            raise SpecError([Problem("runtime.ray_address", f"no Ray cluster reachable at "
+                                     f"{spec.runtime.ray_address!r} ({first})",
+                                     "start the cluster (`ray start --head`), give its address "
+                                     "(host:6379 or auto), or use local")]) from None
+    try:
+        yield spec.runtime.ray_address == LOCAL
+    finally:
+        ray.shutdown()
+
+
+def make_output_dir(spec: JobSpec) -> Path:
+    """The run's output directory (and a local checkpoint directory), created now: a run
+    refuses one it cannot create the way ``validate`` refuses a spec — one line naming the
+    field and the fix — before any Ray or rank starts."""
+    out = Path(spec.runtime.output_dir)
+    dirs = [("runtime.output_dir", out)]
+    if spec.checkpoint.dir and "://" not in spec.checkpoint.dir:
+        dirs.append(("checkpoint.dir", Path(spec.checkpoint.dir)))
+    for field, path in dirs:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            probe = path / f".trainmesh-write-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as err:
+            raise SpecError([Problem(field, f"cannot create or write {path} "
+                                     f"({err.strerror or err})", f"give a writable directory, "
+                                     f"e.g. --set {field}=runs/my-job")]) from None
+    return out
+
+
+def run_job(spec: JobSpec, environ: Mapping[str, str], show_progress: bool = True) -> dict[str, Any]:
+    """Train ``spec`` to the end; returns the run summary (also in OUTPUT/summary.json)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from trainmesh.controller.controller import Controller
+    from trainmesh.tracking.mlflow_tracker import resolve_tracking_uri
+
+    spec = with_absolute_output(spec, Path.cwd())
+    out = make_output_dir(spec)
+    uri = None
+    if spec.tracking.enabled:
+        uri = resolve_tracking_uri(spec.tracking.uri, environ.get("MLFLOW_TRACKING_URI"), out)
+    with ray_session(spec) as local:
+        # The controller lives on the driver's node (the head, for submitted jobs): it must
+        # outlive the accelerator nodes it recovers from.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        actor = ray.remote(Controller).options(max_concurrency=4, num_cpus=0,
+                                               scheduling_strategy=here).remote(
+            spec.model_dump_json(), uri, {**worker_env(spec, local), **fault_env(environ)})
+        try:
+            ref = actor.run.remote()
+            if show_progress:
+                _follow(actor, ref)
+            else:
+                _report(actor, ref)
+            return ray.get(ref)
+        except ray.exceptions.RayTaskError as err:
+            raise _user_error(err) from None
+        finally:
+            ray.kill(actor)
+
+
+def dry_run_job(spec: JobSpec, environ: Mapping[str, str], step: bool) -> list[dict[str, Any]]:
+    """Plan, place and build every rank (one step with ``step``); per-rank memory rows
+    (``trainmesh.controller.dry_run``). Nothing is trained, saved or tracked."""
+    return _controller_once(spec, "dry_run", step)
+
+
+def evaluate_job(spec: JobSpec, environ: Mapping[str, str]) -> dict[str, Any]:
+    """Build every rank, restore the run's newest checkpoint (or the initial model) and
+    return the held-out loss (``trainmesh.controller.evaluation``)."""
+    return _controller_once(spec, "evaluate")
+
+
+def _controller_once(spec: JobSpec, method: str, *args: Any) -> Any:
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from trainmesh.controller.controller import Controller
+
+    spec = with_absolute_output(spec, Path.cwd())
+    make_output_dir(spec)
+    with ray_session(spec) as local:
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        actor = ray.remote(Controller).options(num_cpus=0, scheduling_strategy=here).remote(
+            spec.model_dump_json(), None, worker_env(spec, local))
+        try:
+            return ray.get(getattr(actor, method).remote(*args))
+        except ray.exceptions.RayTaskError as err:
+            raise _user_error(err) from None
+        finally:
+            ray.kill(actor)
+
+
+def _user_error(err: Exception) -> Exception:
+    """A refusal raised inside the controller (a plan that cannot fit, ...) as itself: the
+    person gets its message, not a remote traceback."""
+    from trainmesh.controller.elastic import JobFailed
+    from trainmesh.planning.job_plan import PlanError
+
+    cause = getattr(err, "cause", None)
+    return cause if isinstance(cause, PlanError | JobFailed) else err
+
+
+def _report(actor, ref, every_s: float = 10.0) -> None:
+    """Without a terminal (submitted jobs, logs): a progress line every ``every_s`` and every
+    notice as it comes."""
+    import ray
+
+    seen, last = 0, 0.0
+    while True:
+        done, _ = ray.wait([ref], timeout=1.0)
+        p = ray.get(actor.progress.remote())
+        for text in p["notices"][seen:]:
+            print(f"warning: {text}", file=sys.stderr, flush=True)
+        seen = len(p["notices"])
+        if time.monotonic() - last >= every_s and p["step"]:
+            loss = f" loss {p['loss']:.4f}" if "loss" in p else ""
+            tps = f" {p['tokens_per_s']:,.0f} tok/s" if "tokens_per_s" in p else ""
+            print(f"{p['state']} step {p['step']}/{p['steps']}{loss}{tps}", flush=True)
+            last = time.monotonic()
+        if done:
+            return
+
+
+def _follow(actor, ref) -> None:
+    """A rich progress bar fed by the controller's ``progress()`` until ``ref`` is done."""
+    import ray
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    columns = (TextColumn("[bold]{task.fields[state]:<9}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
+               TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
+    with Progress(*columns, transient=False) as bar:
+        task = bar.add_task("train", total=None, state="starting", loss="-", tps="-")
+        seen = 0
+        while True:
+            done, _ = ray.wait([ref], timeout=0.5)
+            p = ray.get(actor.progress.remote())
+            loss = f"{p['loss']:.4f}" if "loss" in p else "-"
+            tps = f"{p['tokens_per_s']:,.0f}" if "tokens_per_s" in p else "-"
+            bar.update(task, total=p["steps"], completed=p["step"], state=p["state"], loss=loss,
+                       tps=tps)
+            for text in p["notices"][seen:]:
+                bar.console.print(f"[yellow]warning:[/] {text}")
+            seen = len(p["notices"])
+            if done:
+                break

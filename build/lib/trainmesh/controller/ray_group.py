@@ -1,0 +1,242 @@
+"""The controller's view of the rank actors: a WorkerGroup behind a narrow interface, the
+placement it needs, and the live topology."""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+
+from trainmesh.parallel.dims import ParallelDims
+from trainmesh.parallel.layout import Placement, plan_placement
+from trainmesh.planning.topology import Topology, topology_from_ray
+from trainmesh.spec.job import ElasticConfig, JobSpec
+
+HANG_STEPS, HANG_FLOOR_S, MEASURED = 10.0, 60.0, 3
+
+
+def placement_for(spec: JobSpec, dims: ParallelDims, topo: Topology) -> Placement:
+    """One bundle per node used (whole TP groups, largest nodes first): a GPU per rank on
+    accelerator clusters, CPUs otherwise."""
+    per_rank = {"CPU": spec.runtime.cpus_per_rank}
+    if topo.device.name != "cpu":
+        per_rank["GPU"] = 1.0
+    return plan_placement(dims, topo.allocate(dims.tp, dims.world_size), per_rank)
+
+
+def hang_bound_s(cfg: ElasticConfig, recent_steps: list[float]) -> float | None:
+    """How long a step may run before its stalled ranks count as hung: ``elastic.hang_timeout_s``
+    when set, else HANG_STEPS × the median of the recent steps but at least HANG_FLOOR_S; None
+    (only the collective timeout) until MEASURED steps have been timed."""
+    if cfg.hang_timeout_s is not None:
+        return cfg.hang_timeout_s
+    if len(recent_steps) < MEASURED:
+        return None
+    return max(HANG_FLOOR_S, HANG_STEPS * statistics.median(recent_steps))
+
+
+class RayWorkerGroup:
+    """The real worker group behind the controller's narrow interface."""
+
+    def __init__(self, spec: JobSpec, dims: ParallelDims, placement: Placement,
+                 env: dict[str, str]):
+        from trainmesh.actors.worker_group import WorkerGroup
+
+        self.spec = spec
+        self.timeout = spec.runtime.collective_timeout_s
+        self.group = WorkerGroup(placement, env, ready_timeout_s=60,
+                                 cpu_threads=max(1, int(spec.runtime.cpus_per_rank)))
+        self.backend = self.group.setup_process_group(spec.runtime.device, self.timeout)
+        self._steps: list[float] = []  # recent step times, for the hang bound
+        self._asked: tuple[float, dict] | None = None  # (when, refs) of the last "alive?"
+
+    @property
+    def nodes(self) -> list[str]:
+        """The node of each rank's actor (from its placement, so also a dead rank's)."""
+        return list(self.group.nodes)
+
+    def rank_infos(self) -> list[dict]:
+        """Per rank: node id, pid, ip."""
+        return self.group.call("node_info", timeout_s=60)
+
+    def alive_ranks(self, timeout_s: float) -> set[int]:
+        """Ranks that answer on their control path within ``timeout_s`` (it never queues
+        behind a step, so a live rank answers at once, busy or not) of being asked — by
+        ``abort``, when it ran: the question then waits alongside the abort and the stuck
+        ranks' grace, not after them. A rank that does not — on a node that is gone but not
+        yet known dead to Ray, or frozen — is not alive: it is killed, so that no later call
+        waits on it."""
+        import ray
+
+        asked, refs = self._asked or (time.monotonic(), self._ask())
+        self._asked = None
+        left = max(0.0, asked + timeout_s - time.monotonic())
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=left)
+        alive = set()
+        for ref in ready:
+            try:
+                ray.get(ref)
+                alive.add(refs[ref])
+            except ray.exceptions.RayError:
+                pass
+        self.group.end(sorted(set(refs.values()) - alive))
+        return alive
+
+    def _ask(self) -> dict:
+        return {w.node_info.remote(): r for r, w in enumerate(self.group.workers)}
+
+    def abort(self) -> None:
+        """A failure is known: every survivor aborts its communicators now (out of band),
+        asked first whether it lives (``alive_ranks`` reads the answers)."""
+        self._asked = (time.monotonic(), self._ask())  # before the abort on the control path
+        self.group.abort(timeout_s=5.0)
+
+    def release_stuck(self, wait_s: float) -> list[int]:
+        """Ranks still stuck in the failed call ``wait_s`` after the abort, killed."""
+        return self.group.release_stuck(wait_s)
+
+    def reform(self, assignment: list[int | None], placement: Placement, timeout_s: float,
+               refill: set[int] = frozenset(), avoid: set[str] = frozenset()) -> None:
+        """Warm recovery or growth: kept old ranks take their new ranks in the same processes,
+        new actors start in the reservations of ``refill`` ranks and where ``assignment`` has
+        None (not on the nodes in ``avoid``); all join a new process group on a fresh port."""
+        self.group.reform(assignment, placement, timeout_s, refill, avoid)
+        self.backend = self.group.setup_process_group(self.spec.runtime.device, self.timeout)
+
+    def build(self, spec_json: str, dims: ParallelDims, data_dir: str) -> None:
+        d = {"pp": dims.pp, "dp": dims.dp, "tp": dims.tp}
+        self.group.call("build", spec_json, d, data_dir, timeout_s=self.timeout + 120)
+
+    def train_step(self, measure_activations: bool = False) -> list[dict]:
+        """One step on every rank, watched for hung ranks past ``hang_bound_s``."""
+        t0 = time.monotonic()
+        out = self.group.call_watched("train_step", measure_activations,
+                                      timeout_s=self.timeout * 2,
+                                      hang_after_s=hang_bound_s(self.spec.elastic, self._steps))
+        self._steps = [*self._steps[-19:], time.monotonic() - t0]
+        return out
+
+    def evaluate(self, batches: int) -> float:
+        """The held-out loss (every rank computes it; all hold the same value)."""
+        return self.group.call("evaluate", batches, timeout_s=self.timeout * 2)[0]
+
+    def reset_peak_memory(self) -> None:
+        self.group.call("reset_peak_memory", timeout_s=self.timeout)
+
+    def memory_reports(self) -> list[dict]:
+        return self.group.call("memory_report", timeout_s=self.timeout)
+
+    def save(self, directory: str, background: bool = False) -> bytes | None:
+        """Collective save (in the background: returns once every rank has its shards in
+        host memory); rank 0's RNG state."""
+        return self.group.call("save", directory, background, timeout_s=self.timeout * 2)[0]
+
+    def wait_save(self) -> list[str | None]:
+        """Every rank's background save, waited for: "done", "failed: ..." or None."""
+        return self.group.call("wait_save", self.timeout * 2, timeout_s=self.timeout * 3)
+
+    def saved_files(self) -> dict:
+        """{file: {"size", "sha256"}} over every rank's last finished save."""
+        return {k: v for d in self.group.call("saved_files", timeout_s=self.timeout)
+                for k, v in d.items()}
+
+    def bad_files(self, directory: str, files: dict) -> list[str]:
+        """Each rank checks a share (by bytes) of a manifest's files, all at once; the bad
+        ones."""
+        from trainmesh.checkpoint.manifest import split_by_size
+
+        shares = split_by_size(files, self.group.world_size)
+        args = [(directory, share) for share in shares]
+        return sorted(f for bad in self.group.call_each("bad_files", args,
+                                                        timeout_s=self.timeout * 4)
+                      for f in bad)
+
+    def readable_on_every_node(self, path: str, token: str) -> dict[str, bool]:
+        """Per node (its first rank asked): does it read ``token`` back from ``path``?"""
+        import ray
+
+        first: dict[str, int] = {}
+        for r, info in enumerate(self.rank_infos()):
+            first.setdefault(info["node_id"], r)
+        refs = {n: self.group.workers[r].can_read.remote(path, token) for n, r in first.items()}
+        return {n: ray.get(ref, timeout=self.timeout) for n, ref in refs.items()}
+
+    def load(self, directory: str, step: int, rng: bytes | None) -> None:
+        self.group.call("load", directory, step, rng, timeout_s=self.timeout * 2)
+
+    def memory_snapshot(self, directory: str, buddies: list[int | None], wait: bool = False) -> list[dict]:
+        """In-memory snapshot on every rank; rank r's copy goes to rank ``buddies[r]``."""
+        w = self.group.workers
+        args = [(directory, None if b is None else w[b], wait) for b in buddies]
+        return self.group.call_each("memory_snapshot", args, timeout_s=self.timeout * 2)
+
+    def memory_inventory(self) -> list[dict[str, list[str]]]:
+        """Per rank: snapshot directory → the files it holds (its own and its replicas)."""
+        return self.group.call("memory_inventory", timeout_s=self.timeout)
+
+    def memory_load(self, directory: str, holders: dict[str, int], step: int, rng: bytes | None) -> None:
+        """Collective restore from snapshot ``directory``; ``holders``: file → rank holding it."""
+        w = self.group.workers
+        self.group.call("memory_load", directory, {f: w[r] for f, r in holders.items()}, step, rng,
+                        timeout_s=self.timeout * 2)
+
+    def save_to(self, directory: str) -> None:
+        """A raw collective save (no manifest): for inspection and tests."""
+        self.group.call("save", directory, timeout_s=self.timeout * 2)
+
+    def full_state(self) -> dict:
+        """Every parameter, unsharded, merged over the pipeline stages."""
+        return {k: v for d in self.group.call("full_state", timeout_s=self.timeout)
+                for k, v in d.items()}
+
+    def timelines(self) -> list[list]:
+        return self.group.call("timeline", timeout_s=self.timeout)
+
+    def full_grads(self) -> dict:
+        return {k: v for d in self.group.call("full_grads", timeout_s=self.timeout)
+                for k, v in d.items()}
+
+    def shutdown(self) -> None:
+        self.group.shutdown()
+
+
+def live_topology(spec: JobSpec) -> Topology:
+    device = "cpu" if spec.runtime.device == "cpu" else spec.topology.device
+    topo = topology_from_ray(device, spec.runtime.cpus_per_rank)
+    return topo.with_overrides(spec.topology.overrides()).with_host_memory(spec.topology.host_memory_gib)
+
+
+def controller_node_id() -> str:
+    """The node this process runs on ("" outside Ray)."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+
+
+def draining_nodes() -> dict[str, int]:
+    """Nodes Ray is draining — a preemption or scale-down notice from the autoscaler, KubeRay
+    or ``ray drain-node`` — with their deadlines (ms since the epoch; 0 when none). The ranks
+    there still run; new work is no longer placed there. Empty when the GCS cannot say."""
+    import ray
+
+    if not ray.is_initialized():
+        return {}
+    try:
+        return dict(_gcs_client().get_draining_nodes(timeout=5))
+    except Exception:  # noqa: BLE001 - no answer is not a drain
+        return {}
+
+
+def _gcs_client():
+    import ray
+
+    return _gcs_client_at(ray.get_runtime_context().gcs_address)
+
+
+@functools.cache
+def _gcs_client_at(address: str):
+    import ray
+
+    # The GCS client Ray's own libraries (Serve) read draining nodes through; one per cluster
+    # (a process may connect to another cluster later: tests do).
+    return ray._raylet.GcsClient(address=address)

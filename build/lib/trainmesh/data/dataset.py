@@ -1,0 +1,82 @@
+"""Fixed-length samples cut from a token stream, and the held-out windows evaluation reads."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from trainmesh.data import sampler
+from trainmesh.data.shards import TokenStream
+
+
+class _Array:
+    """An in-memory token array with the reading interface of :class:`TokenStream`."""
+
+    def __init__(self, tokens: np.ndarray):
+        self.tokens = np.asarray(tokens)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def read(self, start: int, count: int) -> np.ndarray:
+        return self.tokens[start:start + count].astype(np.int64)
+
+
+class TokenDataset:
+    """Sample ``i`` is tokens ``[(first+i)*T, (first+i)*T + T + 1)``: T inputs and their T
+    next-token targets; ``first``/``count`` select a contiguous range of the stream's samples
+    (the training part or the held-out part)."""
+
+    def __init__(self, tokens: TokenStream | np.ndarray, seq_len: int, first: int = 0,
+                 count: int | None = None):
+        self.tokens = tokens if hasattr(tokens, "read") else _Array(tokens)
+        total = (len(self.tokens) - 1) // seq_len
+        if total < 1:
+            raise ValueError(f"{len(self.tokens)} tokens cannot make one sample of seq_len={seq_len}")
+        self.seq_len, self.first = seq_len, first
+        self.num_samples = total - first if count is None else count
+        if self.num_samples < 1 or first + self.num_samples > total:
+            raise ValueError(f"samples {first}:{first + self.num_samples} are outside the "
+                             f"{total} samples of seq_len={seq_len} in the data")
+
+    def batch(self, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets), each (len(ids), seq_len) int64."""
+        T = self.seq_len
+        rows = np.stack([self.tokens.read((self.first + int(i)) * T, T + 1) for i in ids])
+        t = torch.from_numpy(rows)
+        return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+    def microbatches(self, seed: int, step: int, global_batch_size: int, dp_rank: int, dp: int,
+                     microbatch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This DP rank's share of ``step``'s global batch, split into microbatches."""
+        start, count = sampler.rank_slice(dp_rank, dp, global_batch_size)
+        ids = sampler.sample_ids(seed, step, global_batch_size, self.num_samples, start, count)
+        return self._split(ids, microbatch_size)
+
+    def eval_microbatches(self, batch: int, global_batch_size: int, dp_rank: int, dp: int,
+                          microbatch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This DP rank's share of held-out batch ``batch``: windows ``batch * B ...`` in order
+        (wrapping around), the same for every mesh and every evaluation."""
+        start, count = sampler.rank_slice(dp_rank, dp, global_batch_size)
+        ids = (batch * global_batch_size + start + np.arange(count)) % self.num_samples
+        return self._split(ids, microbatch_size)
+
+    def _split(self, ids: np.ndarray, size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [self.batch(ids[i:i + size]) for i in range(0, len(ids), size)]
+
+
+def open_datasets(data_dir: str, seq_len: int, eval_path: str | None = None,
+                  eval_fraction: float = 0.0) -> tuple[TokenDataset, TokenDataset | None]:
+    """(training, held-out) datasets: the held-out part is ``eval_path``'s dataset, or the
+    last ``eval_fraction`` of ``data_dir``'s samples (then never trained on), or none."""
+    stream = TokenStream(data_dir)
+    if eval_path:
+        return TokenDataset(stream, seq_len), TokenDataset(TokenStream(eval_path), seq_len)
+    if eval_fraction <= 0:
+        return TokenDataset(stream, seq_len), None
+    total = (len(stream) - 1) // seq_len
+    held = max(1, round(total * eval_fraction))
+    if held >= total:
+        raise ValueError(f"data.eval_fraction={eval_fraction} leaves no training samples of the "
+                         f"{total} in the data; lower it")
+    return TokenDataset(stream, seq_len, 0, total - held), TokenDataset(stream, seq_len, total - held, held)

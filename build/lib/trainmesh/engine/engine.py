@@ -1,0 +1,250 @@
+"""What one rank trains: its model part wrapped for the mesh, optimizer, data, checkpoint IO.
+
+No Ray here: :class:`trainmesh.actors.rank_worker.RankWorker` hosts an Engine inside an actor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from concurrent.futures import Future
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from trainmesh.checkpoint import dcp_io
+from trainmesh.checkpoint.memory_fs import MemoryStore
+from trainmesh.data.dataset import open_datasets
+from trainmesh.engine.memory import SavedActivations, peak_process_bytes, state_bytes
+from trainmesh.engine.step import (
+    StepStats,
+    build_lr_scheduler,
+    build_optimizer,
+    finish_step,
+    train_step,
+)
+from trainmesh.models.llama.model import Llama, LlamaArgs
+from trainmesh.models.llama.parallelize import apply_activation_checkpointing, apply_tensor_parallel
+from trainmesh.models.llama.stage import PipelineStage, rank_model
+from trainmesh.parallel.dims import Axis
+from trainmesh.parallel.mesh import Mesh
+from trainmesh.parallel.pipeline import nccl_rules
+from trainmesh.parallel.pipeline.executor import P2PSpec, PipelineExecutor
+from trainmesh.parallel.pipeline.ir import PipeShape, splits_backward
+from trainmesh.parallel.pipeline.schedules import build_schedule, forward_only, pipe_shape
+from trainmesh.parallel.zero import ZeroPolicy, apply_zero3
+from trainmesh.spec.job import JobSpec
+
+
+def build_model(spec: JobSpec, device: torch.device) -> Llama:
+    """The whole single-device model, initialised from ``training.seed`` (or
+    ``model.init_from``)."""
+    model = Llama(LlamaArgs.from_config(spec.model, device.type))
+    init_weights(model, spec)
+    return model.to(device)
+
+
+def init_weights(model: Llama, spec: JobSpec) -> int:
+    """Fill a (possibly sharded) model part: from ``model.init_from`` (returns the bytes read),
+    or the seeded init (0)."""
+    if spec.model.init_from:
+        from trainmesh.interop.hf_import import load_into
+
+        return load_into(model, spec.model.init_from)
+    model.init_weights(spec.training.seed)
+    return 0
+
+
+class Engine:
+    """Model + optimizer + data for one rank of ``mesh``."""
+
+    def __init__(self, spec: JobSpec, mesh: Mesh, data_dir: str, device: torch.device,
+                 on_phase: Callable[[str], None] = lambda phase: None):
+        """``on_phase`` hears each phase of a step as it begins (``actors/progress.py``)."""
+        self.spec, self.mesh, self.device, self.on_phase = spec, mesh, device, on_phase
+        par, tr = spec.parallelism, spec.training
+        dtype = getattr(torch, tr.dtype)
+        pp = mesh.size(Axis.PP)
+        # The Llama holding this rank's layers (all of them without PP), with global names,
+        # built on the meta device: no process ever holds more than its own shards.
+        vpp = par.vpp if pp > 1 else 1
+        n_micro = tr.global_batch_size // (mesh.size(Axis.DP) * tr.microbatch_size)
+        shape = pipe_shape(spec.schedule.name, pp, vpp, n_micro) if pp > 1 else None
+        with torch.device("meta"):
+            self.model, stage_ids = rank_model(
+                LlamaArgs.from_config(spec.model, device.type), mesh.coord(Axis.PP), pp, vpp,
+                shape.stages_of(mesh.coord(Axis.PP)) if shape else None)
+        self.loss_context = contextlib.nullcontext
+        if mesh.size(Axis.TP) > 1:
+            apply_tensor_parallel(self.model, mesh[Axis.TP], par.sequence_parallel)
+            self.loss_context = loss_parallel
+        apply_activation_checkpointing(self.model, spec.activation_checkpoint.mode,
+                                       spec.activation_checkpoint.stride)
+        self.executor = self.eval_executor = None
+        # A split backward (zero-bubble schedules) keeps each stage gathered through the step:
+        # its deferred W's need the parameters the forward used.
+        split = pp > 1 and splits_backward(spec.schedule.name)
+        self.zero = ZeroPolicy(keep_gathered=split or par.keep_gathered is not False,
+                               param_dtype=dtype, reduce_dtype=getattr(torch, par.reduce_dtype))
+        if pp == 1:
+            apply_zero3(self.model, mesh[Axis.DP], self.zero)
+        else:
+            stages = {s: PipelineStage(self.model, s, pp * par.vpp) for s in stage_ids}
+            # FSDP2 at dp = 1 shards nothing, it only casts (mixed precision): a stage that needs
+            # neither is not wrapped, its hooks would be overhead on every microbatch.
+            wrap = mesh.size(Axis.DP) > 1 or dtype != torch.float32
+            for stage in stages.values() if wrap else ():
+                apply_zero3(stage, mesh[Axis.DP], self.zero)
+            self.executor = self._build_executor(shape, stages, dtype, self.zero if wrap else None)
+        # Materialise the local shards only, then fill them from each parameter's global name.
+        self.model.to_empty(device=device)
+        self.imported_bytes = init_weights(self.model, spec)  # read from model.init_from
+        self.model.init_buffers()
+        self.optimizer = build_optimizer(self.model, spec.optimizer)
+        self.scheduler = build_lr_scheduler(self.optimizer, spec.optimizer, tr.steps)
+        self.dataset, self.eval_set = open_datasets(data_dir, tr.seq_len, spec.data.eval_path,
+                                                    spec.data.eval_fraction)
+        vocab = self.dataset.tokens.meta["vocab_size"]
+        if vocab > spec.model.vocab_size:
+            raise ValueError(f"model.vocab_size {spec.model.vocab_size} is smaller than the "
+                             f"{vocab} tokens of the dataset at {data_dir}")
+        self.step = 0  # optimizer steps done
+        self.activation_peak = 0  # bytes saved for backward, from the last measured step
+
+    def _build_executor(self, shape: PipeShape, stages: dict, dtype: torch.dtype,
+                        zero: ZeroPolicy | None) -> PipelineExecutor:
+        par, tr, mesh = self.spec.parallelism, self.spec.training, self.mesh
+        dims, c = mesh.dims, mesh.dims.coords(mesh.rank)
+        self._schedule = build_schedule(self.spec.schedule.name, shape.pp, shape.vpp,
+                                        shape.microbatches)
+        timeout = timedelta(seconds=self.spec.runtime.collective_timeout_s)
+        seq = tr.seq_len // dims.tp if par.sequence_parallel else tr.seq_len
+        p2p = P2PSpec(group=mesh[Axis.PP].get_group(),
+                      peers=[dims.rank_of(i, c[Axis.DP], c[Axis.TP]) for i in range(dims.pp)],
+                      act_shape=(tr.microbatch_size, seq, self.spec.model.dim), dtype=dtype,
+                      device=self.device, timeout=timeout,
+                      post=nccl_rules.from_env(timeout) or dist.batch_isend_irecv)
+        self._shape, self._stages, self._p2p = shape, stages, p2p  # for the eval executor
+        return PipelineExecutor(shape, self._schedule[c[Axis.PP]], stages, p2p, self.loss_context,
+                                zero, self.on_phase)
+
+    def train_step(self, measure_activations: bool = False) -> StepStats:
+        """One optimizer step. ``measure_activations``: count the bytes autograd saves for
+        backward (``memory_report``'s ``activations``) — for dry runs, not every step."""
+        if measure_activations:
+            with SavedActivations() as meter:
+                stats = self.train_step()
+            self.activation_peak = meter.peak
+            return stats
+        tr = self.spec.training
+        mbs = self.dataset.microbatches(tr.seed, self.step, tr.global_batch_size,
+                                        self.mesh.coord(Axis.DP), self.mesh.size(Axis.DP),
+                                        tr.microbatch_size)
+        mbs = [(x.to(self.device), y.to(self.device)) for x, y in mbs]
+        if self.executor is None:
+            stats = train_step(self.model, self.optimizer, self.scheduler, mbs,
+                               self.spec.optimizer.grad_clip,
+                               lambda last: self.zero.before_backward(self.model, last),
+                               self.loss_context, self.on_phase)
+        else:
+            stats = self._pipeline_step(mbs)
+        self.step += 1
+        return StepStats(loss=self._dp_mean(stats.loss), grad_norm=stats.grad_norm, lr=stats.lr,
+                         tokens=stats.tokens)
+
+    def _pipeline_step(self, mbs) -> StepStats:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.executor.step(mbs).detach().double()
+        pp_group = self.mesh[Axis.PP].get_group()
+        dist.all_reduce(loss, group=pp_group)  # only the last stage holds a loss
+        tokens = sum(y.numel() for _, y in mbs)
+        return finish_step(self.model, self.optimizer, self.scheduler,
+                           self.spec.optimizer.grad_clip, float(loss), tokens, across=pp_group,
+                           on_phase=self.on_phase)
+
+    @torch.no_grad()
+    def evaluate(self, batches: int) -> float:
+        """Collective: the mean loss over the first ``batches`` held-out batches (the same
+        windows for every mesh and every call)."""
+        tr, pp, dp = self.spec.training, self.mesh.size(Axis.PP), self.mesh.size(Axis.DP)
+        total = 0.0
+        for b in range(batches):
+            mbs = self.eval_set.eval_microbatches(b, tr.global_batch_size, self.mesh.coord(Axis.DP),
+                                                  dp, tr.microbatch_size)
+            mbs = [(x.to(self.device), y.to(self.device)) for x, y in mbs]
+            if self.executor is None:
+                with self.loss_context():
+                    loss = sum(self.model(x, y) for x, y in mbs) / len(mbs)
+                loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
+            else:
+                if self.eval_executor is None:  # the schedule's forwards alone, built once
+                    rank = self.mesh.coord(Axis.PP)
+                    self.eval_executor = PipelineExecutor(
+                        self._shape, forward_only(self._shape, self._schedule)[rank], self._stages,
+                        self._p2p, self.loss_context)
+                loss = self.eval_executor.step(mbs).detach().double()
+                if pp > 1:
+                    dist.all_reduce(loss, group=self.mesh[Axis.PP].get_group())
+            total += float(loss)
+        for m in self.model.modules():  # forwards without backwards leave ZeRO-3 units gathered
+            if isinstance(m, FSDPModule):
+                m.reshard()
+        return self._dp_mean(total / batches)
+
+    def memory_report(self) -> dict[str, int]:
+        """Exact bytes of this rank's parameter, gradient and optimizer-state shards, the
+        activation peak of the last measured step, the process's peak, and what the build read
+        of ``model.init_from``."""
+        return {**state_bytes(self.model, self.optimizer), "activations": self.activation_peak,
+                "peak": peak_process_bytes(self.device), "imported": self.imported_bytes}
+
+    def timeline(self) -> list[tuple[str, float, float]]:
+        """The last step's measured actions (name, start, end), for the pipeline trace."""
+        return list(self.executor.timeline) if self.executor is not None else []
+
+    def _dp_mean(self, value: float) -> float:
+        if self.mesh.size(Axis.DP) == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, group=self.mesh[Axis.DP].get_group())
+        return float(t.item()) / self.mesh.size(Axis.DP)
+
+    def save(self, directory: str) -> dict:
+        return dcp_io.save(directory, self.model, self.optimizer)
+
+    def async_save(self, directory: str, group) -> Future:
+        return dcp_io.async_save(directory, self.model, self.optimizer, group,
+                                 on_write=lambda: self.on_phase("write"))
+
+    def load(self, directory: str, step: int, rng_state: torch.Tensor | None,
+             snapshot: tuple[list[str], MemoryStore] | None = None) -> None:
+        """Restore model + optimizer shards, then the schedule position and RNG.
+        ``snapshot``: an in-memory snapshot's per-rank metadata files (``dcp_io.snapshot``) and
+        the rank's store that reads them."""
+        if snapshot:
+            dcp_io.load_snapshot(directory, *snapshot, self.model, self.optimizer)
+        else:
+            dcp_io.load(directory, self.model, self.optimizer)
+        self.step = step
+        self.scheduler.last_epoch = step
+        for group, base, fn in zip(self.optimizer.param_groups, self.scheduler.base_lrs,
+                                   self.scheduler.lr_lambdas, strict=True):
+            group["lr"] = base * fn(step)
+        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+        if rng_state is not None:
+            torch.random.set_rng_state(rng_state)
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        return dcp_io.full_model_state(self.model)
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """Collective: every parameter's whole gradient (as left by the last step), on CPU."""
+        out = {}
+        for name, p in self.model.named_parameters():
+            g = p.grad
+            out[name] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().cpu().clone()
+        return out

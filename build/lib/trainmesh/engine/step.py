@@ -1,0 +1,125 @@
+"""One optimizer step, identical for the single-process model and any parallel wrapping of it.
+
+The parallel run and the single-process reference call the same functions; what differs is
+only how the model was wrapped (FSDP2/DTensor) and which slice of the global batch a rank sees.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+@dataclass(frozen=True)
+class StepStats:
+    loss: float  # mean over this rank's microbatches (the caller averages across DP)
+    grad_norm: float  # global norm before clipping
+    lr: float
+    tokens: int  # tokens this rank processed
+
+
+def build_optimizer(model: nn.Module, cfg) -> torch.optim.AdamW:
+    """AdamW from an ``OptimizerConfig``; no decay on norms (1-D parameters)."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                             foreach=True)
+
+
+def lr_multiplier(step: int, total_steps: int, warmup_steps: int, min_ratio: float) -> float:
+    """Linear warm-up to 1, then cosine decay to ``min_ratio`` at ``total_steps``."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    span = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg, total_steps: int):
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_multiplier(s, total_steps, cfg.warmup_steps, cfg.min_lr_ratio))
+
+
+def grad_norm_and_clip(params: Sequence[torch.Tensor], max_norm: float,
+                       across: dist.ProcessGroup | None = None) -> float:
+    """Global L2 gradient norm over every shard, clipped to ``max_norm`` when it is positive.
+
+    DTensor gradients may live on different meshes (a TP-sharded weight on (dp, tp), a
+    replicated norm weight on (dp,)): each mesh's norm is reduced on its own mesh, then the
+    squares are summed, and summed again ``across`` a group holding other parameters (the
+    pipeline stages)."""
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+        by_mesh.setdefault(key, []).append(p.grad)
+    squares = torch.zeros((), dtype=torch.float64)
+    for grads in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        squares += norm.detach().double().cpu() ** 2
+    if across is not None:
+        device = params[0].device if params else torch.device("cpu")
+        squares = squares.to(device)
+        dist.all_reduce(squares, group=across)
+        squares = squares.cpu()
+    total = float(squares.sqrt())
+    coef = max_norm / (total + 1e-6)  # the same coefficient as torch's clip_grad_norm_
+    if max_norm > 0 and coef < 1.0:
+        for grads in by_mesh.values():
+            torch._foreach_mul_(grads, coef)
+    return total
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
+               microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]], grad_clip: float,
+               set_grad_sync: Callable[[bool], None] | None = None,
+               loss_context: Callable[[], AbstractContextManager] = contextlib.nullcontext,
+               on_phase: Callable[[str], None] = lambda phase: None) -> StepStats:
+    """Accumulate gradients over ``microbatches`` (loss scaled by 1/len), clip, step.
+
+    ``set_grad_sync(is_last)`` runs before each microbatch (a sharded model sets when it
+    gathers and reduces: ``ZeroPolicy.before_backward``); ``loss_context`` wraps loss and
+    backward (``loss_parallel`` under TP); ``on_phase`` hears "forward", "backward" and
+    "optimizer" as they begin (a rank's progress, ``actors/progress.py``)."""
+    optimizer.zero_grad(set_to_none=True)
+    n = len(microbatches)
+    total = None  # summed where the loss lives: one host sync per step, not per microbatch
+    tokens = 0
+    for i, (x, y) in enumerate(microbatches):
+        if set_grad_sync is not None:
+            set_grad_sync(i == n - 1)
+        with loss_context():
+            on_phase("forward")
+            loss = model(x, y) / n
+            on_phase("backward")
+            loss.backward()
+        value = loss.detach()
+        value = (value.full_tensor() if isinstance(value, DTensor) else value).float()
+        total = value if total is None else total + value
+        tokens += y.numel()
+    return finish_step(model, optimizer, scheduler, grad_clip, float(total), tokens,
+                       on_phase=on_phase)
+
+
+def finish_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, grad_clip: float,
+                loss: float, tokens: int, across: dist.ProcessGroup | None = None,
+                on_phase: Callable[[str], None] = lambda phase: None) -> StepStats:
+    """Clip the accumulated gradients, step the optimizer and the LR schedule."""
+    on_phase("optimizer")
+    lr = optimizer.param_groups[0]["lr"]
+    norm = grad_norm_and_clip([p for p in model.parameters() if p.grad is not None], grad_clip,
+                              across)
+    optimizer.step()
+    scheduler.step()
+    return StepStats(loss=loss, grad_norm=norm, lr=lr, tokens=tokens)

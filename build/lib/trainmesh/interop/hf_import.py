@@ -1,0 +1,79 @@
+"""Fill a model part — plain, or TP/FSDP-sharded DTensors, any pipeline stages — from a Hugging
+Face Llama directory: each rank reads only the rows and columns it holds (safetensors slices),
+with ``wq``/``wk`` rows mapped from the half-split RoPE layout (``hf_config``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from trainmesh.interop.hf_config import hf_name, hf_row, rope_permuted
+from trainmesh.models.llama.init import local_slice
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+def weight_files(path: str | Path) -> dict[str, Path]:
+    """Hugging Face tensor name → the safetensors file holding it."""
+    root = Path(path)
+    if "://" in str(path):
+        raise ValueError(f"model.init_from {path}: give a local (or mounted shared) directory; "
+                         "safetensors are read in slices from local files")
+    if (root / INDEX).is_file():
+        weight_map = json.loads((root / INDEX).read_text())["weight_map"]
+        return {name: root / file for name, file in weight_map.items()}
+    if (root / SINGLE).is_file():
+        from safetensors import safe_open
+
+        with safe_open(root / SINGLE, "pt") as f:
+            return {name: root / SINGLE for name in f.keys()}  # noqa: SIM118 - not a dict
+    raise FileNotFoundError(f"model.init_from {path}: neither {INDEX} nor {SINGLE} is there")
+
+
+@torch.no_grad()
+def load_into(model: nn.Module, path: str | Path) -> int:
+    """Copy this process's part of every parameter of ``model`` (a trainmesh Llama, possibly a
+    few pipeline stages of one, sharded or not) from ``path``. Returns the bytes read."""
+    from safetensors import safe_open
+
+    files = weight_files(path)
+    head_dim = model.args.head_dim
+    handles: dict[Path, object] = {}
+    read = 0
+    try:
+        for name, p in model.named_parameters():
+            theirs = hf_name(name)
+            if theirs not in files:
+                raise KeyError(f"model.init_from {path}: no tensor {theirs} (for {name})")
+            file = files[theirs]
+            if file not in handles:
+                handles[file] = safe_open(file, "pt", device="cpu")
+            sl = handles[file].get_slice(theirs)
+            if tuple(sl.get_shape()) != tuple(p.shape):
+                raise ValueError(f"model.init_from {path}: {theirs} is {tuple(sl.get_shape())}, "
+                                 f"the model's {name} is {tuple(p.shape)}")
+            local, offset = local_slice(p)
+            if local.numel() == 0:
+                continue
+            block = _read_block(sl, offset, tuple(local.shape), head_dim if rope_permuted(name) else 0)
+            local.copy_(block.to(local.dtype))
+            read += block.numel() * block.element_size()
+    finally:
+        handles.clear()
+    return read
+
+
+def _read_block(sl, offset: tuple[int, ...], shape: tuple[int, ...], head_dim: int) -> torch.Tensor:
+    """Rows ``offset[0]:+shape[0]`` (and the same for the columns) of a safetensors slice; with
+    ``head_dim``, the rows of trainmesh's RoPE layout, gathered from Hugging Face's."""
+    cols = tuple(slice(o, o + n) for o, n in zip(offset[1:], shape[1:], strict=True))
+    r0, r1 = offset[0], offset[0] + shape[0]
+    if not head_dim:
+        return sl[(slice(r0, r1), *cols)]
+    src = torch.tensor([hf_row(r, head_dim) for r in range(r0, r1)])
+    lo, hi = int(src.min()), int(src.max()) + 1  # whole heads: a small superset of the rows
+    return sl[(slice(lo, hi), *cols)][src - lo]

@@ -1,0 +1,37 @@
+"""Small launch helpers shared by the kernels (no Triton here)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """A tensor whose storage a kernel can address: DTensor redistributions hand back the
+    local result of a collective as an ``AsyncCollectiveTensor`` wrapper; wait for it."""
+    return t.wait() if isinstance(t, AsyncCollectiveTensor) else t
+
+
+def as_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Size]:
+    """``x`` as a (rows, last dim) matrix with unit stride on the last dim, and its shape."""
+    x = plain(x)
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    return x2, shape
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def row_programs(n_rows: int, device: torch.device) -> int:
+    """How many programs share ``n_rows`` rows in a reduction over rows: one per SM on a GPU
+    (each program keeps a float32 partial); a handful under the CPU interpreter."""
+    if device.type == "cuda":
+        return max(1, min(n_rows, _sm_count(device.index or 0)))
+    return max(1, min(n_rows, 4))

@@ -1,0 +1,1 @@
+"""Llama-style decoder: ``model`` (mesh-free), ``presets`` (shapes, no torch)."""

@@ -1,0 +1,236 @@
+"""Llama-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention). Knows nothing of meshes.
+
+Blocks live in ``layers``, an ``nn.ModuleDict`` keyed by the *global* layer index, so a
+parameter is called ``layers.7.attention.wq.weight`` whichever pipeline stage holds it, and
+a stage that holds no embedding or head simply has ``tok_embeddings``/``output`` set to None.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from trainmesh.kernels import KernelSet, kernel_set, resolve
+from trainmesh.models.llama import model_math
+from trainmesh.models.llama.init import fill_normal_
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    vocab_size: int
+    max_seq_len: int
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # Llama 3.1's "llama3" scaling (spec.job.RopeScaling)
+    tie_embeddings: bool = False
+    kernels: str = "torch"  # a resolved kernel set: torch | triton
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ops(self) -> KernelSet:
+        return kernel_set(self.kernels)
+
+    @classmethod
+    def from_config(cls, cfg, device_type: str = "cpu") -> LlamaArgs:
+        """From a ``trainmesh.spec.job.ModelConfig`` (or anything with the same fields), with
+        ``model.kernels`` resolved for ``device_type``."""
+        fields = {f: getattr(cfg, f) for f in cls.__dataclass_fields__ if f != "kernels"}
+        if hasattr(fields["rope_scaling"], "model_dump"):
+            fields["rope_scaling"] = fields["rope_scaling"].model_dump()
+        return cls(**fields, kernels=resolve(getattr(cfg, "kernels", "auto"), device_type))
+
+    def num_params(self, include_embedding: bool = True) -> int:
+        return model_math.num_params(self, include_embedding)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        return model_math.flops_per_token(self, seq_len)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, ops: KernelSet):
+        super().__init__()
+        self.eps, self.ops = eps, ops
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float,
+                scaling: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (max_seq_len, head_dim // 2); ``scaling``: Llama 3.1's "llama3"
+    long-context frequencies (the kernels take these tables as they are)."""
+    inv_freq = rope_frequencies(head_dim, theta, scaling)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
+    """The rotation frequency of each pair of dimensions (float64)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    return inv_freq if scaling is None else _llama3_frequencies(inv_freq, scaling)
+
+
+def _llama3_frequencies(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    """Llama 3.1's RoPE scaling: a wavelength longer than original context / low_freq_factor
+    is divided by ``factor``; shorter than original context / high_freq_factor, kept; between
+    the two, blended linearly in (original context / wavelength)."""
+    if s.get("type", "llama3") != "llama3":
+        raise ValueError(f"model.rope_scaling.type {s['type']!r}: only 'llama3' is supported")
+    context, factor = s["original_max_position_embeddings"], s["factor"]
+    low, high = s["low_freq_factor"], s["high_freq_factor"]
+    wavelen = 2 * math.pi / inv_freq
+    blend = ((context / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+    scaled = (1 - blend) * inv_freq / factor + blend * inv_freq
+    return torch.where(wavelen > context / low, inv_freq / factor,
+                       torch.where(wavelen < context / high, inv_freq, scaled))
+
+
+class Attention(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.ops = args.ops
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        # -1 for the head count: under tensor parallel each rank holds a slice of the heads.
+        q = self.wq(x_BTD).view(B, T, -1, self.head_dim)
+        k = self.wk(x_BTD).view(B, T, -1, self.head_dim)
+        v = self.wv(x_BTD).view(B, T, -1, self.head_dim)
+        # Slice the tables here, where T is the whole sequence even under sequence parallel.
+        q, k = self.ops.rope(q, cos[:T], sin[:T]), self.ops.rope(k, cos[:T], sin[:T])
+        rep = q.shape[2] // k.shape[2]
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        # (B, nh, T, hd)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                             v.transpose(1, 2), is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, ffn_dim: int, ops: KernelSet):
+        super().__init__()
+        self.ops = ops
+        self.w1 = nn.Linear(dim, ffn_dim, bias=False)  # gate
+        self.w3 = nn.Linear(dim, ffn_dim, bias=False)  # up
+        self.w2 = nn.Linear(ffn_dim, dim, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(self.ops.swiglu(self.w1(x), self.w3(x)))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps, args.ops)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, args.ops)
+        self.feed_forward = FeedForward(args.dim, args.ffn_dim, args.ops)
+        self.recompute = False  # activation checkpointing: recompute this block in backward
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, cos, sin, use_reentrant=False)
+        return self._forward(x, cos, sin)
+
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    """Tokens (B, T) → logits (B, T, vocab). Stage-aware: any of embedding/head may be None."""
+
+    def __init__(self, args: LlamaArgs, layer_ids: range | None = None,
+                 has_embedding: bool = True, has_head: bool = True):
+        super().__init__()
+        self.args = args
+        ids = range(args.n_layers) if layer_ids is None else layer_ids
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim) if has_embedding else None
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in ids})
+        self.norm = RMSNorm(args.dim, args.norm_eps, args.ops) if has_head else None
+        self.output = None
+        if has_head and not args.tie_embeddings:
+            self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.ops = args.ops
+        cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta, args.rope_scaling)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Deterministic init from ``seed`` and each parameter's global name alone, so any split
+        of the model (pipeline stages, TP/FSDP shards as DTensors) gets exactly the values the
+        whole model gets. A sharded parameter fills only its local shard (see ``init.py``)."""
+        depth_std = 0.02 / math.sqrt(2 * self.args.n_layers)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+                continue
+            std = depth_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
+            fill_normal_(p, seed * 1_000_003 + _stable_hash(name), std)
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """(Re)compute the RoPE tables on the buffers' device: after a meta-device build and
+        ``to_empty`` they hold garbage."""
+        a = self.args
+        cos, sin = rope_tables(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling)
+        device = self.rope_cos.device
+        self.rope_cos = cos.to(device)
+        self.rope_sin = sin.to(device)
+
+    def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits, or with ``targets`` the mean next-token loss (what training calls: the fused
+        head then never materialises the logits)."""
+        return decoder_forward(self, self.layers.values(), h, targets)
+
+
+def decoder_forward(parts: nn.Module, layers, h: torch.Tensor,
+                    targets: torch.Tensor | None = None) -> torch.Tensor:
+    """Embedding (if ``parts`` has one), ``layers`` in order, then norm and head (if any) and,
+    given ``targets``, the loss. ``parts`` is a Llama or a pipeline stage holding a subset of
+    its modules (and ``ops``, its kernel set)."""
+    if parts.tok_embeddings is not None:
+        h = parts.tok_embeddings(h)
+    for layer in layers:
+        h = layer(h, parts.rope_cos, parts.rope_sin)
+    if parts.norm is None:
+        return h
+    h = parts.norm(h)
+    head = parts.output if parts.output is not None else parts.tok_embeddings
+    if targets is not None and parts.ops.linear_cross_entropy is not None:
+        return parts.ops.linear_cross_entropy(h, head.weight, targets)
+    logits = parts.output(h) if parts.output is not None else F.linear(h, head.weight)
+    return logits if targets is None else cross_entropy_loss(logits, targets)
+
+
+def cross_entropy_loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss over every position, computed in float32."""
+    return F.cross_entropy(logits_BTV.flatten(0, 1).float(), targets_BT.flatten(0, 1))
+
+
+def _stable_hash(name: str) -> int:
+    h = 0
+    for ch in name.encode():
+        h = (h * 131 + ch) % 1_000_000_007
+    return h

@@ -1,0 +1,1 @@
+"""Pipeline parallelism: schedule IR, generators, simulator, executor."""

@@ -1,0 +1,195 @@
+"""Schedule generators: pure functions of (pp, vpp, microbatches) → every rank's action list."""
+
+from __future__ import annotations
+
+from trainmesh.parallel.pipeline.ir import (
+    Action,
+    Op,
+    Phase,
+    PipeShape,
+    Schedule,
+    ScheduleKind,
+    lower,
+)
+
+
+def pipe_shape(kind: ScheduleKind | str, pp: int, vpp: int, microbatches: int) -> PipeShape:
+    """Where ``kind`` puts the stages: ZBV two per rank in a V, the others round-robin."""
+    kind = ScheduleKind(kind)
+    check(kind, pp, vpp, microbatches)
+    return PipeShape(pp, vpp, microbatches, v_shape=kind is ScheduleKind.ZBV)
+
+
+def build_schedule(kind: ScheduleKind | str, pp: int, vpp: int, microbatches: int) -> Schedule:
+    """Every rank's ordered actions, sends and receives included."""
+    kind = ScheduleKind(kind)
+    shape = pipe_shape(kind, pp, vpp, microbatches)
+    if kind is ScheduleKind.ZBV:  # 1F1B's peak, in half-size chunks: 2·pp of them
+        return lower(shape, zero_bubble(shape, limit=2 * pp))
+    gen = {ScheduleKind.GPIPE: _gpipe, ScheduleKind.ONE_F_ONE_B: _one_f_one_b,
+           ScheduleKind.INTERLEAVED_1F1B: _interleaved, ScheduleKind.ZB_H1: _zb_h1}[kind]
+    return lower(shape, [gen(shape, r) for r in range(pp)])
+
+
+def forward_only(shape: PipeShape, schedule: Schedule) -> Schedule:
+    """A built schedule's forwards alone, in its order, with their sends and receives placed
+    anew (the same lowering): evaluation."""
+    return lower(shape, [[a for a in actions if a.op is Op.FORWARD] for actions in schedule])
+
+
+def check(kind: ScheduleKind, pp: int, vpp: int, m: int) -> None:
+    """Refuse combinations a schedule cannot run, naming the fix."""
+    if pp < 1 or vpp < 1 or m < 1:
+        raise ValueError(f"pp={pp}, vpp={vpp}, microbatches={m} must all be at least 1")
+    if kind is ScheduleKind.INTERLEAVED_1F1B:
+        if m % pp:
+            raise ValueError(f"interleaved 1F1B needs microbatches ({m}) to be a multiple of "
+                             f"pp={pp}; change training.global_batch_size or microbatch_size")
+    elif kind is ScheduleKind.ZBV:
+        if vpp != 2:
+            raise ValueError(f"zbv places two chunks per rank in a V (vpp=2), not vpp={vpp}; "
+                             "set parallelism.vpp=2")
+    elif vpp != 1:
+        raise ValueError(f"schedule {kind.value} has one chunk per rank (vpp={vpp}); use "
+                         "interleaved-1f1b or zbv for vpp > 1")
+
+
+def zero_bubble(shape: PipeShape, limit: int) -> list[list[Action]]:
+    """Compute orders with the backward split into I (input gradients) and W (weight gradients),
+    chosen greedily on unit costs the way the zero-bubble paper's heuristic does (Qi et al.,
+    2023): at each moment a rank runs a ready I first (it is on the critical path: the stage
+    before waits for it), else a ready F if fewer than ``limit`` microbatch-chunks hold
+    activations (F done, W not yet), else a deferred W — so the W's fill what would have been
+    bubbles. With two chunks per rank in a V and ``limit = 2·pp`` this is ZBV."""
+    pp, m, last = shape.pp, shape.microbatches, shape.num_stages - 1
+    done: dict[tuple[str, int, int], float] = {}  # (op, stage, mb) → finish time
+    nxt = {(op, s): 0 for s in range(last + 1) for op in "FI"}  # next microbatch per stage
+    clock, held = [0.0] * pp, [0] * pp
+    waiting_w: list[list[tuple[int, int]]] = [[] for _ in range(pp)]
+    out: list[list[Action]] = [[] for _ in range(pp)]
+
+    def arrival(op: str, s: int) -> float | None:
+        i = nxt[(op, s)]
+        if i >= m:
+            return None
+        if op == "F":
+            return 0.0 if s == 0 else done.get(("F", s - 1, i))
+        own = done.get(("F", s, i))
+        grad = own if s == last else done.get(("I", s + 1, i))
+        return None if own is None or grad is None else max(own, grad)
+
+    def options(r: int) -> list[tuple[float, int, str, int]]:
+        """(ready time, priority, op, stage) of what rank r could start next."""
+        opts = []
+        for s in shape.stages_of(r):
+            for op, prio in (("I", 0), ("F", 1)):
+                at = arrival(op, s)
+                if at is not None and (op == "I" or held[r] < limit):
+                    opts.append((max(at, clock[r]), prio, op, -s))
+        return opts
+
+    for _ in range(3 * m * (last + 1)):  # every stage's F, I and W of every microbatch
+        best = None  # (start, priority, rank, op, stage)
+        for r in range(pp):
+            opts = options(r)
+            now = [o for o in opts if o[0] <= clock[r]]
+            if now:
+                _, prio, op, s = min(now)
+                cand = (clock[r], prio, r, op, -s)
+            elif waiting_w[r]:
+                cand = (clock[r], 2, r, "W", 0)
+            elif opts:
+                start, prio, op, s = min(opts)
+                cand = (start, prio, r, op, -s)
+            else:
+                continue
+            best = cand if best is None or cand < best else best
+        if best is None:
+            raise RuntimeError("zero-bubble generator stalled")  # cannot happen for legal shapes
+        start, _, r, op, s = best
+        if op == "W":
+            s, i = waiting_w[r].pop(0)
+            held[r] -= 1
+            out[r].append(Action(Op.WEIGHT, s, i))
+        else:
+            i = nxt[(op, s)]
+            nxt[(op, s)] += 1
+            done[(op, s, i)] = start + 1.0
+            if op == "F":
+                held[r] += 1
+            else:
+                waiting_w[r].append((s, i))
+            out[r].append(Action(Op.FORWARD if op == "F" else Op.BACKWARD_INPUT, s, i))
+        clock[r] = start + 1.0
+    return [_phases(actions) for actions in out]
+
+
+def _phases(actions: list[Action]) -> list[Action]:
+    """Warm-up: before the rank's first backward; cool-down: after its last forward."""
+    first = next(i for i, a in enumerate(actions) if a.op is not Op.FORWARD)
+    final = max(i for i, a in enumerate(actions) if a.op is Op.FORWARD)
+    return [Action(a.op, a.stage, a.microbatch,
+                   Phase.WARMUP if i < first else Phase.COOLDOWN if i > final else Phase.STEADY)
+            for i, a in enumerate(actions)]
+
+
+def _gpipe(shape: PipeShape, rank: int) -> list[Action]:
+    """All forwards, then all backwards."""
+    s, m = rank, shape.microbatches
+    return ([Action(Op.FORWARD, s, i, Phase.WARMUP) for i in range(m)]
+            + [Action(Op.BACKWARD, s, i, Phase.COOLDOWN) for i in range(m)])
+
+
+def _one_f_one_b(shape: PipeShape, rank: int) -> list[Action]:
+    """pp - rank - 1 warm-up forwards, then one forward / one backward, then the rest."""
+    s, m = rank, shape.microbatches
+    warm = min(shape.pp - rank - 1, m)
+    out = [Action(Op.FORWARD, s, i, Phase.WARMUP) for i in range(warm)]
+    for i in range(m - warm):
+        out.append(Action(Op.FORWARD, s, warm + i, Phase.STEADY))
+        out.append(Action(Op.BACKWARD, s, i, Phase.STEADY))
+    out += [Action(Op.BACKWARD, s, i, Phase.COOLDOWN) for i in range(m - warm, m)]
+    return out
+
+
+def _interleaved(shape: PipeShape, rank: int) -> list[Action]:
+    """Megatron's interleaved 1F1B: microbatches go through the rank's v chunks in groups of
+    pp; the warm-up is (pp - rank - 1) × 2 + (v - 1) × pp forward units."""
+    pp, v, m = shape.pp, shape.vpp, shape.microbatches
+    total = m * v
+
+    def unit(k: int, forward: bool) -> tuple[int, int]:
+        chunk = (k // pp) % v
+        if not forward:
+            chunk = v - 1 - chunk
+        return chunk * pp + rank, (k // (pp * v)) * pp + k % pp
+
+    warm = min((pp - rank - 1) * 2 + (v - 1) * pp, total)
+    out = [Action(Op.FORWARD, *unit(k, True), Phase.WARMUP) for k in range(warm)]
+    for i in range(total - warm):
+        out.append(Action(Op.FORWARD, *unit(warm + i, True), Phase.STEADY))
+        out.append(Action(Op.BACKWARD, *unit(i, False), Phase.STEADY))
+    out += [Action(Op.BACKWARD, *unit(k, False), Phase.COOLDOWN) for k in range(total - warm, total)]
+    return out
+
+
+def _zb_h1(shape: PipeShape, rank: int) -> list[Action]:
+    """ZB-H1 (Qi et al., 2023): 1F1B with each backward split into I and W, and rank r's W's
+    held back by r microbatches — the later ranks, which finish their I's first, do their
+    deferred W's in what was 1F1B's cool-down bubble. Activations held: at most the warm-up
+    (pp - r - 1) + 1 + r = pp, 1F1B's peak; bubble (pp - 1)·(F + I - W) instead of
+    (pp - 1)·(F + B)."""
+    s, m = rank, shape.microbatches
+    warm = min(shape.pp - rank - 1, m)
+    out = [Action(Op.FORWARD, s, i, Phase.WARMUP) for i in range(warm)]
+    w = 0  # next W
+    for j in range(m):
+        phase = Phase.STEADY if j < m - warm else Phase.COOLDOWN
+        if j < m - warm:
+            out.append(Action(Op.FORWARD, s, warm + j, phase))
+        out.append(Action(Op.BACKWARD_INPUT, s, j, phase))
+        if j - rank >= w:
+            out.append(Action(Op.WEIGHT, s, w, phase))
+            w += 1
+    out += [Action(Op.WEIGHT, s, i, Phase.COOLDOWN) for i in range(w, m)]
+    return out

@@ -1,0 +1,119 @@
+"""Pictures of schedules: the planned grid as a PNG, measured timelines as a Chrome trace."""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from pathlib import Path
+
+from trainmesh.parallel.pipeline.ir import COMPUTE, Op
+from trainmesh.parallel.pipeline.simulate import Costs, SimResult
+
+_COLORS = {Op.FORWARD: (0.2, 0.45, 0.9), Op.BACKWARD: (0.95, 0.55, 0.15),
+           Op.BACKWARD_INPUT: (0.95, 0.55, 0.15), Op.WEIGHT: (0.3, 0.7, 0.35)}
+_NAME = re.compile(r"^(\d+)([FBIW])(\d+)$")
+
+
+def chrome_trace(timelines: list[list[tuple[str, float, float]]],
+                 planned: SimResult | None = None) -> dict:
+    """Measured (name, start, end) per rank → Chrome/Perfetto trace events, one row per rank
+    (process "measured", category "compute" or "p2p"); with ``planned`` (the simulator fed the
+    measured costs), the same ranks again below (process "planned", category "planned"), on
+    the same time axis from the step's start: one view of plan against measurement."""
+    t0 = min((s for row in timelines for _, s, _ in row), default=0.0)
+    events = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "measured"}}]
+    for rank, row in enumerate(timelines):
+        events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": rank,
+                       "args": {"name": f"rank {rank}"}})
+        for name, start, end in row:
+            kind = "compute" if _NAME.match(name) else "p2p"
+            events.append({"name": name, "cat": kind, "ph": "X", "pid": 0, "tid": rank,
+                           "ts": (start - t0) * 1e6, "dur": max(0.0, end - start) * 1e6})
+    if planned is not None:
+        events.append({"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "planned"}})
+        for rank, row in enumerate(planned.timeline):
+            events.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": rank,
+                           "args": {"name": f"rank {rank}"}})
+            events += [{"name": str(a), "cat": "planned", "ph": "X", "pid": 1, "tid": rank,
+                        "ts": start * 1e6, "dur": (end - start) * 1e6}
+                       for a, start, end in row if a.op in COMPUTE]
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def measured_costs(timelines: list[list[tuple[str, float, float]]]) -> Costs:
+    """Median seconds of each kind of stage action in measured timelines, for the simulator
+    (a split backward's halves as measured; the latency: the shortest communication batch)."""
+    spans: dict[str, list[float]] = {}
+    comm: list[float] = []
+    for row in timelines:
+        for name, start, end in row:
+            m = _NAME.match(name)
+            if m:
+                spans.setdefault(m.group(2), []).append(end - start)
+            else:
+                comm.append(end - start)
+    med = {op: statistics.median(v) for op, v in spans.items()}
+    backward = med.get("B", med.get("I", 0.0) + med.get("W", 0.0))
+    return Costs(forward=med.get("F", 0.0), backward=backward, send_latency=min(comm, default=0.0),
+                 input=med.get("I"), weight=med.get("W"))
+
+
+def write_json(obj: dict, path: str | Path) -> Path:
+    p = Path(path)
+    p.write_text(json.dumps(obj))
+    return p
+
+
+def plot_schedule(sim: SimResult, title: str, path: str | Path,
+                  measured: list[list[tuple[str, float, float]]] | None = None) -> Path:
+    """The simulated schedule as a PNG: one row per rank, forward (blue), backward or its
+    input half I (orange) and weight half W (green) boxes labelled with stage and microbatch.
+    With ``measured`` timelines (seconds), a second panel below shows them on the same axis
+    (the plan then in seconds too: simulate with ``measured_costs``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pp = len(sim.timeline)
+    panels = 2 if measured is not None else 1
+    span = sim.step_time if measured is None else max(
+        sim.step_time, max((e for row in measured for _, _, e in row), default=0.0)
+        - min((s for row in measured for _, s, _ in row), default=0.0))
+    width = max(8.0, min(40.0, len(sim.timeline[0]) * 0.25 if measured else sim.step_time * 0.6))
+    fig, axes = plt.subplots(panels, 1, figsize=(width, (0.6 * pp + 1.2) * panels), squeeze=False)
+    rows = [[(a, s, e) for a, s, e in row if a.op in COMPUTE] for row in sim.timeline]
+    _draw(axes[0][0], rows, pp, f"{title} — planned, bubble {sim.bubble_fraction:.1%}")
+    if measured is not None:
+        t0 = min((s for row in measured for _, s, _ in row), default=0.0)
+        parsed = [[(_action(n), s - t0, e - t0) for n, s, e in row if _NAME.match(n)] for row in measured]
+        _draw(axes[1][0], parsed, pp, "measured (last step)")
+        for ax in axes[:, 0]:
+            ax.set_xlim(0, span)
+            ax.set_xlabel("seconds")
+    else:
+        axes[0][0].set_xlabel("time (forward = 1 unit)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def _action(name: str):
+    from trainmesh.parallel.pipeline.ir import Action
+
+    stage, op, mb = _NAME.match(name).groups()
+    return Action(Op(op), int(stage), int(mb))
+
+
+def _draw(ax, rows, pp: int, title: str) -> None:
+    for rank, row in enumerate(rows):
+        for a, start, end in row:
+            shade = 0.35 + 0.5 * (a.stage // pp) / max(1, (a.stage // pp) + 1)
+            ax.broken_barh([(start, end - start)], (pp - 1 - rank + 0.1, 0.8),
+                           facecolors=(*_COLORS[a.op], shade), edgecolors="black", linewidth=0.5)
+            ax.text((start + end) / 2, pp - 1 - rank + 0.5, str(a), ha="center", va="center",
+                    fontsize=7)
+    ax.set_yticks([pp - 1 - r + 0.5 for r in range(pp)], [f"rank {r}" for r in range(pp)])
+    ax.set_title(title)

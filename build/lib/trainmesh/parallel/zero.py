@@ -1,0 +1,74 @@
+"""ZeRO-3 over the "dp" axis through FSDP2 ``fully_shard``, with the planner's sharding policy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+
+@dataclass(frozen=True)
+class ZeroPolicy:
+    """How ZeRO-3 trades memory for communication within a step (a planner output).
+
+    ``keep_gathered``: each FSDP unit is gathered at its first forward of the step and stays
+    gathered, with unsharded fp32 gradients accumulating, until the last microbatch's backward
+    reduce-scatters once (one all-gather and one reduce-scatter per step; the rank's whole part
+    gathered all step). Otherwise parameters are freed after every forward and re-gathered for
+    backward, and gradients are reduce-scattered after every microbatch (two all-gathers and a
+    reduce-scatter per microbatch; only two blocks gathered at a time)."""
+
+    keep_gathered: bool = True
+    param_dtype: torch.dtype = torch.float32
+    reduce_dtype: torch.dtype = torch.float32
+
+    def before_backward(self, module: nn.Module, is_last: bool) -> None:
+        """Set ``module``'s FSDP flags for a microbatch's backward (``is_last``: the step's
+        last one for this module)."""
+        sync = is_last or not self.keep_gathered
+        # A backward that reduce-scatters must also wait for it, or every microbatch's
+        # reduce-scatter inputs (unsharded fp32 gradients) stay alive until the step's end.
+        module.set_is_last_backward(sync)
+        module.set_requires_gradient_sync(sync)
+        module.set_reshard_after_backward(sync)
+
+    @staticmethod
+    def before_split_backward(module: nn.Module) -> None:
+        """A split backward (I now, W later) runs outside FSDP's hooks' timing: keep the
+        parameters gathered and the gradients unreduced through every I and W of the step."""
+        module.set_is_last_backward(False)
+        module.set_requires_gradient_sync(False)
+        module.set_reshard_after_backward(False)
+
+    @staticmethod
+    def reduce_after_split_backward(module: nn.Module) -> None:
+        """After a stage's last W: reduce-scatter its gradients and reshard, by calling FSDP's
+        post-backward for every parameter group itself (what torch.distributed.pipelining does
+        for split backwards: autograd never ran FSDP's own hooks at the right moment)."""
+        module.set_is_last_backward(True)
+        module.set_requires_gradient_sync(True)
+        module.set_reshard_after_backward(True)
+        state = fully_shard.state(module)
+        for sub in state._state_ctx.all_states:
+            for group in sub._fsdp_param_groups:
+                group.post_backward()
+        state._root_post_backward_final_callback()
+
+
+def apply_zero3(model: nn.Module, dp_mesh: DeviceMesh, policy: ZeroPolicy) -> nn.Module:
+    """Shard parameters, gradients and optimizer state over ``dp_mesh`` (``model`` is a Llama
+    or a pipeline stage of one): one FSDP unit per transformer block (its all-gather overlaps
+    the previous block's compute), then the root for the embedding, final norm and head.
+    Master weights and optimizer state stay float32; parameters are gathered in
+    ``policy.param_dtype`` and gradients reduced in ``policy.reduce_dtype``."""
+    mp = MixedPrecisionPolicy(param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype)
+    blocks = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
+    for block in blocks:
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=not policy.keep_gathered,
+                    mp_policy=mp)
+    # The root's parameters are needed again right at backward start: keep them gathered.
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp)
+    return model

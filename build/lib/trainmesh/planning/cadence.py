@@ -1,0 +1,128 @@
+"""How often to checkpoint: a fixed ``checkpoint.every`` or ``auto``, the Young/Daly optimum.
+
+With checkpoint cost δ (training time a save blocks) and mean time between interruptions M
+of the job (``elastic.mtbf_node_hours`` over the nodes it runs on), the compute time between
+checkpoints that wastes least is Young's τ ≈ √(2δM); Daly's higher-order form (used here,
+J. T. Daly, "A higher order estimate of the optimum checkpoint interval for restart dumps",
+FGCS 2006) corrects it for δ not small against M. A background save must also have finished
+writing before the next one starts, so τ is never shorter than its write time. Pure: no
+torch, no Ray; the controller feeds it measured step times and save costs.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+from trainmesh.spec.job import CheckpointConfig, ElasticConfig
+
+MEASURED_STEPS = 3  # steps measured before the first automatic choice
+
+
+def system_mtbf_s(mtbf_node_hours: float, nodes: int) -> float:
+    """Mean time between interruptions of a job on ``nodes`` nodes that fail independently."""
+    return mtbf_node_hours * 3600.0 / max(1, nodes)
+
+
+def daly_interval_s(save_cost_s: float, mtbf_s: float) -> float:
+    """Daly's optimum compute time between checkpoints (Young's √(2δM) to first order)."""
+    d, m = max(save_cost_s, 0.0), mtbf_s
+    if d <= 0:
+        return 0.0
+    if d >= 2 * m:
+        return m
+    r = math.sqrt(d / (2 * m))
+    return math.sqrt(2 * d * m) * (1 + r / 3 + r * r / 9) - d
+
+
+@dataclass(frozen=True)
+class CadenceChoice:
+    every_steps: int
+    interval_s: float  # compute time between checkpoints that every_steps amounts to
+    save_cost_s: float
+    write_s: float
+    mtbf_s: float
+    step_time_s: float
+    reason: str
+
+    def as_dict(self) -> dict:
+        return {"every_steps": self.every_steps, "interval_s": round(self.interval_s, 3),
+                "save_cost_s": round(self.save_cost_s, 4), "write_s": round(self.write_s, 4),
+                "mtbf_hours": round(self.mtbf_s / 3600, 3),
+                "step_time_s": round(self.step_time_s, 4), "reason": self.reason}
+
+
+def choose(save_cost_s: float, write_s: float, step_time_s: float, mtbf_s: float,
+           source: str) -> CadenceChoice:
+    tau = max(daly_interval_s(save_cost_s, mtbf_s), write_s)
+    steps = max(1, round(tau / step_time_s)) if step_time_s > 0 else 1
+    why = (f"Young/Daly: save blocks {save_cost_s:.3g} s ({source}), the job's nodes fail every "
+           f"{mtbf_s / 3600:.3g} h on average, a step takes {step_time_s:.3g} s: checkpoint every "
+           f"{tau:.3g} s of training = {steps} step(s)")
+    if write_s > daly_interval_s(save_cost_s, mtbf_s):
+        why += f" (no sooner than a background write takes, {write_s:.3g} s)"
+    return CadenceChoice(steps, steps * step_time_s, save_cost_s, write_s, mtbf_s, step_time_s, why)
+
+
+class CheckpointCadence:
+    """When the controller saves. Fixed: every ``checkpoint.every`` steps (0: only at the end).
+    ``auto``: after ``MEASURED_STEPS`` steps on a mesh, from the median step time and the save
+    cost (predicted until a save was measured, then measured), re-chosen after every save and
+    whenever the mesh changes (``start``). Each choice goes to MLflow with its reason."""
+
+    def __init__(self, cfg: CheckpointConfig, elastic: ElasticConfig):
+        self.auto = cfg.every == "auto"
+        self.fixed = 0 if self.auto else int(cfg.every)
+        self.mtbf_node_hours = elastic.mtbf_node_hours
+        self.choice: CadenceChoice | None = None
+        self.choices: list[dict] = []  # every choice made, for the run summary
+        self._steps: list[float] = []
+        self._nodes = 1
+        self._last_save = 0
+        self._save: tuple[float, float, str] | None = None  # (blocked s, write s, source)
+
+    def start(self, step: int, nodes: int, predicted: tuple[float, float]) -> None:
+        """A (new) mesh on ``nodes`` nodes begins at ``step``: re-measure, then re-choose.
+        ``predicted``: (blocked s, write s) of a save, used until one is measured."""
+        self._nodes, self._last_save, self._steps, self.choice = nodes, step, [], None
+        if self._save is None or self._save[2] == "predicted":
+            self._save = (*predicted, "predicted")
+
+    def stepped(self, step: int, step_time_s: float, tracker) -> None:
+        self._steps.append(step_time_s)
+        del self._steps[:-20]
+        if self.auto and self.choice is None and len(self._steps) >= MEASURED_STEPS:
+            self._choose(step, tracker)
+
+    def due(self, step: int) -> bool:
+        if not self.auto:
+            return bool(self.fixed) and step % self.fixed == 0
+        return self.choice is not None and step - self._last_save >= self.choice.every_steps
+
+    def saving(self, step: int) -> None:
+        self._last_save = step
+
+    def saved(self, step: int, blocked_s: float, write_s: float, tracker) -> None:
+        """A save of ``step`` blocked training ``blocked_s`` and took ``write_s`` to be written."""
+        if not self.auto:
+            return
+        self._save = (blocked_s, write_s, "measured")
+        before = self.choice
+        if self._steps:
+            new = self._choose(step, tracker, quiet=True)
+            if before is None or new.every_steps != before.every_steps:
+                self._log(step, new, tracker)
+
+    def _choose(self, step: int, tracker, quiet: bool = False) -> CadenceChoice:
+        blocked, write, source = self._save or (0.0, 0.0, "predicted")
+        self.choice = choose(blocked, write, statistics.median(self._steps),
+                             system_mtbf_s(self.mtbf_node_hours, self._nodes), source)
+        if not quiet:
+            self._log(step, self.choice, tracker)
+        return self.choice
+
+    def _log(self, step: int, c: CadenceChoice, tracker) -> None:
+        self.choices.append({"step": step, **c.as_dict()})
+        tracker.event("checkpoint-cadence", step=step, **c.as_dict())
+        tracker.log_metrics({"checkpoint_every_steps": c.every_steps}, step=step)

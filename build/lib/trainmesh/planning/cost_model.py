@@ -1,0 +1,367 @@
+"""Memory and step-time estimates for one candidate plan (pure arithmetic, no torch).
+
+Memory per rank (bytes) counts what the runtime allocates (``rank_memory``; checked against
+the tensors a real rank holds by ``trainmesh run --dry-run`` and the memory-matrix test):
+  * Shards (ZeRO-3 over dp; TP shards the matrices, norms are replicated over tp): fp32 master
+    parameters (4 bytes each), fp32 gradients (4) and two fp32 Adam moments (8).
+  * FSDP2's gathered copies in the compute dtype. ``keep_gathered``: the rank's whole part
+    stays gathered all step (reshard after forward/backward off until the last microbatch)
+    and its gradients accumulate unsharded, in the reduce dtype (FSDP2 upcasts them), until
+    the one reduce-scatter at the last microbatch. Otherwise: two blocks (computing + prefetched)
+    plus the root's embedding / norm / head, gradients reduce-scattered after every
+    microbatch (one block's unsharded gradients at a time). FSDP2 makes the gathered copy
+    even at dp = 1 — except for pipeline stages at dp = 1 in float32, which are not wrapped
+    (nothing to shard or cast): their gradients are plain fp32 ``.grad``.
+  * The peak is the larger of two moments: while microbatches run (gathered copies, their
+    gradients, activations, backward transients) and the step's end (the last
+    reduce-scatter, or AdamW's parameter-sized temporary), on top of parameters and moments.
+  * Activations autograd saves, counted from this implementation (torch ops, fused
+    attention), per layer and microbatch in units of s·b·h elements of the compute dtype,
+    f = ffn_dim / dim: without sequence parallel 6 + (5 + 4f)/t (block input, norm
+    statistics' inputs and outputs replicated; q, k and v after GQA expansion, attention out,
+    wo input; SwiGLU gate, up, silu(gate), w2 input sharded); with sequence parallel
+    2 + (9 + 4f)/t (the gathered norm outputs stay whole). The Triton kernels keep less:
+    4 + (5 + 3f)/t, or 2 + (7 + 3f)/t with sequence parallel. Full recomputation keeps only the
+    block input (1, or 1/t with sequence parallel) plus one block's activations while it is
+    recomputed. A rank holds ``in_flight_chunks`` microbatch-chunks at its peak (Megatron's
+    warm-up counts: GPipe m, 1F1B p − r, interleaved 2(p − r − 1) + (v − 1)p + 1).
+  * The last stage's final norm and, without the fused head kernel, the fp32 log-probabilities
+    of one microbatch (saved) and their gradient (transient): 2 × 4·s·b·V/t; with it, the
+    input and head-weight gradients it computes in forward (s·b·h + V·h/t).
+  * A framework allowance per device (CUDA context, allocator slack, NCCL buffers; on CPU the
+    rank process with torch and Ray loaded).
+
+Step time (seconds):
+  * compute = training FLOPs of the global batch / (world × peak × efficiency), × 4/3 with full
+    recomputation (one more forward); stretched by the pipeline bubble: the ideal time covers
+    m microbatches, the schedule takes m + (p-1)/v of them.
+  * TP: 4 all-reduces (or all-gather + reduce-scatter pairs under SP, same volume) of the
+    layer's activations per layer per microbatch (2 forward, 2 backward), ring cost
+    2(t-1)/t × bytes / intra-node bandwidth. Assumed not overlapped with compute.
+  * PP: one activation send forward and one gradient send backward per stage boundary per
+    microbatch (× v under interleaving) over inter-node bandwidth; assumed not overlapped.
+  * DP (ZeRO-3): parameters all-gathered in the compute dtype (once per step when kept
+    gathered, else twice per microbatch: forward and backward) and gradients reduce-scattered
+    in the reduce dtype (once per step when kept gathered, else once per microbatch):
+    bytes × (d-1)/d / bandwidth (intra-node when the DP group fits in a node). Assumed
+    overlapped with compute except what exceeds half the compute time.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from trainmesh.models.llama.model_math import flops_per_token, layer_params
+from trainmesh.parallel.pipeline.ir import splits_backward
+from trainmesh.planning.devices import DeviceSpec
+
+GIB = 1024**3
+FRAMEWORK_BYTES = 2.0 * GIB  # CUDA context, allocator slack, NCCL/gloo buffers
+MATMUL_EFFICIENCY = 0.55  # achievable fraction of peak for large bf16 matmuls
+PP_LATENCY_S = 20e-6  # per point-to-point message
+# Per ZeRO-3 collective (one per FSDP unit: each block and the root): launch and
+# synchronisation that overlapping with compute does not hide. It is what makes re-gathering
+# for every microbatch cost time even when the bytes would hide behind compute.
+COLLECTIVE_LATENCY_S = 20e-6
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")
+AUTO_SCHEDULES = SCHEDULES[:3]  # what the planner weighs unasked; zero-bubble ones when named
+CHUNKED = ("interleaved-1f1b", "zbv")  # schedules that run vpp chunks per rank
+RECOMPUTE = ("none", "full")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    tp: int
+    pp: int
+    dp: int
+    vpp: int
+    schedule: str
+    microbatch_size: int
+    num_microbatches: int
+    recompute: str
+    sequence_parallel: bool = False
+    # ZeRO-3 gathers parameters once per step and keeps them (and unsharded gradients) across
+    # microbatches (True), or re-gathers them for every microbatch (False).
+    keep_gathered: bool = True
+    reduce_dtype: str = "float32"  # gradient reduce-scatter dtype (FSDP2's reduce_dtype)
+
+    @property
+    def reduce_bytes(self) -> int:
+        return 2 if self.reduce_dtype == "bfloat16" else 4
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+@dataclass(frozen=True)
+class Estimate:
+    memory_per_rank_gib: float
+    step_time_s: float
+    tokens_per_s: float
+    tflops_per_gpu: float
+    mfu: float
+    bubble_fraction: float
+    compute_s: float
+    tp_comm_s: float
+    pp_comm_s: float
+    dp_exposed_s: float
+
+
+def bubble_fraction(schedule: str, pp: int, vpp: int, m: int) -> float:
+    """Idle fraction of a pipelined step with uniform stage costs (backward = 2 × forward; a
+    split backward's input and weight halves 1 each). Closed forms for GPipe, 1F1B and
+    interleaved; the zero-bubble schedules are played by the simulator (cached)."""
+    if pp == 1:
+        return 0.0
+    if splits_backward(schedule):
+        return _zero_bubble(schedule, pp, vpp, m)[0]
+    v = vpp if schedule == "interleaved-1f1b" else 1
+    idle = (pp - 1) / v
+    return idle / (m + idle)
+
+
+@functools.lru_cache(maxsize=256)
+def _zero_bubble(schedule: str, pp: int, vpp: int, m: int) -> tuple[float, tuple[int, ...]]:
+    from trainmesh.parallel.pipeline.schedules import build_schedule, pipe_shape
+    from trainmesh.parallel.pipeline.simulate import Costs, simulate
+
+    res = simulate(build_schedule(schedule, pp, vpp, m), pp * vpp, m, Costs(1 / vpp, 2 / vpp),
+                   shape=pipe_shape(schedule, pp, vpp, m))
+    return res.bubble_fraction, tuple(res.peak_in_flight)
+
+
+def in_flight_chunks(schedule: str, pp: int, vpp: int, m: int, pp_rank: int) -> int:
+    """Microbatch-chunks of activations rank ``pp_rank`` holds at its peak (a chunk is one of
+    its ``vpp`` model chunks; 1 chunk per rank without interleaving). A split backward holds
+    them until the W."""
+    if pp == 1:
+        return 1
+    if schedule == "gpipe":
+        return m
+    if schedule == "1f1b":
+        return min(m, pp - pp_rank)
+    if schedule == "zb-h1":  # rank r holds its W's back r microbatches: pp on every rank
+        return min(m, pp)
+    if schedule == "zbv":
+        return _zero_bubble(schedule, pp, vpp, m)[1][pp_rank]
+    return min(m * vpp, 2 * (pp - pp_rank - 1) + (vpp - 1) * pp + 1)
+
+
+def holds_head(schedule: str, pp: int, pp_rank: int) -> bool:
+    """Whether pipeline rank ``pp_rank`` holds the last stage (norm, head, loss): the last
+    rank, or the first for ZBV's V."""
+    return pp_rank == (0 if schedule == "zbv" and pp > 1 else pp - 1)
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes one rank holds at its peak in a step, by kind (see the module docstring)."""
+
+    params: float
+    grads: float  # while microbatches run (unsharded, in the compute dtype, while kept gathered)
+    optimizer: float
+    gathered: float
+    activations: float  # saved for backward, the last stage's fp32 log-probabilities included
+    transient: float  # briefly, in backward: a recomputed block's activations, log-prob grads
+    end_of_step: float  # beyond params + optimizer at the last reduce-scatter / optimizer step
+    framework: float
+
+    @property
+    def total(self) -> float:
+        """The step's peak: the larger of while microbatches run and the step's end."""
+        running = self.grads + self.gathered + self.activations + self.transient
+        return self.params + self.optimizer + max(running, self.end_of_step) + self.framework
+
+    def as_gib(self) -> dict[str, float]:
+        out = {k: v / GIB for k, v in self.__dict__.items()}
+        out["total"] = self.total / GIB
+        return out
+
+
+@dataclass(frozen=True)
+class RankParams:
+    """Parameters of one rank's model part, split by how TP shards them."""
+
+    tp_sharded: int  # matrices (attention, MLP, embedding, head): divided over tp
+    replicated: int  # norm weights: whole on every tp rank
+    per_layer: int
+
+    def local(self, tp: int, dp: int) -> float:
+        """Elements of this rank's ZeRO-3 shards."""
+        return (self.tp_sharded / tp + self.replicated) / dp
+
+    def gathered(self, tp: int) -> float:
+        return self.tp_sharded / tp + self.replicated
+
+
+def rank_params(model, pp: int, pp_rank: int, schedule: str = "1f1b") -> RankParams:
+    d, V = model.dim, model.vocab_size
+    per_layer = layer_params(model)
+    layers = model.n_layers // pp
+    sharded = layers * (per_layer - 2 * d)
+    replicated = layers * 2 * d
+    first, last = pp_rank == 0, holds_head(schedule, pp, pp_rank)
+    if first:
+        sharded += V * d
+    if last:
+        replicated += d
+        if not (model.tie_embeddings and first):
+            sharded += V * d
+    return RankParams(sharded, replicated, per_layer)
+
+
+def activation_units(model, tp: int, sequence_parallel: bool, recompute: str,
+                     fused: bool = False) -> float:
+    """Saved activations of one layer and microbatch, in s·b·h elements (module docstring).
+    ``fused``: the Triton kernels, whose RMSNorm keeps only its input (not the normalised
+    copy) and whose SwiGLU keeps gate and up only."""
+    if recompute == "full":
+        return 1.0 / tp if sequence_parallel and tp > 1 else 1.0
+    f = model.ffn_dim / model.dim
+    norm = 1 if fused else 2  # per norm, besides the output the next matmul keeps
+    mlp = (3 if fused else 4) * f
+    if sequence_parallel and tp > 1:
+        return 2 + (2 * norm + 5 + mlp) / tp
+    return 2 + 2 * norm + (5 + mlp) / tp
+
+
+def rank_memory(model, c: Candidate, seq_len: int, pp_rank: int = 0, compute_bytes: int = 2,
+                framework_bytes: float = FRAMEWORK_BYTES, fused_head: bool = False,
+                ) -> MemoryBreakdown:
+    """Peak bytes of rank ``pp_rank`` of the pipeline (any dp/tp coordinate); ``fused_head``:
+    the Triton kernels run (RMSNorm, SwiGLU, RoPE and the fused linear + cross-entropy)."""
+    rp = rank_params(model, c.pp, pp_rank, c.schedule)
+    reduce_bytes = c.reduce_bytes
+    local = rp.local(c.tp, c.dp)
+    layer_gathered = (rp.per_layer - 2 * model.dim) / c.tp + 2 * model.dim
+    # A unit's gradients come out of backward in the compute dtype and are cast to the reduce
+    # dtype for its reduce-scatter into the fp32 sharded gradients (4 × local). Across
+    # microbatches without a reduce-scatter FSDP2 accumulates them unsharded in the reduce
+    # dtype. AdamW's foreach step makes one parameter-sized fp32 temporary.
+    reduce_unit = (compute_bytes + reduce_bytes) * layer_gathered
+    if c.pp > 1 and c.dp == 1 and compute_bytes == 4:  # stages not wrapped (nothing to shard
+        gathered, grads, end_of_step = 0.0, 4 * local, 8 * local  # or cast): plain fp32 grads
+    elif c.keep_gathered and c.num_microbatches > 1:
+        gathered = compute_bytes * rp.gathered(c.tp)
+        grads = reduce_bytes * rp.gathered(c.tp) + compute_bytes * layer_gathered
+        end_of_step = max(gathered + grads + 4 * local + reduce_unit, 8 * local)
+    elif c.keep_gathered:
+        gathered = compute_bytes * rp.gathered(c.tp)
+        grads = 4 * local + reduce_unit
+        end_of_step = 8 * local
+    else:
+        root = rp.gathered(c.tp) - (model.n_layers // c.pp) * layer_gathered
+        gathered = compute_bytes * (2 * layer_gathered + root)
+        grads = 4 * local + reduce_unit
+        end_of_step = 8 * local
+    sbh = seq_len * c.microbatch_size * model.dim
+    sp = c.sequence_parallel and c.tp > 1
+    per_layer = activation_units(model, c.tp, sp, c.recompute, fused_head) * sbh * compute_bytes
+    layers_per_chunk = model.n_layers // (c.pp * c.vpp)
+    chunks = in_flight_chunks(c.schedule, c.pp, c.vpp, c.num_microbatches, pp_rank)
+    acts = per_layer * layers_per_chunk * chunks
+    transient = 0.0
+    if c.recompute == "full":  # one block's activations exist while it is recomputed
+        transient += activation_units(model, c.tp, sp, "none", fused_head) * sbh * compute_bytes
+    if holds_head(c.schedule, c.pp, pp_rank):
+        norm = 1 if fused_head else 2
+        acts += (norm / c.tp + 1 if sp else norm + 1) * sbh * compute_bytes  # final norm
+        if fused_head:  # the fused loss computes its gradients in forward and keeps them
+            acts += (sbh / (c.tp if sp else 1) + model.vocab_size * model.dim / c.tp) * compute_bytes
+        else:  # fp32 log-probabilities (saved), then their gradient in and out in backward
+            logprobs = 4.0 * seq_len * c.microbatch_size * model.vocab_size / c.tp
+            acts += logprobs
+            transient += 2 * logprobs
+    return MemoryBreakdown(params=4 * local, grads=grads, optimizer=8 * local,
+                           gathered=gathered, activations=acts, transient=transient,
+                           end_of_step=end_of_step, framework=framework_bytes)
+
+
+# What torch Distributed Checkpoint adds to each tensor an uncoordinated save writes, its framing
+# in the shard file and its entry in the rank's own metadata (torch 2.13, measured: 8.2 KiB per
+# tensor of ZeRO-3 shards); negligible beside real shards, a sixth of a tiny test model's.
+DCP_ENTRY_BYTES = 8 * 1024
+
+
+def snapshot_host_bytes(model, c: Candidate, pp_rank: int | None = None) -> float:
+    """Host memory the in-memory checkpoint tier holds for one rank (``pp_rank``; None: the
+    heaviest) at its peak, while a snapshot is written: its own newest two snapshots and the
+    one being written, a buddy's two copies and the one arriving (DCP files: each the fp32
+    parameter and AdamW shards, 12 bytes per local parameter, and DCP's framing of each
+    tensor), and the host copy the snapshot is written from."""
+    ranks = {0, c.pp - 1} if pp_rank is None else {pp_rank}
+
+    def one(r: int) -> float:
+        state = 12 * rank_params(model, c.pp, r, c.schedule).local(c.tp, c.dp)
+        return 6 * (state + 3 * DCP_ENTRY_BYTES * _tensors(model, c, r)) + state
+    return max(one(r) for r in ranks)
+
+
+def _tensors(model, c: Candidate, pp_rank: int) -> int:
+    """Parameter tensors of a pipeline rank's part (9 per block; embedding, final norm, head)."""
+    last = holds_head(c.schedule, c.pp, pp_rank)
+    return (9 * (model.n_layers // c.pp) + (pp_rank == 0)
+            + (last and 1 + (not (model.tie_embeddings and pp_rank == 0))))
+
+
+def uses_fused_kernels(kernels: str, device_name: str) -> bool:
+    """Whether ``model.kernels`` means the Triton kernels on this device (``auto``: on GPUs)."""
+    return kernels == "triton" or (kernels == "auto" and device_name != "cpu")
+
+
+def memory_bytes(model, c: Candidate, seq_len: int, compute_bytes: int = 2,
+                 framework_bytes: float = FRAMEWORK_BYTES, fused: bool = False) -> float:
+    """Peak bytes on the heaviest rank: the first pipeline rank (embedding, most activations
+    in flight) or the last (head, logits)."""
+    ranks = {0, c.pp - 1}
+    return max(rank_memory(model, c, seq_len, r, compute_bytes, framework_bytes, fused).total
+               for r in ranks)
+
+
+def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: int,
+             compute_bytes: int = 2, fused: bool = False) -> Estimate:
+    tokens = c.dp * c.num_microbatches * c.microbatch_size * seq_len
+    flops = flops_per_token(model, seq_len) * tokens
+    ideal = flops / (c.world_size * device.peak_tflops * 1e12 * MATMUL_EFFICIENCY)
+    if c.recompute == "full":
+        ideal *= 4.0 / 3.0
+    bubble = bubble_fraction(c.schedule, c.pp, c.vpp, c.num_microbatches)
+    compute = ideal / (1.0 - bubble)
+    h, layers = model.dim, model.n_layers // c.pp
+    act_bytes = compute_bytes * seq_len * c.microbatch_size * h
+    tp_comm = 0.0
+    if c.tp > 1:
+        per_op = 2 * (c.tp - 1) / c.tp * act_bytes / (device.intra_node_gbps * 1e9)
+        tp_comm = 4 * per_op * layers * c.num_microbatches
+    pp_comm = 0.0
+    if c.pp > 1:
+        v = c.vpp if c.schedule in CHUNKED else 1
+        msg = act_bytes / c.tp / (device.inter_node_gbps * 1e9) + PP_LATENCY_S
+        pp_comm = 2 * msg * c.num_microbatches * v
+    dp_exposed = 0.0
+    if c.dp > 1:
+        params_per_rank = model_params_per_stage(model, c.pp) / c.tp
+        bw = device.intra_node_gbps if c.dp * c.tp <= per_node else device.inter_node_gbps
+        gathers = 1 if c.keep_gathered else 2 * c.num_microbatches
+        reduces = 1 if c.keep_gathered else c.num_microbatches
+        moved = (gathers * compute_bytes + reduces * c.reduce_bytes) * params_per_rank
+        dp_time = moved * (c.dp - 1) / c.dp / (bw * 1e9)
+        units = model.n_layers // c.pp + 1
+        dp_exposed = (max(0.0, dp_time - 0.5 * compute)
+                      + (gathers + reduces) * units * COLLECTIVE_LATENCY_S)
+    step = compute + tp_comm + pp_comm + dp_exposed
+    achieved = flops / step / c.world_size
+    return Estimate(
+        memory_per_rank_gib=memory_bytes(model, c, seq_len, compute_bytes,
+                                         device.framework_gib * GIB, fused) / GIB,
+        step_time_s=step, tokens_per_s=tokens / step, tflops_per_gpu=achieved / 1e12,
+        mfu=achieved / (device.peak_tflops * 1e12), bubble_fraction=bubble, compute_s=compute,
+        tp_comm_s=tp_comm, pp_comm_s=pp_comm, dp_exposed_s=dp_exposed)
+
+
+
+def model_params_per_stage(model, pp: int) -> float:
+    """Parameters of the first stage (its blocks and the embedding)."""
+    return model.n_layers // pp * layer_params(model) + model.vocab_size * model.dim

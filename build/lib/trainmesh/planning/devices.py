@@ -1,0 +1,36 @@
+"""Facts about accelerators the cost model and MFU need (vendor dense bf16 peaks)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    name: str
+    memory_gib: float
+    peak_tflops: float  # dense bf16 (fp32 for the CPU entry)
+    intra_node_gbps: float  # per-device bandwidth to peers in the node, GB/s
+    inter_node_gbps: float  # per-device bandwidth to other nodes, GB/s
+    # Memory a rank uses beyond its tensors: CUDA context, allocator slack and NCCL buffers on
+    # a GPU; on a CPU rank, the process itself with Python, torch and Ray loaded (measured).
+    framework_gib: float = 2.0
+
+
+DEVICES: dict[str, DeviceSpec] = {
+    "h100": DeviceSpec("h100", 80, 989.0, 450.0, 50.0),
+    "h200": DeviceSpec("h200", 141, 989.0, 450.0, 50.0),
+    "a100-40gb": DeviceSpec("a100-40gb", 40, 312.0, 300.0, 25.0),
+    "a100-80gb": DeviceSpec("a100-80gb", 80, 312.0, 300.0, 25.0),
+    "b200": DeviceSpec("b200", 192, 2250.0, 900.0, 50.0),
+    "l40s": DeviceSpec("l40s", 48, 362.0, 32.0, 12.5),
+    # One CPU rank (one core's share): a nominal fp32 figure so MFU has a denominator.
+    "cpu": DeviceSpec("cpu", 8, 0.1, 5.0, 1.0, framework_gib=0.65),
+}
+
+
+def device_spec(name: str) -> DeviceSpec:
+    key = name.lower()
+    if key not in DEVICES:
+        raise ValueError(f"unknown device {name!r}; known: {', '.join(sorted(DEVICES))}")
+    return DEVICES[key]

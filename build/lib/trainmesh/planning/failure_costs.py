@@ -1,0 +1,127 @@
+"""What failures, recoveries and checkpoints cost on a mesh: this project's measured figures
+scaled to a cluster by bytes and bandwidth. No torch, no Ray.
+
+The measured part (``Measured``) comes from ``bench/recovery.py`` (bench/RESULTS.md,
+2026-11-22: a tiny model, 8 → 4 ranks on a simulated 2-node cluster) and ``bench/planner.py``.
+What a development machine cannot measure is an assumption (``Assumptions``), every one a
+command-line flag of ``trainmesh goodput``. The scaling, written down:
+
+- state: each rank checkpoints its ZeRO-3 shard of the fp32 parameters and both AdamW moments,
+  12 bytes per parameter it owns (its stage's largest rank); a node holds ``ranks per node``
+  such shards.
+- storage bandwidth of a node: ``min(storage_node_gbps, storage_total_gbps / nodes)`` (a node's
+  link, or its share of the storage system's aggregate when every node writes at once). DCP
+  wrote at 0.86–1.40× a plain sequential write here, so it is taken to reach that bandwidth.
+- synchronous save: blocks training for the node's state / that bandwidth. Background save
+  (``checkpoint.async_save``): blocks for the rank's state / ``d2h_gbps`` (the copy to host
+  memory), and is durable once written, a synchronous save's time later.
+- restore from storage: the measured fixed part (building the model parts, loading a tiny state)
+  plus the node's state / the node's bandwidth (every node reads its part at once).
+- re-forming the process groups: the measured time on 4 ranks plus ``pg_init_s_per_1k_ranks``
+  per thousand ranks (communicator set-up grows with the world).
+- detecting a fault, by kind (shares from Llama 3's interruption table, Meta 2024: GPU, HBM and
+  software faults end the rank's process; a switch, cable, NIC, power or host fault makes the
+  node unreachable; watchdog timeouts and silent corruption show as hangs): a crash is
+  reported by Ray at once (measured); an unreachable node when Ray's health check gives up
+  (``failure_threshold`` 5 × ``timeout`` 10 s, Ray's defaults); a hang only when the
+  collective timeout fires (``runtime.collective_timeout_s``).
+- restart-from-checkpoint (Ray Train v2, TorchTitan under torchrun): the measured Ray Train v2
+  restart (new workers, their set-up, a tiny checkpoint load) plus the same communicator and
+  storage terms; it needs its whole world back, so without a spare node it waits for the
+  replacement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainmesh.planning.cost_model import rank_params
+
+STATE_BYTES_PER_PARAM = 12  # fp32 parameter + AdamW exp_avg + exp_avg_sq
+
+
+@dataclass(frozen=True)
+class Measured:
+    """bench/recovery.py and bench/planner.py, development machine, 2026-11-22."""
+
+    crash_detect_s: float = 0.03  # a rank's death to the controller seeing the failed step
+    decide_s: float = 0.66  # health check of the survivors, first backoff (0.5 s), re-plan
+    warm_reform_s: float = 0.64  # survivors leave their process group and join a new one
+    cold_reform_s: float = 4.32  # placement group, new actors importing torch, process group
+    warm_restore_s: float = 1.76  # build the model parts, DCP load (tiny state)
+    cold_restore_s: float = 4.84
+    first_step_s: float = 1.46  # the first step on the new mesh (its set-up included)
+    restart_s: float = 13.0  # Ray Train v2: failure to restarted workers with the state loaded
+    planner_s_16k: float = 0.61  # a plan for 16,384 GPUs
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    storage_node_gbps: float = 10.0  # a node's link to checkpoint storage, GB/s
+    storage_total_gbps: float = 2000.0  # the storage's aggregate (Llama 3's Tectonic: 2 TB/s)
+    d2h_gbps: float = 25.0  # device-to-host copy of a background save (PCIe 5 x16, pinned)
+    pg_init_s_per_1k_ranks: float = 5.0
+    node_lost_detect_s: float = 50.0  # Ray's health check: 5 failures × 10 s timeout
+    crash_share: float = 0.80
+    unreachable_share: float = 0.13
+    hang_share: float = 0.07
+
+
+MEASURED, ASSUMED = Measured(), Assumptions()
+
+
+@dataclass(frozen=True)
+class MeshCosts:
+    """One mesh: its speed, and what saving, restoring and re-forming it cost."""
+
+    label: str  # e.g. "tp8·pp8·dp16"
+    world: int
+    nodes: int
+    step_s: float
+    tokens_per_step: int
+    state_gb_per_rank: float
+    save_blocked_s: float
+    save_write_s: float  # writing a save to storage
+    save_durable_s: float  # from the save's start until it is durable
+    restore_s: float  # from storage, the model parts built
+    restore_bytes_s: float  # the reading part of it
+    warm_reform_s: float
+    cold_reform_s: float
+    restart_s: float  # restart-from-checkpoint: every worker anew (restore not included)
+
+
+def state_gb_per_rank(model, tp: int, pp: int, dp: int) -> float:
+    params = max(rank_params(model, pp, r).local(tp, dp) for r in range(pp))
+    return params * STATE_BYTES_PER_PARAM / 1e9
+
+
+def mesh_costs(model, tp: int, pp: int, dp: int, nodes: int, step_s: float, tokens_per_step: int,
+               async_save: bool, a: Assumptions = ASSUMED, m: Measured = MEASURED
+               ) -> MeshCosts:
+    world = tp * pp * dp
+    per_rank = state_gb_per_rank(model, tp, pp, dp)
+    per_node = per_rank * world / max(1, nodes)
+    bw = min(a.storage_node_gbps, a.storage_total_gbps / max(1, nodes))
+    write = per_node / bw
+    pg = a.pg_init_s_per_1k_ranks * world / 1000
+    return MeshCosts(
+        label=f"tp{tp}·pp{pp}·dp{dp}", world=world, nodes=nodes, step_s=step_s,
+        tokens_per_step=tokens_per_step, state_gb_per_rank=per_rank,
+        save_blocked_s=per_rank / a.d2h_gbps if async_save else write,
+        save_write_s=write, save_durable_s=per_rank / a.d2h_gbps + write if async_save else write,
+        restore_s=m.warm_restore_s + per_node / bw, restore_bytes_s=per_node / bw,
+        warm_reform_s=m.warm_reform_s + pg, cold_reform_s=m.cold_reform_s + pg,
+        restart_s=m.restart_s + pg)
+
+
+def detect_s(kind: str, collective_timeout_s: float, a: Assumptions = ASSUMED,
+             m: Measured = MEASURED) -> float:
+    return {"crash": m.crash_detect_s, "unreachable": a.node_lost_detect_s,
+            "hang": collective_timeout_s}[kind]
+
+
+def predicted_save(model, tp: int, pp: int, dp: int, nodes: int, async_save: bool,
+                   a: Assumptions = ASSUMED) -> tuple[float, float]:
+    """(seconds a save blocks training, seconds it takes to be written), before one is measured."""
+    c = mesh_costs(model, tp, pp, dp, nodes, 1.0, 0, async_save, a)
+    return c.save_blocked_s, c.save_write_s

@@ -1,0 +1,143 @@
+"""Turn a job spec and a topology into the parallel degrees a run uses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainmesh.parallel.dims import ParallelDims
+from trainmesh.planning.cost_model import GIB, Candidate, snapshot_host_bytes
+from trainmesh.planning.planner import PlanRequest, PlanResult, plan, summarize_rejections
+from trainmesh.planning.topology import Topology
+from trainmesh.spec.job import JobSpec
+
+
+class PlanError(ValueError):
+    pass
+
+
+def request_for(spec: JobSpec) -> PlanRequest:
+    par, tr = spec.parallelism, spec.training
+    fixed: dict[str, int | str | bool] = {}
+    if not par.auto:
+        fixed.update(tp=par.tp, pp=par.pp, dp=par.dp, vpp=par.vpp,
+                     microbatch_size=tr.microbatch_size, schedule=spec.schedule.name,
+                     sequence_parallel=par.sequence_parallel,
+                     recompute="full" if spec.activation_checkpoint.mode == "full" else "none")
+    if par.keep_gathered is not None:
+        fixed["keep_gathered"] = par.keep_gathered
+    fixed["reduce_dtype"] = par.reduce_dtype
+    compute_bytes = 2 if tr.dtype == "bfloat16" else 4
+    return PlanRequest(spec.model, tr.global_batch_size, tr.seq_len, compute_bytes, fixed,
+                       spec.model.kernels)
+
+
+def plan_job(spec: JobSpec, topo: Topology) -> tuple[ParallelDims, PlanResult]:
+    """Explicit degrees are checked against the cluster; ``auto`` takes the planner's best.
+    Either may leave accelerators idle (``RankedPlan.idle``)."""
+    par = spec.parallelism
+    if not par.auto and par.world_size > topo.world_size:
+        raise PlanError(f"parallelism: tp×pp×dp = {par.world_size} ranks but the cluster has "
+                        f"{topo.world_size} accelerators; lower the degrees or add nodes")
+    result = plan(request_for(spec), topo)
+    if not result.plans:
+        raise PlanError("parallelism: no feasible plan on this cluster: "
+                        + summarize_rejections(result.rejected)
+                        + "; lower the degrees, shorten the sequence or add accelerators")
+    best = result.best.candidate
+    return ParallelDims(pp=best.pp, dp=best.dp, tp=best.tp), result
+
+
+def effective_spec(spec: JobSpec, c: Candidate) -> JobSpec:
+    """The spec with the plan's choices written in: what the ranks build and run."""
+    par = spec.parallelism.model_copy(update={
+        "auto": False, "tp": c.tp, "pp": c.pp, "dp": c.dp, "vpp": c.vpp,
+        "sequence_parallel": c.sequence_parallel and c.tp > 1,
+        "keep_gathered": c.keep_gathered, "reduce_dtype": c.reduce_dtype})
+    update = {"parallelism": par,
+              "schedule": spec.schedule.model_copy(update={"name": c.schedule}),
+              "training": spec.training.model_copy(update={"microbatch_size": c.microbatch_size})}
+    if spec.parallelism.auto:  # the planner chose recomputation too
+        update["activation_checkpoint"] = spec.activation_checkpoint.model_copy(
+            update={"mode": c.recompute})
+    return spec.model_copy(update=update)
+
+
+@dataclass(frozen=True)
+class Replan:
+    """A re-plan after a failure or resize: the new degrees, the plans, the effective spec,
+    and what changed beyond dp (None when the pinned degrees were kept)."""
+
+    dims: ParallelDims
+    result: PlanResult
+    spec: JobSpec
+    changed: str | None = None
+
+
+def replan_job(spec: JobSpec, topo: Topology) -> Replan:
+    """After a failure or resize, with the same global batch and microbatch size (gradient
+    accumulation absorbs the dp change). Degrees the user pinned (tp, pp, vpp, schedule,
+    recompute) are kept and only dp changes when they still fit; otherwise any degrees that
+    fit, and ``changed`` says what changed and why. A plan below ``elastic.min_world_size``
+    is refused."""
+    par = spec.parallelism
+    req = request_for(spec)
+    req.fixed["microbatch_size"] = spec.training.microbatch_size
+    changed, result = None, None
+    if not par.auto:
+        req.fixed.pop("dp")
+        result = plan(req, topo)
+        if not result.plans:
+            changed = (f"the pinned tp={par.tp}, pp={par.pp}, vpp={par.vpp} no longer fit the "
+                       f"{topo.world_size} accelerators left ("
+                       f"{summarize_rejections(result.rejected)})")
+    if result is None or not result.plans:
+        auto = spec.model_copy(update={"parallelism": par.model_copy(update={"auto": True})})
+        req = request_for(auto)
+        req.fixed["microbatch_size"] = spec.training.microbatch_size
+        result = plan(req, topo)
+    if not result.plans:
+        raise PlanError("parallelism: no feasible plan on the accelerators left: "
+                        + summarize_rejections(result.rejected))
+    best = result.best
+    c = best.candidate
+    floor = spec.elastic.min_world_size
+    if c.world_size < floor:
+        raise PlanError(f"elastic.min_world_size: the best plan on the {topo.world_size} "
+                        f"accelerators left uses {c.world_size} (tp={c.tp} × pp={c.pp} × "
+                        f"dp={c.dp}: dp must divide the global batch "
+                        f"{spec.training.global_batch_size}), below elastic.min_world_size="
+                        f"{floor}; lower elastic.min_world_size or add nodes")
+    if changed:
+        changed += f"; re-planned to tp={c.tp}, pp={c.pp}, vpp={c.vpp}, dp={c.dp}"
+    return Replan(ParallelDims(pp=c.pp, dp=c.dp, tp=c.tp), result, effective_spec(spec, c),
+                  changed)
+
+
+def plan_for(spec: JobSpec, topo: Topology, replan: bool) -> Replan:
+    """The plan a run uses on ``topo``: a job's first plan (pinned degrees checked as given;
+    ``auto``: the planner's best for the batch) or, with ``replan``, ``replan_job``'s."""
+    if replan or spec.parallelism.auto:
+        new = replan_job(spec, topo)
+    else:
+        dims, result = plan_job(spec, topo)
+        new = Replan(dims, result, effective_spec(spec, result.best.candidate))
+    check_snapshot_memory(spec, new.result.best.candidate, topo)
+    return new
+
+
+def check_snapshot_memory(spec: JobSpec, c: Candidate, topo: Topology) -> None:
+    """``checkpoint.in_memory``: a node's ranks' snapshots and their buddies' copies must fit
+    in its host memory (known from Ray or ``topology.host_memory_gib``)."""
+    host = topo.host_memory_gib
+    if not spec.checkpoint.in_memory.every or host is None:
+        return
+    per_rank = snapshot_host_bytes(spec.model, c)
+    ranks = max(topo.allocate(c.tp, c.world_size))
+    need = per_rank * ranks
+    if need > host * GIB:
+        raise PlanError(f"checkpoint.in_memory: snapshots need {need / GIB:.1f} GiB of host memory per "
+                        f"node ({per_rank / GIB:.2f} GiB per rank at its peak: its own two snapshots and "
+                        f"one being written, a buddy's two and one arriving, and the host copy, × {ranks} "
+                        f"ranks) but a node has "
+                        f"{host:.1f} GiB; set checkpoint.in_memory.every=0, "
+                        "or spread the model over more ranks (parallelism.dp, pp)")

@@ -1,0 +1,291 @@
+"""The mesh planner: enumerate candidate plans, reject infeasible ones with a reason, rank the
+rest by predicted throughput (see ``cost_model`` for the estimates). No torch, no ray."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from trainmesh.parallel.pipeline.ir import splits_backward
+from trainmesh.planning.cost_model import (
+    RECOMPUTE,
+    SCHEDULES,
+    Candidate,
+    Estimate,
+    estimate,
+    memory_bytes,
+    uses_fused_kernels,
+)
+from trainmesh.planning.topology import Topology
+from trainmesh.spec.mesh_rules import pp_problems, runnable_problems, tp_problems
+from trainmesh.spec.problems import Problem
+
+MEMORY_HEADROOM = 0.9  # plan within this fraction of device memory
+MICROBATCH_SIZES = (1, 2, 4, 8)
+VPP_CHOICES = (1, 2, 4)
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What to plan for: the model shape, batch geometry and what the user pinned."""
+
+    model: object  # a ModelConfig or LlamaArgs
+    global_batch_size: int
+    seq_len: int
+    compute_bytes: int = 2  # bf16
+    fixed: dict[str, int | str | bool] = field(default_factory=dict)  # e.g. {"tp": 2}
+    kernels: str = "auto"  # model.kernels: the Triton kernels keep fewer activations
+
+
+@dataclass(frozen=True)
+class RankedPlan:
+    candidate: Candidate
+    estimate: Estimate
+    idle: int = 0  # accelerators of the cluster this plan leaves unused (spares)
+    node_ranks: tuple[int, ...] = ()  # ranks on each node used (Topology.allocate)
+
+    def as_row(self) -> dict[str, object]:
+        c, e = self.candidate, self.estimate
+        return {"tp": c.tp, "pp": c.pp, "dp": c.dp, "world_size": c.world_size,
+                "idle": self.idle, "vpp": c.vpp, "schedule": c.schedule,
+                "microbatch_size": c.microbatch_size, "num_microbatches": c.num_microbatches,
+                "recompute": c.recompute, "keep_gathered": c.keep_gathered,
+                "reduce_dtype": c.reduce_dtype, "sequence_parallel": c.sequence_parallel,
+                "memory_per_rank_gib": round(e.memory_per_rank_gib, 3),
+                "step_time_s": e.step_time_s, "tokens_per_s": e.tokens_per_s,
+                "tflops_per_gpu": e.tflops_per_gpu, "mfu": e.mfu,
+                "bubble_fraction": e.bubble_fraction}
+
+
+@dataclass(frozen=True)
+class Rejection:
+    candidate: Candidate | None
+    reason: str  # "memory: ...", "divisibility: ...", "topology: ...", "tied embeddings: ..."
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    plans: list[RankedPlan]  # best first
+    rejected: list[Rejection]
+
+    @property
+    def best(self) -> RankedPlan:
+        if not self.plans:
+            raise ValueError("no feasible plan: " + summarize_rejections(self.rejected))
+        return self.plans[0]
+
+
+def summarize_rejections(rejected: list[Rejection]) -> str:
+    """Counts per kind, and the example that came closest for memory."""
+    if not rejected:
+        return ("no candidate plan matches the pinned settings together (degrees, vpp, schedule, "
+                "microbatch size, recompute)")
+    kinds: dict[str, int] = {}
+    for r in rejected:
+        kind = r.reason.split(":")[0]
+        kinds[kind] = kinds.get(kind, 0) + 1
+    text = ", ".join(f"{n} rejected for {k}" for k, n in sorted(kinds.items()))
+    mem = [r for r in rejected if r.reason.startswith("memory")]
+    if mem:
+        closest = min(mem, key=lambda r: float(r.reason.split()[1]))
+        c = closest.candidate
+        text += (f"; closest for memory: tp={c.tp} pp={c.pp} dp={c.dp} recompute={c.recompute} "
+                 f"— {closest.reason}")
+    elif rejected:
+        text += f"; e.g. {rejected[0].reason}"
+    return text
+
+
+def _rule_rejection(problem: Problem) -> Rejection:
+    """A candidate that breaks one of the mesh rules (``spec/mesh_rules.py``), with its message."""
+    return Rejection(None, f"{problem.kind}: {problem}")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(req: PlanRequest, topo: Topology) -> Iterator[Candidate | Rejection]:
+    """Every (tp, pp, dp, vpp, schedule, microbatch size, recompute) that fits the cluster,
+    yielding a Rejection (with its reason) for the structurally impossible ones.
+
+    A plan need not use every accelerator: tp divides the accelerators of the largest node
+    and TP groups stay whole inside nodes (``Topology.usable``), and tp × pp × dp may be
+    less than what is usable — dp divides the global batch, which is always kept — so the
+    rest stay idle (spares)."""
+    m, fixed = req.model, req.fixed
+    largest = topo.largest_node
+    tps = [int(fixed["tp"])] if "tp" in fixed else _divisors(largest)
+    for tp in tps:
+        if largest % tp:
+            yield Rejection(None, f"topology: tp={tp} does not divide the {largest} "
+                                  "accelerators of a node (TP groups stay whole inside a node)")
+            continue
+        broken = [*tp_problems(m, tp), *runnable_problems(m, tp, 1)]
+        if broken:
+            yield _rule_rejection(broken[0])
+            continue
+        usable = topo.usable(tp).world_size
+        pps = [int(fixed["pp"])] if "pp" in fixed else _divisors(m.n_layers)
+        for pp in pps:
+            broken = runnable_problems(m, 1, pp)
+            if broken:
+                yield _rule_rejection(broken[0])
+                continue
+            if tp * pp > usable:
+                yield Rejection(None, f"topology: tp×pp = {tp}×{pp} exceeds the {usable} "
+                                      f"accelerators usable in whole TP groups of {tp}")
+                continue
+            yield from _inner(req, tp, pp, usable // (tp * pp))
+
+
+def _dp_choices(req: PlanRequest, pp: int, mbs: int, max_dp: int, interleaved: bool
+                ) -> Iterator[int | Rejection]:
+    """The data-parallel degrees that split the global batch into whole microbatches and
+    fill the pipeline, at most ``max_dp`` (the replicas the usable accelerators hold)."""
+    B, fixed = req.global_batch_size, req.fixed
+    if "dp" in fixed:
+        dp = int(fixed["dp"])
+        if dp > max_dp:
+            yield Rejection(None, f"topology: dp={dp} needs more than the {max_dp} replicas of "
+                                  f"tp×pp the usable accelerators hold")
+            return
+        dps = [dp]
+    else:
+        dps = [d for d in _divisors(B // mbs) if d <= max_dp] if B % mbs == 0 else []
+    found = False
+    for dp in dps:
+        if B % (dp * mbs):
+            if "dp" in fixed:
+                yield Rejection(None, f"divisibility: global batch {B} is not divisible by "
+                                      f"dp × microbatch = {dp}×{mbs}")
+            continue
+        n_micro = B // (dp * mbs)
+        if pp > 1 and n_micro < pp:
+            if "dp" in fixed:
+                yield Rejection(None, f"divisibility: {n_micro} microbatches cannot fill "
+                                      f"{pp} pipeline stages")
+            continue
+        if interleaved and n_micro % pp:
+            if "dp" in fixed:
+                yield Rejection(None, f"divisibility: interleaved 1F1B needs microbatches "
+                                      f"({n_micro}) to be a multiple of pp={pp}")
+            continue
+        found = True
+        yield dp
+    if not found and "dp" not in fixed:
+        yield Rejection(None, f"divisibility: no dp ≤ {max_dp} splits the global batch {B} into "
+                              f"microbatches of {mbs} that fill {pp} pipeline stage(s)")
+
+
+def _inner(req: PlanRequest, tp: int, pp: int, max_dp: int) -> Iterator[Candidate | Rejection]:
+    m, fixed, B = req.model, req.fixed, req.global_batch_size
+    for vpp in VPP_CHOICES:
+        if ("vpp" in fixed and vpp != fixed["vpp"]) or (pp == 1 and vpp > 1):
+            continue
+        broken = pp_problems(m, pp, vpp)
+        if broken:
+            yield _rule_rejection(broken[0])
+            continue
+        # The zero-bubble schedules are considered when named (schedule.name), not on their own.
+        schedules = ("1f1b",) if pp == 1 else (
+            ("interleaved-1f1b", "zbv") if vpp == 2 else ("interleaved-1f1b",) if vpp > 1
+            else ("gpipe", "1f1b", "zb-h1"))
+        schedules = tuple(s for s in schedules if not splits_backward(s) or fixed.get("schedule") == s)
+        for schedule in schedules:
+            if "schedule" in fixed and pp > 1 and schedule != fixed["schedule"]:
+                continue
+            for mbs in MICROBATCH_SIZES:
+                if "microbatch_size" in fixed and mbs != fixed["microbatch_size"]:
+                    continue
+                for dp in _dp_choices(req, pp, mbs, max_dp, schedule == "interleaved-1f1b"):
+                    if isinstance(dp, Rejection):
+                        yield dp
+                        continue
+                    yield from _options(req, tp, pp, dp, vpp, schedule, mbs, B // (dp * mbs))
+
+
+def _options(req: PlanRequest, tp: int, pp: int, dp: int, vpp: int, schedule: str, mbs: int,
+             n_micro: int) -> Iterator[Candidate]:
+    """Recomputation and ZeRO-3 policy for one layout."""
+    fixed = req.fixed
+    sp = bool(fixed.get("sequence_parallel", tp > 1))
+    keeps = (True, False)  # FSDP2 gathers a copy even at dp = 1
+    if splits_backward(schedule):  # a split backward's W needs the forward's parameters
+        keeps = (True,)
+    elif "keep_gathered" in fixed:
+        keeps = (bool(fixed["keep_gathered"]),)
+    reduce = str(fixed.get("reduce_dtype", "float32"))
+    for rc in RECOMPUTE:
+        if "recompute" in fixed and rc != fixed["recompute"]:
+            continue
+        for keep in keeps:
+            yield Candidate(tp, pp, dp, vpp, schedule, mbs, n_micro, rc, sp, keep, reduce)
+
+
+def plan(req: PlanRequest, topo: Topology) -> PlanResult:
+    """All feasible plans, best first: fewest accelerators idle, then predicted tokens/s; and
+    every rejection."""
+    limit = topo.device.memory_gib * MEMORY_HEADROOM * 1024**3
+    fused = uses_fused_kernels(req.kernels, topo.device.name)
+    ranked, rejected = [], []
+    layouts: dict[tuple[int, int], tuple[int, ...]] = {}
+    for c in candidates(req, topo):
+        if isinstance(c, Rejection):
+            rejected.append(c)
+            continue
+        mem = memory_bytes(req.model, c, req.seq_len, req.compute_bytes,
+                           topo.device.framework_gib * 1024**3, fused)
+        if mem > limit:
+            rejected.append(Rejection(c, f"memory: {mem / 1024**3:.1f} GiB per rank exceeds "
+                                         f"{limit / 1024**3:.1f} GiB ({MEMORY_HEADROOM:.0%} of "
+                                         f"{topo.device.memory_gib:g} GiB {topo.device.name})"))
+            continue
+        key = (c.tp, c.world_size)
+        if key not in layouts:
+            layouts[key] = topo.allocate(c.tp, c.world_size)
+        node_ranks = layouts[key]
+        est = estimate(req.model, c, req.seq_len, topo.device, node_ranks[0], req.compute_bytes,
+                       fused)
+        ranked.append(RankedPlan(c, est, topo.world_size - c.world_size, node_ranks))
+    # Every accelerator that can be used is used (fewest idle first), then the fastest: the
+    # cost model has no fixed per-step costs, so for small models it would otherwise trade
+    # accelerators the user gave the job for a prediction it cannot make precisely.
+    ranked.sort(key=lambda p: (p.idle, -p.estimate.tokens_per_s, p.estimate.memory_per_rank_gib))
+    return PlanResult(ranked, rejected)
+
+
+def explain(result: PlanResult) -> str:
+    """One paragraph on why the winner won."""
+    best = result.best
+    c, e = best.candidate, best.estimate
+    parts = [f"tp={c.tp} × pp={c.pp} × dp={c.dp} (vpp={c.vpp}, {c.schedule}, microbatch "
+             f"{c.microbatch_size} × {c.num_microbatches}, recompute {c.recompute}) is predicted "
+             f"fastest at {e.tokens_per_s:,.0f} tokens/s and {e.mfu:.1%} MFU, using "
+             f"{e.memory_per_rank_gib:.1f} GiB per rank."]
+    if best.idle:
+        parts.append(f"It runs {c.world_size} ranks on {len(best.node_ranks)} node(s) and leaves "
+                     f"{best.idle} accelerator(s) idle, the fewest any plan does: TP groups stay "
+                     f"whole inside a node and dp divides the global batch of "
+                     f"{c.dp * c.num_microbatches * c.microbatch_size}.")
+    parts.append(f"Of its {e.step_time_s:.3g} s step, compute is {e.compute_s:.3g} s "
+                 f"(bubble {e.bubble_fraction:.1%}), TP communication {e.tp_comm_s:.3g} s, "
+                 f"PP {e.pp_comm_s:.3g} s and exposed ZeRO-3 traffic {e.dp_exposed_s:.3g} s.")
+    degrees = (c.tp, c.pp, c.dp, c.vpp)
+    others = [p for p in result.plans
+              if (p.candidate.tp, p.candidate.pp, p.candidate.dp, p.candidate.vpp) != degrees]
+    if others:
+        nxt = others[0]
+        gap = 1 - nxt.estimate.tokens_per_s / e.tokens_per_s
+        n = nxt.candidate
+        more = f", leaving {nxt.idle - best.idle} more idle" if nxt.idle > best.idle else ""
+        parts.append(f"The best other layout (tp={n.tp}, pp={n.pp}, dp={n.dp}, vpp={n.vpp}, "
+                     f"{n.schedule}, recompute {n.recompute}{more}) is predicted "
+                     f"{abs(gap):.1%} {'slower' if gap >= 0 else 'faster'}.")
+    if result.rejected:
+        parts.append("Rejected: " + summarize_rejections(result.rejected) + ".")
+    return " ".join(parts)
+
+
+__all__ = ["PlanRequest", "PlanResult", "RankedPlan", "Rejection", "plan", "explain",
+           "SCHEDULES"]

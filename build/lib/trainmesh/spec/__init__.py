@@ -1,0 +1,1 @@
+"""The job spec: plain pydantic data (no torch, no ray), a leaf every layer may import."""

@@ -1,0 +1,285 @@
+"""The job spec: one pydantic model per section, ``extra="forbid"`` everywhere.
+
+A spec is plain data. It never reads the environment and never holds runtime objects;
+the runner resolves defaults that depend on the job (``runtime.output_dir``) explicitly.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+from trainmesh.spec.presets import PRESETS
+
+SPEC_ENV = "TRAINMESH_SPEC"  # the variable `trainmesh submit` and `k8s render` put a spec in
+
+
+def _steps_or_auto(v: Any) -> Any:
+    if v == "auto":
+        return v
+    if isinstance(v, bool) or not isinstance(v, int | str) or not str(v).isdigit():
+        raise ValueError(f"{v!r} is not a number of steps; give a whole number ≥ 0 (0: only at "
+                         "the end) or auto")
+    return int(v)
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RopeScaling(_Section):
+    """Llama 3.1's long-context RoPE ("llama3" in Hugging Face's ``rope_scaling`` /
+    ``rope_parameters``): wavelengths longer than ``original_max_position_embeddings /
+    low_freq_factor`` are stretched by ``factor``, those shorter than ``... / high_freq_factor``
+    kept, the ones between interpolated smoothly."""
+
+    type: Literal["llama3"] = "llama3"
+    factor: float = Field(gt=0)
+    low_freq_factor: float = Field(1.0, gt=0)
+    high_freq_factor: float = Field(4.0, gt=0)
+    original_max_position_embeddings: int = Field(8192, ge=1)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> RopeScaling:
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(f"high_freq_factor ({self.high_freq_factor}) must exceed "
+                             f"low_freq_factor ({self.low_freq_factor})")
+        return self
+
+
+class ModelConfig(_Section):
+    """Llama-style decoder shape. A preset fills every shape field not given explicitly."""
+
+    preset: Literal[tuple(PRESETS)] | None = "tiny"  # type: ignore[valid-type]
+    dim: int = Field(0, ge=8, description="hidden size")
+    n_layers: int = Field(0, ge=1, description="transformer blocks")
+    n_heads: int = Field(0, ge=1, description="attention (query) heads")
+    n_kv_heads: int = Field(0, ge=1, description="key/value heads (GQA); n_heads when equal")
+    ffn_dim: int = Field(0, ge=8, description="SwiGLU hidden size")
+    vocab_size: int = Field(0, ge=2, description="embedding rows; at least the tokenizer's")
+    max_seq_len: int = Field(0, ge=8, description="longest sequence RoPE is built for")
+    norm_eps: float = Field(1e-5, gt=0)
+    rope_theta: float = Field(10000.0, gt=0)
+    rope_scaling: RopeScaling | None = Field(None, description="Llama 3.1 RoPE scaling; none: plain")
+    tie_embeddings: bool = False
+    init_from: str | None = Field(
+        None, description="a Hugging Face Llama directory (config.json, safetensors) to start "
+        "from; each rank reads only its slices. Shape fields not given come from its config.json")
+    kernels: Literal["auto", "triton", "torch"] = Field(
+        "auto", description="fused ops: Triton kernels (auto: on CUDA) or the torch references")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_from_preset(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        name = data.get("preset", "tiny")
+        if name is None or name not in PRESETS:
+            return data  # field validation reports an unknown preset
+        preset = PRESETS[name]  # a nested value given in part keeps the preset's other keys
+        return {**preset, **data, **{k: {**preset[k], **data[k]} for k in data
+                                      if isinstance(preset.get(k), dict) and isinstance(data[k], dict)}}
+
+    @model_validator(mode="after")
+    def _shape_given(self) -> ModelConfig:
+        missing = [f for f in ("dim", "n_layers", "n_heads", "ffn_dim", "vocab_size",
+                               "max_seq_len") if getattr(self, f) == 0]
+        if missing:
+            raise ValueError(f"without a preset these fields are required: {', '.join(missing)}"
+                             "; set model.preset (e.g. tiny) or give them all")
+        if self.n_kv_heads == 0:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        return self
+
+
+class DataConfig(_Section):
+    """A token dataset made by ``trainmesh data prepare`` (its ``dataset.json`` names the
+    tokenizer); ``path: null`` uses the bundled tiny corpus."""
+
+    path: str | None = Field(None, description="dataset directory: a local path or an fsspec URI")
+    eval_path: str | None = Field(None, description="a held-out dataset (same tokenizer)")
+    eval_fraction: float = Field(0.0, ge=0, lt=1, description="without eval_path: hold out this "
+                                 "fraction of data.path's samples (the last ones; never trained on)")
+
+
+class EvalConfig(_Section):
+    """Held-out loss over a fixed set of windows (``data.eval_path`` or ``data.eval_fraction``),
+    logged to MLflow as ``eval_loss`` and to summary.json."""
+
+    every: int = Field(0, ge=0, description="evaluate every N steps (0: only after the last "
+                       "step, when held-out data is given)")
+    batches: int = Field(4, ge=1, description="held-out batches of training.global_batch_size "
+                         "windows each")
+
+
+class ParallelismConfig(_Section):
+    """Parallel degrees. ``parallelism: auto`` (or ``auto: true``) lets the planner choose."""
+
+    auto: bool = False
+    tp: int = Field(1, ge=1, description="tensor-parallel degree (inside a node)")
+    pp: int = Field(1, ge=1, description="pipeline stages")
+    dp: int = Field(1, ge=1, description="data-parallel replicas (ZeRO-3 over this axis)")
+    vpp: int = Field(1, ge=1, description="virtual pipeline chunks per stage (interleaving)")
+    sequence_parallel: bool = False
+    keep_gathered: bool | None = Field(
+        None, description="ZeRO-3: keep each rank's parameters gathered (and gradients "
+        "unsharded) across a step's microbatches, reduce-scattering once (less traffic, more "
+        "memory), or re-gather and reduce-scatter every microbatch; null: the planner chooses")
+    reduce_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="dtype of the ZeRO-3 gradient reduce-scatter")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _auto_string(cls, data: Any) -> Any:
+        return {"auto": True} if data == "auto" else data
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+class ActivationCheckpointConfig(_Section):
+    """Recompute blocks in backward to save memory: ``full`` every block, ``selective`` every
+    ``stride``-th block, ``none`` keeps all activations."""
+
+    mode: Literal["none", "full", "selective"] = "none"
+    stride: int = Field(2, ge=1, description="with selective: checkpoint every N-th block")
+
+
+class ScheduleConfig(_Section):
+    """Pipeline schedule used when ``parallelism.pp > 1``."""
+
+    name: Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv"] = Field(
+        "1f1b", description="zb-h1 / zbv: zero-bubble schedules (backward split into input and "
+        "weight gradients; zbv places parallelism.vpp=2 chunks per rank in a V)")
+
+
+class OptimizerConfig(_Section):
+    """AdamW with linear warm-up, cosine decay to ``min_lr_ratio * lr``, and grad clipping."""
+
+    lr: float = Field(3e-3, gt=0)
+    weight_decay: float = Field(0.1, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-8, gt=0)
+    warmup_steps: int = Field(10, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    grad_clip: float = Field(1.0, ge=0, description="max global grad norm; 0 disables")
+
+
+class TrainingConfig(_Section):
+    """Steps and batch geometry. global_batch_size = dp * microbatch_size * microbatches."""
+
+    steps: int = Field(100, ge=1)
+    global_batch_size: int = Field(8, ge=1, description="sequences per optimizer step")
+    microbatch_size: int = Field(2, ge=1, description="sequences per forward/backward")
+    seq_len: int = Field(64, ge=2)
+    seed: int = Field(0, ge=0)
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+class InMemoryConfig(_Section):
+    """Snapshots in host memory, each rank's copied to a rank on another node: a single
+    node's loss restores from the survivors' memory (onto the re-planned mesh) instead of
+    storage, losing at most the step in flight. Storage checkpoints stay the durable record."""
+
+    every: int = Field(0, ge=0, description="snapshot every N steps (0: off)")
+
+
+class CheckpointConfig(_Section):
+    """Sharded Distributed Checkpoints under ``DIR/step-NNNNNN/`` (DIR: ``OUTPUT/checkpoints``
+    unless ``dir`` says otherwise)."""
+
+    dir: str | None = Field(None, description="a local path or an fsspec URI (s3://bucket/run, "
+                            "gs://..., file:///mnt/ckpt; the filesystem's package must be "
+                            "installed); every rank and the controller must reach it")
+    every: Annotated[int | Literal["auto"], BeforeValidator(_steps_or_auto)] = Field(
+        0, description="save every N steps (0: only at the end), or auto: the Young/Daly "
+        "interval from the measured save cost and elastic.mtbf_node_hours, re-chosen when the "
+        "mesh changes")
+    async_save: bool = Field(False, description="write in the background: a step's shards are "
+                             "copied to host memory, training goes on while a thread writes "
+                             "them, and the manifest is committed once every rank is done")
+    resume: Literal["auto", "never"] = "auto"
+    keep_last: int = Field(3, ge=1)
+    save_final: bool = True
+    in_memory: InMemoryConfig = InMemoryConfig()
+
+
+class ElasticConfig(_Section):
+    """Bounds on the world size the job may run at, and how often it may restart."""
+
+    min_world_size: int = Field(1, ge=1)
+    max_world_size: int | None = Field(None, ge=1)
+    max_restarts: int = Field(3, ge=0)
+    hang_timeout_s: float | None = Field(
+        None, gt=0, description="a step running longer than this has its stalled ranks (silent, "
+        "or furthest behind while none moves) treated as hung: their nodes are dropped and the "
+        "job recovers; default: 10 × the median of recent steps, at least 60 s")
+    mtbf_node_hours: float = Field(
+        6300.0, gt=0, description="mean hours between interruptions of one node, for "
+        "checkpoint.every: auto; default from Llama 3's 419 in 54 days on 2,048 8-GPU nodes")
+    warm_recovery: bool = Field(True, description="after a failure, keep the surviving rank "
+                                "actors (new process group, new model part) instead of "
+                                "restarting every rank; falls back to a cold restart")
+
+
+class TrackingConfig(_Section):
+    """MLflow. ``uri: null`` means ``MLFLOW_TRACKING_URI`` if set, else sqlite in OUTPUT."""
+
+    enabled: bool = True
+    uri: str | None = None
+    experiment: str = "trainmesh"
+
+
+class TopologyConfig(_Section):
+    """What the planner assumes about the accelerators; every field overrides the device table
+    (``trainmesh/planning/devices.py``) when set."""
+
+    device: Literal["h100", "h200", "a100-40gb", "a100-80gb", "b200", "l40s", "cpu"] | None = Field(
+        None, description="device kind; default: from Ray's accelerator label (CPU: cpu)")
+    memory_gib: float | None = Field(None, gt=0)
+    peak_tflops: float | None = Field(None, gt=0, description="dense bf16 peak per device")
+    intra_node_gbps: float | None = Field(None, gt=0)
+    inter_node_gbps: float | None = Field(None, gt=0)
+
+    host_memory_gib: float | None = Field(
+        None, gt=0, description="host memory per node (default: what Ray reports); bounds "
+        "checkpoint.in_memory's snapshots")
+
+    def overrides(self) -> dict[str, float | None]:
+        return {k: getattr(self, k) for k in ("memory_gib", "peak_tflops", "intra_node_gbps",
+                                              "inter_node_gbps")}
+
+
+class RuntimeConfig(_Section):
+    """Where and how the job runs."""
+
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    ray_address: str = Field("local", description="'local' starts a Ray on this machine")
+    output_dir: str | None = Field(None, description="default: runs/<job name>")
+    collective_timeout_s: float = Field(120.0, gt=0)
+    cpus_per_rank: float = Field(1.0, gt=0)
+
+
+class JobSpec(_Section):
+    """A whole job."""
+
+    name: str = Field("job", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    eval: EvalConfig = EvalConfig()
+    parallelism: ParallelismConfig = ParallelismConfig()
+    activation_checkpoint: ActivationCheckpointConfig = ActivationCheckpointConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    training: TrainingConfig = TrainingConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    elastic: ElasticConfig = ElasticConfig()
+    tracking: TrackingConfig = TrackingConfig()
+    topology: TopologyConfig = TopologyConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
+
+    def resolved_output_dir(self) -> str:
+        return self.runtime.output_dir or f"runs/{self.name}"

@@ -1,0 +1,82 @@
+"""What a mesh can run: the one statement of each rule that ties the model's shape to the
+parallel degrees, each with one message naming the field and the fix. Spec validation refuses
+a pinned layout with them, the planner rejects candidates with them (``Problem.kind`` and the
+message are its reason), and the parallelizers check them before they split a model.
+
+Two families:
+- ``shape_problems``: a layout that cannot exist (a degree that does not divide what it splits);
+  ``trainmesh validate`` refuses it.
+- ``runnable_problems``: a layout this version does not build (a tied head split over tp or pp,
+  sequence parallel without tp); ``validate`` accepts it so reference specs for larger
+  layouts stay checkable, ``trainmesh run`` and the planner refuse it.
+Pure: plain integers in, problems out."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from trainmesh.spec.problems import Problem
+
+DIVISIBILITY, TIED = "divisibility", "tied embeddings"
+
+
+class ModelShape(Protocol):
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    vocab_size: int
+    tie_embeddings: bool
+
+
+def valid_tp_degrees(n_heads: int, n_kv_heads: int) -> list[int]:
+    """The tensor-parallel degrees that split both the query and the key/value heads."""
+    return [d for d in range(1, n_kv_heads + 1) if n_heads % d == 0 and n_kv_heads % d == 0]
+
+
+def tp_problems(m: ModelShape, tp: int) -> list[Problem]:
+    """tp splits the heads (query and key/value alike) and the vocabulary (the vocab-parallel
+    embedding and output)."""
+    out = []
+    if m.n_heads % tp or m.n_kv_heads % tp:
+        out.append(Problem("parallelism.tp", f"tp={tp} does not divide n_heads={m.n_heads} and "
+                           f"n_kv_heads={m.n_kv_heads}",
+                           f"use one of {valid_tp_degrees(m.n_heads, m.n_kv_heads)}", DIVISIBILITY))
+    if m.vocab_size % tp:
+        out.append(Problem("parallelism.tp", f"tp={tp} does not divide model.vocab_size="
+                           f"{m.vocab_size} (the embedding and the output are split over tp by "
+                           "vocabulary)", f"pad model.vocab_size to a multiple of {tp} (a model's "
+                           "vocabulary may exceed its data's), or use another tp", DIVISIBILITY))
+    return out
+
+
+def pp_problems(m: ModelShape, pp: int, vpp: int) -> list[Problem]:
+    """pp × vpp model chunks share the layers evenly; vpp > 1 needs stages to interleave."""
+    out = []
+    if m.n_layers % (pp * vpp):
+        out.append(Problem("parallelism.pp", f"n_layers={m.n_layers} is not divisible by pp × vpp "
+                           f"= {pp}×{vpp}", "choose pp and vpp whose product divides model.n_layers",
+                           DIVISIBILITY))
+    if vpp > 1 and pp == 1:
+        out.append(Problem("parallelism.vpp", "vpp > 1 needs pp > 1",
+                           "set parallelism.vpp=1 or parallelism.pp>1", DIVISIBILITY))
+    return out
+
+
+def shape_problems(m: ModelShape, tp: int, pp: int, vpp: int = 1) -> list[Problem]:
+    """Every rule a (tp, pp, vpp) layout of model ``m`` breaks."""
+    return [*tp_problems(m, tp), *pp_problems(m, pp, vpp)]
+
+
+def runnable_problems(m: ModelShape, tp: int, pp: int, sequence_parallel: bool = False) -> list[Problem]:
+    """What this version does not build for a valid layout."""
+    out = []
+    if m.tie_embeddings and pp > 1:
+        out.append(Problem("model.tie_embeddings", f"pp={pp}: the tied head needs the embedding on "
+                           "the last pipeline stage", "set it to false when parallelism.pp > 1", TIED))
+    if m.tie_embeddings and tp > 1:
+        out.append(Problem("model.tie_embeddings", f"tp={tp}: the tied head is not "
+                           "tensor-parallel here", "set it to false when parallelism.tp > 1", TIED))
+    if sequence_parallel and tp == 1:
+        out.append(Problem("parallelism.sequence_parallel", "needs tensor parallel (tp > 1)",
+                           "set it to false or raise parallelism.tp"))
+    return out

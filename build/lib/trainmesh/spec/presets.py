@@ -1,0 +1,25 @@
+"""Model shapes by name. Plain dicts so the job spec can import them without torch."""
+
+# Llama 3.1 / 3.2's RoPE: base 500,000 and the "llama3" long-context scaling.
+_LLAMA31_ROPE = dict(rope_theta=500000.0, rope_scaling=dict(
+    type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+    original_max_position_embeddings=8192))
+_LLAMA32_ROPE = dict(rope_theta=500000.0, rope_scaling={**_LLAMA31_ROPE["rope_scaling"], "factor": 32.0})
+
+PRESETS: dict[str, dict[str, object]] = {
+    # Tests and the CPU demo: ~0.2M parameters, byte-level vocabulary (256 bytes + EOS, padded).
+    "tiny": dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=176, vocab_size=264,
+                 max_seq_len=256),
+    # A few-minute CPU/GPU smoke model: ~6M parameters.
+    "small": dict(dim=256, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=704, vocab_size=264,
+                  max_seq_len=1024),
+    # Llama-3.2-1B-like shape and RoPE.
+    "1b": dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192,
+               vocab_size=128256, max_seq_len=8192, tie_embeddings=True, **_LLAMA32_ROPE),
+    # Llama-3.1-8B-like shape and RoPE.
+    "8b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+               vocab_size=128256, max_seq_len=8192, **_LLAMA31_ROPE),
+    # Llama-3.1-70B-like shape and RoPE.
+    "70b": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672,
+                vocab_size=128256, max_seq_len=8192, **_LLAMA31_ROPE),
+}
