@@ -226,7 +226,8 @@ class Engine:
         ``snapshot``: an in-memory snapshot's per-rank metadata files (``dcp_io.snapshot``) and
         the rank's store that reads them."""
         if snapshot:
-            dcp_io.load_snapshot(directory, *snapshot, self.model, self.optimizer)
+            metadata_files, store = snapshot
+            dcp_io.load_snapshot(directory, metadata_files, self.model, self.optimizer, store)
         else:
             dcp_io.load(directory, self.model, self.optimizer)
         self.step = step
