@@ -1,3 +1,0 @@
-"""Interoperation with the Hugging Face Llama format: ``hf_config`` (config.json ↔ the spec's
-model fields, no torch), ``hf_import`` (each rank reads its own slices), ``hf_export``
-(a checkpoint streamed out as safetensors shards)."""

@@ -1,1 +1,0 @@
-"""Llama-style decoder: ``model`` (mesh-free), ``presets`` (shapes, no torch)."""

@@ -1,1 +1,0 @@
-"""Pipeline parallelism: schedule IR, generators, simulator, executor."""
