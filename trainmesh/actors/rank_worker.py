@@ -319,6 +319,10 @@ class RankWorker:
     def full_grads(self) -> dict:
         return self.engine.full_grads()
 
+    def parameter_meshes(self) -> dict[str, tuple[str, ...]]:
+        """Each parameter's mesh dimensions here (() for a plain tensor): how it is split."""
+        return self.engine.parameter_meshes()
+
     def timeline(self) -> list:
         return self.engine.timeline()
 

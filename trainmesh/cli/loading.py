@@ -268,7 +268,10 @@ def consistency_problems(spec: JobSpec) -> list[Problem]:
         need(tr.global_batch_size % unit == 0, "training.global_batch_size",
              f"{tr.global_batch_size} is not divisible by microbatch_size × dp = {unit}",
              f"use a multiple of {unit}, or change training.microbatch_size or parallelism.dp")
-        out += shape_problems(m, par.tp, par.pp, par.vpp)
+        out += shape_problems(m, par.tp, par.pp, par.vpp, par.dp, par.ep)
+        need(m.moe is None or par.tp == 1 or tr.seq_len % par.tp == 0, "training.seq_len",
+             f"{tr.seq_len} is not divisible by tp={par.tp} (each tensor-parallel rank routes "
+             "its share of a sequence to the experts)", f"use a multiple of {par.tp}")
         need(par.vpp == 1 or spec.schedule.name in ("interleaved-1f1b", "zbv"), "schedule.name",
              f"{spec.schedule.name} runs one model chunk per stage but parallelism.vpp={par.vpp}",
              "use schedule.name=interleaved-1f1b (the default when vpp > 1) or zbv, or set vpp=1")

@@ -104,7 +104,7 @@ class RayWorkerGroup:
         self.backend = self.group.setup_process_group(self.spec.runtime.device, self.timeout)
 
     def build(self, spec_json: str, dims: ParallelDims, data_dir: str) -> None:
-        d = {"pp": dims.pp, "dp": dims.dp, "tp": dims.tp}
+        d = {"pp": dims.pp, "dp": dims.dp, "tp": dims.tp, "ep": dims.ep}
         self.group.call("build", spec_json, d, data_dir, timeout_s=self.timeout + 120)
 
     def train_step(self, measure_activations: bool = False) -> list[dict]:
@@ -195,6 +195,10 @@ class RayWorkerGroup:
     def full_grads(self) -> dict:
         return {k: v for d in self.group.call("full_grads", timeout_s=self.timeout)
                 for k, v in d.items()}
+
+    def parameter_meshes(self) -> list[dict[str, tuple[str, ...]]]:
+        """Per rank: each parameter's mesh dimensions (how the layout split it)."""
+        return self.group.call("parameter_meshes", timeout_s=self.timeout)
 
     def shutdown(self) -> None:
         self.group.shutdown()

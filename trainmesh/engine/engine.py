@@ -21,6 +21,7 @@ from trainmesh.checkpoint.memory_fs import MemoryStore
 from trainmesh.data.dataset import open_datasets
 from trainmesh.engine.memory import SavedActivations, peak_process_bytes, state_bytes
 from trainmesh.engine.step import (
+    StepHooks,
     StepStats,
     build_lr_scheduler,
     build_optimizer,
@@ -30,13 +31,21 @@ from trainmesh.engine.step import (
 from trainmesh.models.llama.model import Llama, LlamaArgs
 from trainmesh.models.llama.parallelize import apply_activation_checkpointing, apply_tensor_parallel
 from trainmesh.models.llama.stage import PipelineStage, rank_model
+from trainmesh.models.moe.moe import set_loss_scale
 from trainmesh.parallel.dims import Axis
+from trainmesh.parallel.expert import (
+    apply_expert_parallel,
+    balance_over_mesh,
+    expert_divide_factor,
+    is_moe,
+    reduce_token_split_grads,
+)
 from trainmesh.parallel.mesh import Mesh
 from trainmesh.parallel.pipeline import nccl_rules
 from trainmesh.parallel.pipeline.executor import P2PSpec, PipelineExecutor
 from trainmesh.parallel.pipeline.ir import PipeShape, splits_backward
 from trainmesh.parallel.pipeline.schedules import build_schedule, forward_only, pipe_shape
-from trainmesh.parallel.zero import ZeroPolicy, apply_zero3
+from trainmesh.parallel.zero import ExpertSharding, ZeroPolicy, apply_zero3
 from trainmesh.spec.job import JobSpec
 
 
@@ -82,6 +91,11 @@ class Engine:
         if mesh.size(Axis.TP) > 1:
             apply_tensor_parallel(self.model, mesh[Axis.TP], par.sequence_parallel)
             self.loss_context = loss_parallel
+        experts = None
+        if is_moe(self.model):
+            apply_expert_parallel(self.model, mesh)
+            if mesh.dims.ep > 1:
+                experts = ExpertSharding(mesh["edp"], expert_divide_factor(mesh))
         apply_activation_checkpointing(self.model, spec.activation_checkpoint.mode,
                                        spec.activation_checkpoint.stride)
         self.executor = self.eval_executor = None
@@ -91,19 +105,22 @@ class Engine:
         self.zero = ZeroPolicy(keep_gathered=split or par.keep_gathered is not False,
                                param_dtype=dtype, reduce_dtype=getattr(torch, par.reduce_dtype))
         if pp == 1:
-            apply_zero3(self.model, mesh[Axis.DP], self.zero)
+            apply_zero3(self.model, mesh[Axis.DP], self.zero, experts)
         else:
             stages = {s: PipelineStage(self.model, s, pp * par.vpp) for s in stage_ids}
             # FSDP2 at dp = 1 shards nothing, it only casts (mixed precision): a stage that needs
             # neither is not wrapped, its hooks would be overhead on every microbatch.
             wrap = mesh.size(Axis.DP) > 1 or dtype != torch.float32
             for stage in stages.values() if wrap else ():
-                apply_zero3(stage, mesh[Axis.DP], self.zero)
+                apply_zero3(stage, mesh[Axis.DP], self.zero, experts)
             self.executor = self._build_executor(shape, stages, dtype, self.zero if wrap else None)
         # Materialise the local shards only, then fill them from each parameter's global name.
         self.model.to_empty(device=device)
         self.imported_bytes = init_weights(self.model, spec)  # read from model.init_from
         self.model.init_buffers()
+        set_loss_scale(self.model, 1.0 / n_micro)  # MoE balancing loss: a microbatch's share
+        self.hooks = StepHooks(before_clip=lambda: reduce_token_split_grads(self.model, mesh),
+                               after_update=balance_over_mesh(self.model, mesh))
         self.optimizer = build_optimizer(self.model, spec.optimizer)
         self.scheduler = build_lr_scheduler(self.optimizer, spec.optimizer, tr.steps)
         self.dataset, self.eval_set = open_datasets(data_dir, tr.seq_len, spec.data.eval_path,
@@ -149,12 +166,12 @@ class Engine:
             stats = train_step(self.model, self.optimizer, self.scheduler, mbs,
                                self.spec.optimizer.grad_clip,
                                lambda last: self.zero.before_backward(self.model, last),
-                               self.loss_context, self.on_phase)
+                               self.loss_context, self.on_phase, self.hooks)
         else:
             stats = self._pipeline_step(mbs)
         self.step += 1
         return StepStats(loss=self._dp_mean(stats.loss), grad_norm=stats.grad_norm, lr=stats.lr,
-                         tokens=stats.tokens)
+                         tokens=stats.tokens, experts=stats.experts)
 
     def _pipeline_step(self, mbs) -> StepStats:
         self.optimizer.zero_grad(set_to_none=True)
@@ -164,7 +181,7 @@ class Engine:
         tokens = sum(y.numel() for _, y in mbs)
         return finish_step(self.model, self.optimizer, self.scheduler,
                            self.spec.optimizer.grad_clip, float(loss), tokens, across=pp_group,
-                           on_phase=self.on_phase)
+                           on_phase=self.on_phase, hooks=self.hooks)
 
     @torch.no_grad()
     def evaluate(self, batches: int) -> float:
@@ -241,6 +258,11 @@ class Engine:
 
     def full_state(self) -> dict[str, torch.Tensor]:
         return dcp_io.full_model_state(self.model)
+
+    def parameter_meshes(self) -> dict[str, tuple[str, ...]]:
+        """Each parameter's mesh dimensions on this rank (() for a plain tensor)."""
+        return {name: tuple(p.device_mesh.mesh_dim_names) if isinstance(p, DTensor) else ()
+                for name, p in self.model.named_parameters()}
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Collective: every parameter's whole gradient (as left by the last step), on CPU."""

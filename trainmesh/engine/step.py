@@ -17,6 +17,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from trainmesh.models.moe.moe import balance_experts, set_loss_scale
+
 
 @dataclass(frozen=True)
 class StepStats:
@@ -24,6 +26,7 @@ class StepStats:
     grad_norm: float  # global norm before clipping
     lr: float
     tokens: int  # tokens this rank processed
+    experts: dict | None = None  # per MoE block: load, balancing loss, dropped, bias norm
 
 
 def build_optimizer(model: nn.Module, cfg) -> torch.optim.AdamW:
@@ -85,15 +88,18 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
                microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]], grad_clip: float,
                set_grad_sync: Callable[[bool], None] | None = None,
                loss_context: Callable[[], AbstractContextManager] = contextlib.nullcontext,
-               on_phase: Callable[[str], None] = lambda phase: None) -> StepStats:
+               on_phase: Callable[[str], None] = lambda phase: None,
+               hooks: StepHooks | None = None) -> StepStats:
     """Accumulate gradients over ``microbatches`` (loss scaled by 1/len), clip, step.
 
     ``set_grad_sync(is_last)`` runs before each microbatch (a sharded model sets when it
     gathers and reduces: ``ZeroPolicy.before_backward``); ``loss_context`` wraps loss and
     backward (``loss_parallel`` under TP); ``on_phase`` hears "forward", "backward" and
-    "optimizer" as they begin (a rank's progress, ``actors/progress.py``)."""
+    "optimizer" as they begin (a rank's progress, ``actors/progress.py``); ``hooks``: what
+    the model's parallel layout adds around the optimizer step."""
     optimizer.zero_grad(set_to_none=True)
     n = len(microbatches)
+    set_loss_scale(model, 1.0 / n)  # a balancing loss's share of the step, as the loss's
     total = None  # summed where the loss lives: one host sync per step, not per microbatch
     tokens = 0
     for i, (x, y) in enumerate(microbatches):
@@ -109,17 +115,32 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
         total = value if total is None else total + value
         tokens += y.numel()
     return finish_step(model, optimizer, scheduler, grad_clip, float(total), tokens,
-                       on_phase=on_phase)
+                       on_phase=on_phase, hooks=hooks)
+
+
+@dataclass(frozen=True)
+class StepHooks:
+    """What a layout adds around the optimizer step: ``before_clip`` finishes gradients the
+    data-parallel reduction did not (an MoE block's over tensor-parallel token shares);
+    ``after_update`` runs after the optimizer and returns per-block statistics (MoE
+    balancing; the default, for one process: ``models.moe.moe.balance_experts``)."""
+
+    before_clip: Callable[[], None] = lambda: None
+    after_update: Callable[[], dict] = dict
 
 
 def finish_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, grad_clip: float,
                 loss: float, tokens: int, across: dist.ProcessGroup | None = None,
-                on_phase: Callable[[str], None] = lambda phase: None) -> StepStats:
+                on_phase: Callable[[str], None] = lambda phase: None,
+                hooks: StepHooks | None = None) -> StepStats:
     """Clip the accumulated gradients, step the optimizer and the LR schedule."""
     on_phase("optimizer")
+    hooks = hooks or StepHooks(after_update=lambda: balance_experts(model))
     lr = optimizer.param_groups[0]["lr"]
+    hooks.before_clip()
     norm = grad_norm_and_clip([p for p in model.parameters() if p.grad is not None], grad_clip,
                               across)
     optimizer.step()
     scheduler.step()
-    return StepStats(loss=loss, grad_norm=norm, lr=lr, tokens=tokens)
+    return StepStats(loss=loss, grad_norm=norm, lr=lr, tokens=tokens,
+                     experts=hooks.after_update() or None)

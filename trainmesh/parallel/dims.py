@@ -3,6 +3,9 @@
 Ranks are laid out (pp, dp, tp) with tp fastest: ``rank = (pp_i * dp + dp_i) * tp + tp_i``.
 So a TP group is ``tp`` consecutive ranks (one node), and a pipeline stage is ``dp * tp``
 consecutive ranks.
+
+Expert parallel folds over dp (it adds no ranks): dp = edp × ep with ep fastest, so an EP
+group is ``ep`` consecutive data-parallel replicas (``dp_i = edp_i * ep + ep_i``).
 """
 
 from __future__ import annotations
@@ -25,12 +28,21 @@ class ParallelDims:
     pp: int = 1
     dp: int = 1
     tp: int = 1
+    ep: int = 1  # expert parallel, folded over dp
 
     def __post_init__(self) -> None:
-        for axis in AXES:
-            v = getattr(self, axis.value)
+        for name in (*(a.value for a in AXES), "ep"):
+            v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
-                raise ValueError(f"parallel degree {axis.value}={v!r} must be a positive integer")
+                raise ValueError(f"parallel degree {name}={v!r} must be a positive integer")
+        if self.dp % self.ep:
+            raise ValueError(f"ep={self.ep} does not divide dp={self.dp}: expert-parallel groups "
+                             "are carved out of the data-parallel replicas")
+
+    @property
+    def edp(self) -> int:
+        """Replicas of each expert: the data-parallel degree left over by expert parallel."""
+        return self.dp // self.ep
 
     @property
     def world_size(self) -> int:
@@ -70,4 +82,5 @@ class ParallelDims:
         return out
 
     def as_dict(self) -> dict[str, int]:
-        return {"pp": self.pp, "dp": self.dp, "tp": self.tp, "world_size": self.world_size}
+        out = {"pp": self.pp, "dp": self.dp, "tp": self.tp, "world_size": self.world_size}
+        return {**out, "ep": self.ep} if self.ep > 1 else out

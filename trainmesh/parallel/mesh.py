@@ -1,4 +1,7 @@
-"""The device mesh one rank trains on: a DeviceMesh over ("pp", "dp", "tp") plus its dims.
+"""The device mesh one rank trains on: a DeviceMesh over ("pp", "edp", "ep", "tp") plus its
+dims. "dp" is ("edp", "ep") flattened (every data-parallel replica, what ZeRO-3 shards
+non-expert parameters over); "ep" is one expert-parallel group, "edp" the replicas of one
+expert; "dp_tp" is every rank of a pipeline stage (the ranks that split its tokens).
 
 Passed explicitly to everything that needs a group; there are no module-level groups.
 """
@@ -9,7 +12,7 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from trainmesh.parallel.dims import AXES, Axis, ParallelDims
+from trainmesh.parallel.dims import Axis, ParallelDims
 
 
 @dataclass
@@ -21,11 +24,15 @@ class Mesh:
     @classmethod
     def build(cls, dims: ParallelDims, device_type: str, rank: int) -> Mesh:
         """Collective over the default process group: every rank must call it."""
-        dm = init_device_mesh(device_type, dims.shape, mesh_dim_names=tuple(a.value for a in AXES))
+        dm = init_device_mesh(device_type, (dims.pp, dims.edp, dims.ep, dims.tp),
+                              mesh_dim_names=("pp", "edp", "ep", "tp"))
+        dm["edp", "ep"]._flatten("dp")
+        dm["edp", "ep", "tp"]._flatten("dp_tp")
         return cls(dims=dims, device_mesh=dm, rank=rank)
 
     def __getitem__(self, axis: Axis | str) -> DeviceMesh:
-        return self.device_mesh[Axis(axis).value]
+        """The 1-D mesh of ``axis`` through this rank: pp, dp, tp, or ep, edp, dp_tp."""
+        return self.device_mesh[axis.value if isinstance(axis, Axis) else axis]
 
     def coord(self, axis: Axis | str) -> int:
         return self.dims.coords(self.rank)[Axis(axis)]

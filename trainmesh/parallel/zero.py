@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -58,15 +59,35 @@ class ZeroPolicy:
         state._root_post_backward_final_callback()
 
 
-def apply_zero3(model: nn.Module, dp_mesh: DeviceMesh, policy: ZeroPolicy) -> nn.Module:
+@dataclass(frozen=True)
+class ExpertSharding:
+    """Expert parallel's experts: ZeRO-3 over ``mesh`` (the replicas of each expert, "edp"),
+    gradients divided by ``divide_factor`` (every data-parallel replica's tokens reached them)."""
+
+    mesh: DeviceMesh
+    divide_factor: float
+
+
+def apply_zero3(model: nn.Module, dp_mesh: DeviceMesh, policy: ZeroPolicy,
+                experts: ExpertSharding | None = None) -> nn.Module:
     """Shard parameters, gradients and optimizer state over ``dp_mesh`` (``model`` is a Llama
     or a pipeline stage of one): one FSDP unit per transformer block (its all-gather overlaps
     the previous block's compute), then the root for the embedding, final norm and head.
+    With ``experts``, each MoE block's experts are a unit of their own on its mesh.
     Master weights and optimizer state stay float32; parameters are gathered in
     ``policy.param_dtype`` and gradients reduced in ``policy.reduce_dtype``."""
     mp = MixedPrecisionPolicy(param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype)
     blocks = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
     for block in blocks:
+        routed = getattr(block.feed_forward, "experts", None)
+        if experts is not None and routed is not None:
+            fully_shard(routed, mesh=experts.mesh, reshard_after_forward=not policy.keep_gathered,
+                        mp_policy=mp)
+            routed.set_gradient_divide_factor(experts.divide_factor)
+            # gloo has no PREMUL_SUM: sum, then divide. Not on a group of one, where FSDP
+            # divides while copying and would divide again after (torch 2.13).
+            if experts.mesh.size() > 1 and dist.get_backend(experts.mesh.get_group()) == "gloo":
+                routed.set_force_sum_reduction_for_comms(True)
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=not policy.keep_gathered,
                     mp_policy=mp)
     # The root's parameters are needed again right at backward start: keep them gathered.

@@ -44,13 +44,24 @@ def plan_job(spec: JobSpec, topo: Topology) -> tuple[ParallelDims, PlanResult]:
                         + summarize_rejections(result.rejected)
                         + "; lower the degrees, shorten the sequence or add accelerators")
     best = result.best.candidate
-    return ParallelDims(pp=best.pp, dp=best.dp, tp=best.tp), result
+    return ParallelDims(pp=best.pp, dp=best.dp, tp=best.tp,
+                        ep=expert_parallel_degree(spec, best.dp)), result
+
+
+def expert_parallel_degree(spec: JobSpec, dp: int) -> int:
+    """``parallelism.ep`` where it divides ``dp``; on a re-planned dp it does not divide (a
+    node lost), the largest degree below it that divides both dp and the experts."""
+    moe = spec.model.moe
+    if moe is None:
+        return 1
+    return max(e for e in range(1, spec.parallelism.ep + 1) if dp % e == 0 and moe.experts % e == 0)
 
 
 def effective_spec(spec: JobSpec, c: Candidate) -> JobSpec:
     """The spec with the plan's choices written in: what the ranks build and run."""
     par = spec.parallelism.model_copy(update={
         "auto": False, "tp": c.tp, "pp": c.pp, "dp": c.dp, "vpp": c.vpp,
+        "ep": expert_parallel_degree(spec, c.dp),
         "sequence_parallel": c.sequence_parallel and c.tp > 1,
         "keep_gathered": c.keep_gathered, "reduce_dtype": c.reduce_dtype})
     update = {"parallelism": par,
@@ -109,8 +120,8 @@ def replan_job(spec: JobSpec, topo: Topology) -> Replan:
                         f"{floor}; lower elastic.min_world_size or add nodes")
     if changed:
         changed += f"; re-planned to tp={c.tp}, pp={c.pp}, vpp={c.vpp}, dp={c.dp}"
-    return Replan(ParallelDims(pp=c.pp, dp=c.dp, tp=c.tp), result, effective_spec(spec, c),
-                  changed)
+    dims = ParallelDims(pp=c.pp, dp=c.dp, tp=c.tp, ep=expert_parallel_degree(spec, c.dp))
+    return Replan(dims, result, effective_spec(spec, c), changed)
 
 
 def plan_for(spec: JobSpec, topo: Topology, replan: bool) -> Replan:

@@ -48,6 +48,40 @@ class RopeScaling(_Section):
         return self
 
 
+class MoEConfig(_Section):
+    """Mixture of Experts in place of the SwiGLU MLP (after ``dense_layers`` dense blocks):
+    token-choice top-k routing, dropless unless ``capacity_factor`` is set."""
+
+    experts: int = Field(ge=2, description="routed experts per MoE block")
+    top_k: int = Field(2, ge=1, description="experts each token is routed to")
+    expert_ffn_dim: int = Field(ge=8, description="SwiGLU hidden size of one expert")
+    shared_experts: int = Field(0, ge=0, description="always-active experts (one SwiGLU of "
+                                "shared_experts × expert_ffn_dim) beside the routed ones")
+    router: Literal["softmax", "sigmoid"] = Field(
+        "softmax", description="router scores: softmax over experts (Mixtral, Qwen3-MoE) or a "
+        "per-expert sigmoid (DeepSeek-V3)")
+    normalize_top_k: bool = Field(True, description="divide the chosen experts' scores by their "
+                                  "sum (Mixtral: yes; Qwen3-MoE: its norm_topk_prob)")
+    balance: Literal["aux_loss", "bias"] = Field(
+        "aux_loss", description="aux_loss: the Switch load-balancing loss × aux_loss_coef; bias: "
+        "DeepSeek-V3's aux-loss-free balancing, a per-expert bias added to the scores for "
+        "choosing (not weighting) experts, moved by bias_update_rate after each step")
+    aux_loss_coef: float = Field(0.01, ge=0)
+    bias_update_rate: float = Field(1e-3, ge=0)
+    dense_layers: int = Field(0, ge=0, description="leading blocks that keep the dense MLP")
+    capacity_factor: float | None = Field(
+        None, gt=0, description="null: dropless; a number: each expert takes at most "
+        "capacity_factor × tokens × top_k / experts tokens of a microbatch, dropping the "
+        "lowest-scored (counted and logged)")
+
+    @model_validator(mode="after")
+    def _fits(self) -> MoEConfig:
+        if self.top_k > self.experts:
+            raise ValueError(f"top_k={self.top_k} exceeds experts={self.experts}; choose at "
+                             "most that many")
+        return self
+
+
 class ModelConfig(_Section):
     """Llama-style decoder shape. A preset fills every shape field not given explicitly."""
 
@@ -63,6 +97,7 @@ class ModelConfig(_Section):
     rope_theta: float = Field(10000.0, gt=0)
     rope_scaling: RopeScaling | None = Field(None, description="Llama 3.1 RoPE scaling; none: plain")
     tie_embeddings: bool = False
+    moe: MoEConfig | None = Field(None, description="Mixture of Experts blocks; null: dense")
     init_from: str | None = Field(
         None, description="a Hugging Face Llama directory (config.json, safetensors) to start "
         "from; each rank reads only its slices. Shape fields not given come from its config.json")
@@ -90,6 +125,9 @@ class ModelConfig(_Section):
                              "; set model.preset (e.g. tiny) or give them all")
         if self.n_kv_heads == 0:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
+        if self.moe is not None and self.moe.dense_layers > self.n_layers:
+            raise ValueError(f"moe.dense_layers={self.moe.dense_layers} exceeds n_layers="
+                             f"{self.n_layers}; use at most n_layers")
         return self
 
 
@@ -121,6 +159,8 @@ class ParallelismConfig(_Section):
     pp: int = Field(1, ge=1, description="pipeline stages")
     dp: int = Field(1, ge=1, description="data-parallel replicas (ZeRO-3 over this axis)")
     vpp: int = Field(1, ge=1, description="virtual pipeline chunks per stage (interleaving)")
+    ep: int = Field(1, ge=1, description="expert-parallel degree: each group of ep data-parallel "
+                    "ranks splits the experts among them (needs model.moe; divides dp)")
     sequence_parallel: bool = False
     keep_gathered: bool | None = Field(
         None, description="ZeRO-3: keep each rank's parameters gathered (and gradients "

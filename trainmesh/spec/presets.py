@@ -22,4 +22,23 @@ PRESETS: dict[str, dict[str, object]] = {
     # Llama-3.1-70B-like shape and RoPE.
     "70b": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672,
                 vocab_size=128256, max_seq_len=8192, **_LLAMA31_ROPE),
+    # Mixture of Experts. Tests and the CPU demo: 8 experts (ep 2, 4 and 8 divide them),
+    # top-2 softmax routing, no shared expert or dense block: Mixtral's layout, so it exports
+    # to MixtralForCausalLM.
+    "tiny-moe": dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=176, vocab_size=264,
+                     max_seq_len=256, moe=dict(experts=8, top_k=2, expert_ffn_dim=64)),
+    # Mixtral 8x7B.
+    "mixtral-8x7b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+                         vocab_size=32000, max_seq_len=32768, rope_theta=1e6,
+                         moe=dict(experts=8, top_k=2, expert_ffn_dim=14336, aux_loss_coef=0.02)),
+    # Qwen3-30B-A3B's experts and routing (its attention uses head_dim 128 where this model
+    # takes dim / n_heads = 64: the planner's attention terms are approximate for it).
+    "qwen3-30b-a3b": dict(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, ffn_dim=6144,
+                          vocab_size=151936, max_seq_len=40960, rope_theta=1e6,
+                          moe=dict(experts=128, top_k=8, expert_ffn_dim=768, aux_loss_coef=0.001)),
+    # Qwen3-235B-A22B (attention: the same caveat).
+    "qwen3-235b-a22b": dict(dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, ffn_dim=12288,
+                            vocab_size=151936, max_seq_len=40960, rope_theta=1e6,
+                            moe=dict(experts=128, top_k=8, expert_ffn_dim=1536,
+                                     aux_loss_coef=0.001)),
 }

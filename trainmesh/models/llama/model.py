@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 from trainmesh.kernels import KernelSet, kernel_set, resolve
 from trainmesh.models.llama import model_math
 from trainmesh.models.llama.init import fill_normal_
+from trainmesh.models.moe.moe import MoE, MoEArgs
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class LlamaArgs:
     rope_scaling: dict | None = None  # Llama 3.1's "llama3" scaling (spec.job.RopeScaling)
     tie_embeddings: bool = False
     kernels: str = "torch"  # a resolved kernel set: torch | triton
+    moe: MoEArgs | None = None  # Mixture-of-Experts blocks (after moe.dense_layers); None: dense
 
     @property
     def head_dim(self) -> int:
@@ -47,9 +49,10 @@ class LlamaArgs:
     def from_config(cls, cfg, device_type: str = "cpu") -> LlamaArgs:
         """From a ``trainmesh.spec.job.ModelConfig`` (or anything with the same fields), with
         ``model.kernels`` resolved for ``device_type``."""
-        fields = {f: getattr(cfg, f) for f in cls.__dataclass_fields__ if f != "kernels"}
+        fields = {f: getattr(cfg, f, None) for f in cls.__dataclass_fields__ if f != "kernels"}
         if hasattr(fields["rope_scaling"], "model_dump"):
             fields["rope_scaling"] = fields["rope_scaling"].model_dump()
+        fields["moe"] = MoEArgs.from_config(fields["moe"])
         return cls(**fields, kernels=resolve(getattr(cfg, "kernels", "auto"), device_type))
 
     def num_params(self, include_embedding: bool = True) -> int:
@@ -139,12 +142,18 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: LlamaArgs):
+    def __init__(self, args: LlamaArgs, layer: int = 0):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps, args.ops)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps, args.ops)
-        self.feed_forward = FeedForward(args.dim, args.ffn_dim, args.ops)
+        moe = args.moe
+        if moe is not None and moe.is_moe_layer(layer):
+            shared = (FeedForward(args.dim, moe.shared_experts * moe.expert_ffn_dim, args.ops)
+                      if moe.shared_experts else None)
+            self.feed_forward: nn.Module = MoE(args.dim, moe, args.ops, shared)
+        else:
+            self.feed_forward = FeedForward(args.dim, args.ffn_dim, args.ops)
         self.recompute = False  # activation checkpointing: recompute this block in backward
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -166,7 +175,7 @@ class Llama(nn.Module):
         self.args = args
         ids = range(args.n_layers) if layer_ids is None else layer_ids
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim) if has_embedding else None
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in ids})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in ids})
         self.norm = RMSNorm(args.dim, args.norm_eps, args.ops) if has_head else None
         self.output = None
         if has_head and not args.tie_embeddings:
@@ -186,7 +195,7 @@ class Llama(nn.Module):
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
                 continue
-            std = depth_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
+            std = depth_std if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else 0.02
             fill_normal_(p, seed * 1_000_003 + _stable_hash(name), std)
 
     @torch.no_grad()
@@ -198,6 +207,9 @@ class Llama(nn.Module):
         device = self.rope_cos.device
         self.rope_cos = cos.to(device)
         self.rope_sin = sin.to(device)
+        for m in self.modules():
+            if isinstance(m, MoE):
+                m.reset_buffers()
 
     def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits, or with ``targets`` the mean next-token loss (what training calls: the fused

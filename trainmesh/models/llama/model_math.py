@@ -1,33 +1,62 @@
 """Parameter and FLOP counts from a model's shape alone (no torch: the planner uses them).
 
-``shape`` is anything with the Llama shape fields: a ``ModelConfig`` or a ``LlamaArgs``.
+``shape`` is anything with the Llama shape fields: a ``ModelConfig`` or a ``LlamaArgs``; its
+``moe`` (a ``MoEConfig``, ``MoEArgs`` or None) makes blocks after ``moe.dense_layers``
+Mixture-of-Experts blocks.
 """
 
 from __future__ import annotations
 
 
-def layer_params(shape) -> int:
-    """Parameters of one transformer block: attention, SwiGLU MLP, two norms."""
+def _moe(shape, layer: int | None):
+    moe = getattr(shape, "moe", None)
+    if moe is None or (layer is not None and layer < moe.dense_layers):
+        return None
+    return moe
+
+
+def mlp_params(shape, layer: int | None = None, active: bool = False) -> int:
+    """The MLP of block ``layer`` (None: an MoE block if the model has any): SwiGLU, or the
+    router, the routed experts (``active``: only the top-k a token uses) and the shared one."""
+    d, moe = shape.dim, _moe(shape, layer)
+    if moe is None:
+        return 3 * d * shape.ffn_dim
+    routed = moe.top_k if active else moe.experts
+    return 3 * d * moe.expert_ffn_dim * (routed + moe.shared_experts) + d * moe.experts
+
+
+def layer_params(shape, layer: int | None = None, active: bool = False) -> int:
+    """Parameters of one transformer block: attention, MLP (``mlp_params``), two norms."""
     d = shape.dim
     kv = shape.n_kv_heads * (shape.dim // shape.n_heads)
-    return 2 * d * d + 2 * d * kv + 3 * d * shape.ffn_dim + 2 * d
+    return 2 * d * d + 2 * d * kv + mlp_params(shape, layer, active) + 2 * d
 
 
-def num_params(shape, include_embedding: bool = True) -> int:
-    """Exact parameter count of ``trainmesh.models.llama.model.Llama``."""
+def expert_params(shape) -> int:
+    """Parameters of every routed expert of the model (what expert parallel splits)."""
+    moe = getattr(shape, "moe", None)
+    if moe is None:
+        return 0
+    return (shape.n_layers - moe.dense_layers) * moe.experts * 3 * shape.dim * moe.expert_ffn_dim
+
+
+def num_params(shape, include_embedding: bool = True, active: bool = False) -> int:
+    """Exact parameter count of ``trainmesh.models.llama.model.Llama`` (``active``: counting
+    only the experts one token uses)."""
     d = shape.dim
-    per_layer = layer_params(shape)
+    blocks = sum(layer_params(shape, i, active) for i in range(shape.n_layers))
     emb = shape.vocab_size * d
     head = 0 if shape.tie_embeddings else emb
-    total = shape.n_layers * per_layer + d + head + emb
+    total = blocks + d + head + emb
     return total if include_embedding else total - emb
 
 
 def flops_per_token(shape, seq_len: int) -> float:
-    """Training FLOPs per token: 6 × (matmul parameters, the output head included) for forward
-    and backward, plus 6 × 2 × n_layers × dim × seq_len for attention scores and values (no
-    causal discount: the PaLM convention used for MFU)."""
-    matmul_params = num_params(shape, include_embedding=False)
+    """Training FLOPs per token: 6 × (matmul parameters a token uses — the active experts
+    only — the output head included) for forward and backward, plus 6 × 2 × n_layers × dim ×
+    seq_len for attention scores and values (no causal discount: the PaLM convention used for
+    MFU)."""
+    matmul_params = num_params(shape, include_embedding=False, active=True)
     if shape.tie_embeddings:
         matmul_params += shape.vocab_size * shape.dim  # the tied head is still a matmul
     return 6.0 * matmul_params + 12.0 * shape.n_layers * shape.dim * seq_len

@@ -12,12 +12,14 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 
 from trainmesh.models.llama.model import Llama
+from trainmesh.models.moe.moe import MoE
 from trainmesh.spec.mesh_rules import runnable_problems, tp_problems
 
 
@@ -25,7 +27,9 @@ def apply_tensor_parallel(model: Llama, tp_mesh: DeviceMesh, sequence_parallel: 
     """Heads split column-wise (q/k/v) and row-wise (o); MLP gate/up column-wise and down
     row-wise; vocab-parallel embedding and output projection, whose logits stay sharded on
     the vocabulary (use ``loss_parallel()`` around the loss). With sequence parallel the
-    activations between blocks, and the norms, are sharded on the sequence dimension."""
+    activations between blocks, and the norms, are sharded on the sequence dimension.
+    A Mixture-of-Experts MLP is not split: it takes this rank's share of the sequence and
+    gives its output back in the layout between blocks (``trainmesh/parallel/expert.py``)."""
     tp = tp_mesh.size()
     a = model.args
     broken = [*tp_problems(a, tp), *runnable_problems(a, tp, 1, sequence_parallel)]
@@ -47,11 +51,17 @@ def apply_tensor_parallel(model: Llama, tp_mesh: DeviceMesh, sequence_parallel: 
                                             desired_input_layouts=(Replicate(), None, None)),
             "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(output_layouts=between),
-            "feed_forward": PrepareModuleInput(input_layouts=(between,),
-                                               desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=between),
         }
+        if isinstance(block.feed_forward, MoE):
+            plan["feed_forward"] = PrepareModuleInputOutput(
+                input_layouts=(between,), desired_input_layouts=(Shard(1),), use_local_input=True,
+                output_layouts=(Shard(1),), desired_output_layouts=(between,))
+        else:
+            plan.update({
+                "feed_forward": PrepareModuleInput(input_layouts=(between,),
+                                                   desired_input_layouts=(Replicate(),)),
+                "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=between)})
         if sequence_parallel:
             plan["attention_norm"] = SequenceParallel()
             plan["ffn_norm"] = SequenceParallel()

@@ -1,0 +1,1 @@
+"""Mixture-of-Experts blocks (used by the Llama family's ``model.moe``)."""

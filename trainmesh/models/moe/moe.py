@@ -1,0 +1,288 @@
+"""A Mixture-of-Experts MLP: token-choice top-k router, experts as one grouped module, an
+optional shared expert, and load balancing by an auxiliary loss or DeepSeek-V3's bias.
+
+Knows nothing of meshes. Moving tokens to the experts is a seam, ``MoE.dispatch``: the
+default keeps every expert here; expert parallel (``trainmesh/parallel/expert.py``) puts an
+all-to-all dispatcher in its place, and the experts module then holds only this rank's
+experts. Routing is computed in float32 and ties are broken by the lower expert index, so a
+token's experts are the same on any mesh.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from trainmesh.kernels import KernelSet
+
+
+@dataclass(frozen=True)
+class MoEArgs:
+    experts: int
+    top_k: int
+    expert_ffn_dim: int
+    shared_experts: int = 0
+    router: str = "softmax"  # softmax | sigmoid
+    normalize_top_k: bool = True
+    balance: str = "aux_loss"  # aux_loss | bias
+    aux_loss_coef: float = 0.01
+    bias_update_rate: float = 1e-3
+    dense_layers: int = 0
+    capacity_factor: float | None = None
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> MoEArgs | None:
+        """From a ``MoEConfig`` (or a dict with its fields); None stays None (a dense model)."""
+        if cfg is None or isinstance(cfg, MoEArgs):
+            return cfg
+        get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
+        return cls(**{f.name: get(f.name) for f in fields(cls) if get(f.name) is not None})
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer >= self.dense_layers
+
+    def capacity(self, tokens: int) -> int | None:
+        """The most token assignments one expert takes from ``tokens`` tokens (None: all)."""
+        if self.capacity_factor is None:
+            return None
+        return math.ceil(self.capacity_factor * tokens * self.top_k / self.experts)
+
+
+class Dispatch(Protocol):
+    """Moves assignments (token copies sorted by expert) to the experts' ranks and back."""
+
+    def dispatch(self, x_sorted: torch.Tensor, counts: torch.Tensor
+                 ) -> tuple[torch.Tensor, list[int], Any]:
+        """``counts[e]``: rows of ``x_sorted`` for expert e (all experts). Returns the rows
+        this rank's experts compute, grouped by local expert, their count per local expert,
+        and what ``combine`` needs to send the results back."""
+
+    def combine(self, y: torch.Tensor, state: Any) -> torch.Tensor:
+        """The experts' outputs back in ``x_sorted``'s order."""
+
+    def sum_over_tokens(self, counts: torch.Tensor) -> torch.Tensor:
+        """``counts`` summed over the ranks that split one microbatch's tokens (in place)."""
+
+
+class LocalDispatch:
+    """Every expert on this rank: nothing moves."""
+
+    def dispatch(self, x_sorted, counts):
+        return x_sorted, counts.tolist(), None
+
+    def combine(self, y, state):
+        return y
+
+    def sum_over_tokens(self, counts):
+        return counts
+
+
+class GroupedExperts(nn.Module):
+    """``experts`` SwiGLU MLPs as three stacked weights (expert-major, so expert parallel
+    splits dim 0). Computes rows grouped by expert."""
+
+    def __init__(self, dim: int, ffn_dim: int, experts: int, ops: KernelSet):
+        super().__init__()
+        self.ops = ops
+        self.w1 = nn.Parameter(torch.empty(experts, ffn_dim, dim))  # gate
+        self.w3 = nn.Parameter(torch.empty(experts, ffn_dim, dim))  # up
+        self.w2 = nn.Parameter(torch.empty(experts, dim, ffn_dim))  # down
+        self.grouped_mm = None  # None: torch._grouped_mm on CUDA, the per-expert loop elsewhere
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """``x``: rows grouped by (local) expert, ``counts[e]`` of them for expert e."""
+        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w
+                      for w in (self.w1, self.w2, self.w3))
+        grouped = self.grouped_mm if self.grouped_mm is not None else x.is_cuda
+        return expert_swiglu(x, counts, w1, w2, w3, self.ops.swiglu, grouped)
+
+
+def expert_swiglu(x: torch.Tensor, counts: list[int], w1: torch.Tensor, w2: torch.Tensor,
+                  w3: torch.Tensor, swiglu, grouped: bool) -> torch.Tensor:
+    """Each expert's SwiGLU over its rows: one grouped GEMM per weight (``torch._grouped_mm``)
+    or a loop over experts. Every expert takes part even with no rows, so each weight always
+    gets a gradient (ZeRO-3's reduce-scatter is then the same on every rank)."""
+    if grouped:
+        offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        gate = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)
+        up = torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+        return torch._grouped_mm(swiglu(gate, up), w2.transpose(-2, -1), offs=offs)
+    outs = []
+    for e, rows in enumerate(torch.split(x, counts)):
+        outs.append(swiglu(rows @ w1[e].T, rows @ w3[e].T) @ w2[e].T)
+    return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
+
+
+class _AddAuxLoss(torch.autograd.Function):
+    """Returns ``x`` unchanged; in backward, gives ``aux`` the gradient ``scale`` (the
+    microbatch's share of the step's loss), as if ``aux * scale`` had been added to the loss.
+    So the balancing loss trains the router wherever the block sits, pipeline stages included,
+    without travelling to the loss."""
+
+    @staticmethod
+    def forward(ctx, x, aux, scale):
+        ctx.scale = scale
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.full((), ctx.scale, dtype=torch.float32, device=grad.device), None
+
+
+class MoE(nn.Module):
+    """(B, T, D) → (B, T, D): each token's top-k experts, weighted by its router scores, plus
+    the shared expert."""
+
+    def __init__(self, dim: int, args: MoEArgs, ops: KernelSet, shared: nn.Module | None = None):
+        super().__init__()
+        self.args = args
+        self.router = nn.Linear(dim, args.experts, bias=False)
+        self.experts = GroupedExperts(dim, args.expert_ffn_dim, args.experts, ops)
+        self.shared = shared  # a dense SwiGLU over every token, or None
+        # DeepSeek-V3's balancing bias: chooses experts, never weights them; a checkpointed
+        # buffer moved after each optimizer step (update_bias), not by the optimizer.
+        self.register_buffer("expert_bias", torch.zeros(args.experts), persistent=True)
+        # Assignments routed to each expert since the last update_bias (all of this rank's
+        # microbatches): the balancing signal and the load statistics.
+        self.register_buffer("routed", torch.zeros(args.experts, dtype=torch.int64),
+                             persistent=False)
+        self.dispatch: Dispatch = LocalDispatch()
+        self.loss_scale = 1.0  # set per step: 1 / the microbatches a rank accumulates
+        self.stats = MoEStats()
+
+    def reset_buffers(self) -> None:
+        """Zero the bias and counters (after a meta-device build they hold garbage)."""
+        self.expert_bias.zero_()
+        self.routed.zero_()
+
+    def route(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Scores (N, E) in float32, the chosen experts (N, k) best first, their weights."""
+        a = self.args
+        logits = self.router(x_ND).float()
+        scores = logits.softmax(-1) if a.router == "softmax" else logits.sigmoid()
+        choose = scores + self.expert_bias if a.balance == "bias" else scores
+        # A stable sort: equal scores go to the lower expert index, on every mesh.
+        idx = torch.sort(choose.detach(), dim=-1, descending=True, stable=True).indices[:, :a.top_k]
+        weights = scores.gather(1, idx)
+        if a.normalize_top_k:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return scores, idx, weights
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        a = self.args
+        shape = x_BTD.shape
+        x = x_BTD.reshape(-1, shape[-1])
+        n, k = x.shape[0], a.top_k
+        scores, idx, weights = self.route(x)
+        flat = idx.reshape(-1)  # assignment j = token j // k, its (j % k)-th choice
+        counts = torch.bincount(flat, minlength=a.experts)
+        capacity = a.capacity(n)
+        if capacity is None:
+            order = torch.argsort(flat, stable=True)
+            kept = counts
+        else:  # within each expert, the highest weights first (ties: the earlier assignment)
+            by_weight = torch.argsort(weights.detach().reshape(-1), descending=True, stable=True)
+            order = by_weight[torch.argsort(flat[by_weight], stable=True)]
+            starts = torch.cumsum(counts, 0) - counts
+            rank_in_expert = torch.arange(order.numel(), device=x.device) - starts[flat[order]]
+            order = order[rank_in_expert < capacity]
+            kept = counts.clamp(max=capacity)
+        local, local_counts, state = self.dispatch.dispatch(x[order // k], kept)
+        y_sorted = self.dispatch.combine(self.experts(local, local_counts), state)
+        per_assignment = x.new_zeros(n * k, shape[-1]).index_copy(0, order, y_sorted)
+        y = (per_assignment.view(n, k, -1) * weights.unsqueeze(-1).to(x.dtype)).sum(1)
+        if self.shared is not None:
+            y = y + self.shared(x)
+        if not torch.is_grad_enabled():  # evaluation: no balancing, nothing counted
+            return y.view(shape)
+        # Activation checkpointing runs the forward again inside backward: count once.
+        first_run = torch._C._current_graph_task_id() == -1
+        if a.balance == "aux_loss" and a.aux_loss_coef > 0:
+            aux = self._aux_loss(scores, counts)
+            y = _AddAuxLoss.apply(y, aux, self.loss_scale)
+            if first_run:
+                self.stats.aux_loss += float(aux.detach()) * self.loss_scale
+        if first_run:
+            with torch.no_grad():
+                self.routed += counts
+                self.stats.dropped += int((counts - kept).sum()) if capacity is not None else 0
+        return y.view(shape)
+
+    def _aux_loss(self, scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The Switch Transformer balancing loss over this microbatch, × aux_loss_coef:
+        E/k × Σ_e f_e · P_e, f_e the fraction of tokens routed to expert e, P_e its mean
+        (normalised) score; 1 × coef when routing is uniform. When the microbatch's tokens are
+        split over ranks (tensor parallel), f is counted over all of them and each rank adds
+        its tokens' share of P, so the ranks' parts sum to the whole microbatch's loss."""
+        a = self.args
+        total = self.dispatch.sum_over_tokens(counts.detach().clone()).double()
+        tokens = total.sum() / a.top_k
+        f = (total / tokens).float()
+        p = scores / scores.sum(-1, keepdim=True) if a.router == "sigmoid" else scores
+        return a.aux_loss_coef * a.experts / a.top_k * (f * (p.sum(0) / tokens.float())).sum()
+
+    @torch.no_grad()
+    def update_bias(self, routed: torch.Tensor) -> None:
+        """After an optimizer step: move each expert's bias towards balance by
+        ``bias_update_rate`` (up when it took fewer than the mean of ``routed``, the step's
+        assignments over every rank, down when more)."""
+        if self.args.balance == "bias":
+            load = routed.to(self.expert_bias.dtype)
+            self.expert_bias += self.args.bias_update_rate * torch.sign(load.mean() - load)
+
+
+@dataclass
+class MoEStats:
+    """What one MoE block saw since the last read (host numbers; logged per step)."""
+
+    aux_loss: float = 0.0  # Σ over microbatches of the balancing loss × its share of the step
+    dropped: int = 0  # assignments over capacity
+
+    def take(self) -> MoEStats:
+        out = MoEStats(self.aux_loss, self.dropped)
+        self.aux_loss, self.dropped = 0.0, 0
+        return out
+
+
+def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
+    """Every MoE block of ``model`` (or of a pipeline rank's part), by name."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
+
+
+def balance_experts(model: nn.Module, sum_over_ranks: Callable[[torch.Tensor], None] = lambda t: None,
+                    replicas: int = 1) -> dict[str, dict]:
+    """After the optimizer step: each MoE block's assignments per expert this step (summed by
+    ``sum_over_ranks`` over every rank that routed some of the step's tokens) move its
+    balancing bias. Returns each block's load (max / mean), balancing loss (the sum of a
+    microbatch's token shares, averaged over ``replicas``), dropped assignments and bias norm,
+    and resets the counters."""
+    blocks = moe_layers(model)
+    if not blocks:
+        return {}
+    loads = torch.stack([moe.routed for _, moe in blocks])
+    extra = torch.tensor([[moe.stats.aux_loss, moe.stats.dropped] for _, moe in blocks],
+                         dtype=torch.float64, device=loads.device)
+    sum_over_ranks(loads)
+    sum_over_ranks(extra)
+    out = {}
+    for (name, moe), load, (aux, dropped) in zip(blocks, loads, extra.tolist(), strict=True):
+        moe.update_bias(load)
+        moe.routed.zero_()
+        moe.stats.take()
+        load = load.double()
+        out[name] = {"load_max_over_mean": float(load.max() / load.mean().clamp(min=1e-9)),
+                     "aux_loss": aux / replicas, "dropped": int(dropped),
+                     "bias_norm": float(moe.expert_bias.norm())}
+    return out
+
+
+def set_loss_scale(model: nn.Module, scale: float) -> None:
+    """The balancing loss's share of the step: 1 / microbatches, as the main loss's."""
+    for _, m in moe_layers(model):
+        m.loss_scale = scale

@@ -1,0 +1,145 @@
+"""Expert parallel: each group of ``ep`` data-parallel replicas splits a MoE block's experts
+among its ranks, and tokens travel to their experts' ranks and back by all-to-all.
+
+Folded over dp: the mesh's "ep" dimension is a view of the data-parallel replicas, so adding
+EP needs no extra ranks. Expert weights become DTensors sharded on dim 0 (the expert) over
+"ep", and ZeRO-3 shards them further over "edp", the replicas of each expert; every other
+parameter is ZeRO-3-sharded over the whole "dp" as before. Checkpoints keep the full
+(all-experts) shapes under the same names, so DCP reshards experts, their AdamW state and
+the balancing bias onto any other ep.
+
+Under tensor parallel the MoE block takes its tensor-parallel rank's share of the sequence
+(an MoE block is not split over tp: ``tp`` is folded into its token domain, as in Megatron
+Core's "MoE parallel folding" with expert TP 1). Its parameters then see a part of the
+tokens on each tp rank, and ``reduce_token_split_grads`` sums their gradients over tp.
+
+Communication follows NCCL's rules: every rank of an EP group makes the same collectives in
+the same order (per MoE block and microbatch: one all-to-all of the per-expert counts — the
+one host sync, for the split sizes — then one of the tokens, and one back); a rank that
+routes nothing to a peer sends it zero rows, never skips the call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.tensor import DTensor, Shard
+
+from trainmesh.models.moe.moe import MoE, balance_experts, moe_layers
+from trainmesh.parallel.mesh import Mesh
+
+
+class AllToAllDispatch:
+    """Dispatch over an EP group (the seam ``MoE.dispatch``); ``token_group``: the ranks
+    that split a microbatch's tokens (tensor parallel), or None."""
+
+    def __init__(self, ep_group: dist.ProcessGroup | None, ep: int, experts: int,
+                 token_group: dist.ProcessGroup | None):
+        self.ep_group, self.ep, self.experts, self.token_group = ep_group, ep, experts, token_group
+
+    def dispatch(self, x_sorted: torch.Tensor, counts: torch.Tensor):
+        if self.ep == 1:
+            return x_sorted, counts.tolist(), None
+        local = self.experts // self.ep
+        # Counts first: rank j receives, from every source, how many rows each of its experts
+        # gets. The one host sync of the block: the token all-to-all needs the split sizes.
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts, group=self.ep_group)
+        from_each = received.view(self.ep, local)  # (source, local expert)
+        send = counts.view(self.ep, local).sum(1).tolist()
+        recv = from_each.sum(1).tolist()
+        x = all_to_all_single_autograd(x_sorted, recv, send, self.ep_group)
+        # Arrived grouped by source, then expert: regroup by expert for the grouped GEMM.
+        order = _source_major_to_expert_major(from_each)
+        return x[order], from_each.sum(0).tolist(), (order, send, recv)
+
+    def combine(self, y: torch.Tensor, state) -> torch.Tensor:
+        if state is None:
+            return y
+        order, send, recv = state
+        back = y.new_empty(y.shape).index_copy(0, order, y)  # undo the regrouping
+        return all_to_all_single_autograd(back, send, recv, self.ep_group)
+
+    def sum_over_tokens(self, counts: torch.Tensor) -> torch.Tensor:
+        if self.token_group is not None:
+            dist.all_reduce(counts, group=self.token_group)
+        return counts
+
+
+def _source_major_to_expert_major(counts_SE: torch.Tensor) -> torch.Tensor:
+    """Row indices that reorder blocks laid out (source, expert) into (expert, source)."""
+    flat = counts_SE.reshape(-1)
+    starts = (torch.cumsum(flat, 0) - flat).view_as(counts_SE).T.reshape(-1)
+    lengths = counts_SE.T.reshape(-1)
+    total = int(lengths.sum())
+    block_start = torch.repeat_interleave(starts, lengths, output_size=total)
+    offset_in_block = torch.arange(total, device=counts_SE.device) - torch.repeat_interleave(
+        torch.cumsum(lengths, 0) - lengths, lengths, output_size=total)
+    return block_start + offset_in_block
+
+
+def apply_expert_parallel(model: nn.Module, mesh: Mesh) -> nn.Module:
+    """Split every MoE block's experts over "ep" (on the meta device, before ZeRO-3) and give
+    each block the all-to-all dispatcher; under tp, the tp group splits its tokens."""
+    ep, tp = mesh.dims.ep, mesh.dims.tp
+    for _, moe in moe_layers(model):
+        if ep > 1:
+            coord = mesh.device_mesh.get_local_rank("ep")
+            for name in ("w1", "w2", "w3"):
+                full = getattr(moe.experts, name)
+                local = full.detach().chunk(ep, dim=0)[coord]
+                setattr(moe.experts, name, nn.Parameter(DTensor.from_local(
+                    local, mesh["ep"], [Shard(0)], run_check=False)))
+        moe.dispatch = AllToAllDispatch(mesh["ep"].get_group() if ep > 1 else None, ep,
+                                        moe.args.experts,
+                                        mesh["tp"].get_group() if tp > 1 else None)
+    return model
+
+
+def expert_divide_factor(mesh: Mesh) -> float:
+    """What ZeRO-3 over "edp" divides expert gradients by: every data-parallel replica's
+    tokens reached them (through the all-to-all), so the mean is over dp, not edp."""
+    return float(mesh.dims.dp)
+
+
+def token_split_params(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters of MoE blocks (router, experts, shared expert): under tensor parallel
+    each tp rank's gradient covers only its share of the tokens."""
+    return [p for _, moe in moe_layers(model) for p in moe.parameters()]
+
+
+def reduce_token_split_grads(model: nn.Module, mesh: Mesh) -> None:
+    """Sum MoE blocks' gradients over tp (after ZeRO-3 reduced them over dp, each tp rank
+    holds the same shard positions). One all-reduce per step, in parameter order."""
+    if mesh.dims.tp == 1:
+        return
+    grads = [p.grad for p in token_split_params(model) if p.grad is not None]
+    if not grads:
+        return
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    flat = torch.cat([g.reshape(-1) for g in local])
+    dist.all_reduce(flat, group=mesh["tp"].get_group())
+    offset = 0
+    for g in local:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def balance_over_mesh(model: nn.Module, mesh: Mesh) -> Callable[[], dict[str, dict]]:
+    """``balance_experts`` for a rank of ``mesh``: loads and statistics summed over the stage's
+    dp × tp ranks (a collective after every optimizer step, on every rank of the stage)."""
+    group = mesh["dp_tp"].get_group() if mesh.dims.dp * mesh.dims.tp > 1 else None
+
+    def sum_over_ranks(t: torch.Tensor) -> None:
+        if group is not None:
+            dist.all_reduce(t, group=group)
+
+    return lambda: balance_experts(model, sum_over_ranks, replicas=mesh.dims.dp)
+
+
+def is_moe(model: nn.Module) -> bool:
+    return any(isinstance(m, MoE) for m in model.modules())
