@@ -10,12 +10,15 @@ from trainmesh.engine.step import build_lr_scheduler, build_optimizer, train_ste
 from trainmesh.spec.job import JobSpec
 
 
-def reference_run(spec: JobSpec, data_dir: str, steps: int, grads_after: int | None = None
-                  ) -> tuple[list[float], dict[str, torch.Tensor]] | tuple[list[float], dict, dict]:
+def reference_run(spec: JobSpec, data_dir: str, steps: int, grads_after: int | None = None,
+                  prepare=None) -> tuple[list[float], dict[str, torch.Tensor]] | tuple[list[float], dict, dict]:
     """Losses of ``steps`` steps over the whole global batch, and the parameters after them
-    (and, with ``grads_after=k``, every gradient as left by step k)."""
+    (and, with ``grads_after=k``, every gradient as left by step k). ``prepare(model)`` adjusts
+    the built model first (as a parallel test adjusts its ranks' parts)."""
     tr = spec.training
     model = build_model(spec, torch.device("cpu"))
+    if prepare is not None:
+        prepare(model)
     opt = build_optimizer(model, spec.optimizer)
     sched = build_lr_scheduler(opt, spec.optimizer, tr.steps)
     data, _ = open_datasets(data_dir, tr.seq_len, spec.data.eval_path, spec.data.eval_fraction)

@@ -4,6 +4,8 @@ parameter and balancing bias after the last."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from reference import reference_run
@@ -22,10 +24,10 @@ CASES = {  # largest meshes first: the rank pool then only shrinks
     "pp2-ep2-dp2-dense-stage": (ParallelDims(pp=2, dp=2, ep=2), [
         "model.moe.dense_layers=2", "model.moe.balance=bias", "model.moe.bias_update_rate=0.01"]),
     "ep4-dp4": (ParallelDims(dp=4, ep=4), []),
-    "ep2-dp4-bias-shared": (ParallelDims(dp=4, ep=2), [
+    "ep2-dp4-bias-shared-capacity": (ParallelDims(dp=4, ep=2), [
         "model.moe.balance=bias", "model.moe.router=sigmoid", "model.moe.shared_experts=1",
-        "model.moe.dense_layers=1", "model.moe.bias_update_rate=0.01"]),
-    "ep2-dp2-capacity": (ParallelDims(dp=2, ep=2), ["model.moe.capacity_factor=1.0"]),
+        "model.moe.dense_layers=1", "model.moe.bias_update_rate=0.01",
+        "model.moe.capacity_factor=1.0"]),
 }
 
 
@@ -60,3 +62,79 @@ def test_expert_parallel_matches_single_process(rank_pool, tmp_path, case):
     if spec.model.moe.balance == "bias":  # the bias moved, and equally on every mesh
         bias = {k: v for k, v in params.items() if k.endswith("expert_bias")}
         assert bias and all(v.abs().sum() > 0 for v in bias.values())
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpoint_at_ep4_restores_at_ep2_and_goes_on_with_the_same_losses(rank_pool, tmp_path):
+    """A job at ep4 × dp4 loses half its ranks: its checkpoint (experts, their AdamW moments,
+    the balancing bias) restores bit-identically at ep2 × dp2, and the next step's loss is the
+    single process's."""
+    from test_reshard_restore import _assert_same_state, _flat
+
+    args = [*BASE, "model.moe.balance=bias", "model.moe.bias_update_rate=0.01",
+            f"runtime.output_dir={tmp_path}"]
+    data_dir = str(ensure_tiny_corpus(tmp_path / "data"))
+    before = ParallelDims(dp=4, ep=4)
+    spec = load_spec(None, [*args, "parallelism.dp=4", "parallelism.ep=4"])
+    group = rank_pool.group_for(spec, before)
+    try:
+        group.build(spec.model_dump_json(), before, data_dir)
+        losses = [group.train_step()[0]["loss"] for _ in range(2)]
+        group.save_to(str(tmp_path / "ep4"))
+    finally:
+        rank_pool.release(group)
+    after = ParallelDims(dp=2, ep=2)
+    spec = load_spec(None, [*args, "parallelism.dp=2", "parallelism.ep=2"])
+    group = rank_pool.group_for(spec, after)
+    try:
+        group.build(spec.model_dump_json(), after, data_dir)
+        group.load(str(tmp_path / "ep4"), 2, None)
+        group.save_to(str(tmp_path / "ep2"))
+        losses.append(group.train_step()[0]["loss"])
+    finally:
+        rank_pool.release(group)
+    saved = _flat(tmp_path / "ep4", tmp_path, "ep4")
+    assert any(k.endswith("expert_bias") and v.abs().sum() > 0 for k, v in saved["model"].items())
+    _assert_same_state(_flat(tmp_path / "ep2", tmp_path, "ep2"), saved)
+    ref_losses, _ = reference_run(spec, data_dir, steps=3)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+
+
+def _zero_routers(model) -> None:
+    """Every router score equal: the deterministic tie-break sends every token to the first
+    top_k experts (the rest get none, on every rank)."""
+    from trainmesh.models.moe.moe import moe_layers
+
+    with torch.no_grad():
+        for _, moe in moe_layers(model):
+            moe.router.weight.zero_()
+
+
+@pytest.mark.timeout(300)
+def test_all_tokens_to_one_expert_finishes_and_matches(rank_pool, tmp_path):
+    """top_k 1 and a zeroed router: expert 0 (on rank 0) takes every token of both ranks, rank
+    1's experts and its all-to-all to itself carry nothing; ZeRO-3 still reduces every expert's
+    (zero) gradient on both ranks, and the step equals the single process's."""
+    dims = ParallelDims(dp=2, ep=2)
+    spec = load_spec(None, [*BASE, "parallelism.dp=2", "parallelism.ep=2", "model.moe.top_k=1",
+                            f"runtime.output_dir={tmp_path}"])
+    data_dir = str(ensure_tiny_corpus(tmp_path / "data"))
+    group = rank_pool.group_for(spec, dims)
+    try:
+        group.build(spec.model_dump_json(), dims, data_dir)
+        from ray import cloudpickle  # the ranks cannot import this test module: ship by value
+
+        cloudpickle.register_pickle_by_value(sys.modules[__name__])
+        group.execute(lambda engine: _zero_routers(engine.model))
+        first = group.train_step()[0]
+        grads = group.full_grads()
+    finally:
+        rank_pool.release(group)
+    [ref_loss], _, ref_grads = reference_run(spec, data_dir, steps=1, grads_after=1,
+                                             prepare=_zero_routers)
+    torch.testing.assert_close(first["loss"], ref_loss, rtol=1e-5, atol=0)
+    _close(grads, ref_grads)
+    for block, stats in first["experts"].items():  # every assignment to one of 8 experts
+        assert stats["load_max_over_mean"] == pytest.approx(8.0), (block, stats)
+    assert (grads["layers.0.feed_forward.experts.w1"][1:] == 0).all()
+    assert grads["layers.0.feed_forward.experts.w1"][0].abs().sum() > 0

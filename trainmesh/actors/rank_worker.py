@@ -319,6 +319,11 @@ class RankWorker:
     def full_grads(self) -> dict:
         return self.engine.full_grads()
 
+    def execute(self, fn, *args):
+        """``fn(engine, *args)`` on this rank (a function Ray ships by value): for tools and
+        tests that look into or adjust a built engine."""
+        return fn(self.engine, *args)
+
     def parameter_meshes(self) -> dict[str, tuple[str, ...]]:
         """Each parameter's mesh dimensions here (() for a plain tensor): how it is split."""
         return self.engine.parameter_meshes()

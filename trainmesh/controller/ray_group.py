@@ -196,6 +196,10 @@ class RayWorkerGroup:
         return {k: v for d in self.group.call("full_grads", timeout_s=self.timeout)
                 for k, v in d.items()}
 
+    def execute(self, fn, *args) -> list:
+        """``fn(engine, *args)`` on every rank at once (collective if ``fn`` is)."""
+        return self.group.call("execute", fn, *args, timeout_s=self.timeout)
+
     def parameter_meshes(self) -> list[dict[str, tuple[str, ...]]]:
         """Per rank: each parameter's mesh dimensions (how the layout split it)."""
         return self.group.call("parameter_meshes", timeout_s=self.timeout)

@@ -26,7 +26,7 @@ class ModelShape(Protocol):
     n_kv_heads: int
     vocab_size: int
     tie_embeddings: bool
-    moe: object | None  # a MoEConfig (experts, capacity_factor, …) or None
+    # optional ``moe``: a MoEConfig (experts, capacity_factor, …) or None
 
 
 def valid_tp_degrees(n_heads: int, n_kv_heads: int) -> list[int]:
@@ -65,22 +65,24 @@ def pp_problems(m: ModelShape, pp: int, vpp: int) -> list[Problem]:
 
 def ep_degrees(m: ModelShape, dp: int) -> list[int]:
     """The expert-parallel degrees that divide both the data-parallel replicas and experts."""
-    experts = m.moe.experts if m.moe is not None else 1
+    moe = getattr(m, "moe", None)
+    experts = moe.experts if moe is not None else 1
     return [e for e in range(1, dp + 1) if dp % e == 0 and experts % e == 0]
 
 
 def ep_problems(m: ModelShape, dp: int, ep: int) -> list[Problem]:
     """ep splits the experts, over groups carved out of the dp replicas."""
+    moe = getattr(m, "moe", None)
     if ep == 1:
         return []
-    if m.moe is None:
+    if moe is None:
         return [Problem("parallelism.ep", f"ep={ep} but the model has no experts",
                         "set model.moe (e.g. model.preset=tiny-moe) or parallelism.ep=1",
                         DIVISIBILITY)]
-    if dp % ep or m.moe.experts % ep:
+    if dp % ep or moe.experts % ep:
         return [Problem("parallelism.ep", f"ep={ep} does not divide both dp={dp} (expert-parallel "
                         f"groups are carved out of the data-parallel replicas) and "
-                        f"model.moe.experts={m.moe.experts}", f"use one of {ep_degrees(m, dp)}, "
+                        f"model.moe.experts={moe.experts}", f"use one of {ep_degrees(m, dp)}, "
                         "or raise parallelism.dp", DIVISIBILITY)]
     return []
 
@@ -100,7 +102,8 @@ def runnable_problems(m: ModelShape, tp: int, pp: int, sequence_parallel: bool =
     if m.tie_embeddings and tp > 1:
         out.append(Problem("model.tie_embeddings", f"tp={tp}: the tied head is not "
                            "tensor-parallel here", "set it to false when parallelism.tp > 1", TIED))
-    if m.moe is not None and m.moe.capacity_factor is not None and tp > 1:
+    moe = getattr(m, "moe", None)
+    if moe is not None and moe.capacity_factor is not None and tp > 1:
         out.append(Problem("model.moe.capacity_factor", f"tp={tp}: dropping by capacity over a "
                            "microbatch split across tensor-parallel ranks is not built",
                            "leave it null (dropless) or use tp=1"))

@@ -55,8 +55,8 @@ class LlamaArgs:
         fields["moe"] = MoEArgs.from_config(fields["moe"])
         return cls(**fields, kernels=resolve(getattr(cfg, "kernels", "auto"), device_type))
 
-    def num_params(self, include_embedding: bool = True) -> int:
-        return model_math.num_params(self, include_embedding)
+    def num_params(self, include_embedding: bool = True, active: bool = False) -> int:
+        return model_math.num_params(self, include_embedding, active)
 
     def flops_per_token(self, seq_len: int) -> float:
         return model_math.flops_per_token(self, seq_len)

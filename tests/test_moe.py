@@ -1,0 +1,194 @@
+"""The MoE block on one process: routing, dispatch, dropping, balancing, against a token-by-token
+computation; the spec's rules for ep; parameter and FLOP counts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from trainmesh.cli.loading import load_spec
+from trainmesh.engine.engine import build_model
+from trainmesh.kernels import kernel_set
+from trainmesh.models.llama.model import LlamaArgs
+from trainmesh.models.moe.moe import MoE, MoEArgs, balance_experts, expert_swiglu, moe_layers
+from trainmesh.parallel.expert import _source_major_to_expert_major
+from trainmesh.planning.job_plan import expert_parallel_degree
+from trainmesh.spec.problems import SpecError
+
+OPS = kernel_set("torch")
+
+
+def _moe(seed=0, dim=16, **kw) -> MoE:
+    args = MoEArgs(**{"experts": 6, "top_k": 2, "expert_ffn_dim": 12, **kw})
+    shared = None
+    if args.shared_experts:
+        from trainmesh.models.llama.model import FeedForward
+
+        shared = FeedForward(dim, args.shared_experts * args.expert_ffn_dim, OPS)
+    moe = MoE(dim, args, OPS, shared)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return moe
+
+
+def _token_by_token(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """Each token alone: its scores, its top-k experts, their SwiGLUs, weighted."""
+    a, e = moe.args, moe.experts
+    out = []
+    for t in x.reshape(-1, x.shape[-1]):
+        logits = moe.router.weight @ t
+        s = logits.softmax(-1) if a.router == "softmax" else logits.sigmoid()
+        chosen = sorted(range(a.experts), key=lambda i: (-float(s[i].detach() + moe.expert_bias[i]), i))
+        chosen = chosen[:a.top_k]
+        w = s[chosen] / s[chosen].sum() if a.normalize_top_k else s[chosen]
+        y = sum(wi * (F.silu(e.w1[i] @ t) * (e.w3[i] @ t)) @ e.w2[i].T for wi, i in zip(w, chosen, strict=True))
+        out.append(y + (moe.shared(t) if moe.shared is not None else 0))
+    return torch.stack(out).view_as(x)
+
+
+@pytest.mark.parametrize("kw", [{}, {"router": "sigmoid", "normalize_top_k": False},
+                                {"shared_experts": 1, "top_k": 3}, {"balance": "bias"}])
+def test_moe_equals_each_token_through_its_experts(kw):
+    moe = _moe(**kw)
+    if moe.args.balance == "bias":  # the bias chooses experts, it never weights them
+        moe.expert_bias.copy_(torch.tensor([0.5, 0.0, -0.5, 0.2, 0.0, 0.1]))
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(moe(x), _token_by_token(moe, x), rtol=1e-5, atol=1e-6)
+
+
+def test_grouped_gemm_equals_the_per_expert_loop_forward_and_backward():
+    g = torch.Generator().manual_seed(0)
+    w1, w3 = (torch.randn(4, 12, 8, generator=g, requires_grad=True) for _ in range(2))
+    w2 = torch.randn(4, 8, 12, generator=g, requires_grad=True)
+    counts = [3, 0, 5, 1]  # an expert with no rows
+    x = torch.randn(sum(counts), 8, generator=g, requires_grad=True)
+    results = []
+    for grouped in (False, True):
+        y = expert_swiglu(x, counts, w1, w2, w3, OPS.swiglu, grouped)
+        grads = torch.autograd.grad((y * torch.arange(y.numel()).view_as(y)).sum(), (x, w1, w2, w3))
+        results.append((y, grads))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(results[0][1], results[1][1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert (results[0][1][1][1] == 0).all()  # the empty expert: a zero gradient, not None
+
+
+def test_capacity_drops_the_lowest_weighted_assignments_and_counts_them():
+    moe = _moe(capacity_factor=0.5)
+    with torch.no_grad():
+        moe.router.weight.zero_()  # equal scores: every token's top 2 are experts 0 and 1
+    x = torch.randn(1, 8, 16, generator=torch.Generator().manual_seed(2))
+    y = moe(x)  # 16 assignments, capacity ceil(0.5 × 8 × 2 / 6) = 2 per expert
+    assert moe.args.capacity(8) == 2
+    kept = _token_by_token(moe, x)[0, :2]  # equal weights: the first two tokens are kept
+    torch.testing.assert_close(y[0, :2], kept, rtol=1e-5, atol=1e-6)
+    assert (y[0, 2:] == 0).all()
+    stats = balance_experts(moe)
+    assert stats[""]["dropped"] == 12 and stats[""]["load_max_over_mean"] == pytest.approx(3.0)
+
+
+def test_ties_go_to_the_lowest_expert_index():
+    moe = _moe(top_k=3)
+    with torch.no_grad():
+        moe.router.weight.zero_()
+        _, idx, weights = moe.route(torch.randn(7, 16))
+    assert idx.tolist() == [[0, 1, 2]] * 7
+    torch.testing.assert_close(weights, torch.full((7, 3), 1 / 3))
+
+
+def test_the_bias_moves_towards_balance_after_each_step_and_only_chooses():
+    moe = _moe(balance="bias", bias_update_rate=0.1)
+    x = torch.randn(1, 12, 16, generator=torch.Generator().manual_seed(3))
+    moe(x).sum().backward()
+    load = moe.routed.clone()
+    balance_experts(moe)
+    mean = load.double().mean()
+    want = 0.1 * torch.sign(mean - load.double()).float()
+    torch.testing.assert_close(moe.expert_bias, want)
+    assert int(moe.routed.sum()) == 0  # counters reset for the next step
+
+
+def test_the_balancing_loss_trains_the_router_as_if_added_to_the_loss():
+    """Its gradient is injected in backward (so it works on any pipeline stage); it must equal
+    adding coef × E/k × Σ f·P, times the microbatch's share, to the loss."""
+    moe = _moe(aux_loss_coef=0.1)
+    moe.loss_scale = 0.25
+    x = torch.randn(1, 10, 16, generator=torch.Generator().manual_seed(4))
+    moe(x).sum().backward()
+    got = moe.router.weight.grad.clone()
+    moe.zero_grad()
+    moe.args = MoEArgs(**{**moe.args.__dict__, "aux_loss_coef": 0.0})
+    y = moe(x)
+    scores, idx, _ = moe.route(x.view(-1, 16))
+    f = torch.bincount(idx.reshape(-1), minlength=6).float() / 10
+    aux = 0.1 * 6 / 2 * (f * scores.mean(0)).sum()
+    (y.sum() + 0.25 * aux).backward()
+    torch.testing.assert_close(got, moe.router.weight.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_recomputed_blocks_count_their_tokens_once():
+    spec = load_spec(None, ["model.preset=tiny-moe", "runtime.device=cpu"])
+    x = torch.randint(0, 264, (2, 16), generator=torch.Generator().manual_seed(5))
+    out = {}
+    for mode in ("none", "full"):
+        model = build_model(spec, torch.device("cpu"))
+        for block in model.layers.values():
+            block.recompute = mode == "full"
+        model(x, x).backward()
+        out[mode] = ({n: p.grad.clone() for n, p in model.named_parameters()},
+                     {n: m.routed.clone() for n, m in moe_layers(model)},
+                     {n: m.stats.aux_loss for n, m in moe_layers(model)})
+    for n, g in out["none"][0].items():
+        torch.testing.assert_close(out["full"][0][n], g, rtol=1e-5, atol=1e-7)
+    for n, r in out["none"][1].items():
+        assert torch.equal(out["full"][1][n], r) and int(r.sum()) == 2 * 16 * 2
+    assert out["full"][2] == pytest.approx(out["none"][2])
+
+
+def test_regrouping_received_blocks_by_expert():
+    counts = torch.tensor([[2, 0, 1], [1, 3, 0]])  # (source, expert): rows arrive source-major
+    rows = [f"s{s}e{e}" for s in range(2) for e in range(3) for _ in range(int(counts[s, e]))]
+    order = _source_major_to_expert_major(counts)
+    assert [rows[i] for i in order] == ["s0e0", "s0e0", "s1e0", "s1e1", "s1e1", "s1e1", "s0e2"]
+
+
+@pytest.mark.parametrize("extra", [[], ["model.moe.shared_experts=2", "model.moe.dense_layers=1"]])
+def test_parameter_count_is_exact_and_flops_count_the_active_experts(extra):
+    spec = load_spec(None, ["model.preset=tiny-moe", "runtime.device=cpu", *extra])
+    model = build_model(spec, torch.device("cpu"))
+    args = LlamaArgs.from_config(spec.model)
+    assert args.num_params() == sum(p.numel() for p in model.parameters())
+    dense_equivalent = args.num_params(active=True)  # top-2 of 8 experts
+    moe = spec.model.moe
+    layers = spec.model.n_layers - moe.dense_layers
+    assert args.num_params() - dense_equivalent == layers * (moe.experts - moe.top_k) * 3 * 64 * 64
+    assert args.flops_per_token(32) == 6 * (dense_equivalent - 264 * 64) + 12 * 4 * 64 * 32
+
+
+@pytest.mark.parametrize("args, field, fix", [
+    (["model.preset=tiny", "parallelism.dp=2", "parallelism.ep=2"], "parallelism.ep", "model.moe"),
+    (["model.preset=tiny-moe", "parallelism.dp=6", "parallelism.ep=3",
+      "training.global_batch_size=12"], "parallelism.ep", "[1, 2]"),
+    (["model.preset=tiny-moe", "parallelism.tp=2", "model.moe.capacity_factor=1.0"],
+     "model.moe.capacity_factor", "dropless"),
+    (["model.preset=tiny-moe", "model.moe.top_k=9"], "model.moe", "at most"),
+])
+def test_bad_expert_layouts_are_refused_naming_the_field_and_fix(args, field, fix):
+    from trainmesh.cli.loading import unsupported_problems
+
+    try:
+        spec = load_spec(None, ["runtime.device=cpu", *args])
+    except SpecError as err:
+        text = str(err)
+    else:
+        text = "; ".join(str(p) for p in unsupported_problems(spec))
+    assert field in text and fix in text, text
+
+
+def test_a_replan_keeps_the_largest_ep_that_still_divides():
+    spec = load_spec(None, ["model.preset=tiny-moe", "parallelism.dp=4", "parallelism.ep=4"])
+    assert [expert_parallel_degree(spec, dp) for dp in (4, 3, 2, 6, 8)] == [4, 1, 2, 2, 4]
