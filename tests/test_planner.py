@@ -294,3 +294,49 @@ def test_heterogeneous_nodes_are_planned_around_not_capping_every_node():
     odd = Topology((Node("a", 2), Node("b", 1), Node("c", 1)), device_spec("cpu"))
     with pytest.raises(PlanError, match="dp=2 needs more than the 1 replicas"):  # 4 of 4, but
         plan_job(load_spec(None, ["parallelism.tp=2", "parallelism.dp=2"]), odd)  # 1+1 split
+
+
+def test_moe_memory_counts_experts_over_ep_and_their_shards_over_dp():
+    """ZeRO-3 shards every MoE parameter over dp (experts over ep, then the replicas of each);
+    a rank gathers all of a block's router and shared expert but only its ep's experts, and
+    tensor parallel does not split an MoE block."""
+    from trainmesh.models.llama.model_math import num_params
+
+    m = _model("tiny-moe", **{"moe.shared_experts": 1})
+    rp = cost_model.rank_params(m, 1, 0)
+    assert rp.local(1, 1) == num_params(m)
+    experts = m.n_layers * m.moe.experts * 3 * m.dim * m.moe.expert_ffn_dim
+    assert rp.experts == experts
+    assert rp.gathered(2, 4) == pytest.approx(rp.tp_sharded / 2 + rp.replicated + experts / 4)
+    assert rp.local(2, 4) == pytest.approx((rp.tp_sharded / 2 + rp.replicated + experts) / 4)
+
+
+def test_moe_plans_choose_ep_and_price_the_all_to_all():
+    spec = load_spec(None, ["model.preset=mixtral-8x7b", "parallelism=auto",
+                            "training.global_batch_size=256", "training.seq_len=4096",
+                            "training.dtype=bfloat16"])
+    topo = Topology.uniform(8, 8, "h100")
+    dims, result = plan_job(spec, topo)
+    assert {p.candidate.ep for p in result.plans} >= {1, 2, 4, 8}
+    assert dims.dp % dims.ep == 0 and 8 % dims.ep == 0
+    by_ep = {ep: cost_model.estimate(spec.model, cost_model.Candidate(
+        2, 4, 8, 1, "1f1b", 1, 32, "full", True, True, "float32", ep), 4096,
+        device_spec("h100"), 8, 2) for ep in (1, 2, 4, 8)}
+    assert by_ep[1].ep_comm_s == 0 < by_ep[2].ep_comm_s
+    # ep 8 with tp 2 spans two nodes: its all-to-all crosses the slower links.
+    per_rank = {ep: by_ep[ep].ep_comm_s / ((ep - 1) / ep) for ep in (2, 4, 8)}
+    assert per_rank[8] > 2 * per_rank[4] and per_rank[4] == pytest.approx(per_rank[2])
+    # fewer experts per rank: less gathered memory
+    assert by_ep[8].memory_per_rank_gib < by_ep[2].memory_per_rank_gib
+
+
+def test_a_replan_after_a_node_loss_keeps_the_largest_ep_that_still_divides():
+    from trainmesh.planning.job_plan import plan_for
+
+    spec = load_spec(None, ["model.preset=tiny-moe", "parallelism.dp=4", "parallelism.ep=4",
+                            "training.global_batch_size=8", "training.microbatch_size=1",
+                            "training.seq_len=32"])
+    new = plan_for(spec, Topology.uniform(1, 2, "cpu"), replan=True)
+    assert (new.dims.dp, new.dims.ep) == (2, 2) and new.spec.parallelism.ep == 2
+    new = plan_for(spec, Topology.uniform(1, 3, "cpu"), replan=True)  # dp 3: no ep divides it
+    assert new.dims.dp in (1, 2, 3) and new.dims.ep in (1, 2) and new.dims.dp % new.dims.ep == 0

@@ -19,7 +19,13 @@ from trainmesh.controller.boundary import StepBoundary
 from trainmesh.controller.checkpointing import Checkpointer, step_meta
 from trainmesh.controller.elastic import JobFailed, bounded_topology, warm_assignment
 from trainmesh.controller.evaluation import Evaluator, evaluate_once
-from trainmesh.controller.hooks import AfterStep, Hook, step_metrics
+from trainmesh.controller.hooks import (
+    AfterStep,
+    Hook,
+    expert_metrics,
+    flat_expert_metrics,
+    step_metrics,
+)
 from trainmesh.controller.memory_tier import MemoryTier, restore_newest
 from trainmesh.controller.pipeline_artifacts import write_pipeline_artifacts
 from trainmesh.controller.ray_group import (
@@ -81,6 +87,7 @@ class Controller:
         self.notices: list[str] = []  # warnings for the person running the job
         self.pid_history: list[list[int]] = []  # the ranks' processes, per (re)start
         self.losses: list[float] = []
+        self.experts: dict[str, Any] = {}  # MoE: the last step's statistics (summary.json)
         self.book = RecoveryBook()  # restarts, dead nodes, the recovery in progress, those done
         self.group = None  # the rank actors (the injected worker group)
         self.dims = ParallelDims()
@@ -359,7 +366,12 @@ class Controller:
 
     def _log_step(self, s: AfterStep, metrics_of) -> None:
         metrics = metrics_of(s.stats[0], s.seconds)
-        s.tracker.log_metrics(metrics, step=s.step)
+        experts = expert_metrics(s.stats)
+        if experts:  # MoE: expert load, balancing loss, dropped tokens, bias norm per block
+            self.experts = {"step": s.step, **experts,
+                            "dropped_total": self.experts.get("dropped_total", 0)
+                            + experts["all"]["dropped"]}
+        s.tracker.log_metrics({**metrics, **flat_expert_metrics(experts)}, step=s.step)
         self.cadence.stepped(s.step, s.seconds, s.tracker)
         self._set(step=s.step, loss=metrics["loss"], tokens_per_s=metrics["tokens_per_s"])
 
@@ -422,6 +434,8 @@ class Controller:
             "rank_pids": self.pid_history, "checkpoint_cadence": self.cadence.choices,
             "mlflow_run_id": tracker.run_id, "tracking_uri": tracker.uri,
         }
+        if self.experts:  # the last step's per-block expert statistics, the run's drops
+            summary["experts"] = self.experts
         write_json_atomically(self.out / "summary.json", summary)
         return summary
 

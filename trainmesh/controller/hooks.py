@@ -43,3 +43,35 @@ def step_metrics(spec: JobSpec, peak_tflops: float) -> Callable[[dict[str, Any],
                 "mfu": flops * tps / (peak_tflops * 1e12)}
 
     return metrics
+
+
+def expert_metrics(stats: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Each MoE block's step statistics, merged over the ranks (every pipeline stage reports
+    its own blocks; the ranks of a stage agree): ``{block: {load_max_over_mean, aux_loss,
+    dropped, bias_norm}}``, with the totals over blocks under ``"all"``."""
+    blocks: dict[str, dict[str, float]] = {}
+    for rank in stats:
+        blocks.update(rank.get("experts") or {})
+    if not blocks:
+        return {}
+    rows = list(blocks.values())
+    total = {"load_max_over_mean": max(r["load_max_over_mean"] for r in rows),
+             "aux_loss": sum(r["aux_loss"] for r in rows),
+             "dropped": sum(r["dropped"] for r in rows),
+             "bias_norm": max(r["bias_norm"] for r in rows)}
+    return {**dict(sorted(blocks.items(), key=lambda kv: _layer_of(kv[0]))), "all": total}
+
+
+def flat_expert_metrics(experts: dict[str, dict[str, float]]) -> dict[str, float]:
+    """MLflow names: ``moe_<stat>`` for the totals, ``moe/layer<i>/<stat>`` per block."""
+    out = {}
+    for block, row in experts.items():
+        prefix = "moe_" if block == "all" else f"moe/layer{_layer_of(block)}/"
+        out.update({prefix + k: float(v) for k, v in row.items()})
+    return out
+
+
+def _layer_of(block: str) -> int:
+    """``layers.7.feed_forward`` → 7."""
+    parts = block.split(".")
+    return int(parts[parts.index("layers") + 1]) if "layers" in parts else -1

@@ -52,7 +52,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from trainmesh.models.llama.model_math import flops_per_token, layer_params
+from trainmesh.models.llama.model_math import flops_per_token, layer_params, mlp_params
 from trainmesh.parallel.pipeline.ir import splits_backward
 from trainmesh.planning.devices import DeviceSpec
 
@@ -85,6 +85,7 @@ class Candidate:
     # microbatches (True), or re-gathers them for every microbatch (False).
     keep_gathered: bool = True
     reduce_dtype: str = "float32"  # gradient reduce-scatter dtype (FSDP2's reduce_dtype)
+    ep: int = 1  # expert parallel, folded over dp (MoE models)
 
     @property
     def reduce_bytes(self) -> int:
@@ -107,6 +108,7 @@ class Estimate:
     tp_comm_s: float
     pp_comm_s: float
     dp_exposed_s: float
+    ep_comm_s: float = 0.0  # MoE token all-to-alls (dispatch and combine, forward and backward)
 
 
 def bubble_fraction(schedule: str, pp: int, vpp: int, m: int) -> float:
@@ -182,26 +184,49 @@ class MemoryBreakdown:
 
 @dataclass(frozen=True)
 class RankParams:
-    """Parameters of one rank's model part, split by how TP shards them."""
+    """Parameters of one rank's model part, split by how TP and EP shard them."""
 
-    tp_sharded: int  # matrices (attention, MLP, embedding, head): divided over tp
-    replicated: int  # norm weights: whole on every tp rank
+    tp_sharded: int  # matrices (attention, dense MLP, embedding, head): divided over tp
+    replicated: int  # norm weights, MoE routers and shared experts: whole on every tp rank
     per_layer: int
+    experts: int = 0  # routed experts: divided over ep (an MoE block is not split over tp)
+    # One block's parts (the heaviest block: an MoE one if the model has any).
+    layer_tp_sharded: int = 0
+    layer_replicated: int = 0
+    layer_experts: int = 0
 
     def local(self, tp: int, dp: int) -> float:
-        """Elements of this rank's ZeRO-3 shards."""
-        return (self.tp_sharded / tp + self.replicated) / dp
+        """Elements of this rank's ZeRO-3 shards (experts: over ep, then the rest of dp)."""
+        return (self.tp_sharded / tp + self.replicated + self.experts) / dp
 
-    def gathered(self, tp: int) -> float:
-        return self.tp_sharded / tp + self.replicated
+    def gathered(self, tp: int, ep: int = 1) -> float:
+        return self.tp_sharded / tp + self.replicated + self.experts / ep
+
+    def layer_gathered(self, tp: int, ep: int = 1) -> float:
+        """One block as ZeRO-3 gathers it on a rank."""
+        return self.layer_tp_sharded / tp + self.layer_replicated + self.layer_experts / ep
+
+
+def _block_parts(model, layer: int | None) -> tuple[int, int, int]:
+    """(tp-sharded, replicated, expert) elements of block ``layer`` (None: the heaviest)."""
+    d = model.dim
+    total = layer_params(model, layer)
+    moe = getattr(model, "moe", None)
+    if moe is None or (layer is not None and layer < moe.dense_layers):
+        return total - 2 * d, 2 * d, 0
+    experts = moe.experts * 3 * d * moe.expert_ffn_dim
+    attention = total - 2 * d - mlp_params(model, layer)
+    return attention, total - attention - experts, experts
 
 
 def rank_params(model, pp: int, pp_rank: int, schedule: str = "1f1b") -> RankParams:
     d, V = model.dim, model.vocab_size
-    per_layer = layer_params(model)
     layers = model.n_layers // pp
-    sharded = layers * (per_layer - 2 * d)
-    replicated = layers * 2 * d
+    first_layer = pp_rank * layers  # stages own contiguous layers (chunk order aside)
+    sharded = replicated = experts = 0
+    for layer in range(first_layer, first_layer + layers):
+        t, r, e = _block_parts(model, layer)
+        sharded, replicated, experts = sharded + t, replicated + r, experts + e
     first, last = pp_rank == 0, holds_head(schedule, pp, pp_rank)
     if first:
         sharded += V * d
@@ -209,7 +234,8 @@ def rank_params(model, pp: int, pp_rank: int, schedule: str = "1f1b") -> RankPar
         replicated += d
         if not (model.tie_embeddings and first):
             sharded += V * d
-    return RankParams(sharded, replicated, per_layer)
+    lt, lr, le = _block_parts(model, None)
+    return RankParams(sharded, replicated, layer_params(model), experts, lt, lr, le)
 
 
 def activation_units(model, tp: int, sequence_parallel: bool, recompute: str,
@@ -222,9 +248,29 @@ def activation_units(model, tp: int, sequence_parallel: bool, recompute: str,
     f = model.ffn_dim / model.dim
     norm = 1 if fused else 2  # per norm, besides the output the next matmul keeps
     mlp = (3 if fused else 4) * f
+    moe = getattr(model, "moe", None)
+    if moe is not None:  # the MoE block: its tp rank's share of the tokens, as the MLP's
+        mlp = moe_activation_units(model)
     if sequence_parallel and tp > 1:
         return 2 + (2 * norm + 5 + mlp) / tp
     return 2 + 2 * norm + (5 + mlp) / tp
+
+
+# Dropless routing gives no bound on an expert's tokens: memory is planned for the busiest rank
+# receiving this multiple of its even share (an untrained router routes unevenly; the
+# "dropless MoE runs out of memory early in training" failure). With capacity_factor set, the
+# capacity is the bound.
+MOE_IMBALANCE = 2.0
+
+
+def moe_activation_units(model) -> float:
+    """An MoE block's saved activations per token, in units of h elements: each of the top-k
+    copies of the token (the gathered input, its expert's gate, up, silu(gate) and w2 input,
+    and the expert's output), at the planned imbalance, plus the shared expert's SwiGLU."""
+    moe = model.moe
+    bound = moe.capacity_factor if moe.capacity_factor is not None else MOE_IMBALANCE
+    routed = moe.top_k * bound * (2 + 4 * moe.expert_ffn_dim / model.dim)
+    return routed + 4 * moe.shared_experts * moe.expert_ffn_dim / model.dim
 
 
 def rank_memory(model, c: Candidate, seq_len: int, pp_rank: int = 0, compute_bytes: int = 2,
@@ -235,7 +281,7 @@ def rank_memory(model, c: Candidate, seq_len: int, pp_rank: int = 0, compute_byt
     rp = rank_params(model, c.pp, pp_rank, c.schedule)
     reduce_bytes = c.reduce_bytes
     local = rp.local(c.tp, c.dp)
-    layer_gathered = (rp.per_layer - 2 * model.dim) / c.tp + 2 * model.dim
+    layer_gathered = rp.layer_gathered(c.tp, c.ep)
     # A unit's gradients come out of backward in the compute dtype and are cast to the reduce
     # dtype for its reduce-scatter into the fp32 sharded gradients (4 × local). Across
     # microbatches without a reduce-scatter FSDP2 accumulates them unsharded in the reduce
@@ -244,15 +290,15 @@ def rank_memory(model, c: Candidate, seq_len: int, pp_rank: int = 0, compute_byt
     if c.pp > 1 and c.dp == 1 and compute_bytes == 4:  # stages not wrapped (nothing to shard
         gathered, grads, end_of_step = 0.0, 4 * local, 8 * local  # or cast): plain fp32 grads
     elif c.keep_gathered and c.num_microbatches > 1:
-        gathered = compute_bytes * rp.gathered(c.tp)
-        grads = reduce_bytes * rp.gathered(c.tp) + compute_bytes * layer_gathered
+        gathered = compute_bytes * rp.gathered(c.tp, c.ep)
+        grads = reduce_bytes * rp.gathered(c.tp, c.ep) + compute_bytes * layer_gathered
         end_of_step = max(gathered + grads + 4 * local + reduce_unit, 8 * local)
     elif c.keep_gathered:
-        gathered = compute_bytes * rp.gathered(c.tp)
+        gathered = compute_bytes * rp.gathered(c.tp, c.ep)
         grads = 4 * local + reduce_unit
         end_of_step = 8 * local
     else:
-        root = rp.gathered(c.tp) - (model.n_layers // c.pp) * layer_gathered
+        root = rp.gathered(c.tp, c.ep) - (model.n_layers // c.pp) * layer_gathered
         gathered = compute_bytes * (2 * layer_gathered + root)
         grads = 4 * local + reduce_unit
         end_of_step = 8 * local
@@ -300,9 +346,12 @@ def snapshot_host_bytes(model, c: Candidate, pp_rank: int | None = None) -> floa
 
 
 def _tensors(model, c: Candidate, pp_rank: int) -> int:
-    """Parameter tensors of a pipeline rank's part (9 per block; embedding, final norm, head)."""
+    """Parameter tensors of a pipeline rank's part (9 per dense block, 10 per MoE block and 3
+    more with a shared expert; embedding, final norm, head)."""
     last = holds_head(c.schedule, c.pp, pp_rank)
-    return (9 * (model.n_layers // c.pp) + (pp_rank == 0)
+    moe = getattr(model, "moe", None)
+    per_block = 9 if moe is None else 10 + 3 * (moe.shared_experts > 0)
+    return (per_block * (model.n_layers // c.pp) + (pp_rank == 0)
             + (last and 1 + (not (model.tie_embeddings and pp_rank == 0))))
 
 
@@ -340,9 +389,17 @@ def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: in
         v = c.vpp if c.schedule in CHUNKED else 1
         msg = act_bytes / c.tp / (device.inter_node_gbps * 1e9) + PP_LATENCY_S
         pp_comm = 2 * msg * c.num_microbatches * v
+    ep_comm = 0.0
+    moe = getattr(model, "moe", None)
+    if moe is not None and c.ep > 1:  # 4 all-to-alls per MoE block and microbatch
+        moe_layers = sum(1 for i in range(model.n_layers) if i >= moe.dense_layers) / c.pp
+        per_a2a = (seq_len * c.microbatch_size / c.tp * moe.top_k * h * compute_bytes
+                   * (c.ep - 1) / c.ep)
+        bw = device.intra_node_gbps if c.ep * c.tp <= per_node else device.inter_node_gbps
+        ep_comm = 4 * per_a2a / (bw * 1e9) * moe_layers * c.num_microbatches
     dp_exposed = 0.0
     if c.dp > 1:
-        params_per_rank = model_params_per_stage(model, c.pp) / c.tp
+        params_per_rank = rank_params(model, c.pp, 0, c.schedule).gathered(c.tp, c.ep)
         bw = device.intra_node_gbps if c.dp * c.tp <= per_node else device.inter_node_gbps
         gathers = 1 if c.keep_gathered else 2 * c.num_microbatches
         reduces = 1 if c.keep_gathered else c.num_microbatches
@@ -351,17 +408,11 @@ def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: in
         units = model.n_layers // c.pp + 1
         dp_exposed = (max(0.0, dp_time - 0.5 * compute)
                       + (gathers + reduces) * units * COLLECTIVE_LATENCY_S)
-    step = compute + tp_comm + pp_comm + dp_exposed
+    step = compute + tp_comm + pp_comm + dp_exposed + ep_comm
     achieved = flops / step / c.world_size
     return Estimate(
         memory_per_rank_gib=memory_bytes(model, c, seq_len, compute_bytes,
                                          device.framework_gib * GIB, fused) / GIB,
         step_time_s=step, tokens_per_s=tokens / step, tflops_per_gpu=achieved / 1e12,
         mfu=achieved / (device.peak_tflops * 1e12), bubble_fraction=bubble, compute_s=compute,
-        tp_comm_s=tp_comm, pp_comm_s=pp_comm, dp_exposed_s=dp_exposed)
-
-
-
-def model_params_per_stage(model, pp: int) -> float:
-    """Parameters of the first stage (its blocks and the embedding)."""
-    return model.n_layers // pp * layer_params(model) + model.vocab_size * model.dim
+        tp_comm_s=tp_comm, pp_comm_s=pp_comm, dp_exposed_s=dp_exposed, ep_comm_s=ep_comm)

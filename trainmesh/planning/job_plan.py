@@ -9,6 +9,7 @@ from trainmesh.planning.cost_model import GIB, Candidate, snapshot_host_bytes
 from trainmesh.planning.planner import PlanRequest, PlanResult, plan, summarize_rejections
 from trainmesh.planning.topology import Topology
 from trainmesh.spec.job import JobSpec
+from trainmesh.spec.mesh_rules import ep_degrees
 
 
 class PlanError(ValueError):
@@ -19,7 +20,7 @@ def request_for(spec: JobSpec) -> PlanRequest:
     par, tr = spec.parallelism, spec.training
     fixed: dict[str, int | str | bool] = {}
     if not par.auto:
-        fixed.update(tp=par.tp, pp=par.pp, dp=par.dp, vpp=par.vpp,
+        fixed.update(tp=par.tp, pp=par.pp, dp=par.dp, vpp=par.vpp, ep=par.ep,
                      microbatch_size=tr.microbatch_size, schedule=spec.schedule.name,
                      sequence_parallel=par.sequence_parallel,
                      recompute="full" if spec.activation_checkpoint.mode == "full" else "none")
@@ -44,24 +45,22 @@ def plan_job(spec: JobSpec, topo: Topology) -> tuple[ParallelDims, PlanResult]:
                         + summarize_rejections(result.rejected)
                         + "; lower the degrees, shorten the sequence or add accelerators")
     best = result.best.candidate
-    return ParallelDims(pp=best.pp, dp=best.dp, tp=best.tp,
-                        ep=expert_parallel_degree(spec, best.dp)), result
+    return ParallelDims(pp=best.pp, dp=best.dp, tp=best.tp, ep=best.ep), result
 
 
 def expert_parallel_degree(spec: JobSpec, dp: int) -> int:
     """``parallelism.ep`` where it divides ``dp``; on a re-planned dp it does not divide (a
     node lost), the largest degree below it that divides both dp and the experts."""
-    moe = spec.model.moe
-    if moe is None:
+    if spec.model.moe is None:
         return 1
-    return max(e for e in range(1, spec.parallelism.ep + 1) if dp % e == 0 and moe.experts % e == 0)
+    return max(e for e in ep_degrees(spec.model, dp) if e <= spec.parallelism.ep)
 
 
 def effective_spec(spec: JobSpec, c: Candidate) -> JobSpec:
     """The spec with the plan's choices written in: what the ranks build and run."""
     par = spec.parallelism.model_copy(update={
         "auto": False, "tp": c.tp, "pp": c.pp, "dp": c.dp, "vpp": c.vpp,
-        "ep": expert_parallel_degree(spec, c.dp),
+        "ep": c.ep,
         "sequence_parallel": c.sequence_parallel and c.tp > 1,
         "keep_gathered": c.keep_gathered, "reduce_dtype": c.reduce_dtype})
     update = {"parallelism": par,
@@ -96,6 +95,7 @@ def replan_job(spec: JobSpec, topo: Topology) -> Replan:
     changed, result = None, None
     if not par.auto:
         req.fixed.pop("dp")
+        req.fixed["max_ep"] = req.fixed.pop("ep")  # kept where it still divides the new dp
         result = plan(req, topo)
         if not result.plans:
             changed = (f"the pinned tp={par.tp}, pp={par.pp}, vpp={par.vpp} no longer fit the "
@@ -105,6 +105,8 @@ def replan_job(spec: JobSpec, topo: Topology) -> Replan:
         auto = spec.model_copy(update={"parallelism": par.model_copy(update={"auto": True})})
         req = request_for(auto)
         req.fixed["microbatch_size"] = spec.training.microbatch_size
+        if not par.auto:  # a pinned ep stays an upper bound
+            req.fixed["max_ep"] = par.ep
         result = plan(req, topo)
     if not result.plans:
         raise PlanError("parallelism: no feasible plan on the accelerators left: "
@@ -120,7 +122,7 @@ def replan_job(spec: JobSpec, topo: Topology) -> Replan:
                         f"{floor}; lower elastic.min_world_size or add nodes")
     if changed:
         changed += f"; re-planned to tp={c.tp}, pp={c.pp}, vpp={c.vpp}, dp={c.dp}"
-    dims = ParallelDims(pp=c.pp, dp=c.dp, tp=c.tp, ep=expert_parallel_degree(spec, c.dp))
+    dims = ParallelDims(pp=c.pp, dp=c.dp, tp=c.tp, ep=c.ep)
     return Replan(dims, result, effective_spec(spec, c), changed)
 
 

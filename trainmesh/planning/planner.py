@@ -17,7 +17,7 @@ from trainmesh.planning.cost_model import (
     uses_fused_kernels,
 )
 from trainmesh.planning.topology import Topology
-from trainmesh.spec.mesh_rules import pp_problems, runnable_problems, tp_problems
+from trainmesh.spec.mesh_rules import ep_degrees, pp_problems, runnable_problems, tp_problems
 from trainmesh.spec.problems import Problem
 
 MEMORY_HEADROOM = 0.9  # plan within this fraction of device memory
@@ -51,6 +51,7 @@ class RankedPlan:
                 "microbatch_size": c.microbatch_size, "num_microbatches": c.num_microbatches,
                 "recompute": c.recompute, "keep_gathered": c.keep_gathered,
                 "reduce_dtype": c.reduce_dtype, "sequence_parallel": c.sequence_parallel,
+                "ep": c.ep,
                 "memory_per_rank_gib": round(e.memory_per_rank_gib, 3),
                 "step_time_s": e.step_time_s, "tokens_per_s": e.tokens_per_s,
                 "tflops_per_gpu": e.tflops_per_gpu, "mfu": e.mfu,
@@ -216,11 +217,27 @@ def _options(req: PlanRequest, tp: int, pp: int, dp: int, vpp: int, schedule: st
     elif "keep_gathered" in fixed:
         keeps = (bool(fixed["keep_gathered"]),)
     reduce = str(fixed.get("reduce_dtype", "float32"))
-    for rc in RECOMPUTE:
-        if "recompute" in fixed and rc != fixed["recompute"]:
-            continue
-        for keep in keeps:
-            yield Candidate(tp, pp, dp, vpp, schedule, mbs, n_micro, rc, sp, keep, reduce)
+    for ep in _ep_choices(req, dp):
+        for rc in RECOMPUTE:
+            if "recompute" in fixed and rc != fixed["recompute"]:
+                continue
+            for keep in keeps:
+                yield Candidate(tp, pp, dp, vpp, schedule, mbs, n_micro, rc, sp, keep, reduce, ep)
+
+
+def _ep_choices(req: PlanRequest, dp: int) -> list[int]:
+    """Expert-parallel degrees for ``dp`` replicas: the pinned one (``fixed["ep"]``, checked
+    by the spec against dp), the largest up to ``fixed["max_ep"]`` (a re-plan keeps the
+    user's ep where it still divides), or every one that divides dp and the experts."""
+    fixed = req.fixed
+    if getattr(req.model, "moe", None) is None:
+        return [1]
+    if "ep" in fixed:
+        return [int(fixed["ep"])]
+    valid = ep_degrees(req.model, dp)
+    if "max_ep" in fixed:
+        return [max(e for e in valid if e <= int(fixed["max_ep"]))]
+    return valid
 
 
 def plan(req: PlanRequest, topo: Topology) -> PlanResult:
@@ -259,7 +276,8 @@ def explain(result: PlanResult) -> str:
     """One paragraph on why the winner won."""
     best = result.best
     c, e = best.candidate, best.estimate
-    parts = [f"tp={c.tp} × pp={c.pp} × dp={c.dp} (vpp={c.vpp}, {c.schedule}, microbatch "
+    ep = f" (ep={c.ep} over dp)" if c.ep > 1 else ""
+    parts = [f"tp={c.tp} × pp={c.pp} × dp={c.dp}{ep} (vpp={c.vpp}, {c.schedule}, microbatch "
              f"{c.microbatch_size} × {c.num_microbatches}, recompute {c.recompute}) is predicted "
              f"fastest at {e.tokens_per_s:,.0f} tokens/s and {e.mfu:.1%} MFU, using "
              f"{e.memory_per_rank_gib:.1f} GiB per rank."]
@@ -270,7 +288,8 @@ def explain(result: PlanResult) -> str:
                      f"{c.dp * c.num_microbatches * c.microbatch_size}.")
     parts.append(f"Of its {e.step_time_s:.3g} s step, compute is {e.compute_s:.3g} s "
                  f"(bubble {e.bubble_fraction:.1%}), TP communication {e.tp_comm_s:.3g} s, "
-                 f"PP {e.pp_comm_s:.3g} s and exposed ZeRO-3 traffic {e.dp_exposed_s:.3g} s.")
+                 f"PP {e.pp_comm_s:.3g} s, exposed ZeRO-3 traffic {e.dp_exposed_s:.3g} s"
+                 + (f" and MoE all-to-all {e.ep_comm_s:.3g} s." if c.ep > 1 else "."))
     degrees = (c.tp, c.pp, c.dp, c.vpp)
     others = [p for p in result.plans
               if (p.candidate.tp, p.candidate.pp, p.candidate.dp, p.candidate.vpp) != degrees]
