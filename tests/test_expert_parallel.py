@@ -112,8 +112,9 @@ def test_the_moe_job_runs_with_ep_and_reports_expert_load(ray_local, tmp_path):
     from trainmesh.controller.launch import run_job
 
     job = Path(__file__).resolve().parents[1] / "jobs" / "tiny-moe-cpu.yaml"
-    spec = load_spec(job, ["training.steps=3", "eval.every=0", "checkpoint.every=0",
-                           "runtime.collective_timeout_s=60", f"runtime.output_dir={tmp_path}"])
+    spec = load_spec(job, ["training.steps=3", "optimizer.warmup_steps=1", "eval.every=0",
+                           "checkpoint.every=0", "runtime.collective_timeout_s=60",
+                           f"runtime.output_dir={tmp_path}"])
     summary = run_job(spec, environ={}, show_progress=False)
     assert summary["status"] == "FINISHED" and summary["mesh"]["ep"] == 2
     ref_losses, _ = reference_run(spec, str(tmp_path / "data" / "tiny-corpus"), steps=3)

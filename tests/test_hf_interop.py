@@ -211,3 +211,93 @@ def test_job_from_an_imported_model_on_tokenized_data_evaluates_resumes_exports_
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["step"] == 6 and result["mesh"]["dp"] == 1
     assert result["eval_loss"] == pytest.approx(summary["eval"][-1]["loss"], rel=1e-5)
+
+
+def save_mixtral(path, seed: int = 0, **kw):
+    torch.manual_seed(seed)
+    cfg = transformers.MixtralConfig(hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2,
+                                     num_local_experts=4, num_experts_per_tok=2, vocab_size=264,
+                                     max_position_embeddings=256, rms_norm_eps=1e-5, **kw)
+    model = transformers.MixtralForCausalLM(cfg).eval()
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mixtral") / "hf"
+    return str(path), save_mixtral(path)
+
+
+def test_mixtral_imports_and_exports_with_transformers_logits(mixtral, tmp_path):
+    """``MixtralForCausalLM``: the per-expert tensors stacked into trainmesh's experts, the
+    router as its router; exported back, transformers loads every tensor and gives the same
+    logits."""
+    import torch.distributed.checkpoint as dcp
+
+    path, theirs = mixtral
+    spec = load_spec(None, [f"model.init_from={path}", "model.moe.balance=aux_loss",
+                            f"runtime.output_dir={tmp_path}"])
+    moe = spec.model.moe
+    assert (moe.experts, moe.top_k, moe.expert_ffn_dim, moe.router) == (4, 2, 48, "softmax")
+    ours = build_model(spec, torch.device("cpu")).eval()
+    x = torch.randint(0, 264, (2, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = theirs(x).logits
+        assert _relative_error(ours(x), want) < 1e-5
+    store = CheckpointStore(tmp_path / "ckpt")
+    partial = store.partial_dir(3)
+    dcp.save({"model": ours.state_dict()}, checkpoint_id=partial, no_dist=True)
+    step_dir = store.commit(partial, {"step": 3, "spec": json.loads(spec.model_dump_json())})
+    assert main(["export", step_dir, "--hf", str(tmp_path / "out")]) == 0
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["architectures"] == ["MixtralForCausalLM"] and config["num_local_experts"] == 4
+    back, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out",
+                                                                   output_loading_info=True)
+    assert type(back).__name__ == "MixtralForCausalLM" and not any(info.values()), info
+    with torch.no_grad():
+        assert _relative_error(back.eval()(x).logits, want) < 1e-5
+
+
+@pytest.mark.parametrize("setting, named", [
+    ("model.moe.shared_experts=1", "shared_experts"), ("model.moe.router=sigmoid", "router"),
+    ("model.moe.balance=bias", "balance"), ("model.moe.dense_layers=1", "dense_layers")])
+def test_export_refuses_an_moe_model_no_format_holds(tmp_path, setting, named):
+    import torch.distributed.checkpoint as dcp
+
+    spec = load_spec(None, ["model.preset=tiny-moe", setting])
+    store = CheckpointStore(tmp_path / "ckpt")
+    partial = store.partial_dir(1)
+    dcp.save({"model": build_model(spec, torch.device("cpu")).state_dict()},
+             checkpoint_id=partial, no_dist=True)
+    step_dir = store.commit(partial, {"step": 1, "spec": json.loads(spec.model_dump_json())})
+    from trainmesh.interop.hf_export import ExportError, export
+
+    with pytest.raises(ExportError, match=f"model.moe.{named}"):
+        export(step_dir, tmp_path / "out")
+    assert not (tmp_path / "out").exists()  # refused before anything is written
+
+
+@pytest.mark.timeout(300)
+def test_mixtral_imported_onto_ep2_dp2_reads_only_each_ranks_experts(rank_pool, mixtral,
+                                                                     tmp_path):
+    path, theirs = mixtral
+    dims = ParallelDims(dp=2, ep=2)
+    spec = load_spec(None, [f"model.init_from={path}", "parallelism.dp=2", "parallelism.ep=2",
+                            "training.seq_len=32", "training.global_batch_size=4",
+                            "training.microbatch_size=1", "optimizer.warmup_steps=1",
+                            "tracking.enabled=false", "runtime.device=cpu",
+                            f"runtime.output_dir={tmp_path}"])
+    data_dir = str(ensure_tiny_corpus(tmp_path / "data"))
+    group = rank_pool.group_for(spec, dims)
+    try:
+        group.build(spec.model_dump_json(), dims, data_dir)
+        read = [r["imported"] for r in group.memory_reports()]
+        losses = [group.train_step()[0]["loss"] for _ in range(2)]
+    finally:
+        rank_pool.release(group)
+    whole = sum(p.numel() * 4 for p in theirs.parameters())
+    assert sum(read) >= whole and max(read) < 0.6 * whole, (read, whole)
+    ref, _ = reference_run(spec, data_dir, steps=2)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=0)

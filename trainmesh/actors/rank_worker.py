@@ -155,7 +155,8 @@ class RankWorker:
         from trainmesh.parallel.mesh import Mesh
 
         spec = JobSpec.model_validate_json(spec_json)
-        mesh = Mesh.build(ParallelDims(**dims), self.device.type, self.rank)
+        mesh = Mesh.build(ParallelDims(**dims), self.device.type, self.rank,
+                          moe=spec.model.moe is not None)
         self.engine = Engine(spec, mesh, data_dir, self.device, self._progress.mark)
         return sum(p.numel() for p in self.engine.model.parameters())
 

@@ -68,7 +68,13 @@ def _default_schedule(raw: dict[str, Any]) -> None:
 def _shape_from_init(raw: dict[str, Any]) -> None:
     """``model.init_from``: the shape comes from its config.json; a shape field the spec gives
     (or its named preset gives) that differs is refused, naming both values."""
-    from trainmesh.interop.hf_config import SHAPE_FIELDS, HfConfigError, model_fields, read_config
+    from trainmesh.interop.hf_config import (
+        MOE_STRUCTURE,
+        SHAPE_FIELDS,
+        HfConfigError,
+        model_fields,
+        read_config,
+    )
     from trainmesh.spec.presets import PRESETS
 
     model = raw.get("model")
@@ -81,11 +87,20 @@ def _shape_from_init(raw: dict[str, Any]) -> None:
         raise SpecError([Problem("model.init_from", str(err), "give a Hugging Face Llama "
                                  "directory (config.json + model.safetensors)")]) from None
     given = {**PRESETS.get(model.get("preset") or "", {}), **model}
-    wrong = [Problem(f"model.{f}", f"{given[f]!r} here but {theirs[f]!r} in {src}/config.json",
+    training: dict[str, Any] = {}
+    if isinstance(given.get("moe"), dict) and theirs.get("moe"):
+        # The config fixes the experts; how they are balanced and dropped is the spec's.
+        training = {k: v for k, v in given["moe"].items() if k not in MOE_STRUCTURE}
+        given["moe"] = {k: v for k, v in given["moe"].items() if k in MOE_STRUCTURE}
+        given["moe"] = {**{k: theirs["moe"][k] for k in MOE_STRUCTURE}, **given["moe"]}
+    structure = {**theirs, "moe": theirs["moe"] and {k: theirs["moe"][k] for k in MOE_STRUCTURE}}
+    wrong = [Problem(f"model.{f}", f"{given[f]!r} here but {structure[f]!r} in {src}/config.json",
                      "drop it (the shape comes from model.init_from) or import a matching model")
-             for f in SHAPE_FIELDS if f in given and f in theirs and not _same(given[f], theirs[f])]
+             for f in SHAPE_FIELDS if f in given and f in theirs and not _same(given[f], structure[f])]
     if wrong:
         raise SpecError(wrong)
+    if theirs.get("moe"):
+        theirs["moe"] = {**theirs["moe"], **training}
     model.update({**theirs, "preset": None})
 
 

@@ -1,5 +1,9 @@
-"""A Hugging Face Llama ``config.json`` ↔ the spec's ``model`` fields; and the parameter names
-and RoPE layouts of the two. No torch here: the spec loader uses it.
+"""A Hugging Face Llama or Mixtral ``config.json`` ↔ the spec's ``model`` fields; and the
+parameter names and RoPE layouts of the two. No torch here: the spec loader uses it.
+
+Mixtral is the Llama decoder with every MLP a Mixture of Experts (softmax top-k router, the
+chosen scores renormalised, no shared expert, no routing bias); its checkpoints hold each
+expert's three matrices as separate tensors, which trainmesh stacks expert-major.
 
 Meta's Llama (and trainmesh) rotates interleaved pairs of a head's dimensions (2i, 2i+1);
 transformers rotates halves (i, i + d/2). The models are the same once the rows of ``wq`` and
@@ -20,7 +24,11 @@ _FIELDS = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "nu
            "n_kv_heads": "num_key_value_heads", "ffn_dim": "intermediate_size",
            "vocab_size": "vocab_size", "max_seq_len": "max_position_embeddings",
            "norm_eps": "rms_norm_eps", "tie_embeddings": "tie_word_embeddings"}
-SHAPE_FIELDS = (*_FIELDS, "rope_theta", "rope_scaling")
+SHAPE_FIELDS = (*_FIELDS, "rope_theta", "rope_scaling", "moe")
+# What a Mixture-of-Experts config fixes about the model (the rest of model.moe is training).
+MOE_STRUCTURE = ("experts", "top_k", "expert_ffn_dim", "shared_experts", "router",
+                 "normalize_top_k", "dense_layers")
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
 _SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 # trainmesh parameter name pattern → Hugging Face name
@@ -31,6 +39,8 @@ _LAYER = {"attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight
           "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w3.weight": "mlp.up_proj.weight",
           "feed_forward.w2.weight": "mlp.down_proj.weight", "attention_norm.weight": "input_layernorm.weight",
           "ffn_norm.weight": "post_attention_layernorm.weight"}
+_MIXTRAL_LAYER = {"feed_forward.router.weight": "block_sparse_moe.gate.weight"}
+_EXPERT_RE = re.compile(r"^layers\.(\d+)\.feed_forward\.experts\.(w[123])$")
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
 
 
@@ -49,9 +59,11 @@ def read_config(path: str) -> dict[str, Any]:
 
 
 def model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The spec's model fields a Llama ``config.json`` (transformers 4 or 5) describes."""
-    if cfg.get("model_type") != "llama":
-        raise HfConfigError(f"model_type {cfg.get('model_type')!r}: only 'llama' can be imported")
+    """The spec's model fields a Llama or Mixtral ``config.json`` (transformers 4 or 5)
+    describes."""
+    kind = cfg.get("model_type")
+    if kind not in ARCHITECTURES:
+        raise HfConfigError(f"model_type {kind!r}: trainmesh imports {' and '.join(ARCHITECTURES)}")
     for key, want in (("attention_bias", False), ("mlp_bias", False), ("hidden_act", "silu")):
         if cfg.get(key, want) != want:
             raise HfConfigError(f"{key}={cfg[key]!r}: trainmesh's Llama has {key}={want!r}")
@@ -74,13 +86,47 @@ def model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         out["rope_scaling"] = None
     else:
         raise HfConfigError(f"rope_type {kind!r}: only default and llama3 RoPE are supported")
+    out["moe"] = _mixtral_moe(cfg) if cfg["model_type"] == "mixtral" else None
     return out
+
+
+def _mixtral_moe(cfg: dict[str, Any]) -> dict[str, Any]:
+    if cfg.get("sliding_window") is not None:
+        raise HfConfigError(f"sliding_window={cfg['sliding_window']}: trainmesh attends over the "
+                            "whole sequence (Mixtral 8x7B v0.1 and 8x22B have none)")
+    return {"experts": cfg["num_local_experts"], "top_k": cfg["num_experts_per_tok"],
+            "expert_ffn_dim": cfg["intermediate_size"], "shared_experts": 0,
+            "router": "softmax", "normalize_top_k": True, "dense_layers": 0,
+            "aux_loss_coef": float(cfg.get("router_aux_loss_coef", 0.02))}
+
+
+def export_family(model: dict[str, Any]) -> str:
+    """The Hugging Face format that holds the spec's model exactly: llama for a dense model,
+    mixtral for an MoE one Mixtral can express; otherwise what does not fit, and the fix."""
+    moe = model.get("moe")
+    if moe is None:
+        return "llama"
+    misfits = []
+    for field, want, why in (("shared_experts", 0, "it has no shared expert"),
+                             ("dense_layers", 0, "every block is MoE"),
+                             ("router", "softmax", "its router is a softmax"),
+                             ("normalize_top_k", True, "it renormalises the chosen scores"),
+                             ("balance", "aux_loss", "its router has no routing bias")):
+        if moe.get(field, want) != want:
+            misfits.append(f"model.moe.{field}={moe[field]!r} ({why})")
+    if misfits:
+        raise HfConfigError("no supported Hugging Face format holds this model: Mixtral needs "
+                            + "; ".join(misfits) + ". Export a model trained with Mixtral's "
+                            "settings (e.g. preset tiny-moe)")
+    return "mixtral"
 
 
 def config_json(model: dict[str, Any], eos_token_id: int | None = None,
                 bos_token_id: int | None = None, dtype: str = "float32") -> dict[str, Any]:
-    """A transformers ``LlamaConfig`` (as config.json) for the spec's model fields."""
-    cfg: dict[str, Any] = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    """A transformers ``LlamaConfig`` or ``MixtralConfig`` (as config.json) for the spec's
+    model fields (``export_family`` chooses; it refuses what neither holds)."""
+    family = export_family(model)
+    cfg: dict[str, Any] = {"architectures": [ARCHITECTURES[family]], "model_type": family,
                            **{k: model[f] for f, k in _FIELDS.items()},
                            "head_dim": model["dim"] // model["n_heads"], "hidden_act": "silu",
                            "attention_bias": False, "mlp_bias": False, "rope_theta": model["rope_theta"],
@@ -88,18 +134,37 @@ def config_json(model: dict[str, Any], eos_token_id: int | None = None,
                            "dtype": dtype, "torch_dtype": dtype}  # the latter: transformers < 4.56
     s = model.get("rope_scaling")
     cfg["rope_scaling"] = {"rope_type": "llama3", **{k: s[k] for k in _SCALING_KEYS}} if s else None
+    if family == "mixtral":
+        moe = model["moe"]
+        cfg.update(num_local_experts=moe["experts"], num_experts_per_tok=moe["top_k"],
+                   intermediate_size=moe["expert_ffn_dim"], sliding_window=None,
+                   router_aux_loss_coef=moe.get("aux_loss_coef", 0.02), router_jitter_noise=0.0,
+                   output_router_logits=False)
+        del cfg["attention_bias"], cfg["mlp_bias"]
     return cfg
 
 
-def hf_name(name: str) -> str:
-    """The Hugging Face name of a trainmesh parameter."""
+def hf_name(name: str, family: str = "llama") -> str:
+    """The Hugging Face name of a trainmesh parameter (not a stacked expert weight: see
+    ``hf_expert_names``)."""
     for ours, theirs in _NAMES:
         if name == ours:
             return theirs
     m = _LAYER_RE.match(name)
-    if m and m.group(2) in _LAYER:
-        return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}"
-    raise KeyError(f"no Hugging Face name for parameter {name!r}")
+    layer = {**_LAYER, **_MIXTRAL_LAYER} if family == "mixtral" else _LAYER
+    if m and m.group(2) in layer:
+        return f"model.layers.{m.group(1)}.{layer[m.group(2)]}"
+    raise KeyError(f"no Hugging Face {family} name for parameter {name!r}")
+
+
+def hf_expert_names(name: str, experts: int) -> list[str] | None:
+    """For a stacked expert weight (``layers.i.feed_forward.experts.w1``: expert-major), the
+    Mixtral tensor of each expert, in order; None for any other parameter."""
+    m = _EXPERT_RE.match(name)
+    if m is None:
+        return None
+    return [f"model.layers.{m.group(1)}.block_sparse_moe.experts.{j}.{m.group(2)}.weight"
+            for j in range(experts)]
 
 
 def rope_permuted(name: str) -> bool:

@@ -14,7 +14,15 @@ import torch.distributed.checkpoint as dcp
 
 from trainmesh.checkpoint.dcp_io import _reader
 from trainmesh.checkpoint.manifest import MANIFEST, CheckpointStore
-from trainmesh.interop.hf_config import config_json, hf_name, hf_row, rope_permuted
+from trainmesh.interop.hf_config import (
+    HfConfigError,
+    config_json,
+    export_family,
+    hf_expert_names,
+    hf_name,
+    hf_row,
+    rope_permuted,
+)
 from trainmesh.interop.hf_import import INDEX
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -55,9 +63,16 @@ def export(source: str, out: str | Path, dtype: str | None = None,
     model = spec["model"]
     dtype = dtype or ("bfloat16" if spec["training"]["dtype"] == "bfloat16" else "float32")
     reader = _reader(ckpt)
+    # Parameters only: the balancing bias is a buffer (zero here: export_family refuses a
+    # model balanced by it).
     names = [k.removeprefix("model.") for k in reader.read_metadata().state_dict_metadata
-             if k.startswith("model.")]
+             if k.startswith("model.") and not k.endswith(".expert_bias")]
     metadata = reader.read_metadata().state_dict_metadata
+    try:
+        family = export_family(model)  # before anything is written
+    except HfConfigError as err:
+        raise ExportError(str(err)) from None
+    experts = model["moe"]["experts"] if model.get("moe") else 0
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tok = _tokenizer_files(spec, out)  # first: a problem with it leaves no half-written export
@@ -73,8 +88,11 @@ def export(source: str, out: str | Path, dtype: str | None = None,
             t = tensors.pop(name)
             if rope_permuted(name):
                 t = _to_hf_rows(t, head_dim)
-            hf[hf_name(name)] = t.to(DTYPES[dtype]).contiguous()
-            total += hf[hf_name(name)].numel() * hf[hf_name(name)].element_size()
+            per_expert = hf_expert_names(name, experts)
+            parts = zip(per_expert, t, strict=True) if per_expert else [(hf_name(name, family), t)]
+            for theirs, part in parts:  # a stacked expert weight: one tensor per expert
+                hf[theirs] = part.to(DTYPES[dtype]).contiguous()
+                total += hf[theirs].numel() * hf[theirs].element_size()
         _save(hf, out / fname)
         weight_map.update(dict.fromkeys(hf, fname))
         del hf

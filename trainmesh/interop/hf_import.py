@@ -1,6 +1,7 @@
-"""Fill a model part — plain, or TP/FSDP-sharded DTensors, any pipeline stages — from a Hugging
-Face Llama directory: each rank reads only the rows and columns it holds (safetensors slices),
-with ``wq``/``wk`` rows mapped from the half-split RoPE layout (``hf_config``)."""
+"""Fill a model part — plain, or TP/EP/FSDP-sharded DTensors, any pipeline stages — from a
+Hugging Face Llama or Mixtral directory: each rank reads only the rows and columns it holds
+(safetensors slices; of stacked expert weights, only its experts' tensors), with ``wq``/``wk``
+rows mapped from the half-split RoPE layout (``hf_config``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from trainmesh.interop.hf_config import hf_name, hf_row, rope_permuted
+from trainmesh.interop.hf_config import (
+    hf_expert_names,
+    hf_name,
+    hf_row,
+    read_config,
+    rope_permuted,
+)
 from trainmesh.models.llama.init import local_slice
 
 INDEX = "model.safetensors.index.json"
@@ -41,25 +48,41 @@ def load_into(model: nn.Module, path: str | Path) -> int:
     from safetensors import safe_open
 
     files = weight_files(path)
+    family = read_config(str(path)).get("model_type", "llama")
     head_dim = model.args.head_dim
+    experts = model.args.moe.experts if model.args.moe is not None else 0
     handles: dict[Path, object] = {}
+
+    def tensor(theirs: str, name: str, shape: tuple[int, ...]):
+        if theirs not in files:
+            raise KeyError(f"model.init_from {path}: no tensor {theirs} (for {name})")
+        file = files[theirs]
+        if file not in handles:
+            handles[file] = safe_open(file, "pt", device="cpu")
+        sl = handles[file].get_slice(theirs)
+        if tuple(sl.get_shape()) != shape:
+            raise ValueError(f"model.init_from {path}: {theirs} is {tuple(sl.get_shape())}, "
+                             f"the model's {name} needs {shape}")
+        return sl
+
     read = 0
     try:
         for name, p in model.named_parameters():
-            theirs = hf_name(name)
-            if theirs not in files:
-                raise KeyError(f"model.init_from {path}: no tensor {theirs} (for {name})")
-            file = files[theirs]
-            if file not in handles:
-                handles[file] = safe_open(file, "pt", device="cpu")
-            sl = handles[file].get_slice(theirs)
-            if tuple(sl.get_shape()) != tuple(p.shape):
-                raise ValueError(f"model.init_from {path}: {theirs} is {tuple(sl.get_shape())}, "
-                                 f"the model's {name} is {tuple(p.shape)}")
             local, offset = local_slice(p)
-            if local.numel() == 0:
-                continue
-            block = _read_block(sl, offset, tuple(local.shape), head_dim if rope_permuted(name) else 0)
+            per_expert = hf_expert_names(name, experts)
+            if per_expert is None:
+                sl = tensor(hf_name(name, family), name, tuple(p.shape))
+                if local.numel() == 0:
+                    continue
+                block = _read_block(sl, offset, tuple(local.shape),
+                                    head_dim if rope_permuted(name) else 0)
+            else:  # this rank's experts (rows of dim 0), each its own tensor in the file
+                if local.numel() == 0:
+                    continue
+                block = torch.stack([
+                    _read_block(tensor(per_expert[e], name, tuple(p.shape[1:])), offset[1:],
+                                tuple(local.shape[1:]), 0)
+                    for e in range(offset[0], offset[0] + local.shape[0])])
             local.copy_(block.to(local.dtype))
             read += block.numel() * block.element_size()
     finally:
