@@ -20,7 +20,10 @@ BASE = ["model.preset=tiny-moe", "training.global_batch_size=8", "training.micro
         "runtime.device=cpu", "runtime.collective_timeout_s=60", "training.steps=3"]
 
 CASES = {  # largest meshes first: the rank pool then only shrinks
-    "ep2-tp2-dp2-sp": (ParallelDims(tp=2, dp=2, ep=2), ["parallelism.sequence_parallel=true"]),
+    # Qwen3's attention too: heads wider than dim / n_heads, per-head q/k norms (whole on each
+    # tp rank, each rank's gradient from its heads only: summed over tp like the MoE block's).
+    "ep2-tp2-dp2-sp-qk-norm": (ParallelDims(tp=2, dp=2, ep=2), [
+        "parallelism.sequence_parallel=true", "model.head_dim=32", "model.qk_norm=true"]),
     "pp2-ep2-dp2-dense-stage": (ParallelDims(pp=2, dp=2, ep=2), [
         "model.moe.dense_layers=2", "model.moe.balance=bias", "model.moe.bias_update_rate=0.01"]),
     "ep4-dp4": (ParallelDims(dp=4, ep=4), []),

@@ -301,3 +301,41 @@ def test_mixtral_imported_onto_ep2_dp2_reads_only_each_ranks_experts(rank_pool, 
     assert sum(read) >= whole and max(read) < 0.6 * whole, (read, whole)
     ref, _ = reference_run(spec, data_dir, steps=2)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=0)
+
+
+def test_qwen3_moe_imports_and_exports_with_transformers_logits(tmp_path):
+    """``Qwen3MoeForCausalLM``: 32-wide heads beside a 64 hidden size, per-head q/k norms (in
+    the same RoPE layout mapping as the projections), unnormalised top-k scores and a leading
+    dense block; exported back, transformers loads every tensor with the same logits."""
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3MoeConfig(
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[0], vocab_size=264,
+        max_position_embeddings=256, rms_norm_eps=1e-6)
+    theirs = transformers.Qwen3MoeForCausalLM(cfg).eval()
+    with torch.no_grad():  # norms away from 1, so their layout matters
+        for name, p in theirs.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(0.5, 1.5)
+    theirs.save_pretrained(tmp_path / "hf")
+    spec = load_spec(None, [f"model.init_from={tmp_path / 'hf'}", f"runtime.output_dir={tmp_path}"])
+    m = spec.model
+    assert (m.head_dim, m.qk_norm, m.moe.dense_layers, m.moe.normalize_top_k) == (32, True, 1, False)
+    ours = build_model(spec, torch.device("cpu")).eval()
+    x = torch.randint(0, 264, (2, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = theirs(x).logits
+        assert _relative_error(ours(x), want) < 1e-5
+    store = CheckpointStore(tmp_path / "ckpt")
+    partial = store.partial_dir(1)
+    dcp.save({"model": ours.state_dict()}, checkpoint_id=partial, no_dist=True)
+    step_dir = store.commit(partial, {"step": 1, "spec": json.loads(spec.model_dump_json())})
+    assert main(["export", step_dir, "--hf", str(tmp_path / "out")]) == 0
+    back, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out",
+                                                                   output_loading_info=True)
+    assert type(back).__name__ == "Qwen3MoeForCausalLM" and not any(info.values()), info
+    with torch.no_grad():
+        assert _relative_error(back.eval()(x).logits, want) < 1e-5

@@ -262,13 +262,15 @@ def consistency_problems(spec: JobSpec) -> list[Problem]:
         if not ok:
             out.append(Problem(path, what, fix))
 
-    need(m.dim % m.n_heads == 0, "model.dim", f"{m.dim} is not divisible by n_heads={m.n_heads}",
-         "make dim a multiple of model.n_heads")
+    need(m.head_dim is not None or m.dim % m.n_heads == 0, "model.dim",
+         f"{m.dim} is not divisible by n_heads={m.n_heads}",
+         "make dim a multiple of model.n_heads, or give model.head_dim")
     need(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads",
          f"n_heads={m.n_heads} is not divisible by n_kv_heads={m.n_kv_heads}",
          f"use a divisor of {m.n_heads}")
-    need((m.dim // m.n_heads) % 2 == 0, "model.dim", f"head dim {m.dim // m.n_heads} is odd",
-         "RoPE needs an even head dim: change model.dim or model.n_heads")
+    hd = m.head_dim or m.dim // m.n_heads
+    need(hd % 2 == 0, "model.head_dim" if m.head_dim else "model.dim", f"head dim {hd} is odd",
+         "RoPE needs an even head dim: change model.dim or model.n_heads (or model.head_dim)")
     need(spec.data.path is not None or m.vocab_size >= BYTE_TOKENIZER_VOCAB, "model.vocab_size",
          f"{m.vocab_size} is smaller than the byte tokenizer's {BYTE_TOKENIZER_VOCAB} tokens",
          f"use at least {BYTE_TOKENIZER_VOCAB} (264 keeps it divisible by 8)")

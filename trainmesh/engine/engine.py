@@ -29,7 +29,12 @@ from trainmesh.engine.step import (
     train_step,
 )
 from trainmesh.models.llama.model import Llama, LlamaArgs
-from trainmesh.models.llama.parallelize import apply_activation_checkpointing, apply_tensor_parallel
+from trainmesh.models.llama.parallelize import (
+    apply_activation_checkpointing,
+    apply_tensor_parallel,
+    sum_partial_grads_over_tp,
+    tp_partial_params,
+)
 from trainmesh.models.llama.stage import PipelineStage, rank_model
 from trainmesh.models.moe.moe import set_loss_scale
 from trainmesh.parallel.dims import Axis
@@ -38,7 +43,6 @@ from trainmesh.parallel.expert import (
     balance_over_mesh,
     expert_divide_factor,
     is_moe,
-    reduce_token_split_grads,
 )
 from trainmesh.parallel.mesh import Mesh
 from trainmesh.parallel.pipeline import nccl_rules
@@ -119,8 +123,10 @@ class Engine:
         self.imported_bytes = init_weights(self.model, spec)  # read from model.init_from
         self.model.init_buffers()
         set_loss_scale(self.model, 1.0 / n_micro)  # MoE balancing loss: a microbatch's share
-        self.hooks = StepHooks(before_clip=lambda: reduce_token_split_grads(self.model, mesh),
-                               after_update=balance_over_mesh(self.model, mesh))
+        partial = tp_partial_params(self.model) if mesh.size(Axis.TP) > 1 else []
+        self.hooks = StepHooks(
+            before_clip=lambda: sum_partial_grads_over_tp(partial, mesh[Axis.TP] if partial else None),
+            after_update=balance_over_mesh(self.model, mesh))
         self.optimizer = build_optimizer(self.model, spec.optimizer)
         self.scheduler = build_lr_scheduler(self.optimizer, spec.optimizer, tr.steps)
         self.dataset, self.eval_set = open_datasets(data_dir, tr.seq_len, spec.data.eval_path,

@@ -1,9 +1,11 @@
-"""A Hugging Face Llama or Mixtral ``config.json`` ↔ the spec's ``model`` fields; and the
-parameter names and RoPE layouts of the two. No torch here: the spec loader uses it.
+"""A Hugging Face Llama, Mixtral or Qwen3-MoE ``config.json`` ↔ the spec's ``model`` fields;
+and the parameter names and RoPE layouts of the formats. No torch here: the spec loader uses it.
 
 Mixtral is the Llama decoder with every MLP a Mixture of Experts (softmax top-k router, the
-chosen scores renormalised, no shared expert, no routing bias); its checkpoints hold each
-expert's three matrices as separate tensors, which trainmesh stacks expert-major.
+chosen scores renormalised, no shared expert, no routing bias). Qwen3-MoE adds an RMSNorm over
+each query and key head (``model.qk_norm``), a head size of its own (``model.head_dim``),
+optionally unnormalised top-k scores and leading dense blocks (``mlp_only_layers``). Both
+hold each expert's three matrices as separate tensors, which trainmesh stacks expert-major.
 
 Meta's Llama (and trainmesh) rotates interleaved pairs of a head's dimensions (2i, 2i+1);
 transformers rotates halves (i, i + d/2). The models are the same once the rows of ``wq`` and
@@ -24,11 +26,12 @@ _FIELDS = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "nu
            "n_kv_heads": "num_key_value_heads", "ffn_dim": "intermediate_size",
            "vocab_size": "vocab_size", "max_seq_len": "max_position_embeddings",
            "norm_eps": "rms_norm_eps", "tie_embeddings": "tie_word_embeddings"}
-SHAPE_FIELDS = (*_FIELDS, "rope_theta", "rope_scaling", "moe")
+SHAPE_FIELDS = (*_FIELDS, "rope_theta", "rope_scaling", "moe", "head_dim", "qk_norm")
 # What a Mixture-of-Experts config fixes about the model (the rest of model.moe is training).
 MOE_STRUCTURE = ("experts", "top_k", "expert_ffn_dim", "shared_experts", "router",
                  "normalize_top_k", "dense_layers")
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}
 _SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 # trainmesh parameter name pattern → Hugging Face name
@@ -39,7 +42,14 @@ _LAYER = {"attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight
           "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w3.weight": "mlp.up_proj.weight",
           "feed_forward.w2.weight": "mlp.down_proj.weight", "attention_norm.weight": "input_layernorm.weight",
           "ffn_norm.weight": "post_attention_layernorm.weight"}
-_MIXTRAL_LAYER = {"feed_forward.router.weight": "block_sparse_moe.gate.weight"}
+_FAMILY_LAYER = {
+    "llama": {},
+    "mixtral": {"feed_forward.router.weight": "block_sparse_moe.gate.weight"},
+    "qwen3_moe": {"feed_forward.router.weight": "mlp.gate.weight",
+                  "attention.q_norm.weight": "self_attn.q_norm.weight",
+                  "attention.k_norm.weight": "self_attn.k_norm.weight"}}
+_EXPERTS = {"mixtral": ("block_sparse_moe.experts", {"w1": "w1", "w2": "w2", "w3": "w3"}),
+            "qwen3_moe": ("mlp.experts", {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"})}
 _EXPERT_RE = re.compile(r"^layers\.(\d+)\.feed_forward\.experts\.(w[123])$")
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
 
@@ -59,8 +69,8 @@ def read_config(path: str) -> dict[str, Any]:
 
 
 def model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The spec's model fields a Llama or Mixtral ``config.json`` (transformers 4 or 5)
-    describes."""
+    """The spec's model fields a Llama, Mixtral or Qwen3-MoE ``config.json`` (transformers 4
+    or 5) describes."""
     kind = cfg.get("model_type")
     if kind not in ARCHITECTURES:
         raise HfConfigError(f"model_type {kind!r}: trainmesh imports {' and '.join(ARCHITECTURES)}")
@@ -72,8 +82,11 @@ def model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     out.setdefault("tie_embeddings", False)
     head_dim = cfg.get("head_dim")
     if head_dim is not None and head_dim * out["n_heads"] != out["dim"]:
-        raise HfConfigError(f"head_dim={head_dim} × num_attention_heads={out['n_heads']} != "
-                            f"hidden_size={out['dim']}: trainmesh needs head_dim = hidden/heads")
+        out["head_dim"] = head_dim  # its own head size (Qwen3: 128 beside a 2048 hidden)
+    if kind == "qwen3_moe":
+        out["qk_norm"] = True
+        if cfg.get("use_sliding_window"):
+            raise HfConfigError("use_sliding_window=true: trainmesh attends over the whole sequence")
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     out["rope_theta"] = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     kind = rope.get("rope_type", rope.get("type", "default"))
@@ -86,8 +99,27 @@ def model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         out["rope_scaling"] = None
     else:
         raise HfConfigError(f"rope_type {kind!r}: only default and llama3 RoPE are supported")
-    out["moe"] = _mixtral_moe(cfg) if cfg["model_type"] == "mixtral" else None
+    family = cfg["model_type"]
+    out["moe"] = (_mixtral_moe(cfg) if family == "mixtral" else _qwen3_moe(cfg)
+                  if family == "qwen3_moe" else None)
     return out
+
+
+def _qwen3_moe(cfg: dict[str, Any]) -> dict[str, Any]:
+    n = cfg["num_hidden_layers"]
+    dense = sorted(cfg.get("mlp_only_layers") or [])
+    if dense != list(range(len(dense))) or cfg.get("decoder_sparse_step", 1) != 1:
+        raise HfConfigError(f"mlp_only_layers={dense}, decoder_sparse_step="
+                            f"{cfg.get('decoder_sparse_step', 1)}: trainmesh's dense blocks are "
+                            "the leading ones (model.moe.dense_layers), every later block MoE")
+    if len(dense) >= n:
+        raise HfConfigError("every block is dense: import it as a dense model")
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))  # the latter: transformers 5
+    return {"experts": experts, "top_k": cfg["num_experts_per_tok"],
+            "expert_ffn_dim": cfg["moe_intermediate_size"], "shared_experts": 0,
+            "router": "softmax", "normalize_top_k": bool(cfg.get("norm_topk_prob", False)),
+            "dense_layers": len(dense),
+            "aux_loss_coef": float(cfg.get("router_aux_loss_coef", 0.001))}
 
 
 def _mixtral_moe(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -102,23 +134,32 @@ def _mixtral_moe(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def export_family(model: dict[str, Any]) -> str:
     """The Hugging Face format that holds the spec's model exactly: llama for a dense model,
-    mixtral for an MoE one Mixtral can express; otherwise what does not fit, and the fix."""
-    moe = model.get("moe")
+    mixtral for an MoE one Mixtral can express, qwen3_moe for one with per-head q/k norms;
+    otherwise what does not fit, and the fix."""
+    moe, qk_norm = model.get("moe"), bool(model.get("qk_norm"))
     if moe is None:
+        if qk_norm:
+            raise HfConfigError("no supported Hugging Face format holds this model: "
+                                "model.qk_norm=true without model.moe (a dense Qwen3) is not "
+                                "exported; train it with model.qk_norm=false")
         return "llama"
-    misfits = []
-    for field, want, why in (("shared_experts", 0, "it has no shared expert"),
-                             ("dense_layers", 0, "every block is MoE"),
-                             ("router", "softmax", "its router is a softmax"),
-                             ("normalize_top_k", True, "it renormalises the chosen scores"),
-                             ("balance", "aux_loss", "its router has no routing bias")):
-        if moe.get(field, want) != want:
-            misfits.append(f"model.moe.{field}={moe[field]!r} ({why})")
+    family = "qwen3_moe" if qk_norm else "mixtral"
+    rules = [("shared_experts", 0, "it has no shared expert"),
+             ("router", "softmax", "its router is a softmax"),
+             ("balance", "aux_loss", "its router has no routing bias")]
+    if family == "mixtral":
+        rules += [("dense_layers", 0, "every block is MoE"),
+                  ("normalize_top_k", True, "it renormalises the chosen scores")]
+    misfits = [f"model.moe.{field}={moe[field]!r} ({why})" for field, want, why in rules
+               if moe.get(field, want) != want]
+    if family == "mixtral" and model.get("head_dim") and model["head_dim"] * model["n_heads"] != model["dim"]:
+        misfits.append(f"model.head_dim={model['head_dim']} (its heads are hidden / heads wide)")
     if misfits:
-        raise HfConfigError("no supported Hugging Face format holds this model: Mixtral needs "
-                            + "; ".join(misfits) + ". Export a model trained with Mixtral's "
+        name = {"mixtral": "Mixtral", "qwen3_moe": "Qwen3-MoE"}[family]
+        raise HfConfigError(f"no supported Hugging Face format holds this model: {name} needs "
+                            + "; ".join(misfits) + f". Export a model trained with {name}'s "
                             "settings (e.g. preset tiny-moe)")
-    return "mixtral"
+    return family
 
 
 def config_json(model: dict[str, Any], eos_token_id: int | None = None,
@@ -128,7 +169,8 @@ def config_json(model: dict[str, Any], eos_token_id: int | None = None,
     family = export_family(model)
     cfg: dict[str, Any] = {"architectures": [ARCHITECTURES[family]], "model_type": family,
                            **{k: model[f] for f, k in _FIELDS.items()},
-                           "head_dim": model["dim"] // model["n_heads"], "hidden_act": "silu",
+                           "head_dim": model.get("head_dim") or model["dim"] // model["n_heads"],
+                           "hidden_act": "silu",
                            "attention_bias": False, "mlp_bias": False, "rope_theta": model["rope_theta"],
                            "bos_token_id": bos_token_id, "eos_token_id": eos_token_id,
                            "dtype": dtype, "torch_dtype": dtype}  # the latter: transformers < 4.56
@@ -141,6 +183,15 @@ def config_json(model: dict[str, Any], eos_token_id: int | None = None,
                    router_aux_loss_coef=moe.get("aux_loss_coef", 0.02), router_jitter_noise=0.0,
                    output_router_logits=False)
         del cfg["attention_bias"], cfg["mlp_bias"]
+    if family == "qwen3_moe":
+        moe = model["moe"]
+        cfg.update(num_experts=moe["experts"], num_local_experts=moe["experts"],
+                   num_experts_per_tok=moe["top_k"], moe_intermediate_size=moe["expert_ffn_dim"],
+                   norm_topk_prob=moe["normalize_top_k"], decoder_sparse_step=1,
+                   mlp_only_layers=list(range(moe["dense_layers"])), use_sliding_window=False,
+                   sliding_window=None, router_aux_loss_coef=moe.get("aux_loss_coef", 0.001),
+                   output_router_logits=False)
+        del cfg["mlp_bias"]
     return cfg
 
 
@@ -151,25 +202,28 @@ def hf_name(name: str, family: str = "llama") -> str:
         if name == ours:
             return theirs
     m = _LAYER_RE.match(name)
-    layer = {**_LAYER, **_MIXTRAL_LAYER} if family == "mixtral" else _LAYER
+    layer = {**_LAYER, **_FAMILY_LAYER[family]}
     if m and m.group(2) in layer:
         return f"model.layers.{m.group(1)}.{layer[m.group(2)]}"
     raise KeyError(f"no Hugging Face {family} name for parameter {name!r}")
 
 
-def hf_expert_names(name: str, experts: int) -> list[str] | None:
+def hf_expert_names(name: str, experts: int, family: str) -> list[str] | None:
     """For a stacked expert weight (``layers.i.feed_forward.experts.w1``: expert-major), the
-    Mixtral tensor of each expert, in order; None for any other parameter."""
+    tensor of each expert in ``family``'s format, in order; None for any other parameter."""
     m = _EXPERT_RE.match(name)
     if m is None:
         return None
-    return [f"model.layers.{m.group(1)}.block_sparse_moe.experts.{j}.{m.group(2)}.weight"
+    prefix, names = _EXPERTS[family]
+    return [f"model.layers.{m.group(1)}.{prefix}.{j}.{names[m.group(2)]}.weight"
             for j in range(experts)]
 
 
 def rope_permuted(name: str) -> bool:
-    """Whether a parameter's rows are in a different RoPE layout in the two formats."""
-    return name.endswith(("attention.wq.weight", "attention.wk.weight"))
+    """Whether a parameter's rows are in a different RoPE layout in the two formats (the q/k
+    projections, and the per-head q/k norms: one head's dimensions)."""
+    return name.endswith(("attention.wq.weight", "attention.wk.weight", "attention.q_norm.weight",
+                          "attention.k_norm.weight"))
 
 
 def hf_row(row: int, head_dim: int) -> int:

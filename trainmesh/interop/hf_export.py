@@ -76,7 +76,7 @@ def export(source: str, out: str | Path, dtype: str | None = None,
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tok = _tokenizer_files(spec, out)  # first: a problem with it leaves no half-written export
-    head_dim = model["dim"] // model["n_heads"]
+    head_dim = model.get("head_dim") or model["dim"] // model["n_heads"]
     weight_map: dict[str, str] = {}
     shards = _plan_shards(names, {n: metadata[f"model.{n}"] for n in names}, DTYPES[dtype], max_shard_bytes)
     total = 0
@@ -88,7 +88,7 @@ def export(source: str, out: str | Path, dtype: str | None = None,
             t = tensors.pop(name)
             if rope_permuted(name):
                 t = _to_hf_rows(t, head_dim)
-            per_expert = hf_expert_names(name, experts)
+            per_expert = hf_expert_names(name, experts, family)
             parts = zip(per_expert, t, strict=True) if per_expert else [(hf_name(name, family), t)]
             for theirs, part in parts:  # a stacked expert weight: one tensor per expert
                 hf[theirs] = part.to(DTYPES[dtype]).contiguous()

@@ -69,7 +69,7 @@ def load_into(model: nn.Module, path: str | Path) -> int:
     try:
         for name, p in model.named_parameters():
             local, offset = local_slice(p)
-            per_expert = hf_expert_names(name, experts)
+            per_expert = hf_expert_names(name, experts, family)
             if per_expert is None:
                 sl = tensor(hf_name(name, family), name, tuple(p.shape))
                 if local.numel() == 0:

@@ -11,7 +11,8 @@ the balancing bias onto any other ep.
 Under tensor parallel the MoE block takes its tensor-parallel rank's share of the sequence
 (an MoE block is not split over tp: ``tp`` is folded into its token domain, as in Megatron
 Core's "MoE parallel folding" with expert TP 1). Its parameters then see a part of the
-tokens on each tp rank, and ``reduce_token_split_grads`` sums their gradients over tp.
+tokens on each tp rank, and their gradients are summed over tp once per step
+(``models/llama/parallelize.py: sum_partial_grads_over_tp``).
 
 Communication follows NCCL's rules: every rank of an EP group makes the same collectives in
 the same order (per MoE block and microbatch: one all-to-all of the per-expert counts — the
@@ -106,32 +107,11 @@ def expert_divide_factor(mesh: Mesh) -> float:
     return float(mesh.dims.dp)
 
 
-def token_split_params(model: nn.Module) -> list[nn.Parameter]:
-    """The parameters of MoE blocks (router, experts, shared expert): under tensor parallel
-    each tp rank's gradient covers only its share of the tokens."""
-    return [p for _, moe in moe_layers(model) for p in moe.parameters()]
-
-
-def reduce_token_split_grads(model: nn.Module, mesh: Mesh) -> None:
-    """Sum MoE blocks' gradients over tp (after ZeRO-3 reduced them over dp, each tp rank
-    holds the same shard positions). One all-reduce per step, in parameter order."""
-    if mesh.dims.tp == 1:
-        return
-    grads = [p.grad for p in token_split_params(model) if p.grad is not None]
-    if not grads:
-        return
-    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-    flat = torch.cat([g.reshape(-1) for g in local])
-    dist.all_reduce(flat, group=mesh["tp"].get_group())
-    offset = 0
-    for g in local:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
 def balance_over_mesh(model: nn.Module, mesh: Mesh) -> Callable[[], dict[str, dict]]:
     """``balance_experts`` for a rank of ``mesh``: loads and statistics summed over the stage's
     dp × tp ranks (a collective after every optimizer step, on every rank of the stage)."""
+    if not moe_layers(model):
+        return dict
     group = mesh["dp_tp"].get_group() if mesh.dims.dp * mesh.dims.tp > 1 else None
 
     def sum_over_ranks(t: torch.Tensor) -> None:

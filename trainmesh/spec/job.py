@@ -93,6 +93,9 @@ class ModelConfig(_Section):
     ffn_dim: int = Field(0, ge=8, description="SwiGLU hidden size")
     vocab_size: int = Field(0, ge=2, description="embedding rows; at least the tokenizer's")
     max_seq_len: int = Field(0, ge=8, description="longest sequence RoPE is built for")
+    head_dim: int | None = Field(None, ge=2, description="per-head size; null: dim / n_heads")
+    qk_norm: bool = Field(False, description="RMSNorm over each query and key head before RoPE "
+                          "(Qwen3)")
     norm_eps: float = Field(1e-5, gt=0)
     rope_theta: float = Field(10000.0, gt=0)
     rope_scaling: RopeScaling | None = Field(None, description="Llama 3.1 RoPE scaling; none: plain")

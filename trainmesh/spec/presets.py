@@ -31,14 +31,14 @@ PRESETS: dict[str, dict[str, object]] = {
     "mixtral-8x7b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
                          vocab_size=32000, max_seq_len=32768, rope_theta=1e6,
                          moe=dict(experts=8, top_k=2, expert_ffn_dim=14336, aux_loss_coef=0.02)),
-    # Qwen3-30B-A3B's experts and routing (its attention uses head_dim 128 where this model
-    # takes dim / n_heads = 64: the planner's attention terms are approximate for it).
-    "qwen3-30b-a3b": dict(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, ffn_dim=6144,
-                          vocab_size=151936, max_seq_len=40960, rope_theta=1e6,
-                          moe=dict(experts=128, top_k=8, expert_ffn_dim=768, aux_loss_coef=0.001)),
-    # Qwen3-235B-A22B (attention: the same caveat).
-    "qwen3-235b-a22b": dict(dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, ffn_dim=12288,
-                            vocab_size=151936, max_seq_len=40960, rope_theta=1e6,
-                            moe=dict(experts=128, top_k=8, expert_ffn_dim=1536,
-                                     aux_loss_coef=0.001)),
+    # Qwen3-30B-A3B: 128-wide heads beside a 2048 hidden size, per-head q/k norms.
+    "qwen3-30b-a3b": dict(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128,
+                          qk_norm=True, ffn_dim=6144, vocab_size=151936, max_seq_len=40960,
+                          rope_theta=1e6, moe=dict(experts=128, top_k=8, expert_ffn_dim=768,
+                                                   aux_loss_coef=0.001)),
+    # Qwen3-235B-A22B.
+    "qwen3-235b-a22b": dict(dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, head_dim=128,
+                            qk_norm=True, ffn_dim=12288, vocab_size=151936, max_seq_len=40960,
+                            rope_theta=1e6, moe=dict(experts=128, top_k=8, expert_ffn_dim=1536,
+                                                     aux_loss_coef=0.001)),
 }

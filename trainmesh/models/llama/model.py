@@ -36,10 +36,12 @@ class LlamaArgs:
     tie_embeddings: bool = False
     kernels: str = "torch"  # a resolved kernel set: torch | triton
     moe: MoEArgs | None = None  # Mixture-of-Experts blocks (after moe.dense_layers); None: dense
+    head_dim: int | None = None  # per-head size; None: dim // n_heads
+    qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3)
 
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+    def __post_init__(self) -> None:
+        if not self.head_dim:
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
 
     @property
     def ops(self) -> KernelSet:
@@ -111,6 +113,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps, args.ops) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps, args.ops) if args.qk_norm else None
 
     def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x_BTD.shape
@@ -118,6 +122,8 @@ class Attention(nn.Module):
         q = self.wq(x_BTD).view(B, T, -1, self.head_dim)
         k = self.wk(x_BTD).view(B, T, -1, self.head_dim)
         v = self.wv(x_BTD).view(B, T, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         # Slice the tables here, where T is the whole sequence even under sequence parallel.
         q, k = self.ops.rope(q, cos[:T], sin[:T]), self.ops.rope(k, cos[:T], sin[:T])
         rep = q.shape[2] // k.shape[2]

@@ -25,11 +25,17 @@ def mlp_params(shape, layer: int | None = None, active: bool = False) -> int:
     return 3 * d * moe.expert_ffn_dim * (routed + moe.shared_experts) + d * moe.experts
 
 
+def head_dim(shape) -> int:
+    return getattr(shape, "head_dim", None) or shape.dim // shape.n_heads
+
+
 def layer_params(shape, layer: int | None = None, active: bool = False) -> int:
-    """Parameters of one transformer block: attention, MLP (``mlp_params``), two norms."""
-    d = shape.dim
-    kv = shape.n_kv_heads * (shape.dim // shape.n_heads)
-    return 2 * d * d + 2 * d * kv + mlp_params(shape, layer, active) + 2 * d
+    """Parameters of one transformer block: attention (with per-head q/k norms if any), MLP
+    (``mlp_params``), two norms."""
+    d, hd = shape.dim, head_dim(shape)
+    q, kv = shape.n_heads * hd, shape.n_kv_heads * hd
+    qk_norm = 2 * hd if getattr(shape, "qk_norm", False) else 0
+    return 2 * d * q + 2 * d * kv + qk_norm + mlp_params(shape, layer, active) + 2 * d
 
 
 def expert_params(shape) -> int:

@@ -6,9 +6,11 @@ Parameter names and full shapes are untouched, so checkpoints do not depend on t
 
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -19,7 +21,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from trainmesh.models.llama.model import Llama
-from trainmesh.models.moe.moe import MoE
+from trainmesh.models.moe.moe import MoE, moe_layers
 from trainmesh.spec.mesh_rules import runnable_problems, tp_problems
 
 
@@ -67,6 +69,33 @@ def apply_tensor_parallel(model: Llama, tp_mesh: DeviceMesh, sequence_parallel: 
             plan["ffn_norm"] = SequenceParallel()
         parallelize_module(block, tp_mesh, plan)
     return model
+
+
+def tp_partial_params(model: nn.Module) -> list[nn.Parameter]:
+    """Parameters that the TP plan leaves whole on every tp rank while each rank computes with
+    a part of what they act on, so each rank's gradient is a part of the whole: an MoE block's
+    (its tp rank's share of the tokens) and the per-head q/k norms (its heads)."""
+    out = [p for _, moe in moe_layers(model) for p in moe.parameters()]
+    for block in model.layers.values():
+        for norm in (block.attention.q_norm, block.attention.k_norm):
+            if norm is not None:
+                out.append(norm.weight)
+    return out
+
+
+def sum_partial_grads_over_tp(params: list[nn.Parameter], tp_mesh: DeviceMesh | None) -> None:
+    """After the data-parallel reduction (ZeRO-3 leaves each tp rank of a replica the same
+    shard positions): sum ``tp_partial_params``' gradients over tp, in one all-reduce."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if tp_mesh is None or tp_mesh.size() == 1 or not grads:
+        return
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    flat = torch.cat([g.reshape(-1) for g in local])
+    dist.all_reduce(flat, group=tp_mesh.get_group())
+    offset = 0
+    for g in local:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str, stride: int = 1) -> nn.Module:
