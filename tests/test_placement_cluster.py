@@ -116,24 +116,31 @@ def test_doctor_reports_the_cluster_and_each_problem_with_its_fix(gpu_cluster, t
 
 @pytest.mark.timeout(300)
 def test_a_lost_node_restores_from_peers_memory_onto_the_survivors_mesh(gpu_cluster, tmp_path):
-    """The in-memory checkpoint tier (last here: it removes a node). 8 ranks (tp 2 × pp 2 ×
-    dp 2) on the 2 nodes, snapshots every step, storage every 6 (the last step here): the node of
-    ranks 4-7 goes as step 5 begins, once their snapshots of step 4 are complete (a ``wait``
-    fault lets the rank's background snapshot land first); the 4 survivors re-plan to tp 2 × pp 2
-    and restore step 4 from their own snapshots and the copies of the lost ranks', losing only
-    the step in flight. (A node lost while its copies travel restores the snapshot before:
-    test_memory_tier.py; a node lost with its buddy: test_fault_matrix.py; restored state =
-    storage's, bit for bit, on another mesh: test_reshard_restore.py.)"""
+    """The in-memory checkpoint tier (last here: it removes a node), with all four axes: an MoE
+    model at tp 2 × pp 2 × dp 2 with ep 2 (8 ranks) on the 2 nodes, snapshots every step,
+    storage every 6 (the last step here): the node of ranks 4-7 goes as step 5 begins, once
+    their snapshots of step 4 are complete (a ``wait`` fault lets the rank's background
+    snapshot land first); the 4 survivors re-plan to tp 2 × pp 2 × dp 1 — ep 1: every expert on
+    every rank — and restore step 4 (experts, their AdamW moments, the balancing bias) from their
+    own snapshots and the copies of the lost ranks', losing only the step in flight, and end
+    with the single process's losses. (A node lost while its copies travel restores the
+    snapshot before: test_memory_tier.py; a node lost with its buddy: test_fault_matrix.py;
+    restored state = storage's, bit for bit, on another mesh: test_reshard_restore.py and, at
+    another ep, test_expert_parallel.py.)"""
     from servers import MEMORY_ARGS, assert_reference_losses, run_losing_nodes
 
     s = run_losing_nodes(gpu_cluster, tmp_path, [
-        *MEMORY_ARGS, "parallelism.tp=2", "parallelism.pp=2", "parallelism.dp=2", "training.steps=6",
-        "checkpoint.every=6", "elastic.max_world_size=8"],
+        *MEMORY_ARGS, "model.preset=tiny-moe", "model.moe.balance=bias",
+        "model.moe.bias_update_rate=0.01", "parallelism.tp=2", "parallelism.pp=2",
+        "parallelism.dp=2", "parallelism.ep=2", "training.steps=6", "checkpoint.every=6",
+        "elastic.max_world_size=8"],
         [f"wait@rank={r},step=4,phase=forward" for r in range(4, 8)])
     assert s["status"] == "FINISHED" and s["steps_done"] == 6
     [rec] = s["recoveries"]
     assert rec["restored_from"] == "memory" and rec["mode"] == "warm", rec
     assert rec["step"] == 4 and rec["steps_lost"] == 0, rec  # only the step in flight
     assert (rec["old_mesh"]["world_size"], rec["new_mesh"]["world_size"]) == (8, 4)
+    assert rec["old_mesh"]["ep"] == 2 and "ep" not in rec["new_mesh"]
     assert (rec["new_mesh"]["tp"], rec["new_mesh"]["pp"]) == (2, 2)
+    assert s["experts"]["all"]["bias_norm"] > 0
     assert_reference_losses(s, tmp_path)

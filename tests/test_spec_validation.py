@@ -208,3 +208,22 @@ def test_run_refuses_a_directory_it_cannot_create_in_one_line(tmp_path, capsys, 
     err = capsys.readouterr().err
     assert err.startswith(f"{field}: cannot create or write {blocker}/out")
     assert "--set " in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_run_refuses_an_unreachable_ray_address_in_one_line_at_once(tmp_path, capsys):
+    """Nothing listens on the port (one this test held and closed): refused in one line naming
+    runtime.ray_address, without ray.init's minutes of retries."""
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    assert main(["run", "jobs/tiny-cpu.yaml", "--set", f"runtime.ray_address=127.0.0.1:{port}",
+                 "--set", f"runtime.output_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"runtime.ray_address: no Ray cluster reachable at '127.0.0.1:{port}'")
+    assert "ray start --head" in err and len(err.strip().splitlines()) == 1
+    # Not a speed figure: ray.init alone retries for over two minutes before it gives up.
+    assert time.monotonic() - t0 < 30

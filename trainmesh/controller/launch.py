@@ -66,6 +66,12 @@ def ray_session(spec: JobSpec) -> Iterator[bool]:
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False,
                  log_to_driver=False, configure_logging=False)
     else:
+        unreachable = _unreachable(spec.runtime.ray_address)
+        if unreachable:  # ray.init would retry for minutes before saying so
+            raise SpecError([Problem("runtime.ray_address", f"no Ray cluster reachable at "
+                                     f"{spec.runtime.ray_address!r} ({unreachable})",
+                                     "start the cluster (`ray start --head`), give its address "
+                                     "(host:6379 or auto), or use local")])
         try:
             ray.init(address=spec.runtime.ray_address, log_to_driver=False)
         except (ConnectionError, ValueError, RuntimeError) as err:
@@ -78,6 +84,22 @@ def ray_session(spec: JobSpec) -> Iterator[bool]:
         yield spec.runtime.ray_address == LOCAL
     finally:
         ray.shutdown()
+
+
+def _unreachable(address: str, timeout_s: float = 5.0) -> str | None:
+    """Why nothing answers at a Ray ``host:port`` (or ``ray://host:port``) address, or None
+    (reachable, or not an address this can check: ``auto``)."""
+    import socket
+
+    target = address.removeprefix("ray://")
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as err:
+        return f"{host}:{port}: {err.strerror or err}"
+    return None
 
 
 def make_output_dir(spec: JobSpec) -> Path:

@@ -30,13 +30,19 @@ class StepStats:
 
 
 def build_optimizer(model: nn.Module, cfg) -> torch.optim.AdamW:
-    """AdamW from an ``OptimizerConfig``; no decay on norms (1-D parameters)."""
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                             foreach=True)
+    """AdamW from an ``OptimizerConfig``; no decay on norms (1-D parameters). Parameters are
+    grouped by decay and by the mesh they live on (plain tensors apart): AdamW's foreach step
+    cannot mix DTensors and plain tensors in one list (an MoE block's parameters stay plain
+    under tensor parallel when nothing shards them), and DCP keys optimizer state by parameter
+    name, so the grouping may differ from mesh to mesh."""
+    groups: dict[tuple[bool, object], list[nn.Parameter]] = {}
+    for p in model.parameters():
+        mesh = p.device_mesh if isinstance(p, DTensor) else None
+        groups.setdefault((p.ndim >= 2, mesh), []).append(p)
+    order = sorted(groups, key=lambda k: (not k[0], k[1] is not None))  # decay first
+    return torch.optim.AdamW(
+        [{"params": groups[k], "weight_decay": cfg.weight_decay if k[0] else 0.0} for k in order],
+        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
 
 
 def lr_multiplier(step: int, total_steps: int, warmup_steps: int, min_ratio: float) -> float:

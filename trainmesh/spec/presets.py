@@ -31,6 +31,10 @@ PRESETS: dict[str, dict[str, object]] = {
     "mixtral-8x7b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
                          vocab_size=32000, max_seq_len=32768, rope_theta=1e6,
                          moe=dict(experts=8, top_k=2, expert_ffn_dim=14336, aux_loss_coef=0.02)),
+    # Mixtral 8x22B.
+    "mixtral-8x22b": dict(dim=6144, n_layers=56, n_heads=48, n_kv_heads=8, ffn_dim=16384,
+                          vocab_size=32768, max_seq_len=65536, rope_theta=1e6,
+                          moe=dict(experts=8, top_k=2, expert_ffn_dim=16384, aux_loss_coef=0.001)),
     # Qwen3-30B-A3B: 128-wide heads beside a 2048 hidden size, per-head q/k norms.
     "qwen3-30b-a3b": dict(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128,
                           qk_norm=True, ffn_dim=6144, vocab_size=151936, max_seq_len=40960,
