@@ -33,12 +33,14 @@ def main() -> None:
     from trainmesh.data.shards import ensure_tiny_corpus
     from trainmesh.parallel.dims import ParallelDims
     from trainmesh.planning.topology import Topology
+    from trainmesh.spec.mesh_rules import valid_tp_degrees
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         data_dir = str(ensure_tiny_corpus(os.path.join(tmp, "data")))
-        for tp in (1, 2, 4):
+        shape = load_spec(None, [f"model.preset={args.preset}"]).model
+        for tp in [t for t in (1, 2, 4) if t in valid_tp_degrees(shape.n_heads, shape.n_kv_heads)]:
             spec = load_spec(None, [f"model.preset={args.preset}", f"parallelism.tp={tp}",
                                     "parallelism.sequence_parallel=" + str(tp > 1).lower(),
                                     f"training.seq_len={args.seq_len}",
