@@ -13,6 +13,9 @@ H100/H200, appended to bench/RESULTS.md as a dated section.
    tensors' peak (torch's max allocated) and the activations autograd saved are set beside
    the cost model's prediction. A 1-rank mesh: NCCL runs, but no collective
    crosses a device (multi-rank NCCL needs more GPUs than the kit assumes).
+4. MoE experts: ``torch._grouped_mm`` (what an MoE block uses on CUDA) against the per-expert
+   loop (what it uses elsewhere), forward + backward at Mixtral 8x7B's expert shapes in bf16,
+   with the tokens spread evenly and skewed (half of them to one expert).
 """
 
 from __future__ import annotations
@@ -136,11 +139,49 @@ def memory_check() -> list[str]:
     return lines
 
 
+def moe_gemm() -> list[str]:
+    """Grouped GEMM vs the per-expert loop (see the module docstring)."""
+    import torch
+    from triton.testing import do_bench
+
+    from trainmesh.kernels import kernel_set
+    from trainmesh.models.moe.moe import expert_swiglu
+
+    experts, dim, ffn, tokens, k = 8, 4096, 14336, 8192, 2
+    g = torch.Generator(device="cuda").manual_seed(0)
+    def weight(*shape):
+        return (torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)
+                * 0.02).requires_grad_()
+
+    w1, w3, w2 = weight(experts, ffn, dim), weight(experts, ffn, dim), weight(experts, dim, ffn)
+    swiglu = kernel_set("torch").swiglu
+    rows = tokens * k
+    spreads = {"even": [rows // experts] * experts,
+               "skewed": [rows // 2] + [rows // 2 // (experts - 1)] * (experts - 2)
+               + [rows // 2 - rows // 2 // (experts - 1) * (experts - 2)]}
+    lines = [f"{experts} experts, dim {dim}, expert ffn {ffn}, {tokens} tokens × top-{k}, bf16, "
+             "forward + backward (ms, median):", "",
+             "| spread | per-expert loop | grouped GEMM | loop / grouped |", "|---|---:|---:|---:|"]
+    for name, counts in spreads.items():
+        x = torch.randn(sum(counts), dim, device="cuda", dtype=torch.bfloat16, generator=g,
+                        requires_grad=True)
+        up = torch.randn(sum(counts), dim, device="cuda", dtype=torch.bfloat16, generator=g)
+        times = []
+        for grouped in (False, True):
+            def step(grouped=grouped, x=x, counts=counts, up=up):
+                for t in (x, w1, w2, w3):
+                    t.grad = None
+                expert_swiglu(x, counts, w1, w2, w3, swiglu, grouped).backward(up)
+            times.append(do_bench(step, warmup=3, rep=30, return_mode="median"))
+        lines.append(f"| {name} | {times[0]:.2f} | {times[1]:.2f} | {times[0] / times[1]:.2f}× |")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--append", metavar="FILE", help="append the section to FILE (RESULTS.md)")
-    ap.add_argument("--parts", default="tests,kernels,memory",
-                    help="comma-separated subset of tests, kernels, memory")
+    ap.add_argument("--parts", default="tests,kernels,memory,moe",
+                    help="comma-separated subset of tests, kernels, memory, moe")
     args = ap.parse_args()
     import torch
 
@@ -152,7 +193,8 @@ def main() -> None:
     parts = {"tests": ("GPU tests", gpu_tests),
              "kernels": ("Kernels and the 1b step", kernel_bench),
              "memory": ("1b memory: planned vs measured (one rank, bf16, seq 2048, microbatch 2 × 4)",
-                        memory_check)}
+                        memory_check),
+             "moe": ("MoE experts: grouped GEMM vs the per-expert loop", moe_gemm)}
     for title, part in (parts[p] for p in args.parts.split(",")):
         out += [f"### {title}", ""]
         try:
