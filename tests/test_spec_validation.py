@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -227,3 +228,16 @@ def test_run_refuses_an_unreachable_ray_address_in_one_line_at_once(tmp_path, ca
     assert "ray start --head" in err and len(err.strip().splitlines()) == 1
     # Not a speed figure: ray.init alone retries for over two minutes before it gives up.
     assert time.monotonic() - t0 < 30
+
+
+JOBS = Path(__file__).resolve().parents[1] / "jobs"
+
+
+@pytest.mark.parametrize("job", sorted(p.name for p in JOBS.glob("*.yaml")))
+def test_every_shipped_job_spec_validates(job):
+    """The specs under jobs/ (the README names them) load and pass every rule a run applies
+    before it plans."""
+    from trainmesh.cli.loading import unsupported_problems
+
+    spec = load_spec(JOBS / job)
+    assert spec.name and not [p for p in unsupported_problems(spec) if p.path != "data.path"]
