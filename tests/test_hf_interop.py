@@ -53,6 +53,17 @@ def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
+def _committed_checkpoint(model, spec, directory, step: int) -> str:
+    """``model``'s state as a complete trainmesh checkpoint of ``spec`` at ``step`` (what
+    ``trainmesh export`` reads)."""
+    import torch.distributed.checkpoint as dcp
+
+    store = CheckpointStore(directory)
+    partial = store.partial_dir(step)
+    dcp.save({"model": model.state_dict()}, checkpoint_id=partial, no_dist=True)
+    return store.commit(partial, {"step": step, "spec": json.loads(spec.model_dump_json())})
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_import_and_export_keep_transformers_logits(hf_models, tmp_path, case):
     path, theirs = hf_models[case]
@@ -64,12 +75,7 @@ def test_import_and_export_keep_transformers_logits(hf_models, tmp_path, case):
         want = theirs(x).logits
         assert _relative_error(ours(x), want) < 1e-5
     # A checkpoint of it, exported in small shards, loads into transformers as the same model.
-    import torch.distributed.checkpoint as dcp
-
-    store = CheckpointStore(tmp_path / "ckpt")
-    partial = store.partial_dir(7)
-    dcp.save({"model": ours.state_dict()}, checkpoint_id=partial, no_dist=True)
-    step_dir = store.commit(partial, {"step": 7, "spec": json.loads(spec.model_dump_json())})
+    step_dir = _committed_checkpoint(ours, spec, tmp_path / "ckpt", 7)
     assert main(["export", step_dir, "--hf", str(tmp_path / "out"), "--max-shard-size", "200000"]) == 0
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
@@ -234,8 +240,6 @@ def test_mixtral_imports_and_exports_with_transformers_logits(mixtral, tmp_path)
     """``MixtralForCausalLM``: the per-expert tensors stacked into trainmesh's experts, the
     router as its router; exported back, transformers loads every tensor and gives the same
     logits."""
-    import torch.distributed.checkpoint as dcp
-
     path, theirs = mixtral
     spec = load_spec(None, [f"model.init_from={path}", "model.moe.balance=aux_loss",
                             f"runtime.output_dir={tmp_path}"])
@@ -246,10 +250,7 @@ def test_mixtral_imports_and_exports_with_transformers_logits(mixtral, tmp_path)
     with torch.no_grad():
         want = theirs(x).logits
         assert _relative_error(ours(x), want) < 1e-5
-    store = CheckpointStore(tmp_path / "ckpt")
-    partial = store.partial_dir(3)
-    dcp.save({"model": ours.state_dict()}, checkpoint_id=partial, no_dist=True)
-    step_dir = store.commit(partial, {"step": 3, "spec": json.loads(spec.model_dump_json())})
+    step_dir = _committed_checkpoint(ours, spec, tmp_path / "ckpt", 3)
     assert main(["export", step_dir, "--hf", str(tmp_path / "out")]) == 0
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["architectures"] == ["MixtralForCausalLM"] and config["num_local_experts"] == 4
@@ -264,14 +265,9 @@ def test_mixtral_imports_and_exports_with_transformers_logits(mixtral, tmp_path)
     ("model.moe.shared_experts=1", "shared_experts"), ("model.moe.router=sigmoid", "router"),
     ("model.moe.balance=bias", "balance"), ("model.moe.dense_layers=1", "dense_layers")])
 def test_export_refuses_an_moe_model_no_format_holds(tmp_path, setting, named):
-    import torch.distributed.checkpoint as dcp
-
     spec = load_spec(None, ["model.preset=tiny-moe", setting])
-    store = CheckpointStore(tmp_path / "ckpt")
-    partial = store.partial_dir(1)
-    dcp.save({"model": build_model(spec, torch.device("cpu")).state_dict()},
-             checkpoint_id=partial, no_dist=True)
-    step_dir = store.commit(partial, {"step": 1, "spec": json.loads(spec.model_dump_json())})
+    step_dir = _committed_checkpoint(build_model(spec, torch.device("cpu")), spec,
+                                     tmp_path / "ckpt", 1)
     from trainmesh.interop.hf_export import ExportError, export
 
     with pytest.raises(ExportError, match=f"model.moe.{named}"):
@@ -307,8 +303,6 @@ def test_qwen3_moe_imports_and_exports_with_transformers_logits(tmp_path):
     """``Qwen3MoeForCausalLM``: 32-wide heads beside a 64 hidden size, per-head q/k norms (in
     the same RoPE layout mapping as the projections), unnormalised top-k scores and a leading
     dense block; exported back, transformers loads every tensor with the same logits."""
-    import torch.distributed.checkpoint as dcp
-
     torch.manual_seed(0)
     cfg = transformers.Qwen3MoeConfig(
         hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
@@ -329,10 +323,7 @@ def test_qwen3_moe_imports_and_exports_with_transformers_logits(tmp_path):
     with torch.no_grad():
         want = theirs(x).logits
         assert _relative_error(ours(x), want) < 1e-5
-    store = CheckpointStore(tmp_path / "ckpt")
-    partial = store.partial_dir(1)
-    dcp.save({"model": ours.state_dict()}, checkpoint_id=partial, no_dist=True)
-    step_dir = store.commit(partial, {"step": 1, "spec": json.loads(spec.model_dump_json())})
+    step_dir = _committed_checkpoint(ours, spec, tmp_path / "ckpt", 1)
     assert main(["export", step_dir, "--hf", str(tmp_path / "out")]) == 0
     back, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out",
                                                                    output_loading_info=True)

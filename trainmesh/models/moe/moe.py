@@ -148,18 +148,26 @@ class MoE(nn.Module):
         # DeepSeek-V3's balancing bias: chooses experts, never weights them; a checkpointed
         # buffer moved after each optimizer step (update_bias), not by the optimizer.
         self.register_buffer("expert_bias", torch.zeros(args.experts), persistent=True)
-        # Assignments routed to each expert since the last update_bias (all of this rank's
-        # microbatches): the balancing signal and the load statistics.
+        # Since the last balance_experts (all of this rank's microbatches), kept on the device
+        # so that no microbatch waits for the host: assignments routed to each expert (the
+        # balancing signal and the load), the balancing loss × each microbatch's share of the
+        # step, and the assignments dropped over capacity.
         self.register_buffer("routed", torch.zeros(args.experts, dtype=torch.int64),
                              persistent=False)
+        self.register_buffer("aux_total", torch.zeros((), dtype=torch.float64), persistent=False)
+        self.register_buffer("dropped", torch.zeros((), dtype=torch.int64), persistent=False)
         self.dispatch: Dispatch = LocalDispatch()
         self.loss_scale = 1.0  # set per step: 1 / the microbatches a rank accumulates
-        self.stats = MoEStats()
 
     def reset_buffers(self) -> None:
         """Zero the bias and counters (after a meta-device build they hold garbage)."""
         self.expert_bias.zero_()
+        self.reset_counters()
+
+    def reset_counters(self) -> None:
         self.routed.zero_()
+        self.aux_total.zero_()
+        self.dropped.zero_()
 
     def route(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Scores (N, E) in float32, the chosen experts (N, k) best first, their weights."""
@@ -207,11 +215,12 @@ class MoE(nn.Module):
             aux = self._aux_loss(scores, counts)
             y = _AddAuxLoss.apply(y, aux, self.loss_scale)
             if first_run:
-                self.stats.aux_loss += float(aux.detach()) * self.loss_scale
+                self.aux_total += aux.detach().double() * self.loss_scale
         if first_run:
             with torch.no_grad():
                 self.routed += counts
-                self.stats.dropped += int((counts - kept).sum()) if capacity is not None else 0
+                if capacity is not None:
+                    self.dropped += (counts - kept).sum()
         return y.view(shape)
 
     def _aux_loss(self, scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -237,19 +246,6 @@ class MoE(nn.Module):
             self.expert_bias += self.args.bias_update_rate * torch.sign(load.mean() - load)
 
 
-@dataclass
-class MoEStats:
-    """What one MoE block saw since the last read (host numbers; logged per step)."""
-
-    aux_loss: float = 0.0  # Σ over microbatches of the balancing loss × its share of the step
-    dropped: int = 0  # assignments over capacity
-
-    def take(self) -> MoEStats:
-        out = MoEStats(self.aux_loss, self.dropped)
-        self.aux_loss, self.dropped = 0.0, 0
-        return out
-
-
 def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
     """Every MoE block of ``model`` (or of a pipeline rank's part), by name."""
     return [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
@@ -266,15 +262,13 @@ def balance_experts(model: nn.Module, sum_over_ranks: Callable[[torch.Tensor], N
     if not blocks:
         return {}
     loads = torch.stack([moe.routed for _, moe in blocks])
-    extra = torch.tensor([[moe.stats.aux_loss, moe.stats.dropped] for _, moe in blocks],
-                         dtype=torch.float64, device=loads.device)
+    extra = torch.stack([torch.stack([moe.aux_total, moe.dropped.double()]) for _, moe in blocks])
     sum_over_ranks(loads)
     sum_over_ranks(extra)
     out = {}
     for (name, moe), load, (aux, dropped) in zip(blocks, loads, extra.tolist(), strict=True):
         moe.update_bias(load)
-        moe.routed.zero_()
-        moe.stats.take()
+        moe.reset_counters()
         load = load.double()
         out[name] = {"load_max_over_mean": float(load.max() / load.mean().clamp(min=1e-9)),
                      "aux_loss": aux / replicas, "dropped": int(dropped),
