@@ -24,8 +24,12 @@ CASES = {  # largest meshes first: the rank pool then only shrinks
     # tp rank, each rank's gradient from its heads only: summed over tp like the MoE block's).
     "ep2-tp2-dp2-sp-qk-norm": (ParallelDims(tp=2, dp=2, ep=2), [
         "parallelism.sequence_parallel=true", "model.head_dim=32", "model.qk_norm=true"]),
-    "pp2-ep2-dp2-dense-stage": (ParallelDims(pp=2, dp=2, ep=2), [
-        "model.moe.dense_layers=2", "model.moe.balance=bias", "model.moe.bias_update_rate=0.01"]),
+    # A zero-bubble schedule: each backward split into its input half (the all-to-alls run
+    # backward there) and its weight half; the first stage holds no MoE block.
+    "pp2-ep2-dp2-zb-h1-dense-stage": (ParallelDims(pp=2, dp=2, ep=2), [
+        "schedule.name=zb-h1", "model.moe.dense_layers=2", "model.moe.balance=bias",
+        "model.moe.bias_update_rate=0.01"]),
+    "pp2-ep2-dp2-aux-loss": (ParallelDims(pp=2, dp=2, ep=2), ["model.moe.aux_loss_coef=0.1"]),
     "ep4-dp4": (ParallelDims(dp=4, ep=4), []),
     "ep2-dp4-bias-shared-capacity": (ParallelDims(dp=4, ep=2), [
         "model.moe.balance=bias", "model.moe.router=sigmoid", "model.moe.shared_experts=1",
