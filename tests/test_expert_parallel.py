@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from ray import cloudpickle  # the ranks cannot import this test module: functions go by value
 from reference import reference_run
 from test_tensor_parallel import _close
 
@@ -31,10 +32,12 @@ CASES = {  # largest meshes first: the rank pool then only shrinks
         "model.moe.bias_update_rate=0.01"]),
     "pp2-ep2-dp2-aux-loss": (ParallelDims(pp=2, dp=2, ep=2), ["model.moe.aux_loss_coef=0.1"]),
     "ep4-dp4": (ParallelDims(dp=4, ep=4), []),
-    "ep2-dp4-bias-shared-capacity": (ParallelDims(dp=4, ep=2), [
-        "model.moe.balance=bias", "model.moe.router=sigmoid", "model.moe.shared_experts=1",
-        "model.moe.dense_layers=1", "model.moe.bias_update_rate=0.01",
-        "model.moe.capacity_factor=1.0"]),
+    # 2 experts: one per ep rank, fewer than its 2 replicas, so ZeRO-3 splits each expert's
+    # rows rather than handing one replica the whole expert and the other padding.
+    "ep2-dp4-2-experts-bias-shared-capacity": (ParallelDims(dp=4, ep=2), [
+        "model.moe.experts=2", "model.moe.top_k=1", "model.moe.balance=bias",
+        "model.moe.router=sigmoid", "model.moe.shared_experts=1", "model.moe.dense_layers=1",
+        "model.moe.bias_update_rate=0.01", "model.moe.capacity_factor=1.0"]),
 }
 
 
@@ -56,6 +59,13 @@ def test_expert_parallel_matches_single_process(rank_pool, tmp_path, case):
                     assert dims_here == ("edp", "ep"), (name, dims_here)
                 else:
                     assert dims_here[0] == "dp", (name, dims_here)
+        # ... and evenly: every rank holds the same share of each expert weight.
+        cloudpickle.register_pickle_by_value(sys.modules[__name__])
+        held: dict[str, set[int]] = {}
+        for sizes in group.execute(_expert_shard_sizes):
+            for name, n in sizes.items():
+                held.setdefault(name, set()).add(n)
+        assert held and all(len(n) == 1 for n in held.values()), held
         losses = [group.train_step()[0]["loss"]]
         grads = group.full_grads()
         losses += [group.train_step()[0]["loss"] for _ in range(2)]
@@ -107,6 +117,11 @@ def test_a_checkpoint_at_ep4_restores_at_ep2_and_goes_on_with_the_same_losses(ra
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
 
 
+def _expert_shard_sizes(engine) -> dict[str, int]:
+    return {n: p.to_local().numel() for n, p in engine.model.named_parameters()
+            if ".experts." in n}
+
+
 def _zero_routers(model) -> None:
     """Every router score equal: the deterministic tie-break sends every token to the first
     top_k experts (the rest get none, on every rank)."""
@@ -129,8 +144,6 @@ def test_all_tokens_to_one_expert_finishes_and_matches(rank_pool, tmp_path):
     group = rank_pool.group_for(spec, dims)
     try:
         group.build(spec.model_dump_json(), dims, data_dir)
-        from ray import cloudpickle  # the ranks cannot import this test module: ship by value
-
         cloudpickle.register_pickle_by_value(sys.modules[__name__])
         group.execute(lambda engine: _zero_routers(engine.model))
         first = group.train_step()[0]

@@ -152,7 +152,7 @@ def test_recomputed_blocks_count_their_tokens_once():
 def test_regrouping_received_blocks_by_expert():
     counts = torch.tensor([[2, 0, 1], [1, 3, 0]])  # (source, expert): rows arrive source-major
     rows = [f"s{s}e{e}" for s in range(2) for e in range(3) for _ in range(int(counts[s, e]))]
-    order = _source_major_to_expert_major(counts)
+    order = _source_major_to_expert_major(counts, int(counts.sum()))
     assert [rows[i] for i in order] == ["s0e0", "s0e0", "s1e0", "s1e1", "s1e1", "s1e1", "s0e2"]
 
 

@@ -15,9 +15,10 @@ tokens on each tp rank, and their gradients are summed over tp once per step
 (``models/llama/parallelize.py: sum_partial_grads_over_tp``).
 
 Communication follows NCCL's rules: every rank of an EP group makes the same collectives in
-the same order (per MoE block and microbatch: one all-to-all of the per-expert counts — the
-one host sync, for the split sizes — then one of the tokens, and one back); a rank that
-routes nothing to a peer sends it zero rows, never skips the call.
+the same order (per MoE block and microbatch: one all-to-all of the per-expert counts, then
+one of the tokens, and one back; the counts' arrival is the block's one host sync, since the
+token all-to-all needs its split sizes on the host); a rank that routes nothing to a peer
+sends it zero rows, never skips the call.
 """
 
 from __future__ import annotations
@@ -44,19 +45,20 @@ class AllToAllDispatch:
 
     def dispatch(self, x_sorted: torch.Tensor, counts: torch.Tensor):
         if self.ep == 1:
-            return x_sorted, counts.tolist(), None
-        local = self.experts // self.ep
+            return x_sorted, counts, None
+        ep, local = self.ep, self.experts // self.ep
         # Counts first: rank j receives, from every source, how many rows each of its experts
-        # gets. The one host sync of the block: the token all-to-all needs the split sizes.
+        # gets. Then the block's one host sync: the token all-to-all needs the split sizes.
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.ep_group)
-        from_each = received.view(self.ep, local)  # (source, local expert)
-        send = counts.view(self.ep, local).sum(1).tolist()
-        recv = from_each.sum(1).tolist()
+        from_each = received.view(ep, local)  # (source, local expert)
+        host = torch.cat([counts.view(ep, local).sum(1), received]).tolist()
+        send, rows = host[:ep], [host[ep + s * local:ep + (s + 1) * local] for s in range(ep)]
+        recv = [sum(r) for r in rows]
         x = all_to_all_single_autograd(x_sorted, recv, send, self.ep_group)
         # Arrived grouped by source, then expert: regroup by expert for the grouped GEMM.
-        order = _source_major_to_expert_major(from_each)
-        return x[order], from_each.sum(0).tolist(), (order, send, recv)
+        order = _source_major_to_expert_major(from_each, sum(recv))
+        return x[order], [sum(col) for col in zip(*rows, strict=True)], (order, send, recv)
 
     def combine(self, y: torch.Tensor, state) -> torch.Tensor:
         if state is None:
@@ -71,12 +73,12 @@ class AllToAllDispatch:
         return counts
 
 
-def _source_major_to_expert_major(counts_SE: torch.Tensor) -> torch.Tensor:
-    """Row indices that reorder blocks laid out (source, expert) into (expert, source)."""
+def _source_major_to_expert_major(counts_SE: torch.Tensor, total: int) -> torch.Tensor:
+    """Row indices that reorder blocks laid out (source, expert) into (expert, source);
+    ``total``: the rows (known on the host already: no sync here)."""
     flat = counts_SE.reshape(-1)
     starts = (torch.cumsum(flat, 0) - flat).view_as(counts_SE).T.reshape(-1)
     lengths = counts_SE.T.reshape(-1)
-    total = int(lengths.sum())
     block_start = torch.repeat_interleave(starts, lengths, output_size=total)
     offset_in_block = torch.arange(total, device=counts_SE.device) - torch.repeat_interleave(
         torch.cumsum(lengths, 0) - lengths, lengths, output_size=total)

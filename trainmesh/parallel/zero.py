@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,16 @@ class ExpertSharding:
     divide_factor: float
 
 
+def _expert_dim(shards: int):
+    """FSDP's placement for stacked expert weights (3-D, expert-major): dim 0, the experts,
+    when there are at least as many here as shards; otherwise dim 1 (the expert's rows), or
+    some ranks would hold whole experts and others only padding. Other parameters: dim 0."""
+    def place(p: nn.Parameter) -> Shard | None:
+        local = p.to_local() if isinstance(p, DTensor) else p
+        return Shard(1) if p.ndim == 3 and local.shape[0] < shards else None
+    return place
+
+
 def apply_zero3(model: nn.Module, dp_mesh: DeviceMesh, policy: ZeroPolicy,
                 experts: ExpertSharding | None = None) -> nn.Module:
     """Shard parameters, gradients and optimizer state over ``dp_mesh`` (``model`` is a Llama
@@ -82,14 +93,14 @@ def apply_zero3(model: nn.Module, dp_mesh: DeviceMesh, policy: ZeroPolicy,
         routed = getattr(block.feed_forward, "experts", None)
         if experts is not None and routed is not None:
             fully_shard(routed, mesh=experts.mesh, reshard_after_forward=not policy.keep_gathered,
-                        mp_policy=mp)
+                        mp_policy=mp, shard_placement_fn=_expert_dim(experts.mesh.size()))
             routed.set_gradient_divide_factor(experts.divide_factor)
             # gloo has no PREMUL_SUM: sum, then divide. Not on a group of one, where FSDP
             # divides while copying and would divide again after (torch 2.13).
             if experts.mesh.size() > 1 and dist.get_backend(experts.mesh.get_group()) == "gloo":
                 routed.set_force_sum_reduction_for_comms(True)
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=not policy.keep_gathered,
-                    mp_policy=mp)
+                    mp_policy=mp, shard_placement_fn=_expert_dim(dp_mesh.size()))
     # The root's parameters are needed again right at backward start: keep them gathered.
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp)
     return model

@@ -239,7 +239,7 @@ def rank_params(model, pp: int, pp_rank: int, schedule: str = "1f1b") -> RankPar
 
 
 def activation_units(model, tp: int, sequence_parallel: bool, recompute: str,
-                     fused: bool = False) -> float:
+                     fused: bool = False, ep: int = 1) -> float:
     """Saved activations of one layer and microbatch, in s·b·h elements (module docstring).
     ``fused``: the Triton kernels, whose RMSNorm keeps only its input (not the normalised
     copy) and whose SwiGLU keeps gate and up only."""
@@ -250,7 +250,7 @@ def activation_units(model, tp: int, sequence_parallel: bool, recompute: str,
     mlp = (3 if fused else 4) * f
     moe = getattr(model, "moe", None)
     if moe is not None:  # the MoE block: its tp rank's share of the tokens, as the MLP's
-        mlp = moe_activation_units(model)
+        mlp = moe_activation_units(model, ep)
     if sequence_parallel and tp > 1:
         return 2 + (2 * norm + 5 + mlp) / tp
     return 2 + 2 * norm + (5 + mlp) / tp
@@ -263,12 +263,15 @@ def activation_units(model, tp: int, sequence_parallel: bool, recompute: str,
 MOE_IMBALANCE = 2.0
 
 
-def moe_activation_units(model) -> float:
+def moe_activation_units(model, ep: int = 1) -> float:
     """An MoE block's saved activations per token, in units of h elements: each of the top-k
     copies of the token (the gathered input, its expert's gate, up, silu(gate) and w2 input,
-    and the expert's output), at the planned imbalance, plus the shared expert's SwiGLU."""
+    and the expert's output), plus the shared expert's SwiGLU. With expert parallel a rank
+    computes what its experts receive: planned at the imbalance bound (or the capacity);
+    without, every copy is its own whatever the routing."""
     moe = model.moe
-    bound = moe.capacity_factor if moe.capacity_factor is not None else MOE_IMBALANCE
+    bound = 1.0 if ep == 1 else (moe.capacity_factor if moe.capacity_factor is not None
+                                 else MOE_IMBALANCE)
     routed = moe.top_k * bound * (2 + 4 * moe.expert_ffn_dim / model.dim)
     return routed + 4 * moe.shared_experts * moe.expert_ffn_dim / model.dim
 
@@ -304,13 +307,14 @@ def rank_memory(model, c: Candidate, seq_len: int, pp_rank: int = 0, compute_byt
         end_of_step = 8 * local
     sbh = seq_len * c.microbatch_size * model.dim
     sp = c.sequence_parallel and c.tp > 1
-    per_layer = activation_units(model, c.tp, sp, c.recompute, fused_head) * sbh * compute_bytes
+    per_layer = activation_units(model, c.tp, sp, c.recompute, fused_head, c.ep) * sbh * compute_bytes
     layers_per_chunk = model.n_layers // (c.pp * c.vpp)
     chunks = in_flight_chunks(c.schedule, c.pp, c.vpp, c.num_microbatches, pp_rank)
     acts = per_layer * layers_per_chunk * chunks
     transient = 0.0
     if c.recompute == "full":  # one block's activations exist while it is recomputed
-        transient += activation_units(model, c.tp, sp, "none", fused_head) * sbh * compute_bytes
+        transient += (activation_units(model, c.tp, sp, "none", fused_head, c.ep) * sbh
+                      * compute_bytes)
     if holds_head(c.schedule, c.pp, pp_rank):
         norm = 1 if fused_head else 2
         acts += (norm / c.tp + 1 if sp else norm + 1) * sbh * compute_bytes  # final norm
@@ -391,12 +395,14 @@ def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: in
         pp_comm = 2 * msg * c.num_microbatches * v
     ep_comm = 0.0
     moe = getattr(model, "moe", None)
-    if moe is not None and c.ep > 1:  # 4 all-to-alls per MoE block and microbatch
+    if moe is not None and c.ep > 1:  # 4 all-to-alls per MoE block and microbatch (6 when
+        # full recompute runs the forward's two again)
         moe_layers = sum(1 for i in range(model.n_layers) if i >= moe.dense_layers) / c.pp
         per_a2a = (seq_len * c.microbatch_size / c.tp * moe.top_k * h * compute_bytes
                    * (c.ep - 1) / c.ep)
         bw = device.intra_node_gbps if c.ep * c.tp <= per_node else device.inter_node_gbps
-        ep_comm = 4 * per_a2a / (bw * 1e9) * moe_layers * c.num_microbatches
+        calls = 6 if c.recompute == "full" else 4
+        ep_comm = calls * per_a2a / (bw * 1e9) * moe_layers * c.num_microbatches
     dp_exposed = 0.0
     if c.dp > 1:
         params_per_rank = rank_params(model, c.pp, 0, c.schedule).gathered(c.tp, c.ep)

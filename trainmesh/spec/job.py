@@ -71,8 +71,8 @@ class MoEConfig(_Section):
     dense_layers: int = Field(0, ge=0, description="leading blocks that keep the dense MLP")
     capacity_factor: float | None = Field(
         None, gt=0, description="null: dropless; a number: each expert takes at most "
-        "capacity_factor × tokens × top_k / experts tokens of a microbatch, dropping the "
-        "lowest-scored (counted and logged)")
+        "capacity_factor × tokens × top_k / experts tokens of a microbatch, dropping those "
+        "with the lowest routing weights (counted and logged)")
 
     @model_validator(mode="after")
     def _fits(self) -> MoEConfig:

@@ -58,10 +58,10 @@ class Dispatch(Protocol):
     """Moves assignments (token copies sorted by expert) to the experts' ranks and back."""
 
     def dispatch(self, x_sorted: torch.Tensor, counts: torch.Tensor
-                 ) -> tuple[torch.Tensor, list[int], Any]:
-        """``counts[e]``: rows of ``x_sorted`` for expert e (all experts). Returns the rows
-        this rank's experts compute, grouped by local expert, their count per local expert,
-        and what ``combine`` needs to send the results back."""
+                 ) -> tuple[torch.Tensor, list[int] | torch.Tensor, Any]:
+        """``counts[e]``: rows of ``x_sorted`` for expert e (all experts, on the device).
+        Returns the rows this rank's experts compute, grouped by local expert, their count per
+        local expert (host or device), and what ``combine`` needs to send the results back."""
 
     def combine(self, y: torch.Tensor, state: Any) -> torch.Tensor:
         """The experts' outputs back in ``x_sorted``'s order."""
@@ -71,10 +71,10 @@ class Dispatch(Protocol):
 
 
 class LocalDispatch:
-    """Every expert on this rank: nothing moves."""
+    """Every expert on this rank: nothing moves (and nothing waits for the host)."""
 
     def dispatch(self, x_sorted, counts):
-        return x_sorted, counts.tolist(), None
+        return x_sorted, counts, None
 
     def combine(self, y, state):
         return y
@@ -95,7 +95,7 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(experts, dim, ffn_dim))  # down
         self.grouped_mm = None  # None: torch._grouped_mm on CUDA, the per-expert loop elsewhere
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor:
         """``x``: rows grouped by (local) expert, ``counts[e]`` of them for expert e."""
         w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w
                       for w in (self.w1, self.w2, self.w3))
@@ -103,16 +103,20 @@ class GroupedExperts(nn.Module):
         return expert_swiglu(x, counts, w1, w2, w3, self.ops.swiglu, grouped)
 
 
-def expert_swiglu(x: torch.Tensor, counts: list[int], w1: torch.Tensor, w2: torch.Tensor,
-                  w3: torch.Tensor, swiglu, grouped: bool) -> torch.Tensor:
-    """Each expert's SwiGLU over its rows: one grouped GEMM per weight (``torch._grouped_mm``)
-    or a loop over experts. Every expert takes part even with no rows, so each weight always
-    gets a gradient (ZeRO-3's reduce-scatter is then the same on every rank)."""
+def expert_swiglu(x: torch.Tensor, counts: list[int] | torch.Tensor, w1: torch.Tensor,
+                  w2: torch.Tensor, w3: torch.Tensor, swiglu, grouped: bool) -> torch.Tensor:
+    """Each expert's SwiGLU over its rows: one grouped GEMM per weight (``torch._grouped_mm``,
+    its group ends computed on the device) or a loop over experts (which needs the counts on
+    the host). Every expert takes part even with no rows, so each weight always gets a
+    gradient (ZeRO-3's reduce-scatter is then the same on every rank)."""
     if grouped:
-        offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        counts = torch.as_tensor(counts, device=x.device)
+        offs = counts.cumsum(0).to(torch.int32)
         gate = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)
         up = torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
         return torch._grouped_mm(swiglu(gate, up), w2.transpose(-2, -1), offs=offs)
+    if isinstance(counts, torch.Tensor):
+        counts = counts.tolist()
     outs = []
     for e, rows in enumerate(torch.split(x, counts)):
         outs.append(swiglu(rows @ w1[e].T, rows @ w3[e].T) @ w2[e].T)
