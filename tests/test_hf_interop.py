@@ -219,6 +219,25 @@ def test_job_from_an_imported_model_on_tokenized_data_evaluates_resumes_exports_
     assert result["eval_loss"] == pytest.approx(summary["eval"][-1]["loss"], rel=1e-5)
 
 
+def _assert_round_trip(theirs, spec, tmp_path, architecture: str):
+    """Imported, the model gives transformers' logits; a checkpoint of it exported with
+    ``trainmesh export`` loads in transformers as ``architecture``, every tensor used, with the
+    same logits. Returns the export directory."""
+    ours = build_model(spec, torch.device("cpu")).eval()
+    x = torch.randint(0, 264, (2, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = theirs(x).logits
+        assert _relative_error(ours(x), want) < 1e-5
+    step_dir = _committed_checkpoint(ours, spec, tmp_path / "ckpt", 1)
+    assert main(["export", step_dir, "--hf", str(tmp_path / "out")]) == 0
+    back, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out",
+                                                                   output_loading_info=True)
+    assert type(back).__name__ == architecture and not any(info.values()), info
+    with torch.no_grad():
+        assert _relative_error(back.eval()(x).logits, want) < 1e-5
+    return tmp_path / "out"
+
+
 def save_mixtral(path, seed: int = 0, **kw):
     torch.manual_seed(seed)
     cfg = transformers.MixtralConfig(hidden_size=64, intermediate_size=48, num_hidden_layers=2,
@@ -245,20 +264,9 @@ def test_mixtral_imports_and_exports_with_transformers_logits(mixtral, tmp_path)
                             f"runtime.output_dir={tmp_path}"])
     moe = spec.model.moe
     assert (moe.experts, moe.top_k, moe.expert_ffn_dim, moe.router) == (4, 2, 48, "softmax")
-    ours = build_model(spec, torch.device("cpu")).eval()
-    x = torch.randint(0, 264, (2, 64), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        want = theirs(x).logits
-        assert _relative_error(ours(x), want) < 1e-5
-    step_dir = _committed_checkpoint(ours, spec, tmp_path / "ckpt", 3)
-    assert main(["export", step_dir, "--hf", str(tmp_path / "out")]) == 0
-    config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert config["architectures"] == ["MixtralForCausalLM"] and config["num_local_experts"] == 4
-    back, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out",
-                                                                   output_loading_info=True)
-    assert type(back).__name__ == "MixtralForCausalLM" and not any(info.values()), info
-    with torch.no_grad():
-        assert _relative_error(back.eval()(x).logits, want) < 1e-5
+    out = _assert_round_trip(theirs, spec, tmp_path, "MixtralForCausalLM")
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_local_experts"] == 4 and config["num_experts_per_tok"] == 2
 
 
 @pytest.mark.parametrize("setting, named", [
@@ -318,15 +326,4 @@ def test_qwen3_moe_imports_and_exports_with_transformers_logits(tmp_path):
     spec = load_spec(None, [f"model.init_from={tmp_path / 'hf'}", f"runtime.output_dir={tmp_path}"])
     m = spec.model
     assert (m.head_dim, m.qk_norm, m.moe.dense_layers, m.moe.normalize_top_k) == (32, True, 1, False)
-    ours = build_model(spec, torch.device("cpu")).eval()
-    x = torch.randint(0, 264, (2, 64), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        want = theirs(x).logits
-        assert _relative_error(ours(x), want) < 1e-5
-    step_dir = _committed_checkpoint(ours, spec, tmp_path / "ckpt", 1)
-    assert main(["export", step_dir, "--hf", str(tmp_path / "out")]) == 0
-    back, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out",
-                                                                   output_loading_info=True)
-    assert type(back).__name__ == "Qwen3MoeForCausalLM" and not any(info.values()), info
-    with torch.no_grad():
-        assert _relative_error(back.eval()(x).logits, want) < 1e-5
+    _assert_round_trip(theirs, spec, tmp_path, "Qwen3MoeForCausalLM")
