@@ -75,7 +75,7 @@ def test_resume_from_step2_reaches_uninterrupted_step4(ray_local, tmp_path):
     resumed = run_job(spec_b, environ={}, show_progress=False)
 
     assert list(ckpt_b.glob("step-000004.corrupt-*")), "the corrupt checkpoint was not caught"
-    assert resumed["steps_done"] == 4
+    assert resumed["steps_done"] == 4 and (first["resumed_at"], resumed["resumed_at"]) == (0, 2)
     assert resumed["losses"][:2] == first["losses"][:2]  # kept from before the resume
     torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(first["losses"]),
                                rtol=1e-6, atol=0)

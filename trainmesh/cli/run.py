@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 from trainmesh.cli.loading import SpecError, add_spec_args, load_spec, unsupported_problems
 
@@ -43,7 +44,15 @@ def run(args: argparse.Namespace) -> int:
         return 0
     summary = run_job(spec, os.environ, show_progress=not args.no_progress)
     out = spec.resolved_output_dir()
-    print(f"done: {summary['steps_done']} steps, final loss {summary['final_loss']:.4f}; "
+    resumed = summary.get("resumed_at") or 0
+    if resumed >= spec.training.steps:  # the newest checkpoint the ranks verified is the end
+        print(f"training.steps: {spec.training.steps}, but this run resumed from its checkpoint "
+              f"at step {resumed} and trained nothing; raise training.steps above {resumed} to "
+              "train further, or start anew with another runtime.output_dir or "
+              "checkpoint.resume=never", file=sys.stderr)
+        return 2
+    again = f" (resumed from step {resumed})" if resumed else ""
+    print(f"done: {summary['steps_done']} steps{again}, final loss {summary['final_loss']:.4f}; "
           f"summary {out}/summary.json; MLflow run {summary['mlflow_run_id']} "
           f"at {summary['tracking_uri']}")
     return 0 if summary["status"] == "FINISHED" else 1

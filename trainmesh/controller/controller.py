@@ -88,6 +88,7 @@ class Controller:
         self.pid_history: list[list[int]] = []  # the ranks' processes, per (re)start
         self.losses: list[float] = []
         self.experts: dict[str, Any] = {}  # MoE: the last step's statistics (summary.json)
+        self.resumed_at: int | None = None  # the step this run started from
         self.book = RecoveryBook()  # restarts, dead nodes, the recovery in progress, those done
         self.group = None  # the rank actors (the injected worker group)
         self.dims = ParallelDims()
@@ -419,6 +420,8 @@ class Controller:
         got = restore_newest(group, self.ckpts, self.memory, tracker)
         self.memory.generation += 1  # later snapshots are of this build's mesh
         step, losses, recoveries, self.book.restored_from = got or (0, [], [], "none")
+        if self.resumed_at is None:  # this run's start: a checkpoint of an earlier run, or 0
+            self.resumed_at = step
         self.losses = list(losses)[:step]  # a start from scratch drops earlier steps' losses
         self.book.done = self.book.done or recoveries
         return step
@@ -426,6 +429,7 @@ class Controller:
     def _write_summary(self, dims: ParallelDims, tracker, status: str) -> dict[str, Any]:
         summary = {
             "name": self.spec.name, "status": status, "steps_done": len(self.losses),
+            "resumed_at": self.resumed_at or 0,
             "losses": self.losses, "final_loss": self.losses[-1] if self.losses else None,
             "eval": self.evals.results,
             "mesh": {**dims.as_dict(), "vpp": self.plan_row.get("vpp", 1)},
