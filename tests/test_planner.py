@@ -165,6 +165,9 @@ def test_plan_cli_json_and_table(capsys):
                  "--top", "2"]) == 0
     out = capsys.readouterr().out
     assert "MFU" in out and "is predicted fastest" in out
+    header = next(line for line in out.splitlines() if "recompute" in line)
+    assert "zero3" in header  # the ZeRO-3 policy of each plan, keep or regather
+    assert any(" keep " in line or " regather " in line for line in out.splitlines())
 
 
 def test_spec_topology_overrides_change_the_plan(capsys):

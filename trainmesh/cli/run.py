@@ -52,7 +52,9 @@ def run(args: argparse.Namespace) -> int:
               "checkpoint.resume=never", file=sys.stderr)
         return 2
     again = f" (resumed from step {resumed})" if resumed else ""
-    print(f"done: {summary['steps_done']} steps{again}, final loss {summary['final_loss']:.4f}; "
+    held_out = f", held-out loss {summary['eval'][-1]['loss']:.4f}" if summary.get("eval") else ""
+    print(f"done: {summary['steps_done']} steps{again}, final loss {summary['final_loss']:.4f}"
+          f"{held_out}; "
           f"summary {out}/summary.json; MLflow run {summary['mlflow_run_id']} "
           f"at {summary['tracking_uri']}")
     return 0 if summary["status"] == "FINISHED" else 1

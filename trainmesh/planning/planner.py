@@ -288,8 +288,10 @@ def explain(result: PlanResult) -> str:
                      f"{c.dp * c.num_microbatches * c.microbatch_size}.")
     parts.append(f"Of its {e.step_time_s:.3g} s step, compute is {e.compute_s:.3g} s "
                  f"(bubble {e.bubble_fraction:.1%}), TP communication {e.tp_comm_s:.3g} s, "
-                 f"PP {e.pp_comm_s:.3g} s, exposed ZeRO-3 traffic {e.dp_exposed_s:.3g} s"
-                 + (f" and MoE all-to-all {e.ep_comm_s:.3g} s." if c.ep > 1 else "."))
+                 f"PP {e.pp_comm_s:.3g} s"
+                 + (f", exposed ZeRO-3 traffic {e.dp_exposed_s:.3g} s and MoE all-to-all "
+                    f"{e.ep_comm_s:.3g} s." if c.ep > 1
+                    else f" and exposed ZeRO-3 traffic {e.dp_exposed_s:.3g} s."))
     degrees = (c.tp, c.pp, c.dp, c.vpp)
     others = [p for p in result.plans
               if (p.candidate.tp, p.candidate.pp, p.candidate.dp, p.candidate.vpp) != degrees]
