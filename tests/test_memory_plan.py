@@ -120,3 +120,19 @@ def test_snapshots_that_do_not_fit_in_host_memory_are_refused_with_the_numbers()
            "per rank" in str(err.value) and "× 8 ranks) but a node has 64.0 GiB" in str(err.value)
     assert plan_for(load_spec(None, args), topo.with_host_memory(320), replan=False).dims.world_size == 16
     plan_for(load_spec(None, args[:-1]), topo.with_host_memory(64), replan=False)  # tier off: fine
+
+
+def test_the_dry_run_table_uses_a_unit_that_fits_its_numbers():
+    """A tiny model's figures in MiB (0.001 GiB says nothing); a big one's in GiB."""
+    from trainmesh.controller.dry_run import format_rows
+
+    def row(gib: float) -> dict:
+        return {"rank": 0, "node": "n0", "pp_rank": 0, "params_gib": gib, "grads_gib": gib,
+                "optimizer_gib": 2 * gib, "activations_gib": gib, "measured_peak_gib": 0.46,
+                "predicted_gib": 0.65, "predicted": {k: gib for k in (
+                    "params", "grads", "optimizer", "gathered", "activations", "framework")}}
+
+    tiny = format_rows([row(0.0012)], stepped=False)
+    assert "(MiB; built, no step)" in tiny and "     1.2 " in tiny and "471.0" in tiny
+    big = format_rows([row(4.25)], stepped=True)
+    assert "(GiB; after one step)" in big and "4.250" in big

@@ -46,26 +46,36 @@ def memory_rows(reports: list[dict], spec: JobSpec, c: Candidate, dims: Parallel
 
 
 def format_rows(rows: list[dict], stepped: bool) -> str:
-    """A table for people: one line per rank, GiB."""
+    """A table for people: one line per rank, in GiB, or MiB when every figure is below 1 GiB
+    (a tiny model's 0.001 GiB says nothing)."""
     when = "after one step" if stepped else "built, no step"
+    keys = ("params_gib", "grads_gib", "optimizer_gib", "activations_gib", "measured_peak_gib",
+            "predicted_gib")
+    small = all(r[k] < 1 for r in rows for k in keys)
+    unit, scale, fmt = ("MiB", 1024.0, ".1f") if small else ("GiB", 1.0, ".3f")
+
+    def v(x: float, width: int = 8) -> str:
+        return f"{x * scale:>{width}{fmt}}"
+
     head = (f"{'rank':>4} {'node':<10} {'pp':>2} {'params':>8} {'grads':>8} {'optim':>8} "
-            f"{'acts':>8} {'peak':>8} {'predicted':>9}  (GiB; {when})")
+            f"{'acts':>8} {'peak':>8} {'predicted':>9}  ({unit}; {when})")
     lines = [head]
     for r in rows:
         p = r["predicted"]
         lines.append(f"{r['rank']:>4} {r['node'][:10]:<10} {r['pp_rank']:>2} "
-                     f"{r['params_gib']:>8.3f} {r['grads_gib']:>8.3f} {r['optimizer_gib']:>8.3f} "
-                     f"{r['activations_gib']:>8.3f} {r['measured_peak_gib']:>8.3f} "
-                     f"{r['predicted_gib']:>9.3f}")
+                     f"{v(r['params_gib'])} {v(r['grads_gib'])} {v(r['optimizer_gib'])} "
+                     f"{v(r['activations_gib'])} {v(r['measured_peak_gib'])} "
+                     f"{v(r['predicted_gib'], 9)}")
         if r["rank"] == 0 and "snapshot_host_gib" in r:
             h = r["snapshot_host_gib"]
-            got = "" if h["measured"] is None else f", measured {h['measured']:.3f}"
+            got = "" if h["measured"] is None else f", measured {v(h['measured'], 0)}"
             lines.append("     host memory for in-memory snapshots (own three, a buddy's three, the host "
-                         f"copy): predicted {h['predicted']:.3f}{got} per rank")
+                         f"copy): predicted {v(h['predicted'], 0)}{got} {unit} per rank")
         if r["rank"] == 0:
-            lines.append(f"     predicted for rank 0: params {p['params']:.3f}, grads {p['grads']:.3f}, "
-                         f"optimizer {p['optimizer']:.3f}, gathered {p['gathered']:.3f}, "
-                         f"activations {p['activations']:.3f}, framework {p['framework']:.3f}")
+            lines.append(f"     predicted for rank 0 ({unit}): params {v(p['params'], 0)}, grads "
+                         f"{v(p['grads'], 0)}, optimizer {v(p['optimizer'], 0)}, gathered "
+                         f"{v(p['gathered'], 0)}, activations {v(p['activations'], 0)}, framework "
+                         f"{v(p['framework'], 0)}")
     return "\n".join(lines)
 
 
