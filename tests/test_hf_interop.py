@@ -95,8 +95,11 @@ def test_a_shape_that_differs_from_config_json_is_refused_naming_both(hf_models)
         load_spec(None, [f"model.init_from={path}", "model.n_kv_heads=4", "model.dim=128"])
     text = str(err.value)
     assert "model.n_kv_heads: 4 here but 2 in" in text and "model.dim: 128 here but 64" in text
-    with pytest.raises(SpecError, match="model.vocab_size: 264 here but 300"):  # the preset's
+    with pytest.raises(SpecError) as err:  # fields the user never wrote: the preset's
         load_spec(None, [f"model.init_from={path}", "model.preset=tiny"])
+    text = str(err.value)
+    assert text.startswith("model.preset: 'tiny' sets ") and "vocab_size=264" in text
+    assert "drop model.preset" in text and "model.vocab_size:" not in text
     with pytest.raises(SpecError, match="model.init_from: .*config.json not found"):
         load_spec(None, [f"model.init_from={path}/nowhere"])
 

@@ -241,3 +241,20 @@ def test_every_shipped_job_spec_validates(job):
 
     spec = load_spec(JOBS / job)
     assert spec.name and not [p for p in unsupported_problems(spec) if p.path != "data.path"]
+
+
+def test_validate_checks_a_local_dataset_naming_its_path_and_one_fix(tmp_path, capsys):
+    """`validate` refuses what `run` would: a dataset that is not there (named, one fix), and a
+    model vocabulary smaller than the dataset's."""
+    missing = tmp_path / "nothing"
+    assert main(["validate", "jobs/tiny-cpu.yaml", "--set", f"data.path={missing}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"data.path: {missing}: no dataset.json; prepare it with "
+                   f"`trainmesh data prepare INPUTS --out {missing}`"), err
+    from trainmesh.data.shards import ensure_tiny_corpus
+
+    data = ensure_tiny_corpus(tmp_path / "data")
+    assert main(["validate", "jobs/tiny-cpu.yaml", "--set", f"data.path={data}",
+                 "--set", "model.vocab_size=64"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("model.vocab_size: 64 is smaller than the") and str(data) in err

@@ -94,9 +94,19 @@ def _shape_from_init(raw: dict[str, Any]) -> None:
         given["moe"] = {k: v for k, v in given["moe"].items() if k in MOE_STRUCTURE}
         given["moe"] = {**{k: theirs["moe"][k] for k in MOE_STRUCTURE}, **given["moe"]}
     structure = {**theirs, "moe": theirs["moe"] and {k: theirs["moe"][k] for k in MOE_STRUCTURE}}
+    differ = [f for f in SHAPE_FIELDS
+              if f in given and f in theirs and not _same(given[f], structure[f])]
     wrong = [Problem(f"model.{f}", f"{given[f]!r} here but {structure[f]!r} in {src}/config.json",
                      "drop it (the shape comes from model.init_from) or import a matching model")
-             for f in SHAPE_FIELDS if f in given and f in theirs and not _same(given[f], structure[f])]
+             for f in differ if f in model]
+    from_preset = [f for f in differ if f not in model]
+    if from_preset:  # the user never wrote these: the preset did
+        wrong.append(Problem("model.preset", f"{model.get('preset', 'tiny')!r} sets "
+                             + ", ".join(f"{f}={given[f]!r}" for f in from_preset)
+                             + f" where {src}/config.json has "
+                             + ", ".join(f"{structure[f]!r}" for f in from_preset),
+                             "drop model.preset (set it to null): the shape comes from "
+                             "model.init_from"))
     if wrong:
         raise SpecError(wrong)
     if theirs.get("moe"):
@@ -325,7 +335,7 @@ def unsupported_problems(spec: JobSpec) -> list[Problem]:
         out.append(Problem("model.kernels", "triton kernels need a CUDA device (runtime.device is "
                            "cpu)", "use model.kernels=auto, or TRITON_INTERPRET=1 to interpret "
                            "them on CPU (slow)"))
-    out += _dataset_problems(spec)
+    out += dataset_problems(spec)
     ckpt_dir = spec.checkpoint.dir
     if ckpt_dir and "://" in ckpt_dir:
         from fsspec.core import url_to_fs
@@ -339,21 +349,24 @@ def unsupported_problems(spec: JobSpec) -> list[Problem]:
     return out
 
 
-def _dataset_problems(spec: JobSpec) -> list[Problem]:
+def dataset_problems(spec: JobSpec, local_only: bool = False) -> list[Problem]:
     """The datasets must exist, the model's vocabulary hold every id in them, and the held-out
-    data and an imported model's tokenizer be the training data's tokenizer."""
+    data and an imported model's tokenizer be the training data's tokenizer. ``local_only``:
+    only datasets on this machine's filesystem (``validate`` checks what it can see)."""
     from trainmesh.data.shards import read_meta
 
     out, metas = [], {}
     for field in ("path", "eval_path"):
         path = getattr(spec.data, field)
-        if not path:
+        if not path or (local_only and "://" in path):
             continue
         try:
             meta = metas[field] = read_meta(path)
         except (OSError, ValueError) as err:
-            out.append(Problem(f"data.{field}", str(err).removeprefix(f"data.path {path}: "),
-                               "prepare it with `trainmesh data prepare INPUTS --out DIR`"))
+            what = str(err).removeprefix(f"data.path {path}: ").split("; prepare it")[0]
+            again = "again " if isinstance(err, ValueError) else ""
+            out.append(Problem(f"data.{field}", f"{path}: {what}", f"prepare it {again}with "
+                               f"`trainmesh data prepare INPUTS --out {path}`"))
             continue
         if meta["vocab_size"] > spec.model.vocab_size:
             out.append(Problem("model.vocab_size", f"{spec.model.vocab_size} is smaller than the "

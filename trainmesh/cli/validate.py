@@ -7,7 +7,8 @@ import json
 
 import yaml
 
-from trainmesh.cli.loading import add_spec_args, load_spec
+from trainmesh.cli.loading import add_spec_args, dataset_problems, load_spec
+from trainmesh.spec.problems import SpecError
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -18,5 +19,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec, args.overrides)
+    problems = dataset_problems(spec, local_only=True)  # what can be seen from here
+    if problems:
+        raise SpecError(problems)
     print(yaml.safe_dump(json.loads(spec.model_dump_json()), sort_keys=False), end="")
     return 0
