@@ -55,19 +55,22 @@ def _runs(uri: str, experiment: str):
 
 @pytest.mark.timeout(400)
 def test_submit_follow_runs_the_tiny_job_and_tracks_it_on_the_server(ray_head, mlflow_server, tmp_path,
-                                                                      capsys):
+                                                                      capsys, monkeypatch):
+    """The default, relative runtime.output_dir (runs/<name>) lands under the directory the
+    user submitted from, and the submit line says where."""
+    monkeypatch.chdir(tmp_path)
     rc = main(["submit", TINY, "--address", ray_head.address, "--follow",
                "--set", "training.steps=12", "--set", "checkpoint.every=6", "--set", "optimizer.warmup_steps=2",
-               "--set", f"runtime.output_dir={tmp_path / 'out'}",
                "--set", f"tracking.uri={mlflow_server.uri}", "--set", "tracking.experiment=submitted"])
     out, err = capsys.readouterr()
     assert rc == 0, (out + err)[-3000:]
     assert "SUCCEEDED" in out.splitlines()[-1]
+    assert f"outputs under {tmp_path / 'runs' / 'tiny-cpu'} on the cluster's filesystem" in out
     client, runs = _runs(mlflow_server.uri, "submitted")
     [run] = runs
     assert run.info.status == "FINISHED"
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == list(range(1, 13))
-    assert (tmp_path / "out" / "summary.json").exists()
+    assert (tmp_path / "runs" / "tiny-cpu" / "summary.json").exists()
 
 
 @pytest.mark.timeout(400)

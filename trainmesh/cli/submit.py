@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 from trainmesh.cli.jobs import JobsError, address_arg, call, connect, first_line, follow, wait_terminal
 from trainmesh.cli.loading import SpecError, load_spec, unsupported_problems
+from trainmesh.controller.launch import with_absolute_output
 from trainmesh.spec.job import SPEC_ENV
 
 # A job's entrypoint is a shell command run by its supervisor, a Ray worker on the head: the
@@ -43,13 +45,18 @@ def run(args: argparse.Namespace) -> int:
     problems = unsupported_problems(spec)
     if problems:
         raise SpecError(problems)
+    # Relative paths (the default runs/<name> too) would resolve in the head's working
+    # directory, wherever that is: they are made absolute here, against the directory the
+    # user submits from, and the outputs' place is said.
+    spec = with_absolute_output(spec, Path.cwd())
     spec = spec.model_copy(update={"runtime": spec.runtime.model_copy(update={"ray_address": "auto"})})
     client = connect(args.address)
     python = _probe(client, args.address)
     job_id = _submit(client, f"{CLUSTER_PYTHON}exec \"$PY\" -m trainmesh run env:{SPEC_ENV} --no-progress",
                      {"env_vars": {SPEC_ENV: spec.model_dump_json()}}, args.submission_id,
                      {"trainmesh.job": spec.name})
-    print(f"submitted {job_id} ({spec.name}) to {args.address}, run by {python}")
+    print(f"submitted {job_id} ({spec.name}) to {args.address}, run by {python}; outputs "
+          f"under {spec.runtime.output_dir} on the cluster's filesystem")
     if not args.follow:
         return 0
     return follow(client, job_id)
