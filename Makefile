@@ -20,6 +20,7 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/trainmesh run jobs/tiny-cpu.yaml
+	@echo "trainmesh is installed in $(VENV): run 'source $(VENV)/bin/activate' for the commands in README's 'Using it'"
 
 test: $(STAMP)
 	$(BIN)/ruff check .

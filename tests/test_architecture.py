@@ -120,3 +120,25 @@ def test_nothing_imports_cli():
 def test_parallel_imports_no_ray():
     mods = [_module(p) for p in (PKG / "parallel").rglob("*.py")]
     assert _fresh_import(mods, "ray") == "[]"
+
+
+def test_readme_commands_name_real_subcommands_after_activating_the_makefiles_venv():
+    """README's 'Using it' block is typed as written after `make demo`: it activates the venv the
+    Makefile installs the `trainmesh` console script into, and every `trainmesh X` is a command."""
+    import re
+
+    from trainmesh.cli.main import _parser
+
+    root = PKG.parent
+    readme = (root / "README.md").read_text()
+    block = readme.split("## Using it", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    lines = [ln.split("#", 1)[0].strip() for ln in block.splitlines()]
+    lines = [ln for ln in lines if ln]
+    venv = re.search(r"^VENV := (\S+)$", (root / "Makefile").read_text(), re.M).group(1)
+    assert lines[0] == f"source {venv}/bin/activate"
+    scripts = (root / "pyproject.toml").read_text().split("[project.scripts]", 1)[1]
+    assert re.match(r'\s*trainmesh = "trainmesh.cli.main:main"', scripts)
+    typed = [ln.split()[1] for ln in lines if ln.startswith("trainmesh ")]
+    assert len(typed) >= 10
+    choices = set(_parser()._subparsers._group_actions[0].choices)
+    assert set(typed) <= choices, sorted(set(typed) - choices)
