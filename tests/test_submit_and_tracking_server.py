@@ -89,8 +89,14 @@ def test_jobs_list_status_logs_and_stop(ray_head, tmp_path, capsys):
     assert main(["jobs", "status", job_id, "--address", ray_head.address]) == 0
     assert capsys.readouterr().out.startswith(f"{job_id}: RUNNING")
     assert main(["jobs", "list", "--address", ray_head.address]) == 0
-    listed = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
-    assert [job_id, "RUNNING", "tiny-cpu"] in [row[:3] for row in listed]
+    lines = capsys.readouterr().out.splitlines()[1:]
+    [mine] = [line for line in lines if line.startswith(job_id)]
+    # By name and spec as typed, with the outputs' place; submit's probe jobs and the
+    # launcher's shell line are not listed.
+    assert mine.split()[1:3] == ["RUNNING", "tiny-cpu"]
+    assert mine.endswith(f"{TINY} --set training.steps=100000 --set tracking.enabled=false "
+                         f"--set runtime.output_dir={tmp_path / 'long'} ({tmp_path / 'long'})")
+    assert not [line for line in lines if "trainmesh-probe" in line or "/proc/" in line]
     assert main(["jobs", "stop", job_id, "--address", ray_head.address]) == 0
     assert capsys.readouterr().out.strip() == f"{job_id}: stopped (STOPPED)"
     assert main(["jobs", "status", "no-such-job", "--address", ray_head.address]) == 2

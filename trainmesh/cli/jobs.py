@@ -26,6 +26,19 @@ def address_arg(p: argparse.ArgumentParser) -> None:
                         f"$RAY_ADDRESS if http, else {DEFAULT_ADDRESS})")
 
 
+# What `submit` records with each job (Ray keeps a job's metadata as strings), so that `jobs
+# list` shows trainmesh jobs by name and spec rather than by their launcher's shell line.
+JOB_KEY, SPEC_KEY, OUTPUTS_KEY = "trainmesh.job", "trainmesh.spec", "trainmesh.outputs"
+PROBE_KEY = "trainmesh.probe"  # submit's check of the cluster's interpreter: never listed
+
+
+def job_metadata(name: str, spec: str, overrides: list[str], outputs: str) -> dict[str, str]:
+    """The metadata a submitted job carries: its name, how it was asked for (the spec file and
+    its ``--set`` overrides, as typed) and where its outputs go on the cluster."""
+    typed = " ".join([str(spec)] + [f"--set {o}" for o in overrides])
+    return {JOB_KEY: name, SPEC_KEY: typed, OUTPUTS_KEY: str(outputs)}
+
+
 def add_parser(sub) -> argparse.ArgumentParser:
     top = sub.add_parser("jobs", help="list, inspect and stop submitted jobs")
     jobs = top.add_subparsers(dest="jobs_cmd", required=True)
@@ -94,12 +107,16 @@ def wait_terminal(client, job_id: str, timeout_s: float = 60) -> str:
 def run(args: argparse.Namespace) -> int:
     client = connect(args.address)
     if args.jobs_cmd == "list":
-        rows = sorted(client.list_jobs(), key=lambda j: j.start_time or 0)
-        print(f"{'id':<32} {'status':<10} {'name':<24} entrypoint")
+        rows = sorted((j for j in client.list_jobs() if PROBE_KEY not in (j.metadata or {})),
+                      key=lambda j: j.start_time or 0)
+        print(f"{'id':<32} {'status':<10} {'name':<24} spec (outputs)")
         for j in rows:
-            name = (j.metadata or {}).get("trainmesh.job", "-")
-            print(f"{j.submission_id or j.job_id:<32} {str(j.status).split('.')[-1]:<10} {name:<24} "
-                  f"{j.entrypoint[:60]}")
+            meta = j.metadata or {}
+            # A job trainmesh did not submit is shown by its entrypoint, cut to a line.
+            what = (f"{meta[SPEC_KEY]} ({meta.get(OUTPUTS_KEY, '?')})" if SPEC_KEY in meta
+                    else j.entrypoint[:80])
+            print(f"{j.submission_id or j.job_id:<32} {str(j.status).split('.')[-1]:<10} "
+                  f"{meta.get(JOB_KEY, '-'):<24} {what}")
         return 0
     job_id = args.job_id
     if args.jobs_cmd == "status":

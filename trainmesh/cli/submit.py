@@ -15,8 +15,18 @@ import argparse
 import time
 from pathlib import Path
 
-from trainmesh.cli.jobs import JobsError, address_arg, call, connect, first_line, follow, wait_terminal
-from trainmesh.cli.loading import SpecError, load_spec, unsupported_problems
+from trainmesh.cli.jobs import (
+    PROBE_KEY,
+    JobsError,
+    address_arg,
+    call,
+    connect,
+    first_line,
+    follow,
+    job_metadata,
+    wait_terminal,
+)
+from trainmesh.cli.loading import SpecError, add_spec_args, load_spec, unsupported_problems
 from trainmesh.controller.launch import with_absolute_output
 from trainmesh.spec.job import SPEC_ENV
 
@@ -32,8 +42,7 @@ _PROBE = "import sys, trainmesh; print('trainmesh-probe', trainmesh.__version__,
 
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("submit", help="submit a spec to a Ray cluster's job API")
-    p.add_argument("spec", help="job spec YAML")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    add_spec_args(p)
     address_arg(p)
     p.add_argument("--follow", action="store_true", help="stream the logs; exit with the job's status")
     p.add_argument("--submission-id", default=None, help="job id to use (default: generated)")
@@ -54,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     python = _probe(client, args.address)
     job_id = _submit(client, f"{CLUSTER_PYTHON}exec \"$PY\" -m trainmesh run env:{SPEC_ENV} --no-progress",
                      {"env_vars": {SPEC_ENV: spec.model_dump_json()}}, args.submission_id,
-                     {"trainmesh.job": spec.name})
+                     job_metadata(spec.name, args.spec, args.overrides, spec.runtime.output_dir))
     print(f"submitted {job_id} ({spec.name}) to {args.address}, run by {python}; outputs "
           f"under {spec.runtime.output_dir} on the cluster's filesystem")
     if not args.follow:
@@ -81,10 +90,15 @@ def _probe(client, address: str) -> str:
     from trainmesh import __version__
 
     job_id = _submit(client, f"{CLUSTER_PYTHON}exec \"$PY\" -c \"{_PROBE}\"", None, None,
-                     {"trainmesh.job": "probe"})
+                     {PROBE_KEY: "1"})
     status = wait_terminal(client, job_id, timeout_s=120)
     logs = str(call(job_id, client.get_job_logs, job_id))
     found = [line.split() for line in logs.splitlines() if line.startswith("trainmesh-probe ")]
+    if status == "SUCCEEDED":  # its work is done: it does not stay in the cluster's job list
+        try:
+            client.delete_job(job_id)
+        except Exception:  # noqa: BLE001 - an older server without delete: `jobs list` hides it
+            pass
     install = (f"install it where Ray runs on the cluster (`pip install trainmesh=={__version__}` "
                "in the image or the environment `ray start` runs from), then submit again")
     if status != "SUCCEEDED" or not found:
