@@ -135,6 +135,18 @@ def test_goodput_command_side_by_side_on_the_70b_reference_job(capsys, tmp_path)
     assert outs["trainmesh warm"]["hours_lost"]["waiting"] == 0
     assert outs["trainmesh warm"]["goodput"] > outs["restart"]["goodput"]
     assert png.stat().st_size > 10_000
+    # The picture's data: hours lost never fall and end at (1 - goodput) of the wall time.
+    for o in outs.values():
+        hours = [h for _, h in o["lost_hours"]]
+        assert hours == sorted(hours) and o["lost_hours"][-1][0] == pytest.approx(240, abs=1e-3)
+        assert hours[-1] == pytest.approx(240 * (1 - o["goodput"]), abs=0.01)
+    from trainmesh.cli.goodput import goodput_figure
+
+    fig = goodput_figure(got["results"])
+    [ax] = fig.axes  # one cluster size: one axis, every strategy on it, named with its goodput
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        f"{o['strategy']}: goodput {o['goodput']:.2%}" for o in r["outcomes"]]
+    assert len(ax.get_lines()) == 3 and ax.get_ylabel() == "hours lost (cumulative)"
 
     assert main(["goodput", "jobs/llama-70b.yaml", "--nodes", "128", "--nodes", "256",
                  "--failures-per-day", "2", "--days", "3", "--spare-nodes", "2"]) == 0

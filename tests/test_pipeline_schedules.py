@@ -166,6 +166,36 @@ def test_schedule_cli_prints_grid_and_writes_png(tmp_path, capsys):
     assert "multiple of pp=4" in capsys.readouterr().err
 
 
+def test_schedule_figure_has_a_legend_for_every_kind_and_chunk_in_chunk_units():
+    """The PNG a person reads: a legend names each action kind drawn (and each chunk's stages
+    when a rank holds several), the box labels are explained, time is in chunk forwards."""
+    import matplotlib.pyplot as plt
+
+    from trainmesh.parallel.pipeline.trace import schedule_figure
+
+    def legend_and_axis(kind, pp, v, m):
+        sim = simulate(build_schedule(kind, pp, v, m), pp * v, m, Costs(1.0, 2.0),
+                       shape=pipe_shape(kind, pp, v, m))
+        fig = schedule_figure(sim, kind)
+        [legend] = fig.legends
+        texts = [t.get_text() for t in legend.get_texts()]
+        ax = fig.axes[0]
+        boxes = {t.get_text() for t in ax.texts}
+        label, end = ax.get_xlabel(), sim.step_time
+        plt.close(fig)
+        return texts, boxes, label, end
+
+    texts, boxes, label, end = legend_and_axis("interleaved-1f1b", 4, 2, 8)
+    assert texts[:4] == ["F forward", "B backward", "chunk 0: stages 0–3", "chunk 1: stages 4–7"]
+    assert texts[4].startswith("box label: stage, kind, microbatch (")
+    assert {"0F0", "7B7", "4B0"} <= boxes and label == "time (one chunk's forward = 1)"
+    # 2·m·pp chunk actions of 1 + 2 units spread over pp ranks, plus the bubble
+    assert end == pytest.approx(3 * 8 * 2 / (1 - 0.158), rel=0.01)
+    texts, boxes, _, _ = legend_and_axis("zb-h1", 4, 1, 8)
+    assert texts[:3] == ["F forward", "I backward, input half", "W backward, weight half"]
+    assert not [t for t in texts if t.startswith("chunk")] and "3W7" in boxes
+
+
 def test_zero_bubble_in_the_schedule_cli_shows_weight_actions(capsys, tmp_path):
     from trainmesh.cli.main import main
 

@@ -44,7 +44,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
         p.add_argument("--" + f.name.replace("_", "-"), type=float, default=None,
                        help=f"cost assumption (default {f.default})")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--png", help="write each strategy's world size over time to this PNG")
+    p.add_argument("--png", help="write each strategy's hours lost over time (one panel per "
+                   "cluster size) to this PNG")
     return p
 
 
@@ -185,24 +186,44 @@ def _print(spec: JobSpec, args, a: Assumptions, results: list[dict]) -> None:
           + f", spare_nodes={args.spare_nodes}, replace_minutes={args.replace_minutes:g}")
 
 
-def _plot(results: list[dict], path: str) -> None:
+# One look per strategy, the same in every panel; widths and dashes keep lines that coincide
+# (strategies that lost the same) visible on top of one another.
+_STRATEGY_STYLE = {"restart": {"color": "tab:red", "linewidth": 3.2, "alpha": 0.55, "zorder": 1},
+                   "trainmesh warm": {"color": "tab:blue", "linewidth": 1.8, "zorder": 2},
+                   "trainmesh cold": {"color": "tab:green", "linewidth": 1.2, "linestyle": "--",
+                                      "zorder": 3}}
+
+
+def goodput_figure(results: list[dict]):
+    """Wall-clock hours lost so far (wall time less the useful work kept) over the simulated
+    days: one panel per cluster size, every strategy on the panel's one axis, so the gap
+    between them is the vertical distance between lines; the legend gives each goodput."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [(r, o) for r in results for o in r["outcomes"]]
-    fig, axes = plt.subplots(len(rows), 1, figsize=(10, 1.6 * len(rows)), sharex=True,
+    fig, axes = plt.subplots(len(results), 1, figsize=(10, 3.2 * len(results)), sharex=True,
                              squeeze=False)
-    for ax, (r, o) in zip(axes[:, 0], rows, strict=True):
-        ts = [t / 86400 for t, _ in o["timeline"]] + [o["wall_s"] / 86400]
-        ws = [w for _, w in o["timeline"]]
-        ax.step(ts, ws + ws[-1:], where="post", linewidth=0.8)
-        ax.set_ylim(0, r["gpus"] * 1.1)
-        ax.set_ylabel("ranks")
-        ax.set_title(f"{r['gpus']:,} GPUs, {o['strategy']}: goodput {o['goodput']:.1%}",
-                     fontsize=9, loc="left")
+    for ax, r in zip(axes[:, 0], results, strict=True):
+        for o in r["outcomes"]:
+            days = [t / 24 for t, _ in o["lost_hours"]]
+            ax.plot(days, [h for _, h in o["lost_hours"]], **_STRATEGY_STYLE.get(o["strategy"], {}),
+                    label=f"{o['strategy']}: goodput {o['goodput']:.2%}")
+        ax.set_ylabel("hours lost (cumulative)")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.set_title(f"{r['gpus']:,} GPUs, mesh {r['mesh']}, {r['faults']} faults: "
+                     "wall time not spent on kept work", fontsize=10, loc="left")
+        ax.legend(loc="upper left", fontsize=9)
     axes[-1, 0].set_xlabel("day")
     fig.tight_layout()
+    return fig
+
+
+def _plot(results: list[dict], path: str) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = goodput_figure(results)
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -34,11 +34,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"--schedule/--pp/--vpp/--microbatches: {err}", file=sys.stderr)
         return 2
     v = args.vpp
-    sim = simulate(sched, args.pp * v, args.microbatches, Costs(1 / v, args.backward_cost / v),
-                   shape=shape)
+    sim = simulate(sched, args.pp * v, args.microbatches, Costs(1.0, args.backward_cost), shape=shape)
     print(f"{kind}: pp={args.pp} vpp={v} microbatches={args.microbatches}")
     print(grid(sched))
-    print(f"step time {sim.step_time:.2f} (forward of a whole stage = 1), bubble "
+    print(f"step time {sim.step_time:.2f} (one chunk's forward = 1), bubble "
           f"{sim.bubble_fraction:.1%}, peak in-flight microbatch-chunks per rank "
           f"{sim.peak_in_flight}")
     if args.png:

@@ -31,7 +31,7 @@ def write_pipeline_artifacts(out: Path, spec: JobSpec, dims: ParallelDims, group
     sched, shape = build_schedule(kind, dims.pp, v, m), pipe_shape(kind, dims.pp, v, m)
     paths = [out / name for name in NAMES]
     paths[0].write_text(grid(sched) + "\n")
-    plot_schedule(simulate(sched, dims.pp * v, m, Costs(1 / v, 2 / v), shape=shape), kind, paths[1])
+    plot_schedule(simulate(sched, dims.pp * v, m, Costs(1.0, 2.0), shape=shape), kind, paths[1])
     measured = [timelines[r] for r in (dims.rank_of(i, 0, 0) for i in range(dims.pp))]
     planned = simulate(sched, dims.pp * v, m, measured_costs(measured), shape=shape)
     write_json(chrome_trace(measured, planned), paths[2])

@@ -81,6 +81,9 @@ class Outcome:
     seconds: dict[str, float]
     faults: int  # faults that hit the mesh (interruptions)
     timeline: list[tuple[float, int]] = field(default_factory=list)  # (time, ranks training)
+    # (time, seconds of the wall clock lost so far): wall time less the useful work kept, so a
+    # rollback shows as a jump; piecewise linear between the points
+    lost: list[tuple[float, float]] = field(default_factory=list)
 
     @property
     def goodput(self) -> float:
@@ -93,7 +96,8 @@ class Outcome:
                 "interruptions": self.faults,
                 "hours_lost": {k: round(v / 3600, 3) + 0.0 for k, v in self.seconds.items()
                                if k != "useful"},
-                "timeline": [(round(t, 1), w) for t, w in self.timeline]}
+                "timeline": [(round(t, 1), w) for t, w in self.timeline],
+                "lost_hours": [(round(t / 3600, 3), round(x / 3600, 4)) for t, x in self.lost]}
 
 
 @dataclass
@@ -262,6 +266,7 @@ def simulate(strategy: str, cluster: Cluster, faults: Sequence[Fault], horizon_s
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy {strategy!r}; one of {', '.join(STRATEGIES)}")
     run = _Run(strategy, cluster, plan, every, collective_timeout_s, m, a)
+    lost = [(0.0, 0.0)]
     i = 0
     while run.t < horizon_s:
         t_fault = faults[i].t if i < len(faults) else math.inf
@@ -269,6 +274,7 @@ def simulate(strategy: str, cluster: Cluster, faults: Sequence[Fault], horizon_s
         t_own = run.next_own_event()
         t_next = min(t_fault, t_back, t_own, horizon_s)
         run.advance(t_next)
+        lost.append((run.t, run.t - run.sec["useful"]))
         if t_next == horizon_s:
             break
         if t_next == t_back:
@@ -278,5 +284,22 @@ def simulate(strategy: str, cluster: Cluster, faults: Sequence[Fault], horizon_s
             i += 1
         else:
             run.own_event()
+        lost.append((run.t, run.t - run.sec["useful"]))
     return Outcome(strategy, horizon_s, run.steps, run.steps * run.full.tokens_per_step,
-                   run.sec, run.hits, run.timeline)
+                   run.sec, run.hits, run.timeline, _thin(lost))
+
+
+def _thin(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Drop points that add nothing to the piecewise-linear curve (repeats and points on the
+    line through their neighbours)."""
+    out: list[tuple[float, float]] = []
+    for p in points:
+        if out and p == out[-1]:
+            continue
+        if len(out) >= 2:
+            (t0, y0), (t1, y1) = out[-2], out[-1]
+            if t1 > t0 and p[0] > t1 and abs((y1 - y0) / (t1 - t0) - (p[1] - y1) / (p[0] - t1)) < 1e-9:
+                out[-1] = p
+                continue
+        out.append(p)
+    return out

@@ -65,12 +65,14 @@ def write_json(obj: dict, path: str | Path) -> Path:
     return p
 
 
-def plot_schedule(sim: SimResult, title: str, path: str | Path,
-                  measured: list[list[tuple[str, float, float]]] | None = None) -> Path:
-    """The simulated schedule as a PNG: one row per rank, forward (blue), backward or its
-    input half I (orange) and weight half W (green) boxes labelled with stage and microbatch.
-    With ``measured`` timelines (seconds), a second panel below shows them on the same axis
-    (the plan then in seconds too: simulate with ``measured_costs``)."""
+def schedule_figure(sim: SimResult, title: str,
+                    measured: list[list[tuple[str, float, float]]] | None = None):
+    """The simulated schedule as a figure: one row per rank, one box per stage action (one
+    chunk of one microbatch), coloured by kind (forward, backward, or a split backward's input
+    and weight halves) and shaded by the rank's chunk, labelled stage-kind-microbatch; a legend
+    says all of it. Time is in units of one chunk's forward unless ``measured`` timelines
+    (seconds) are given: they are drawn in a second panel on the same axis (the plan then in
+    seconds too: simulate with ``measured_costs``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -81,23 +83,59 @@ def plot_schedule(sim: SimResult, title: str, path: str | Path,
     span = sim.step_time if measured is None else max(
         sim.step_time, max((e for row in measured for _, _, e in row), default=0.0)
         - min((s for row in measured for _, s, _ in row), default=0.0))
-    width = max(8.0, min(40.0, len(sim.timeline[0]) * 0.25 if measured else sim.step_time * 0.6))
-    fig, axes = plt.subplots(panels, 1, figsize=(width, (0.6 * pp + 1.2) * panels), squeeze=False)
+    width = max(9.0, min(40.0, (len(sim.timeline[0]) * 0.25 if measured else sim.step_time * 0.3)))
+    fig, axes = plt.subplots(panels, 1, figsize=(width, (0.6 * pp + 1.6) * panels), squeeze=False)
     rows = [[(a, s, e) for a, s, e in row if a.op in COMPUTE] for row in sim.timeline]
-    _draw(axes[0][0], rows, pp, f"{title} — planned, bubble {sim.bubble_fraction:.1%}")
+    chunks = 1 + max((a.stage // pp for row in rows for a, _, _ in row), default=0)
+    _draw(axes[0][0], rows, pp, chunks, f"{title} — planned, bubble {sim.bubble_fraction:.1%}")
     if measured is not None:
         t0 = min((s for row in measured for _, s, _ in row), default=0.0)
         parsed = [[(_action(n), s - t0, e - t0) for n, s, e in row if _NAME.match(n)] for row in measured]
-        _draw(axes[1][0], parsed, pp, "measured (last step)")
+        _draw(axes[1][0], parsed, pp, chunks, "measured (last step)")
         for ax in axes[:, 0]:
             ax.set_xlim(0, span)
             ax.set_xlabel("seconds")
     else:
-        axes[0][0].set_xlabel("time (forward = 1 unit)")
-    fig.tight_layout()
+        axes[0][0].set_xlabel("time (one chunk's forward = 1)")
+    _legend(fig, rows, pp, chunks)
+    fig.tight_layout(rect=(0, 0, 1, 0.84 if panels == 1 else 0.92))
+    return fig
+
+
+def plot_schedule(sim: SimResult, title: str, path: str | Path,
+                  measured: list[list[tuple[str, float, float]]] | None = None) -> Path:
+    """:func:`schedule_figure` written to ``path`` as a PNG."""
+    import matplotlib.pyplot as plt
+
+    fig = schedule_figure(sim, title, measured)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return Path(path)
+
+
+_KIND_NAME = {Op.FORWARD: "F forward", Op.BACKWARD: "B backward",
+              Op.BACKWARD_INPUT: "I backward, input half", Op.WEIGHT: "W backward, weight half"}
+
+
+def _shade(chunk: int, chunks: int) -> float:
+    return 0.35 + 0.5 * chunk / max(1, chunks - 1) if chunks > 1 else 0.6
+
+
+def _legend(fig, rows, pp: int, chunks: int) -> None:
+    from matplotlib.patches import Patch
+
+    kinds = [op for op in _KIND_NAME if any(a.op is op for row in rows for a, _, _ in row)]
+    handles = [Patch(facecolor=(*_COLORS[op], 0.6), edgecolor="black", label=_KIND_NAME[op])
+               for op in kinds]
+    if chunks > 1:  # which stages a rank's chunks hold: rank r holds stages r, r+pp, ...
+        handles += [Patch(facecolor=(0.5, 0.5, 0.5, _shade(c, chunks)), edgecolor="black",
+                          label=f"chunk {c}: stages {c * pp}–{c * pp + pp - 1}")
+                    for c in range(chunks)]
+    a = next((a for row in rows for a, _, _ in row if a.op is not Op.FORWARD), rows[0][0][0])
+    handles.append(Patch(facecolor="none", edgecolor="none", label=f"box label: stage, kind, "
+                         f"microbatch ({a}: stage {a.stage}, {a.op.value}, microbatch {a.microbatch})"))
+    fig.legend(handles=handles, loc="upper center", ncol=min(len(handles), 3), fontsize=9,
+               frameon=False)
 
 
 def _action(name: str):
@@ -107,10 +145,10 @@ def _action(name: str):
     return Action(Op(op), int(stage), int(mb))
 
 
-def _draw(ax, rows, pp: int, title: str) -> None:
+def _draw(ax, rows, pp: int, chunks: int, title: str) -> None:
     for rank, row in enumerate(rows):
         for a, start, end in row:
-            shade = 0.35 + 0.5 * (a.stage // pp) / max(1, (a.stage // pp) + 1)
+            shade = _shade(a.stage // pp, chunks)
             ax.broken_barh([(start, end - start)], (pp - 1 - rank + 0.1, 0.8),
                            facecolors=(*_COLORS[a.op], shade), edgecolors="black", linewidth=0.5)
             ax.text((start + end) / 2, pp - 1 - rank + 0.5, str(a), ha="center", va="center",
