@@ -25,6 +25,8 @@ def test_demo_job_through_cli_lands_in_mlflow(tmp_path):
         capture_output=True, text=True, timeout=380, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
+    # Ray's start-up notice (token authentication on, its default) is not trainmesh's output.
+    assert "Token authentication" not in proc.stderr and "RAY_AUTH_MODE" not in proc.stderr
     final = proc.stdout.strip().splitlines()[-1]
     assert final.startswith("done: 150 steps, final loss ") and ", held-out loss " in final, final
 

@@ -36,6 +36,9 @@ def cluster_topology(spec: JobSpec, args: argparse.Namespace) -> Topology:
     else:
         import ray
 
+        from trainmesh.controller.launch import quiet_ray_start_notices
+
+        quiet_ray_start_notices()
         ray.init(address=spec.runtime.ray_address, log_to_driver=False)
         try:
             topo = topology_from_ray(device, spec.runtime.cpus_per_rank)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import sys
@@ -52,6 +53,25 @@ def fault_env(environ: Mapping[str, str]) -> dict[str, str]:
     return {FAULT_ENV: environ[FAULT_ENV]} if environ.get(FAULT_ENV) else {}
 
 
+class _RayStartNotice(logging.Filter):
+    """Drops Ray's notice that a new local cluster has token authentication on (its secure
+    default, which trainmesh keeps): a line on every run that reads like something to act on.
+    Ray's warnings about something wrong (authentication off, a token missing) still show."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Token authentication is enabled for this Ray cluster")
+
+
+_RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
+def quiet_ray_start_notices() -> None:
+    """Keep Ray's start-up notices out of trainmesh's output (idempotent)."""
+    log = logging.getLogger(_RAY_AUTH_LOGGER)
+    if not any(isinstance(f, _RayStartNotice) for f in log.filters):
+        log.addFilter(_RayStartNotice())
+
+
 @contextlib.contextmanager
 def ray_session(spec: JobSpec) -> Iterator[bool]:
     """Yields True when the cluster is on this machine. Shuts down only what it started."""
@@ -60,6 +80,7 @@ def ray_session(spec: JobSpec) -> Iterator[bool]:
     if ray.is_initialized():
         yield spec.runtime.ray_address == LOCAL
         return
+    quiet_ray_start_notices()
     if spec.runtime.ray_address == LOCAL:
         need = math.ceil(spec.parallelism.world_size * spec.runtime.cpus_per_rank)
         # address="local": always a new instance, never one that happens to run on this machine
