@@ -259,11 +259,11 @@ def test_a_re_form_that_breaks_falls_back_to_a_cold_restart(tmp_path):
 
 
 def test_a_plan_that_no_longer_fits_ends_the_job_with_the_reason(tmp_path):
-    # 3 accelerators stay, enough for elastic.min_world_size=3, but dp must divide the
-    # global batch (16 samples in microbatches of 2): dp=3 cannot, dp=2 is below the minimum.
-    cluster = FakeCluster({"n0": 2, "n1": 1, "n2": 1})
-    cluster.before_step[3] = _kill(cluster, "n2")
-    ctl = _controller(tmp_path, cluster, "parallelism.dp=4", "training.global_batch_size=16",
+    # 3 accelerators stay, enough for elastic.min_world_size=3, but a TP group of 2 stays
+    # whole inside a node: the node of one holds none, and tp2 × dp1 is below the minimum.
+    cluster = FakeCluster({"n0": 2, "n1": 2, "n2": 1})
+    cluster.before_step[3] = _kill(cluster, "n1")
+    ctl = _controller(tmp_path, cluster, "parallelism.tp=2", "parallelism.dp=2",
                       "elastic.min_world_size=3")
     with pytest.raises(JobFailed, match="elastic.min_world_size") as err:
         ctl.run()

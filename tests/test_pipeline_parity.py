@@ -15,6 +15,12 @@ from trainmesh.parallel.dims import ParallelDims
 
 ZB_BATCH = "training.global_batch_size=32"
 CASES = {  # largest meshes first: the rank pool then only shrinks
+    # dp 3 over 8 microbatches (shares 3, 3, 2): the short replica's pipeline runs a padding
+    # microbatch of weight 0, so its schedule and ZeRO-3's collectives match the others'.
+    "pp2-dp3-1f1b-uneven-regather": (ParallelDims(pp=2, dp=3), [
+        "schedule.name=1f1b", "training.microbatch_size=1", "parallelism.keep_gathered=false"]),
+    "pp2-dp3-1f1b-uneven-keep": (ParallelDims(pp=2, dp=3), [
+        "schedule.name=1f1b", "training.microbatch_size=1", "parallelism.keep_gathered=true"]),
     "3d-pp2-vpp2-tp2-dp2": (ParallelDims(pp=2, dp=2, tp=2),
                             ["schedule.name=interleaved-1f1b", "parallelism.vpp=2",
                              "parallelism.sequence_parallel=true"]),

@@ -35,15 +35,20 @@ def _brute_force_best(req: PlanRequest, topo: Topology) -> float:
         rules = [m.n_heads % tp == 0, m.n_kv_heads % tp == 0, topo.largest_node % tp == 0,
                  m.vocab_size % tp == 0,
                  pp * dp <= groups, m.n_layers % (pp * vpp) == 0,
-                 req.global_batch_size % (dp * mbs) == 0,
+                 req.global_batch_size % mbs == 0, dp <= req.global_batch_size // mbs,
                  (vpp > 1) == (sched == "interleaved-1f1b"), pp > 1 or sched == "1f1b",
                  pp > 1 or vpp == 1, not m.tie_embeddings or tp == pp == 1]
         if not all(rules):
             continue
-        n = req.global_batch_size // (dp * mbs)
-        if pp > 1 and n < pp or (sched == "interleaved-1f1b" and n % pp):
+        # Any dp: every replica runs the largest share of the microbatches, the rest padding.
+        micro = req.global_batch_size // mbs
+        share = -(-micro // dp)
+        if pp > 1 and share < pp:
             continue
-        c = cost_model.Candidate(tp, pp, dp, vpp, sched, mbs, n, rc, tp > 1, keep)
+        n = share
+        if -(-micro // n) < dp:  # fewer replicas would run as many each: these only pad
+            continue
+        c = cost_model.Candidate(tp, pp, dp, vpp, sched, mbs, n, rc, tp > 1, keep, padding=n * dp - micro)
         fused = cost_model.uses_fused_kernels(req.kernels, topo.device.name)
         if cost_model.memory_bytes(m, c, req.seq_len, req.compute_bytes,
                                    topo.device.framework_gib * 1024**3, fused) > limit:
@@ -82,7 +87,12 @@ def test_plan_properties(preset, nodes, per_node, device):
         assert c.world_size + p.idle == topo.world_size and sum(p.node_ranks) == c.world_size
         assert all(n % c.tp == 0 for n in p.node_ranks) and per_node % c.tp == 0
         assert p.estimate.memory_per_rank_gib <= limit
-        assert c.dp * c.microbatch_size * c.num_microbatches == 96
+        # the whole batch, each replica's share padded to the same count, and no replica
+        # that only pads: fewer would not run fewer microbatches each
+        micro = 96 // c.microbatch_size
+        assert c.dp * c.num_microbatches - c.padding == micro
+        assert 0 <= c.padding < c.dp
+        assert -(-micro // c.num_microbatches) == c.dp
         assert not model.tie_embeddings or c.tp == c.pp == 1  # 1b: tied
     assert result.rejected
     for r in result.rejected:
@@ -189,9 +199,9 @@ def test_in_flight_chunks_are_what_the_schedule_simulator_holds(schedule):
     from trainmesh.parallel.pipeline.schedules import build_schedule
     from trainmesh.parallel.pipeline.simulate import simulate
 
-    for pp, vpp, m in itertools.product((2, 3, 4), (1, 2, 3), (4, 6, 8, 12)):
+    for pp, vpp, m in itertools.product((2, 3, 4), (1, 2, 3), (4, 5, 6, 7, 8, 9, 12)):
         v = vpp if schedule == "interleaved-1f1b" else 1
-        if (schedule == "interleaved-1f1b") != (vpp > 1) or m % pp and v > 1:
+        if (schedule == "interleaved-1f1b") != (vpp > 1) or m < pp:  # any m ≥ pp interleaves
             continue
         peaks = simulate(build_schedule(schedule, pp, v, m), pp * v, m).peak_in_flight
         assert peaks == [cost_model.in_flight_chunks(schedule, pp, v, m, r) for r in range(pp)]
@@ -241,23 +251,31 @@ def _replan(spec_args, nodes, per_node=8, device="h100"):
 
 
 @pytest.mark.parametrize("nodes", [127, 120])
-def test_70b_on_a_shrunk_cluster_plans_with_spares(nodes, capsys):
-    """1 or 8 of 128 nodes lost: 1016 or 960 accelerators do not split the global batch of
-    1024, so a plan leaves some idle and says how many."""
+def test_70b_on_a_shrunk_cluster_uses_every_replica_it_holds(nodes, capsys):
+    """1 or 8 of 128 nodes lost: dp need not divide the global batch of 1024 microbatches, so
+    the pinned tp 8 × pp 8 keeps the 15 replicas the nodes hold (960 GPUs, not 512): 69 or 68
+    microbatches each (interleaved 1F1B in groups of 8 or 9), all run as 69, the 11 missing
+    padding, which the explanation counts."""
     args = ["plan", "jobs/llama-70b.yaml", "--set", "parallelism=auto", "--nodes", str(nodes),
             "--gpus-per-node", "8", "--json", "--top", "50"]
     assert main(args) == 0
     rows = json.loads(capsys.readouterr().out)
     assert rows and all(r["world_size"] + r["idle"] == nodes * 8 for r in rows)
-    assert rows[0]["idle"] > 0 and rows[0]["world_size"] >= 512
+    assert rows[0]["world_size"] >= 960
     # The job's pinned layout after the loss: tp and pp kept, only dp changed.
     new = _replan([], nodes)
     c = new.result.best.candidate
     assert (c.tp, c.pp, c.vpp, c.schedule) == (8, 8, 2, "interleaved-1f1b") and new.changed is None
-    assert c.dp == 8 and new.result.best.idle == nodes * 8 - 512
-    assert new.spec.parallelism.dp == 8 and new.spec.training.global_batch_size == 1024
+    assert c.dp == 15 and new.result.best.idle == nodes * 8 - 960
+    assert (c.num_microbatches, c.padding) == (69, 69 * 15 - 1024)
+    assert new.spec.parallelism.dp == 15 and new.spec.training.global_batch_size == 1024
     text = explain(new.result)
-    assert f"leaves {nodes * 8 - 512} accelerator(s) idle" in text
+    assert f"{69 * 15 - 1024} of them padding of weight 0" in text
+    if nodes == 127:
+        assert "leaves 56 accelerator(s) idle" in text
+    # What the padding costs is in the estimate: tokens/s counts the batch's tokens only.
+    e = new.result.best.estimate
+    assert e.tokens_per_s == pytest.approx(1024 * 8192 / e.step_time_s)
 
 
 def test_replan_changes_pinned_degrees_only_when_they_no_longer_fit():

@@ -26,16 +26,21 @@ def test_epochs_reshuffle_and_wrap_mid_batch():
     assert ep1.tolist() != np.concatenate([epoch0, step2[:2]]).tolist()
 
 
-@pytest.mark.parametrize("dp", [1, 2, 4])
-def test_dp_ranks_read_exactly_the_global_batch(dp):
+@pytest.mark.parametrize("dp, mbs", [(1, 1), (2, 1), (4, 1), (3, 1), (5, 2), (7, 2)])
+def test_dp_ranks_read_exactly_the_global_batch(dp, mbs):
+    """Any dp up to the microbatches: shares in whole microbatches, differing by at most one,
+    together the global batch in order."""
     n, batch = 1000, 16
     for step in (0, 7, 123):
         whole = sampler.sample_ids(5, step, batch, n)
-        parts = []
+        parts, counts = [], []
         for r in range(dp):
-            start, count = sampler.rank_slice(r, dp, batch)
+            start, count = sampler.rank_slice(r, dp, batch, mbs)
             parts.append(sampler.sample_ids(5, step, batch, n, start, count))
+            counts.append(count // mbs)
+            assert count % mbs == 0
         assert np.concatenate(parts).tolist() == whole.tolist()
+        assert max(counts) - min(counts) <= 1 and min(counts) >= 1
 
 
 def test_pure_function_of_seed_and_step():
@@ -48,8 +53,10 @@ def test_pure_function_of_seed_and_step():
 def test_bad_slices_are_refused():
     with pytest.raises(ValueError, match="outside a batch"):
         sampler.sample_ids(0, 0, 8, 100, start=6, count=4)
-    with pytest.raises(ValueError, match="dp=3"):
-        sampler.rank_slice(0, 3, 8)
+    with pytest.raises(ValueError, match="holds 4 microbatches"):
+        sampler.rank_slice(0, 5, 8, 2)
+    with pytest.raises(ValueError, match="microbatch_size=3"):
+        sampler.rank_slice(0, 2, 8, 3)
 
 
 def test_shards_round_trip_and_samples_shift_by_one(tmp_path, monkeypatch):

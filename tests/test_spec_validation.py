@@ -23,8 +23,9 @@ BAD_SPECS = [
     ("training: {steps: 2.5}", "training.steps"),
     ("training: {global_batch_size: 0}", "training.global_batch_size"),
     ("training: {microbatch_size: 3, global_batch_size: 8}", "training.global_batch_size"),
-    ("training: {global_batch_size: 8, microbatch_size: 2}\nparallelism: {dp: 3}",
-     "training.global_batch_size"),
+    # dp need not divide the batch's microbatches, but may not exceed them
+    ("training: {global_batch_size: 8, microbatch_size: 2}\nparallelism: {dp: 5}",
+     "parallelism.dp"),
     ("training: {seq_len: 1}", "training.seq_len"),
     ("training: {seq_len: 4096}", "training.seq_len"),
     ("training: {dtype: float8}", "training.dtype"),
@@ -178,7 +179,7 @@ BAD_COMMAND_LINES = [
     ["plan", "jobs/llama-70b.yaml", "--set", "parallelism=auto", "--nodes", "1",
      "--set", "topology.memory_gib=4"],
     ["schedule", "--pp", "0", "--microbatches", "4"],
-    ["schedule", "--pp", "2", "--vpp", "2", "--microbatches", "3"],
+    ["schedule", "--pp", "2", "--vpp", "2", "--microbatches", "1"],
     ["k8s", "render", "jobs/tiny-cpu.yaml", "--set", "parallelism=auto"],
     ["k8s", "render", "jobs/llama-70b.yaml", "--gpus-per-node", "0"],
     ["submit", "jobs/tiny-cpu.yaml", "--set", "training.steps=-1", "--address", "http://127.0.0.1:9"],
@@ -258,3 +259,15 @@ def test_validate_checks_a_local_dataset_naming_its_path_and_one_fix(tmp_path, c
                  "--set", "model.vocab_size=64"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("model.vocab_size: 64 is smaller than the") and str(data) in err
+
+
+def test_any_dp_up_to_the_microbatches_is_valid(capsys):
+    """dp 3 over 4 microbatches (shares 2, 1, 1) is accepted; dp 5 is refused with the fix."""
+    assert main(["validate", "jobs/tiny-cpu.yaml", "--set", "parallelism.dp=3",
+                 "--set", "training.global_batch_size=8", "--set", "training.microbatch_size=2"]) == 0
+    capsys.readouterr()
+    assert main(["validate", "jobs/tiny-cpu.yaml", "--set", "parallelism.dp=5",
+                 "--set", "training.global_batch_size=8", "--set", "training.microbatch_size=2"]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("parallelism.dp: dp=5 replicas but the global batch holds 4 microbatches")
+    assert "use dp ≤ 4" in line

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ValidationError
 
 from trainmesh.data.tokenizer import VOCAB_SIZE as BYTE_TOKENIZER_VOCAB
 from trainmesh.spec.job import JobSpec
-from trainmesh.spec.mesh_rules import runnable_problems, shape_problems
+from trainmesh.spec.mesh_rules import dp_problems, runnable_problems, shape_problems
 from trainmesh.spec.problems import Problem, SpecError
 
 
@@ -287,14 +287,8 @@ def consistency_problems(spec: JobSpec) -> list[Problem]:
     need(tr.seq_len <= m.max_seq_len, "training.seq_len",
          f"{tr.seq_len} exceeds model.max_seq_len={m.max_seq_len}",
          "shorten training.seq_len or raise model.max_seq_len")
-    need(tr.global_batch_size % tr.microbatch_size == 0, "training.global_batch_size",
-         f"{tr.global_batch_size} is not divisible by microbatch_size={tr.microbatch_size}",
-         "make it a multiple of training.microbatch_size")
+    out += dp_problems(tr.global_batch_size, tr.microbatch_size, 1 if par.auto else par.dp)
     if not par.auto:
-        unit = tr.microbatch_size * par.dp
-        need(tr.global_batch_size % unit == 0, "training.global_batch_size",
-             f"{tr.global_batch_size} is not divisible by microbatch_size × dp = {unit}",
-             f"use a multiple of {unit}, or change training.microbatch_size or parallelism.dp")
         out += shape_problems(m, par.tp, par.pp, par.vpp, par.dp, par.ep)
         need(m.moe is None or par.tp == 1 or tr.seq_len % par.tp == 0, "training.seq_len",
              f"{tr.seq_len} is not divisible by tp={par.tp} (each tensor-parallel rank routes "

@@ -25,9 +25,10 @@ def write_pipeline_artifacts(out: Path, spec: JobSpec, dims: ParallelDims, group
     from trainmesh.parallel.pipeline.schedules import build_schedule, pipe_shape
     from trainmesh.parallel.pipeline.simulate import Costs, simulate
     from trainmesh.parallel.pipeline.trace import chrome_trace, measured_costs, plot_schedule, write_json
+    from trainmesh.spec.mesh_rules import microbatches_per_replica
 
     tr, v, kind = spec.training, spec.parallelism.vpp, spec.schedule.name
-    m = tr.global_batch_size // (dims.dp * tr.microbatch_size)
+    m = microbatches_per_replica(tr.global_batch_size, tr.microbatch_size, dims.dp)
     sched, shape = build_schedule(kind, dims.pp, v, m), pipe_shape(kind, dims.pp, v, m)
     paths = [out / name for name in NAMES]
     paths[0].write_text(grid(sched) + "\n")

@@ -49,7 +49,7 @@ class TokenDataset:
     def microbatches(self, seed: int, step: int, global_batch_size: int, dp_rank: int, dp: int,
                      microbatch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This DP rank's share of ``step``'s global batch, split into microbatches."""
-        start, count = sampler.rank_slice(dp_rank, dp, global_batch_size)
+        start, count = sampler.rank_slice(dp_rank, dp, global_batch_size, microbatch_size)
         ids = sampler.sample_ids(seed, step, global_batch_size, self.num_samples, start, count)
         return self._split(ids, microbatch_size)
 
@@ -57,7 +57,7 @@ class TokenDataset:
                           microbatch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This DP rank's share of held-out batch ``batch``: windows ``batch * B ...`` in order
         (wrapping around), the same for every mesh and every evaluation."""
-        start, count = sampler.rank_slice(dp_rank, dp, global_batch_size)
+        start, count = sampler.rank_slice(dp_rank, dp, global_batch_size, microbatch_size)
         ids = (batch * global_batch_size + start + np.arange(count)) % self.num_samples
         return self._split(ids, microbatch_size)
 

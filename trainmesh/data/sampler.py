@@ -2,8 +2,10 @@
 
 Global sample ``g = step * global_batch_size + j`` is drawn from epoch ``g // N`` at position
 ``g % N`` of that epoch's permutation of the N samples. A DP rank reads a contiguous slice of
-the global batch, so the union over ranks is the same global batch for every DP degree, and a
-resumed run at any DP degree reads exactly what the uninterrupted run would have.
+the global batch, in whole microbatches (shares differ by at most one microbatch when dp does
+not divide their number), so the union over ranks is the same global batch, cut into the same
+microbatches, for every DP degree, and a resumed run at any DP degree reads exactly what the
+uninterrupted run would have.
 """
 
 from __future__ import annotations
@@ -32,9 +34,16 @@ def sample_ids(seed: int, step: int, global_batch_size: int, num_samples: int,
     return out
 
 
-def rank_slice(dp_rank: int, dp: int, global_batch_size: int) -> tuple[int, int]:
-    """(start, count) of a DP rank's contiguous share of the global batch."""
-    if global_batch_size % dp:
-        raise ValueError(f"global batch {global_batch_size} is not divisible by dp={dp}")
-    per = global_batch_size // dp
-    return dp_rank * per, per
+def rank_slice(dp_rank: int, dp: int, global_batch_size: int,
+               microbatch_size: int = 1) -> tuple[int, int]:
+    """(start, count) in samples of a DP rank's contiguous share of the global batch: the
+    batch's microbatches dealt out in order, the first ``M % dp`` ranks taking one more."""
+    if global_batch_size % microbatch_size:
+        raise ValueError(f"global batch {global_batch_size} is not divisible by "
+                         f"microbatch_size={microbatch_size}")
+    micro = global_batch_size // microbatch_size
+    if not 0 <= dp_rank < dp or dp > micro:
+        raise ValueError(f"dp rank {dp_rank} of {dp}: the global batch holds {micro} microbatches")
+    per, extra = divmod(micro, dp)
+    first = dp_rank * per + min(dp_rank, extra)
+    return first * microbatch_size, (per + (dp_rank < extra)) * microbatch_size

@@ -36,7 +36,7 @@ from trainmesh.models.llama.parallelize import (
     tp_partial_params,
 )
 from trainmesh.models.llama.stage import PipelineStage, rank_model
-from trainmesh.models.moe.moe import set_loss_scale
+from trainmesh.models.moe.moe import moe_layers, set_loss_scale
 from trainmesh.parallel.dims import Axis
 from trainmesh.parallel.expert import (
     apply_expert_parallel,
@@ -51,6 +51,7 @@ from trainmesh.parallel.pipeline.ir import PipeShape, splits_backward
 from trainmesh.parallel.pipeline.schedules import build_schedule, forward_only, pipe_shape
 from trainmesh.parallel.zero import ExpertSharding, ZeroPolicy, apply_zero3
 from trainmesh.spec.job import JobSpec
+from trainmesh.spec.mesh_rules import microbatches_per_replica
 
 
 def build_model(spec: JobSpec, device: torch.device) -> Llama:
@@ -85,7 +86,13 @@ class Engine:
         # The Llama holding this rank's layers (all of them without PP), with global names,
         # built on the meta device: no process ever holds more than its own shards.
         vpp = par.vpp if pp > 1 else 1
-        n_micro = tr.global_batch_size // (mesh.size(Axis.DP) * tr.microbatch_size)
+        # Every replica runs n_micro microbatches; one whose share of the batch is a microbatch
+        # smaller runs a padding microbatch of weight 0 (microbatches_per_replica). A real one
+        # weighs its tokens' share of the step's, × dp because ZeRO-3 averages over dp.
+        n_micro = microbatches_per_replica(tr.global_batch_size, tr.microbatch_size,
+                                           mesh.size(Axis.DP))
+        self.n_micro = n_micro
+        self.weight = mesh.size(Axis.DP) * tr.microbatch_size / tr.global_batch_size
         shape = pipe_shape(spec.schedule.name, pp, vpp, n_micro) if pp > 1 else None
         with torch.device("meta"):
             self.model, stage_ids = rank_model(
@@ -122,7 +129,7 @@ class Engine:
         self.model.to_empty(device=device)
         self.imported_bytes = init_weights(self.model, spec)  # read from model.init_from
         self.model.init_buffers()
-        set_loss_scale(self.model, 1.0 / n_micro)  # MoE balancing loss: a microbatch's share
+        set_loss_scale(self.model, self.weight)  # MoE balancing loss: a microbatch's share
         partial = tp_partial_params(self.model) if mesh.size(Axis.TP) > 1 else []
         self.hooks = StepHooks(
             before_clip=lambda: sum_partial_grads_over_tp(partial, mesh[Axis.TP] if partial else None),
@@ -152,8 +159,14 @@ class Engine:
                       device=self.device, timeout=timeout,
                       post=nccl_rules.from_env(timeout) or dist.batch_isend_irecv)
         self._shape, self._stages, self._p2p = shape, stages, p2p  # for the eval executor
+        moe = [m for _, m in moe_layers(self.model)]
+
+        def set_weight(w: float) -> None:  # an MoE block's balancing loss: this microbatch's share
+            for m in moe:
+                m.loss_scale = w
+
         return PipelineExecutor(shape, self._schedule[c[Axis.PP]], stages, p2p, self.loss_context,
-                                zero, self.on_phase)
+                                zero, self.on_phase, set_weight if moe else None)
 
     def train_step(self, measure_activations: bool = False) -> StepStats:
         """One optimizer step. ``measure_activations``: count the bytes autograd saves for
@@ -167,24 +180,31 @@ class Engine:
         mbs = self.dataset.microbatches(tr.seed, self.step, tr.global_batch_size,
                                         self.mesh.coord(Axis.DP), self.mesh.size(Axis.DP),
                                         tr.microbatch_size)
-        mbs = [(x.to(self.device), y.to(self.device)) for x, y in mbs]
+        mbs, weights = self._padded([(x.to(self.device), y.to(self.device)) for x, y in mbs])
         if self.executor is None:
             stats = train_step(self.model, self.optimizer, self.scheduler, mbs,
                                self.spec.optimizer.grad_clip,
                                lambda last: self.zero.before_backward(self.model, last),
-                               self.loss_context, self.on_phase, self.hooks)
+                               self.loss_context, self.on_phase, self.hooks, weights)
         else:
-            stats = self._pipeline_step(mbs)
+            stats = self._pipeline_step(mbs, weights)
         self.step += 1
         return StepStats(loss=self._dp_mean(stats.loss), grad_norm=stats.grad_norm, lr=stats.lr,
                          tokens=stats.tokens, experts=stats.experts)
 
-    def _pipeline_step(self, mbs) -> StepStats:
+    def _padded(self, mbs: list) -> tuple[list, list[float]]:
+        """This replica's microbatches and their weights, padded to the step's ``n_micro``
+        with copies of its last one at weight 0: they keep every collective aligned with the
+        replicas whose share is a microbatch larger, and add nothing to the step."""
+        pad = self.n_micro - len(mbs)
+        return mbs + mbs[-1:] * pad, [self.weight] * len(mbs) + [0.0] * pad
+
+    def _pipeline_step(self, mbs, weights: list[float]) -> StepStats:
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.executor.step(mbs).detach().double()
+        loss = self.executor.step(mbs, weights).detach().double()
         pp_group = self.mesh[Axis.PP].get_group()
         dist.all_reduce(loss, group=pp_group)  # only the last stage holds a loss
-        tokens = sum(y.numel() for _, y in mbs)
+        tokens = sum(y.numel() for (_, y), w in zip(mbs, weights, strict=True) if w)
         return finish_step(self.model, self.optimizer, self.scheduler,
                            self.spec.optimizer.grad_clip, float(loss), tokens, across=pp_group,
                            on_phase=self.on_phase, hooks=self.hooks)
@@ -198,10 +218,10 @@ class Engine:
         for b in range(batches):
             mbs = self.eval_set.eval_microbatches(b, tr.global_batch_size, self.mesh.coord(Axis.DP),
                                                   dp, tr.microbatch_size)
-            mbs = [(x.to(self.device), y.to(self.device)) for x, y in mbs]
+            mbs, weights = self._padded([(x.to(self.device), y.to(self.device)) for x, y in mbs])
             if self.executor is None:
                 with self.loss_context():
-                    loss = sum(self.model(x, y) for x, y in mbs) / len(mbs)
+                    loss = sum(self.model(x, y) * w for (x, y), w in zip(mbs, weights, strict=True))
                 loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
             else:
                 if self.eval_executor is None:  # the schedule's forwards alone, built once
@@ -209,7 +229,7 @@ class Engine:
                     self.eval_executor = PipelineExecutor(
                         self._shape, forward_only(self._shape, self._schedule)[rank], self._stages,
                         self._p2p, self.loss_context)
-                loss = self.eval_executor.step(mbs).detach().double()
+                loss = self.eval_executor.step(mbs, weights).detach().double()
                 if pp > 1:
                     dist.all_reduce(loss, group=self.mesh[Axis.PP].get_group())
             total += float(loss)

@@ -95,31 +95,36 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
                set_grad_sync: Callable[[bool], None] | None = None,
                loss_context: Callable[[], AbstractContextManager] = contextlib.nullcontext,
                on_phase: Callable[[str], None] = lambda phase: None,
-               hooks: StepHooks | None = None) -> StepStats:
-    """Accumulate gradients over ``microbatches`` (loss scaled by 1/len), clip, step.
+               hooks: StepHooks | None = None,
+               weights: Sequence[float] | None = None) -> StepStats:
+    """Accumulate gradients over ``microbatches`` (each mean loss scaled by its weight, by
+    default 1/len), clip, step.
 
     ``set_grad_sync(is_last)`` runs before each microbatch (a sharded model sets when it
     gathers and reduces: ``ZeroPolicy.before_backward``); ``loss_context`` wraps loss and
     backward (``loss_parallel`` under TP); ``on_phase`` hears "forward", "backward" and
     "optimizer" as they begin (a rank's progress, ``actors/progress.py``); ``hooks``: what
-    the model's parallel layout adds around the optimizer step."""
+    the model's parallel layout adds around the optimizer step; ``weights``: each
+    microbatch's share of the step's loss (a data-parallel rank's: its tokens' share of the
+    global batch × dp; 0 for a padding microbatch, which counts for nothing)."""
     optimizer.zero_grad(set_to_none=True)
     n = len(microbatches)
-    set_loss_scale(model, 1.0 / n)  # a balancing loss's share of the step, as the loss's
+    weights = [1.0 / n] * n if weights is None else list(weights)
     total = None  # summed where the loss lives: one host sync per step, not per microbatch
     tokens = 0
-    for i, (x, y) in enumerate(microbatches):
+    for i, ((x, y), w) in enumerate(zip(microbatches, weights, strict=True)):
         if set_grad_sync is not None:
             set_grad_sync(i == n - 1)
+        set_loss_scale(model, w)  # a balancing loss's share of the step, as the loss's
         with loss_context():
             on_phase("forward")
-            loss = model(x, y) / n
+            loss = model(x, y) * w
             on_phase("backward")
             loss.backward()
         value = loss.detach()
         value = (value.full_tensor() if isinstance(value, DTensor) else value).float()
         total = value if total is None else total + value
-        tokens += y.numel()
+        tokens += y.numel() if w else 0
     return finish_step(model, optimizer, scheduler, grad_clip, float(total), tokens,
                        on_phase=on_phase, hooks=hooks)
 

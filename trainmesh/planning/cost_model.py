@@ -86,6 +86,9 @@ class Candidate:
     keep_gathered: bool = True
     reduce_dtype: str = "float32"  # gradient reduce-scatter dtype (FSDP2's reduce_dtype)
     ep: int = 1  # expert parallel, folded over dp (MoE models)
+    # padding microbatches over all replicas (dp not dividing the microbatches: the replicas
+    # with the smaller share run one of weight 0 to keep the collectives aligned)
+    padding: int = 0
 
     @property
     def reduce_bytes(self) -> int:
@@ -148,7 +151,10 @@ def in_flight_chunks(schedule: str, pp: int, vpp: int, m: int, pp_rank: int) -> 
         return min(m, pp)
     if schedule == "zbv":
         return _zero_bubble(schedule, pp, vpp, m)[1][pp_rank]
-    return min(m * vpp, 2 * (pp - pp_rank - 1) + (vpp - 1) * pp + 1)
+    from trainmesh.parallel.pipeline.schedules import interleave_groups
+
+    group = interleave_groups(pp, m)[0] if m >= pp else pp  # microbatches through a chunk at once
+    return min(m * vpp, 2 * (pp - pp_rank - 1) + (vpp - 1) * group + 1)
 
 
 def holds_head(schedule: str, pp: int, pp_rank: int) -> bool:
@@ -375,9 +381,11 @@ def memory_bytes(model, c: Candidate, seq_len: int, compute_bytes: int = 2,
 
 def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: int,
              compute_bytes: int = 2, fused: bool = False) -> Estimate:
-    tokens = c.dp * c.num_microbatches * c.microbatch_size * seq_len
+    # Every replica computes num_microbatches; the padding's tokens are not trained on.
+    tokens = (c.dp * c.num_microbatches - c.padding) * c.microbatch_size * seq_len
     flops = flops_per_token(model, seq_len) * tokens
-    ideal = flops / (c.world_size * device.peak_tflops * 1e12 * MATMUL_EFFICIENCY)
+    computed = flops * c.dp * c.num_microbatches / (c.dp * c.num_microbatches - c.padding)
+    ideal = computed / (c.world_size * device.peak_tflops * 1e12 * MATMUL_EFFICIENCY)
     if c.recompute == "full":
         ideal *= 4.0 / 3.0
     bubble = bubble_fraction(c.schedule, c.pp, c.vpp, c.num_microbatches)

@@ -117,8 +117,7 @@ def replan_job(spec: JobSpec, topo: Topology) -> Replan:
     if c.world_size < floor:
         raise PlanError(f"elastic.min_world_size: the best plan on the {topo.world_size} "
                         f"accelerators left uses {c.world_size} (tp={c.tp} × pp={c.pp} × "
-                        f"dp={c.dp}: dp must divide the global batch "
-                        f"{spec.training.global_batch_size}), below elastic.min_world_size="
+                        f"dp={c.dp}), below elastic.min_world_size="
                         f"{floor}; lower elastic.min_world_size or add nodes")
     if changed:
         changed += f"; re-planned to tp={c.tp}, pp={c.pp}, vpp={c.vpp}, dp={c.dp}"

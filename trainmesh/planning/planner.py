@@ -17,7 +17,13 @@ from trainmesh.planning.cost_model import (
     uses_fused_kernels,
 )
 from trainmesh.planning.topology import Topology
-from trainmesh.spec.mesh_rules import ep_degrees, pp_problems, runnable_problems, tp_problems
+from trainmesh.spec.mesh_rules import (
+    ep_degrees,
+    microbatches_per_replica,
+    pp_problems,
+    runnable_problems,
+    tp_problems,
+)
 from trainmesh.spec.problems import Problem
 
 MEMORY_HEADROOM = 0.9  # plan within this fraction of device memory
@@ -112,8 +118,8 @@ def candidates(req: PlanRequest, topo: Topology) -> Iterator[Candidate | Rejecti
 
     A plan need not use every accelerator: tp divides the accelerators of the largest node
     and TP groups stay whole inside nodes (``Topology.usable``), and tp × pp × dp may be
-    less than what is usable — dp divides the global batch, which is always kept — so the
-    rest stay idle (spares)."""
+    less than what is usable (whole tp × pp replicas, at most one per microbatch of the
+    global batch, which is always kept), so the rest stay idle (spares)."""
     m, fixed = req.model, req.fixed
     largest = topo.largest_node
     tps = [int(fixed["tp"])] if "tp" in fixed else _divisors(largest)
@@ -140,43 +146,50 @@ def candidates(req: PlanRequest, topo: Topology) -> Iterator[Candidate | Rejecti
             yield from _inner(req, tp, pp, usable // (tp * pp))
 
 
-def _dp_choices(req: PlanRequest, pp: int, mbs: int, max_dp: int, interleaved: bool
-                ) -> Iterator[int | Rejection]:
-    """The data-parallel degrees that split the global batch into whole microbatches and
-    fill the pipeline, at most ``max_dp`` (the replicas the usable accelerators hold)."""
+def _dp_choices(req: PlanRequest, pp: int, mbs: int, max_dp: int) -> Iterator[int | Rejection]:
+    """The data-parallel degrees whose microbatches fill the pipeline, at most ``max_dp`` (the
+    replicas the usable accelerators hold) and at most the global batch's microbatches. Any dp
+    runs (shares differ by one microbatch at most, the shorter ones padded: see
+    ``microbatches_per_replica``); the divisors of
+    the microbatch count are offered, and the largest dp that fits besides, so that a plan
+    can use every replica the cluster holds — but not one where fewer replicas would run as
+    many microbatches each (its extra replicas would only run padding)."""
     B, fixed = req.global_batch_size, req.fixed
+    if B % mbs:
+        return
+    micro = B // mbs
+
+    def problem(dp: int) -> str | None:
+        share = microbatches_per_replica(B, mbs, dp)
+        if dp > micro:
+            return (f"divisibility: dp={dp} exceeds the {micro} microbatches of the global "
+                    f"batch {B}")
+        if pp > 1 and share < pp:
+            return f"divisibility: {share} microbatches cannot fill {pp} pipeline stages"
+        return None
+
+    def wasted(dp: int) -> bool:
+        """Fewer replicas would run as many microbatches each: the extra ones only pad."""
+        return -(-micro // microbatches_per_replica(B, mbs, dp)) < dp
+
     if "dp" in fixed:
         dp = int(fixed["dp"])
         if dp > max_dp:
             yield Rejection(None, f"topology: dp={dp} needs more than the {max_dp} replicas of "
                                   f"tp×pp the usable accelerators hold")
             return
-        dps = [dp]
-    else:
-        dps = [d for d in _divisors(B // mbs) if d <= max_dp] if B % mbs == 0 else []
-    found = False
-    for dp in dps:
-        if B % (dp * mbs):
-            if "dp" in fixed:
-                yield Rejection(None, f"divisibility: global batch {B} is not divisible by "
-                                      f"dp × microbatch = {dp}×{mbs}")
-            continue
-        n_micro = B // (dp * mbs)
-        if pp > 1 and n_micro < pp:
-            if "dp" in fixed:
-                yield Rejection(None, f"divisibility: {n_micro} microbatches cannot fill "
-                                      f"{pp} pipeline stages")
-            continue
-        if interleaved and n_micro % pp:
-            if "dp" in fixed:
-                yield Rejection(None, f"divisibility: interleaved 1F1B needs microbatches "
-                                      f"({n_micro}) to be a multiple of pp={pp}")
-            continue
-        found = True
-        yield dp
-    if not found and "dp" not in fixed:
+        why = problem(dp)
+        yield dp if why is None else Rejection(None, why)
+        return
+    top = min(max_dp, micro)
+    fits = lambda d: problem(d) is None and not wasted(d)  # noqa: E731
+    largest = next((d for d in range(top, 0, -1) if fits(d)), None)
+    dps = sorted({d for d in _divisors(micro) if d <= top and fits(d)}
+                 | ({largest} if largest else set()))
+    if not dps:
         yield Rejection(None, f"divisibility: no dp ≤ {max_dp} splits the global batch {B} into "
                               f"microbatches of {mbs} that fill {pp} pipeline stage(s)")
+    yield from dps
 
 
 def _inner(req: PlanRequest, tp: int, pp: int, max_dp: int) -> Iterator[Candidate | Rejection]:
@@ -199,15 +212,17 @@ def _inner(req: PlanRequest, tp: int, pp: int, max_dp: int) -> Iterator[Candidat
             for mbs in MICROBATCH_SIZES:
                 if "microbatch_size" in fixed and mbs != fixed["microbatch_size"]:
                     continue
-                for dp in _dp_choices(req, pp, mbs, max_dp, schedule == "interleaved-1f1b"):
+                for dp in _dp_choices(req, pp, mbs, max_dp):
                     if isinstance(dp, Rejection):
                         yield dp
                         continue
-                    yield from _options(req, tp, pp, dp, vpp, schedule, mbs, B // (dp * mbs))
+                    n_micro = microbatches_per_replica(B, mbs, dp)
+                    yield from _options(req, tp, pp, dp, vpp, schedule, mbs, n_micro,
+                                        n_micro * dp - B // mbs)
 
 
 def _options(req: PlanRequest, tp: int, pp: int, dp: int, vpp: int, schedule: str, mbs: int,
-             n_micro: int) -> Iterator[Candidate]:
+             n_micro: int, padding: int = 0) -> Iterator[Candidate]:
     """Recomputation and ZeRO-3 policy for one layout."""
     fixed = req.fixed
     sp = bool(fixed.get("sequence_parallel", tp > 1))
@@ -222,7 +237,8 @@ def _options(req: PlanRequest, tp: int, pp: int, dp: int, vpp: int, schedule: st
             if "recompute" in fixed and rc != fixed["recompute"]:
                 continue
             for keep in keeps:
-                yield Candidate(tp, pp, dp, vpp, schedule, mbs, n_micro, rc, sp, keep, reduce, ep)
+                yield Candidate(tp, pp, dp, vpp, schedule, mbs, n_micro, rc, sp, keep, reduce, ep,
+                                padding)
 
 
 def _ep_choices(req: PlanRequest, dp: int) -> list[int]:
@@ -284,8 +300,14 @@ def explain(result: PlanResult) -> str:
     if best.idle:
         parts.append(f"It runs {c.world_size} ranks on {len(best.node_ranks)} node(s) and leaves "
                      f"{best.idle} accelerator(s) idle, the fewest any plan does: TP groups stay "
-                     f"whole inside a node and dp divides the global batch of "
-                     f"{c.dp * c.num_microbatches * c.microbatch_size}.")
+                     f"whole inside a node, replicas are whole tp×pp groups, at most one per "
+                     f"microbatch, whose count fills the pipeline.")
+    if c.padding:
+        parts.append(f"Every replica runs {c.num_microbatches} microbatches for the "
+                     f"{c.dp * c.num_microbatches - c.padding} of the batch: {c.padding} of them "
+                     f"padding of weight 0 (dp={c.dp} does not divide the batch), so that every "
+                     "replica makes the same collectives; the padding's compute is counted in "
+                     "the step time.")
     parts.append(f"Of its {e.step_time_s:.3g} s step, compute is {e.compute_s:.3g} s "
                  f"(bubble {e.bubble_fraction:.1%}), TP communication {e.tp_comm_s:.3g} s, "
                  f"PP {e.pp_comm_s:.3g} s"

@@ -87,6 +87,32 @@ def ep_problems(m: ModelShape, dp: int, ep: int) -> list[Problem]:
     return []
 
 
+def microbatches_per_replica(global_batch: int, microbatch_size: int, dp: int) -> int:
+    """Microbatches each data-parallel replica runs per step. The global batch's
+    ``global_batch / microbatch_size`` microbatches are dealt out in contiguous shares that
+    differ by at most one; a replica with the smaller share runs one padding microbatch of
+    zero weight, so that every replica makes the same collectives (ZeRO-3's per-microbatch
+    gathers and reduce-scatters, expert parallel's all-to-alls, the pipeline schedule)."""
+    return -(-(global_batch // microbatch_size) // dp)
+
+
+def dp_problems(global_batch: int, microbatch_size: int, dp: int) -> list[Problem]:
+    """dp deals the global batch's microbatches out to the replicas: any dp up to their number
+    (not only one that divides it)."""
+    if global_batch % microbatch_size:
+        return [Problem("training.global_batch_size", f"{global_batch} is not divisible by "
+                        f"microbatch_size={microbatch_size}", "make it a multiple of "
+                        "training.microbatch_size", DIVISIBILITY)]
+    micro = global_batch // microbatch_size
+    if dp > micro:
+        return [Problem("parallelism.dp", f"dp={dp} replicas but the global batch holds "
+                        f"{micro} microbatches ({global_batch} / microbatch_size "
+                        f"{microbatch_size}): a replica would have no data",
+                        f"use dp ≤ {micro}, or raise training.global_batch_size or lower "
+                        "training.microbatch_size", DIVISIBILITY)]
+    return []
+
+
 def shape_problems(m: ModelShape, tp: int, pp: int, vpp: int = 1, dp: int = 1,
                    ep: int = 1) -> list[Problem]:
     """Every rule a (tp, pp, vpp, dp, ep) layout of model ``m`` breaks."""

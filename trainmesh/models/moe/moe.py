@@ -161,7 +161,7 @@ class MoE(nn.Module):
         self.register_buffer("aux_total", torch.zeros((), dtype=torch.float64), persistent=False)
         self.register_buffer("dropped", torch.zeros((), dtype=torch.int64), persistent=False)
         self.dispatch: Dispatch = LocalDispatch()
-        self.loss_scale = 1.0  # set per step: 1 / the microbatches a rank accumulates
+        self.loss_scale = 1.0  # set per microbatch: its share of the step's loss (0: padding)
 
     def reset_buffers(self) -> None:
         """Zero the bias and counters (after a meta-device build they hold garbage)."""
@@ -220,7 +220,7 @@ class MoE(nn.Module):
             y = _AddAuxLoss.apply(y, aux, self.loss_scale)
             if first_run:
                 self.aux_total += aux.detach().double() * self.loss_scale
-        if first_run:
+        if first_run and self.loss_scale:  # a padding microbatch (weight 0) counts nothing
             with torch.no_grad():
                 self.routed += counts
                 if capacity is not None:

@@ -87,13 +87,17 @@ class PipelineExecutor:
     def __init__(self, shape: PipeShape, actions: list[Action], stages: dict[int, nn.Module],
                  p2p: P2PSpec, loss_context: Callable[[], AbstractContextManager] = nullcontext,
                  zero: ZeroPolicy | None = None,
-                 on_phase: Callable[[str], None] = lambda phase: None):
+                 on_phase: Callable[[str], None] = lambda phase: None,
+                 set_weight: Callable[[float], None] | None = None):
         """``stages[s](x)`` runs stage s; the last stage is called as ``stages[s](x, y)`` and
-        returns the microbatch's mean loss."""
+        returns the microbatch's mean loss. ``set_weight`` hears the weight of each compute
+        action's microbatch before it runs (a loss the stages add themselves, MoE balancing,
+        takes the microbatch's share of the step, in a backward's recomputation too)."""
         self.shape, self.actions, self.stages, self.p2p = shape, actions, stages, p2p
         self.loss_context = loss_context
         self.zero = zero  # the stages' ZeRO-3 policy (None: stages are not sharded)
         self.on_phase = on_phase  # hears "forward" / "backward" as each action begins
+        self.set_weight = set_weight
         last = {}
         for a in actions:
             if a.op in (Op.BACKWARD, Op.WEIGHT):
@@ -108,14 +112,18 @@ class PipelineExecutor:
         self._timeout = None if p2p.device.type == "cuda" else p2p.timeout
         self.timeline: list[tuple[str, float, float]] = []
 
-    def step(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """One optimizer step's forwards and backwards; returns this rank's summed loss (0 on
-        ranks without the last stage). Gradients are left in ``.grad``."""
+    def step(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+             weights: Sequence[float] | None = None) -> torch.Tensor:
+        """One optimizer step's forwards and backwards; returns this rank's summed loss, each
+        microbatch's mean loss × its weight (default 1/len; 0 on ranks without the last stage).
+        Gradients are left in ``.grad``."""
         self._inputs: dict[tuple[int, int], torch.Tensor] = {}
         self._outputs: dict[tuple[int, int], torch.Tensor] = {}
         self._recv: dict[tuple[Op, int, int], tuple[torch.Tensor, dist.Work]] = {}
         self._split_state: dict[tuple[int, int], tuple] = {}
         self._mbs = microbatches
+        n = len(microbatches)
+        self._weights = [1.0 / n] * n if weights is None else list(weights)
         if self.split and self.zero is not None:
             for stage in self.stages.values():
                 self.zero.before_split_backward(stage)
@@ -130,6 +138,8 @@ class PipelineExecutor:
             if a.op in COMPUTE:
                 self.on_phase("forward" if a.op is Op.FORWARD else "backward")
                 self._await_input(a)  # outside the action's time: waiting is not computing
+                if self.set_weight is not None:
+                    self.set_weight(self._weights[a.microbatch])
                 start = clock.mark()
                 if a.op is Op.FORWARD:
                     loss_sum = loss_sum + self._forward(a)
@@ -176,7 +186,7 @@ class PipelineExecutor:
             self._inputs[key] = inp
         with self.loss_context():
             if a.stage == self.shape.num_stages - 1:
-                out = stage(inp, y) / len(self._mbs)
+                out = stage(inp, y) * self._weights[a.microbatch]
             else:
                 out = stage(inp)
         self._outputs[key] = out

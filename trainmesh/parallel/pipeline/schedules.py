@@ -42,9 +42,9 @@ def check(kind: ScheduleKind, pp: int, vpp: int, m: int) -> None:
     if pp < 1 or vpp < 1 or m < 1:
         raise ValueError(f"pp={pp}, vpp={vpp}, microbatches={m} must all be at least 1")
     if kind is ScheduleKind.INTERLEAVED_1F1B:
-        if m % pp:
-            raise ValueError(f"interleaved 1F1B needs microbatches ({m}) to be a multiple of "
-                             f"pp={pp}; change training.global_batch_size or microbatch_size")
+        if m < pp:
+            raise ValueError(f"interleaved 1F1B needs at least pp={pp} microbatches, not {m}; "
+                             "raise training.global_batch_size or lower microbatch_size")
     elif kind is ScheduleKind.ZBV:
         if vpp != 2:
             raise ValueError(f"zbv places two chunks per rank in a V (vpp=2), not vpp={vpp}; "
@@ -152,24 +152,35 @@ def _one_f_one_b(shape: PipeShape, rank: int) -> list[Action]:
     return out
 
 
+def interleave_groups(pp: int, m: int) -> list[int]:
+    """Interleaved 1F1B sends microbatches through a rank's chunks in groups of at least pp:
+    ``m // pp`` groups whose sizes differ by at most one (pp each when pp divides m, Megatron's
+    case; otherwise a few take one more, so any m ≥ pp runs without padding)."""
+    rounds = m // pp
+    size, extra = divmod(m, rounds)
+    return [size + (j < extra) for j in range(rounds)]
+
+
 def _interleaved(shape: PipeShape, rank: int) -> list[Action]:
-    """Megatron's interleaved 1F1B: microbatches go through the rank's v chunks in groups of
-    pp; the warm-up is (pp - rank - 1) × 2 + (v - 1) × pp forward units."""
+    """Megatron's interleaved 1F1B: microbatches go through the rank's v chunks group by group
+    (``interleave_groups``); the warm-up is (pp - rank - 1) × 2 + (v - 1) × g forward units, g
+    the first group's size. Forwards take each group through chunks 0 … v-1, backwards through
+    v-1 … 0."""
     pp, v, m = shape.pp, shape.vpp, shape.microbatches
     total = m * v
-
-    def unit(k: int, forward: bool) -> tuple[int, int]:
-        chunk = (k // pp) % v
-        if not forward:
-            chunk = v - 1 - chunk
-        return chunk * pp + rank, (k // (pp * v)) * pp + k % pp
-
-    warm = min((pp - rank - 1) * 2 + (v - 1) * pp, total)
-    out = [Action(Op.FORWARD, *unit(k, True), Phase.WARMUP) for k in range(warm)]
+    forward, backward = [], []
+    start = 0
+    for g in interleave_groups(pp, m):
+        for c in range(v):
+            forward += [(c * pp + rank, start + i) for i in range(g)]
+            backward += [((v - 1 - c) * pp + rank, start + i) for i in range(g)]
+        start += g
+    warm = min((pp - rank - 1) * 2 + (v - 1) * interleave_groups(pp, m)[0], total)
+    out = [Action(Op.FORWARD, *forward[k], Phase.WARMUP) for k in range(warm)]
     for i in range(total - warm):
-        out.append(Action(Op.FORWARD, *unit(warm + i, True), Phase.STEADY))
-        out.append(Action(Op.BACKWARD, *unit(i, False), Phase.STEADY))
-    out += [Action(Op.BACKWARD, *unit(k, False), Phase.COOLDOWN) for k in range(total - warm, total)]
+        out.append(Action(Op.FORWARD, *forward[warm + i], Phase.STEADY))
+        out.append(Action(Op.BACKWARD, *backward[i], Phase.STEADY))
+    out += [Action(Op.BACKWARD, *backward[k], Phase.COOLDOWN) for k in range(total - warm, total)]
     return out
 
 
