@@ -155,7 +155,9 @@ def _one_f_one_b(shape: PipeShape, rank: int) -> list[Action]:
 def interleave_groups(pp: int, m: int) -> list[int]:
     """Interleaved 1F1B sends microbatches through a rank's chunks in groups of at least pp:
     ``m // pp`` groups whose sizes differ by at most one (pp each when pp divides m, Megatron's
-    case; otherwise a few take one more, so any m ≥ pp runs without padding)."""
+    case; otherwise the first few take one more, so any m ≥ pp runs without padding, at the
+    price of one more chunk of activations in the warm-up, which the first group sizes: with
+    the larger groups last, that warm-up is too short and the ranks deadlock)."""
     rounds = m // pp
     size, extra = divmod(m, rounds)
     return [size + (j < extra) for j in range(rounds)]
