@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from types import SimpleNamespace
@@ -361,3 +362,30 @@ def test_a_replan_after_a_node_loss_keeps_the_largest_ep_that_still_divides():
     assert (new.dims.dp, new.dims.ep) == (2, 2) and new.spec.parallelism.ep == 2
     new = plan_for(spec, Topology.uniform(1, 3, "cpu"), replan=True)  # dp 3: no ep divides it
     assert new.dims.dp in (1, 2, 3) and new.dims.ep in (1, 2) and new.dims.dp % new.dims.ep == 0
+
+
+def test_at_16k_gpus_the_planner_chooses_hybrid_sharding_and_says_why(capsys):
+    """ZeRO-3 over 512 replicas pays a ring of 512 per collective; shard groups of 8 replicas
+    (8 nodes of tp-8 ranks) all-reduced across 64 groups are predicted faster for the memory
+    they cost: the plan table shows it, the explanation gives both."""
+    from trainmesh.planning.job_plan import request_for
+
+    spec = load_spec("jobs/llama-70b.yaml", ["parallelism=auto", "training.global_batch_size=2048",
+                                             "elastic.max_world_size=16384"])
+    result = plan(request_for(spec), Topology.uniform(2048, 8, "h100"))
+    c = result.best.candidate
+    assert c.dp_replicate > 1 and c.dp_shard * c.tp == 64 and result.best.idle == 0
+    flat = next(p for p in result.plans if p.candidate == dataclasses.replace(c, dp_replicate=1))
+    assert flat.estimate.dp_exposed_s > result.best.estimate.dp_exposed_s
+    assert flat.estimate.memory_per_rank_gib < result.best.estimate.memory_per_rank_gib
+    text = explain(result)
+    assert (f"It shards with hybrid sharding {c.dp_replicate}×{c.dp_shard} (ZeRO-3 inside groups "
+            f"of {c.dp_shard} replicas") in text and f"ZeRO-3 over all {c.dp} replicas" in text
+    # On 8 nodes a shard group over all of dp stays within 8 nodes: no hybrid option.
+    small = plan(request_for(spec), Topology.uniform(8, 8, "h100"))
+    assert {p.candidate.dp_replicate for p in small.plans} == {1}
+    assert main(["plan", "jobs/llama-70b.yaml", "--set", "parallelism=auto", "--nodes", "2048",
+                 "--gpus-per-node", "8", "--set", "training.global_batch_size=2048",
+                 "--set", "elastic.max_world_size=16384", "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "hsdp" in out and f"{c.dp_replicate}×{c.dp_shard}" in out

@@ -16,6 +16,7 @@ SOURCE = (ParallelDims(pp=2, tp=2), ["parallelism.vpp=2", "schedule.name=interle
 SNAPSHOT = "0001-00000002"
 TARGETS = {
     "dp4": (ParallelDims(dp=4), []),
+    "hsdp-2x2": (ParallelDims(dp=4), ["parallelism.dp_replicate=2"]),  # FSDP2's HSDP mesh
     "tp4": (ParallelDims(tp=4), ["model.n_heads=4", "model.n_kv_heads=4"]),
     "pp4": (ParallelDims(pp=4), ["schedule.name=1f1b"]),
     "pp2-dp2": (ParallelDims(pp=2, dp=2), ["schedule.name=gpipe"]),

@@ -48,6 +48,8 @@ CASES = {  # largest meshes first: the rank pool then only shrinks
     "tp2-dp3-uneven-regather": (ParallelDims(tp=2, dp=3), [UNEVEN, "parallelism.keep_gathered=false"]),
     "tp2-dp3-uneven-keep": (ParallelDims(tp=2, dp=3), [UNEVEN, "parallelism.keep_gathered=true"]),
     "tp4": (ParallelDims(tp=4), ["model.n_heads=4", "model.n_kv_heads=4"]),
+    # Hybrid sharding: ZeRO-3 inside pairs of replicas, gradients all-reduced across the pairs.
+    "hsdp-2x2": (ParallelDims(dp=4), ["parallelism.dp_replicate=2"]),
     "tp2-dp2-zero3": (ParallelDims(tp=2, dp=2), []),
     "tp2": (ParallelDims(tp=2), []),
     "tp2-sp": (ParallelDims(tp=2), ["parallelism.sequence_parallel=true"]),
@@ -79,20 +81,25 @@ def test_parallel_matches_single_process(rank_pool, tmp_path, case):
 
 @pytest.mark.timeout(300)
 def test_a_run_interrupted_at_dp4_resumes_at_dp3_with_the_same_losses(rank_pool, tmp_path):
-    """dp4 (2 microbatches each) saves at step 2; dp3 (shares 3, 3, 2 of the 8 microbatches)
-    restores it and reads on from the same data position: every loss is the single process's."""
+    """dp4 under hybrid sharding (2 × 2, 2 microbatches each) saves at step 2; dp3 under plain
+    ZeRO-3 (shares 3, 3, 2 of the 8 microbatches) restores it and reads on from the same data
+    position: every loss is the single process's."""
     spec = load_spec(None, [*BASE, UNEVEN, "parallelism.dp=4", f"runtime.output_dir={tmp_path}",
-                            "training.steps=4"])
+                            "training.steps=4", "parallelism.dp_replicate=2"])
     data_dir = str(ensure_tiny_corpus(tmp_path / "data"))
     before, after = ParallelDims(dp=4), ParallelDims(dp=3)
     group = rank_pool.group_for(spec, before)
     try:
         group.build(spec.model_dump_json(), before, data_dir)
+        # FSDP2's HSDP: every parameter on the 2-D (replicate, shard) mesh
+        assert {m for rank in group.parameter_meshes() for m in rank.values()} == {
+            ("dp_replicate", "dp_shard")}
         losses = [group.train_step()[0]["loss"] for _ in range(2)]
         group.save_to(str(tmp_path / "dp4"))
     finally:
         rank_pool.release(group)
-    spec = spec.model_copy(update={"parallelism": spec.parallelism.model_copy(update={"dp": 3})})
+    spec = spec.model_copy(update={"parallelism": spec.parallelism.model_copy(
+        update={"dp": 3, "dp_replicate": 1})})
     group = rank_pool.group_for(spec, after)
     try:
         group.build(spec.model_dump_json(), after, data_dir)

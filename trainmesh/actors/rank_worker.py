@@ -156,7 +156,8 @@ class RankWorker:
 
         spec = JobSpec.model_validate_json(spec_json)
         mesh = Mesh.build(ParallelDims(**dims), self.device.type, self.rank,
-                          moe=spec.model.moe is not None)
+                          moe=spec.model.moe is not None,
+                          dp_replicate=spec.parallelism.dp_replicate)
         self.engine = Engine(spec, mesh, data_dir, self.device, self._progress.mark)
         return sum(p.numel() for p in self.engine.model.parameters())
 

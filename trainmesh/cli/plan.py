@@ -79,16 +79,21 @@ def _print_table(spec: JobSpec, topo: Topology, rows: list[dict]) -> None:
     table = Table(title=title)
     moe = spec.model.moe is not None  # the expert-parallel degree, for MoE models
     # zero3: "keep" gathers each rank's parameters once per step and reduce-scatters once;
-    # "regather" gathers and reduce-scatters every microbatch (less memory, more traffic).
+    # "regather" gathers and reduce-scatters every microbatch (less memory, more traffic);
+    # hsdp: "r×s" hybrid sharding, ZeRO-3 inside groups of s replicas, r groups ("-": over dp).
     cols = ["tp", "pp", "dp", *(["ep"] if moe else []), "idle", "vpp", "schedule", "mbs", "micro",
-            "recompute", "zero3", "mem GiB", "step s", "tokens/s", "TFLOP/s/gpu", "MFU", "bubble"]
+            "recompute", "zero3", "hsdp", "mem GiB", "step s", "tokens/s", "TFLOP/s/gpu", "MFU",
+            "bubble"]
     for c in cols:
-        table.add_column(c, justify="left" if c in ("schedule", "recompute", "zero3") else "right")
+        table.add_column(c, justify="left" if c in ("schedule", "recompute", "zero3", "hsdp")
+                         else "right")
     for r in rows:
         table.add_row(str(r["tp"]), str(r["pp"]), str(r["dp"]), *([str(r["ep"])] if moe else []),
                       str(r["idle"]), str(r["vpp"]), r["schedule"],
                       str(r["microbatch_size"]), str(r["num_microbatches"]), r["recompute"],
                       "keep" if r["keep_gathered"] else "regather",
+                      (f"{r['dp_replicate']}×{r['dp'] // r['dp_replicate']}"
+                       if r["dp_replicate"] > 1 else "-"),
                       f"{r['memory_per_rank_gib']:.1f}", f"{r['step_time_s']:.3g}",
                       f"{r['tokens_per_s']:,.0f}", f"{r['tflops_per_gpu']:.1f}",
                       f"{r['mfu']:.1%}", f"{r['bubble_fraction']:.1%}")

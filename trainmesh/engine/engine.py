@@ -116,14 +116,14 @@ class Engine:
         self.zero = ZeroPolicy(keep_gathered=split or par.keep_gathered is not False,
                                param_dtype=dtype, reduce_dtype=getattr(torch, par.reduce_dtype))
         if pp == 1:
-            apply_zero3(self.model, mesh[Axis.DP], self.zero, experts)
+            apply_zero3(self.model, mesh.zero_mesh, self.zero, experts)
         else:
             stages = {s: PipelineStage(self.model, s, pp * par.vpp) for s in stage_ids}
             # FSDP2 at dp = 1 shards nothing, it only casts (mixed precision): a stage that needs
             # neither is not wrapped, its hooks would be overhead on every microbatch.
             wrap = mesh.size(Axis.DP) > 1 or dtype != torch.float32
             for stage in stages.values() if wrap else ():
-                apply_zero3(stage, mesh[Axis.DP], self.zero, experts)
+                apply_zero3(stage, mesh.zero_mesh, self.zero, experts)
             self.executor = self._build_executor(shape, stages, dtype, self.zero if wrap else None)
         # Materialise the local shards only, then fill them from each parameter's global name.
         self.model.to_empty(device=device)

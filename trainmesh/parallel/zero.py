@@ -82,12 +82,15 @@ def _expert_dim(shards: int):
 def apply_zero3(model: nn.Module, dp_mesh: DeviceMesh, policy: ZeroPolicy,
                 experts: ExpertSharding | None = None) -> nn.Module:
     """Shard parameters, gradients and optimizer state over ``dp_mesh`` (``model`` is a Llama
-    or a pipeline stage of one): one FSDP unit per transformer block (its all-gather overlaps
-    the previous block's compute), then the root for the embedding, final norm and head.
+    or a pipeline stage of one; a 2-D ``dp_mesh`` is hybrid sharding: sharded over its second
+    dimension, replicated over its first, gradients all-reduced across the replicas): one FSDP
+    unit per transformer block (its all-gather overlaps the previous block's compute), then the
+    root for the embedding, final norm and head.
     With ``experts``, each MoE block's experts are a unit of their own on its mesh.
     Master weights and optimizer state stay float32; parameters are gathered in
     ``policy.param_dtype`` and gradients reduced in ``policy.reduce_dtype``."""
     mp = MixedPrecisionPolicy(param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype)
+    shards = dp_mesh.size(dp_mesh.ndim - 1)  # HSDP (2-D mesh): shards over the last dim
     blocks = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
     for block in blocks:
         routed = getattr(block.feed_forward, "experts", None)
@@ -100,7 +103,7 @@ def apply_zero3(model: nn.Module, dp_mesh: DeviceMesh, policy: ZeroPolicy,
             if experts.mesh.size() > 1 and dist.get_backend(experts.mesh.get_group()) == "gloo":
                 routed.set_force_sum_reduction_for_comms(True)
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=not policy.keep_gathered,
-                    mp_policy=mp, shard_placement_fn=_expert_dim(dp_mesh.size()))
+                    mp_policy=mp, shard_placement_fn=_expert_dim(shards))
     # The root's parameters are needed again right at backward start: keep them gathered.
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp)
     return model

@@ -43,8 +43,11 @@ Step time (seconds):
   * DP (ZeRO-3): parameters all-gathered in the compute dtype (once per step when kept
     gathered, else twice per microbatch: forward and backward) and gradients reduce-scattered
     in the reduce dtype (once per step when kept gathered, else once per microbatch):
-    bytes × (d-1)/d / bandwidth (intra-node when the DP group fits in a node). Assumed
-    overlapped with compute except what exceeds half the compute time.
+    bytes × (d-1)/d / bandwidth (intra-node when the DP group fits in a node); under hybrid
+    sharding d is the shard group and the reduce-scattered gradients are all-reduced across
+    the replica groups. Assumed overlapped with compute except what exceeds half the compute
+    time; each collective's latency grows with its ring (a hop per participant) and is not
+    hidden (``_zero3_exposed``).
 """
 
 from __future__ import annotations
@@ -64,6 +67,10 @@ PP_LATENCY_S = 20e-6  # per point-to-point message
 # synchronisation that overlapping with compute does not hide. It is what makes re-gathering
 # for every microbatch cost time even when the bytes would hide behind compute.
 COLLECTIVE_LATENCY_S = 20e-6
+# Per hop of a ring collective (NCCL's all-gather and reduce-scatter are rings): a collective
+# over n ranks pays n - 1 of them, so ZeRO-3 over hundreds of replicas pays for its size.
+HOP_LATENCY_INTER_S = 5e-6
+HOP_LATENCY_INTRA_S = 1e-6
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")
 AUTO_SCHEDULES = SCHEDULES[:3]  # what the planner weighs unasked; zero-bubble ones when named
 CHUNKED = ("interleaved-1f1b", "zbv")  # schedules that run vpp chunks per rank
@@ -89,6 +96,14 @@ class Candidate:
     # padding microbatches over all replicas (dp not dividing the microbatches: the replicas
     # with the smaller share run one of weight 0 to keep the collectives aligned)
     padding: int = 0
+    # hybrid sharding (HSDP): ZeRO-3 inside groups of dp / dp_replicate replicas, gradients
+    # all-reduced across the dp_replicate groups
+    dp_replicate: int = 1
+
+    @property
+    def dp_shard(self) -> int:
+        """Replicas a ZeRO-3 shard group spans (all of dp without hybrid sharding)."""
+        return self.dp // self.dp_replicate
 
     @property
     def reduce_bytes(self) -> int:
@@ -289,7 +304,7 @@ def rank_memory(model, c: Candidate, seq_len: int, pp_rank: int = 0, compute_byt
     the Triton kernels run (RMSNorm, SwiGLU, RoPE and the fused linear + cross-entropy)."""
     rp = rank_params(model, c.pp, pp_rank, c.schedule)
     reduce_bytes = c.reduce_bytes
-    local = rp.local(c.tp, c.dp)
+    local = rp.local(c.tp, c.dp_shard)
     layer_gathered = rp.layer_gathered(c.tp, c.ep)
     # A unit's gradients come out of backward in the compute dtype and are cast to the reduce
     # dtype for its reduce-scatter into the fp32 sharded gradients (4 × local). Across
@@ -350,7 +365,7 @@ def snapshot_host_bytes(model, c: Candidate, pp_rank: int | None = None) -> floa
     ranks = {0, c.pp - 1} if pp_rank is None else {pp_rank}
 
     def one(r: int) -> float:
-        state = 12 * rank_params(model, c.pp, r, c.schedule).local(c.tp, c.dp)
+        state = 12 * rank_params(model, c.pp, r, c.schedule).local(c.tp, c.dp_shard)
         return 6 * (state + 3 * DCP_ENTRY_BYTES * _tensors(model, c, r)) + state
     return max(one(r) for r in ranks)
 
@@ -377,6 +392,41 @@ def memory_bytes(model, c: Candidate, seq_len: int, compute_bytes: int = 2,
     ranks = {0, c.pp - 1}
     return max(rank_memory(model, c, seq_len, r, compute_bytes, framework_bytes, fused).total
                for r in ranks)
+
+
+def _ring_latency(participants: int, crosses_nodes: bool) -> float:
+    """Latency of one ring collective: its launch, plus a hop per other participant."""
+    hop = HOP_LATENCY_INTER_S if crosses_nodes else HOP_LATENCY_INTRA_S
+    return COLLECTIVE_LATENCY_S + hop * (participants - 1)
+
+
+def _zero3_exposed(model, c: Candidate, device: DeviceSpec, per_node: int, compute_bytes: int,
+                   compute: float) -> float:
+    """ZeRO-3's step time not hidden behind compute. Inside a shard group (all of dp, or
+    dp / dp_replicate replicas under hybrid sharding): parameters all-gathered and gradients
+    reduce-scattered, ring cost (s-1)/s × bytes / bandwidth; under hybrid sharding each
+    reduce-scatter's output (1/s of the gradients) is then all-reduced across the dp_replicate
+    groups, 2(r-1)/r × bytes. A group within a node uses intra-node bandwidth. Overlapped with
+    compute except what exceeds half of it; each collective's latency (one hop per other
+    participant of its ring) is paid per FSDP unit and not hidden."""
+    params = rank_params(model, c.pp, 0, c.schedule).gathered(c.tp, c.ep)
+    s, r = c.dp_shard, c.dp_replicate
+    shard_inside = s * c.tp <= per_node
+    gathers = 1 if c.keep_gathered else 2 * c.num_microbatches
+    reduces = 1 if c.keep_gathered else c.num_microbatches
+    units = model.n_layers // c.pp + 1
+    time, latency = 0.0, 0.0
+    if s > 1:
+        bw = device.intra_node_gbps if shard_inside else device.inter_node_gbps
+        moved = (gathers * compute_bytes + reduces * c.reduce_bytes) * params
+        time += moved * (s - 1) / s / (bw * 1e9)
+        latency += (gathers + reduces) * units * _ring_latency(s, not shard_inside)
+    if r > 1:
+        whole_inside = c.dp * c.tp <= per_node
+        bw = device.intra_node_gbps if whole_inside else device.inter_node_gbps
+        time += reduces * 2 * (r - 1) / r * c.reduce_bytes * params / s / (bw * 1e9)
+        latency += reduces * units * 2 * _ring_latency(r, not whole_inside)
+    return max(0.0, time - 0.5 * compute) + latency
 
 
 def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: int,
@@ -413,15 +463,7 @@ def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: in
         ep_comm = calls * per_a2a / (bw * 1e9) * moe_layers * c.num_microbatches
     dp_exposed = 0.0
     if c.dp > 1:
-        params_per_rank = rank_params(model, c.pp, 0, c.schedule).gathered(c.tp, c.ep)
-        bw = device.intra_node_gbps if c.dp * c.tp <= per_node else device.inter_node_gbps
-        gathers = 1 if c.keep_gathered else 2 * c.num_microbatches
-        reduces = 1 if c.keep_gathered else c.num_microbatches
-        moved = (gathers * compute_bytes + reduces * c.reduce_bytes) * params_per_rank
-        dp_time = moved * (c.dp - 1) / c.dp / (bw * 1e9)
-        units = model.n_layers // c.pp + 1
-        dp_exposed = (max(0.0, dp_time - 0.5 * compute)
-                      + (gathers + reduces) * units * COLLECTIVE_LATENCY_S)
+        dp_exposed = _zero3_exposed(model, c, device, per_node, compute_bytes, compute)
     step = compute + tp_comm + pp_comm + dp_exposed + ep_comm
     achieved = flops / step / c.world_size
     return Estimate(

@@ -21,6 +21,7 @@ def request_for(spec: JobSpec) -> PlanRequest:
     fixed: dict[str, int | str | bool] = {}
     if not par.auto:
         fixed.update(tp=par.tp, pp=par.pp, dp=par.dp, vpp=par.vpp, ep=par.ep,
+                     dp_replicate=par.dp_replicate,
                      microbatch_size=tr.microbatch_size, schedule=spec.schedule.name,
                      sequence_parallel=par.sequence_parallel,
                      recompute="full" if spec.activation_checkpoint.mode == "full" else "none")
@@ -60,7 +61,7 @@ def effective_spec(spec: JobSpec, c: Candidate) -> JobSpec:
     """The spec with the plan's choices written in: what the ranks build and run."""
     par = spec.parallelism.model_copy(update={
         "auto": False, "tp": c.tp, "pp": c.pp, "dp": c.dp, "vpp": c.vpp,
-        "ep": c.ep,
+        "ep": c.ep, "dp_replicate": c.dp_replicate,
         "sequence_parallel": c.sequence_parallel and c.tp > 1,
         "keep_gathered": c.keep_gathered, "reduce_dtype": c.reduce_dtype})
     update = {"parallelism": par,
@@ -96,6 +97,7 @@ def replan_job(spec: JobSpec, topo: Topology) -> Replan:
     if not par.auto:
         req.fixed.pop("dp")
         req.fixed["max_ep"] = req.fixed.pop("ep")  # kept where it still divides the new dp
+        req.fixed.pop("dp_replicate")  # part of dp: the planner chooses it for the new dp
         result = plan(req, topo)
         if not result.plans:
             changed = (f"the pinned tp={par.tp}, pp={par.pp}, vpp={par.vpp} no longer fit the "

@@ -3,6 +3,7 @@ rest by predicted throughput (see ``cost_model`` for the estimates). No torch, n
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -57,7 +58,7 @@ class RankedPlan:
                 "microbatch_size": c.microbatch_size, "num_microbatches": c.num_microbatches,
                 "recompute": c.recompute, "keep_gathered": c.keep_gathered,
                 "reduce_dtype": c.reduce_dtype, "sequence_parallel": c.sequence_parallel,
-                "ep": c.ep,
+                "ep": c.ep, "dp_replicate": c.dp_replicate,
                 "memory_per_rank_gib": round(e.memory_per_rank_gib, 3),
                 "step_time_s": e.step_time_s, "tokens_per_s": e.tokens_per_s,
                 "tflops_per_gpu": e.tflops_per_gpu, "mfu": e.mfu,
@@ -143,7 +144,7 @@ def candidates(req: PlanRequest, topo: Topology) -> Iterator[Candidate | Rejecti
                 yield Rejection(None, f"topology: tp×pp = {tp}×{pp} exceeds the {usable} "
                                       f"accelerators usable in whole TP groups of {tp}")
                 continue
-            yield from _inner(req, tp, pp, usable // (tp * pp))
+            yield from _inner(req, tp, pp, usable // (tp * pp), largest)
 
 
 def _dp_choices(req: PlanRequest, pp: int, mbs: int, max_dp: int) -> Iterator[int | Rejection]:
@@ -192,7 +193,8 @@ def _dp_choices(req: PlanRequest, pp: int, mbs: int, max_dp: int) -> Iterator[in
     yield from dps
 
 
-def _inner(req: PlanRequest, tp: int, pp: int, max_dp: int) -> Iterator[Candidate | Rejection]:
+def _inner(req: PlanRequest, tp: int, pp: int, max_dp: int,
+           per_node: int) -> Iterator[Candidate | Rejection]:
     m, fixed, B = req.model, req.fixed, req.global_batch_size
     for vpp in VPP_CHOICES:
         if ("vpp" in fixed and vpp != fixed["vpp"]) or (pp == 1 and vpp > 1):
@@ -218,12 +220,27 @@ def _inner(req: PlanRequest, tp: int, pp: int, max_dp: int) -> Iterator[Candidat
                         continue
                     n_micro = microbatches_per_replica(B, mbs, dp)
                     yield from _options(req, tp, pp, dp, vpp, schedule, mbs, n_micro,
-                                        n_micro * dp - B // mbs)
+                                        n_micro * dp - B // mbs, per_node)
+
+
+def _replicate_choices(req: PlanRequest, tp: int, dp: int, ep: int, per_node: int) -> list[int]:
+    """Hybrid sharding's replica groups for ``dp``: the pinned ``dp_replicate``, else plain
+    ZeRO-3 (1) and, once a shard group over all of dp would span more than 8 nodes, shard
+    groups of one node or of 8 nodes (whole nodes: consecutive replicas share them)."""
+    if "dp_replicate" in req.fixed:
+        return [int(req.fixed["dp_replicate"])]
+    out = [1]
+    if ep == 1 and dp * tp > 8 * per_node:
+        for nodes in (1, 8):
+            shard = nodes * per_node // tp
+            if shard >= 1 and nodes * per_node % tp == 0 and dp % shard == 0 and shard < dp:
+                out.append(dp // shard)
+    return out
 
 
 def _options(req: PlanRequest, tp: int, pp: int, dp: int, vpp: int, schedule: str, mbs: int,
-             n_micro: int, padding: int = 0) -> Iterator[Candidate]:
-    """Recomputation and ZeRO-3 policy for one layout."""
+             n_micro: int, padding: int = 0, per_node: int = 8) -> Iterator[Candidate]:
+    """Recomputation, ZeRO-3 policy and hybrid sharding for one layout."""
     fixed = req.fixed
     sp = bool(fixed.get("sequence_parallel", tp > 1))
     keeps = (True, False)  # FSDP2 gathers a copy even at dp = 1
@@ -237,8 +254,9 @@ def _options(req: PlanRequest, tp: int, pp: int, dp: int, vpp: int, schedule: st
             if "recompute" in fixed and rc != fixed["recompute"]:
                 continue
             for keep in keeps:
-                yield Candidate(tp, pp, dp, vpp, schedule, mbs, n_micro, rc, sp, keep, reduce, ep,
-                                padding)
+                for rep in _replicate_choices(req, tp, dp, ep, per_node):
+                    yield Candidate(tp, pp, dp, vpp, schedule, mbs, n_micro, rc, sp, keep,
+                                    reduce, ep, padding, rep)
 
 
 def _ep_choices(req: PlanRequest, dp: int) -> list[int]:
@@ -288,6 +306,27 @@ def plan(req: PlanRequest, topo: Topology) -> PlanResult:
     return PlanResult(ranked, rejected)
 
 
+def _sharding_choice(result: PlanResult, best: RankedPlan) -> list[str]:
+    """Why ZeRO-3 shards over all of dp or in hybrid groups, where the planner weighed both:
+    the same plan under the other sharding, its exposed ZeRO-3 time and memory."""
+    c = best.candidate
+    same = [p for p in result.plans if p.candidate != c and dataclasses.replace(
+        p.candidate, dp_replicate=c.dp_replicate) == c]
+    if not same:
+        return []
+    alt = min(same, key=lambda p: p.estimate.dp_exposed_s)
+    a, e, ae = alt.candidate, best.estimate, alt.estimate
+
+    def name(x: Candidate) -> str:
+        return (f"hybrid sharding {x.dp_replicate}×{x.dp_shard} (ZeRO-3 inside groups of "
+                f"{x.dp_shard} replicas, gradients all-reduced across {x.dp_replicate} groups)"
+                if x.dp_replicate > 1 else f"ZeRO-3 over all {x.dp} replicas")
+    return [f"It shards with {name(c)}: {e.dp_exposed_s * 1e3:.3g} ms of its step is exposed "
+            f"ZeRO-3 traffic and latency, against {ae.dp_exposed_s * 1e3:.3g} ms with "
+            f"{name(a)}, which holds {ae.memory_per_rank_gib:.1f} GiB per rank instead of "
+            f"{e.memory_per_rank_gib:.1f} (each collective's latency grows with its ring)."]
+
+
 def explain(result: PlanResult) -> str:
     """One paragraph on why the winner won."""
     best = result.best
@@ -314,6 +353,7 @@ def explain(result: PlanResult) -> str:
                  + (f", exposed ZeRO-3 traffic {e.dp_exposed_s:.3g} s and MoE all-to-all "
                     f"{e.ep_comm_s:.3g} s." if c.ep > 1
                     else f" and exposed ZeRO-3 traffic {e.dp_exposed_s:.3g} s."))
+    parts += _sharding_choice(result, best)
     degrees = (c.tp, c.pp, c.dp, c.vpp)
     others = [p for p in result.plans
               if (p.candidate.tp, p.candidate.pp, p.candidate.dp, p.candidate.vpp) != degrees]

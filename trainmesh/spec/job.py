@@ -161,6 +161,10 @@ class ParallelismConfig(_Section):
     tp: int = Field(1, ge=1, description="tensor-parallel degree (inside a node)")
     pp: int = Field(1, ge=1, description="pipeline stages")
     dp: int = Field(1, ge=1, description="data-parallel replicas (ZeRO-3 over this axis)")
+    dp_replicate: int = Field(
+        1, ge=1, description="hybrid sharding (HSDP): ZeRO-3 inside groups of dp / dp_replicate "
+        "replicas, gradients all-reduced across the dp_replicate groups (divides dp; 1: ZeRO-3 "
+        "over all of dp)")
     vpp: int = Field(1, ge=1, description="virtual pipeline chunks per stage (interleaving)")
     ep: int = Field(1, ge=1, description="expert-parallel degree: each group of ep data-parallel "
                     "ranks splits the experts among them (needs model.moe; divides dp)")

@@ -113,6 +113,20 @@ def dp_problems(global_batch: int, microbatch_size: int, dp: int) -> list[Proble
     return []
 
 
+def hsdp_problems(dp: int, dp_replicate: int, ep: int = 1) -> list[Problem]:
+    """Hybrid sharding splits dp into dp_replicate groups of dp / dp_replicate shards."""
+    if dp_replicate == 1:
+        return []
+    if dp % dp_replicate:
+        return [Problem("parallelism.dp_replicate", f"dp_replicate={dp_replicate} does not "
+                        f"divide dp={dp}", f"use one of "
+                        f"{[d for d in range(1, dp + 1) if dp % d == 0]}", DIVISIBILITY)]
+    if ep > 1:
+        return [Problem("parallelism.dp_replicate", f"hybrid sharding beside expert parallel "
+                        f"(ep={ep}) is not built", "set parallelism.dp_replicate=1 or ep=1")]
+    return []
+
+
 def shape_problems(m: ModelShape, tp: int, pp: int, vpp: int = 1, dp: int = 1,
                    ep: int = 1) -> list[Problem]:
     """Every rule a (tp, pp, vpp, dp, ep) layout of model ``m`` breaks."""
