@@ -70,12 +70,14 @@ def test_demo_job_through_cli_lands_in_mlflow(tmp_path):
     assert saves[50]["background"] and saves[100]["background"] and not saves[150]["background"]
 
     # The README's next command, as a new user types it after the demo: fewer steps than the
-    # demo's checkpoint holds. It says so, names the ways out and trains nothing.
+    # demo's checkpoint holds. It says so at once (no rank started), names the ways out and
+    # trains nothing.
     again = subprocess.run(
         [sys.executable, "-m", "trainmesh.cli.main", "run", str(REPO / "jobs/tiny-cpu.yaml"),
          "--set", f"runtime.output_dir={out}", "--set", "training.steps=20", "--no-progress"],
         capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert again.returncode == 2, again.stderr[-3000:]
-    assert ("training.steps: 20, but this run resumed from its checkpoint at step 150 and "
-            "trained nothing") in again.stderr
+    assert ("training.steps: 20, but its newest checkpoint is at step 150: nothing to train"
+            in again.stderr)
+    assert "Ray" not in again.stderr  # nothing started
     assert "checkpoint.resume=never" in again.stderr and "done:" not in again.stdout

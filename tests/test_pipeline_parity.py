@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from reference import reference_run
-from test_tensor_parallel import BASE, _close, _parallel_run
+from test_tensor_parallel import BASE, UNEVEN, _close, _parallel_run
 
 from trainmesh.cli.loading import load_spec
 from trainmesh.data.shards import ensure_tiny_corpus
@@ -15,12 +15,6 @@ from trainmesh.parallel.dims import ParallelDims
 
 ZB_BATCH = "training.global_batch_size=32"
 CASES = {  # largest meshes first: the rank pool then only shrinks
-    # dp 3 over 8 microbatches (shares 3, 3, 2): the short replica's pipeline runs a padding
-    # microbatch of weight 0, so its schedule and ZeRO-3's collectives match the others'.
-    "pp2-dp3-1f1b-uneven-regather": (ParallelDims(pp=2, dp=3), [
-        "schedule.name=1f1b", "training.microbatch_size=1", "parallelism.keep_gathered=false"]),
-    "pp2-dp3-1f1b-uneven-keep": (ParallelDims(pp=2, dp=3), [
-        "schedule.name=1f1b", "training.microbatch_size=1", "parallelism.keep_gathered=true"]),
     "3d-pp2-vpp2-tp2-dp2": (ParallelDims(pp=2, dp=2, tp=2),
                             ["schedule.name=interleaved-1f1b", "parallelism.vpp=2",
                              "parallelism.sequence_parallel=true"]),
@@ -32,6 +26,15 @@ CASES = {  # largest meshes first: the rank pool then only shrinks
     "zbv-pp2-tp2-dp2": (ParallelDims(pp=2, dp=2, tp=2),
                         ["schedule.name=zbv", "parallelism.vpp=2", "parallelism.sequence_parallel=true",
                          ZB_BATCH]),
+    # dp 3 over 8 microbatches (shares 3, 3, 2): the short replica's pipeline runs a padding
+    # microbatch of weight 0, so its schedule and ZeRO-3's collectives match the others'.
+    "pp2-dp3-1f1b-uneven-regather": (ParallelDims(pp=2, dp=3), [
+        "schedule.name=1f1b", *UNEVEN, "parallelism.keep_gathered=false"]),
+    "pp2-dp3-1f1b-uneven-keep": (ParallelDims(pp=2, dp=3), [
+        "schedule.name=1f1b", *UNEVEN, "parallelism.keep_gathered=true"]),
+    # ... interleaved, 3 microbatches a replica over pp 2: one group of 3 through both chunks
+    "pp2-vpp2-dp3-interleaved-uneven": (ParallelDims(pp=2, dp=3), [
+        "schedule.name=interleaved-1f1b", "parallelism.vpp=2", *UNEVEN]),
     "pp4-gpipe": (ParallelDims(pp=4), ["schedule.name=gpipe"]),
     "pp4-1f1b": (ParallelDims(pp=4), ["schedule.name=1f1b"]),
     "pp4-vpp2-interleaved": (ParallelDims(pp=4), ["schedule.name=interleaved-1f1b",

@@ -89,7 +89,9 @@ def test_zero_bubble_schedules_shrink_the_bubble_at_1f1b_memory(pp, m):
 
 @pytest.mark.parametrize(("kind", "pp", "v", "m"), [
     ("gpipe", 4, 1, 8), ("1f1b", 4, 1, 8), ("1f1b", 2, 1, 3), ("interleaved-1f1b", 4, 2, 8),
-    ("interleaved-1f1b", 2, 3, 4), ("interleaved-1f1b", 4, 4, 16)])
+    ("interleaved-1f1b", 2, 3, 4), ("interleaved-1f1b", 4, 4, 16),
+    # m not a multiple of pp: groups of pp and pp + 1, or one larger group
+    ("interleaved-1f1b", 4, 2, 7), ("interleaved-1f1b", 8, 2, 9), ("interleaved-1f1b", 8, 2, 69)])
 def test_bubble_matches_closed_form_on_uniform_costs(kind, pp, v, m):
     """(p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/v / (m + (p-1)/v) interleaved; forward and
     backward of a chunk cost 1/v of the rank's layers."""

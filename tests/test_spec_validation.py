@@ -24,6 +24,9 @@ BAD_SPECS = [
     ("training: {global_batch_size: 0}", "training.global_batch_size"),
     ("training: {microbatch_size: 3, global_batch_size: 8}", "training.global_batch_size"),
     ("parallelism: {dp: 4, dp_replicate: 3}", "parallelism.dp_replicate"),
+    # a share of 1 microbatch cannot fill 2 pipeline stages
+    ("training: {global_batch_size: 8, microbatch_size: 2}\nparallelism: {dp: 4, pp: 2}",
+     "parallelism.dp"),
     ("model: {preset: tiny-moe}\nparallelism: {dp: 4, ep: 2, dp_replicate: 2}",
      "parallelism.dp_replicate"),
     # dp need not divide the batch's microbatches, but may not exceed them

@@ -23,6 +23,9 @@ def _parallel_run(pool, spec, dims: ParallelDims, data_dir: str, steps: int = 3,
     group = pool.group_for(spec, dims, env)
     try:
         group.build(spec.model_dump_json(), dims, data_dir)
+        if spec.parallelism.dp_replicate > 1:  # FSDP2's HSDP: parameters on the 2-D mesh
+            assert {m[0:2] for rank in group.parameter_meshes() for m in rank.values()} == {
+                ("dp_replicate", "dp_shard")}
         losses, grads = [], None
         for i in range(steps):
             losses.append(group.train_step()[0]["loss"])
@@ -41,22 +44,28 @@ def _close(got: dict, want: dict, rtol=1e-5, atol=1e-6):
                                    msg=lambda m, k=k: f"{k}: {m}")
 
 
-UNEVEN = "training.microbatch_size=1"  # 8 microbatches over dp 3: shares 3, 3, 2
+# 8 microbatches over dp 3: shares 3, 3, 2. Gradients unclipped in these cases: a clip would
+# normalise a wrongly scaled reduction away (and AdamW hardly sees the scale).
+UNEVEN = ["training.microbatch_size=1", "optimizer.grad_clip=0"]
+NO_CLIP = "optimizer.grad_clip=0"
 CASES = {  # largest meshes first: the rank pool then only shrinks
     # dp not dividing the batch, under both ZeRO-3 policies: the short replica runs a padding
     # microbatch of weight 0 (re-gathering: every microbatch's gathers and reduce-scatters).
-    "tp2-dp3-uneven-regather": (ParallelDims(tp=2, dp=3), [UNEVEN, "parallelism.keep_gathered=false"]),
-    "tp2-dp3-uneven-keep": (ParallelDims(tp=2, dp=3), [UNEVEN, "parallelism.keep_gathered=true"]),
+    "tp2-dp3-uneven-regather": (ParallelDims(tp=2, dp=3), [*UNEVEN, "parallelism.keep_gathered=false"]),
+    "tp2-dp3-uneven-keep": (ParallelDims(tp=2, dp=3), [*UNEVEN, "parallelism.keep_gathered=true"]),
     "tp4": (ParallelDims(tp=4), ["model.n_heads=4", "model.n_kv_heads=4"]),
     # Hybrid sharding: ZeRO-3 inside pairs of replicas, gradients all-reduced across the pairs.
-    "hsdp-2x2": (ParallelDims(dp=4), ["parallelism.dp_replicate=2"]),
+    "hsdp-2x2": (ParallelDims(dp=4), ["parallelism.dp_replicate=2", NO_CLIP]),
+    # ... re-gathering: reduce-scatter every microbatch, all-reduce across the pairs once
+    "hsdp-2x2-regather": (ParallelDims(dp=4), ["parallelism.dp_replicate=2", NO_CLIP,
+                                               "parallelism.keep_gathered=false"]),
     "tp2-dp2-zero3": (ParallelDims(tp=2, dp=2), []),
+    "dp3-uneven-regather": (ParallelDims(dp=3), [*UNEVEN, "parallelism.keep_gathered=false"]),
+    "dp3-uneven-keep": (ParallelDims(dp=3), [*UNEVEN, "parallelism.keep_gathered=true"]),
     "tp2": (ParallelDims(tp=2), []),
     "tp2-sp": (ParallelDims(tp=2), ["parallelism.sequence_parallel=true"]),
     "tp2-sp-full-ac": (ParallelDims(tp=2), ["parallelism.sequence_parallel=true",
                                             "activation_checkpoint.mode=full"]),
-    "dp3-uneven-regather": (ParallelDims(dp=3), [UNEVEN, "parallelism.keep_gathered=false"]),
-    "dp3-uneven-keep": (ParallelDims(dp=3), [UNEVEN, "parallelism.keep_gathered=true"]),
     "dp2-selective-ac": (ParallelDims(dp=2), ["activation_checkpoint.mode=selective",
                                               "activation_checkpoint.stride=2"]),
 }
@@ -84,7 +93,7 @@ def test_a_run_interrupted_at_dp4_resumes_at_dp3_with_the_same_losses(rank_pool,
     """dp4 under hybrid sharding (2 × 2, 2 microbatches each) saves at step 2; dp3 under plain
     ZeRO-3 (shares 3, 3, 2 of the 8 microbatches) restores it and reads on from the same data
     position: every loss is the single process's."""
-    spec = load_spec(None, [*BASE, UNEVEN, "parallelism.dp=4", f"runtime.output_dir={tmp_path}",
+    spec = load_spec(None, [*BASE, *UNEVEN, "parallelism.dp=4", f"runtime.output_dir={tmp_path}",
                             "training.steps=4", "parallelism.dp_replicate=2"])
     data_dir = str(ensure_tiny_corpus(tmp_path / "data"))
     before, after = ParallelDims(dp=4), ParallelDims(dp=3)

@@ -146,7 +146,8 @@ def _planner(spec: JobSpec, per_node: int, device: str | None, a: Assumptions):
                 used = sum(1 for k in best.node_ranks if k) or nodes
                 cache[nodes] = mesh_costs(spec.model, d.tp, d.pp, d.dp, used,
                                           best.estimate.step_time_s, tokens,
-                                          spec.checkpoint.async_save, a)
+                                          spec.checkpoint.async_save, a,
+                                          dp_replicate=best.candidate.dp_replicate)
         return cache[nodes]
 
     return plan

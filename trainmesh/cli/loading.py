@@ -287,7 +287,8 @@ def consistency_problems(spec: JobSpec) -> list[Problem]:
     need(tr.seq_len <= m.max_seq_len, "training.seq_len",
          f"{tr.seq_len} exceeds model.max_seq_len={m.max_seq_len}",
          "shorten training.seq_len or raise model.max_seq_len")
-    out += dp_problems(tr.global_batch_size, tr.microbatch_size, 1 if par.auto else par.dp)
+    out += dp_problems(tr.global_batch_size, tr.microbatch_size, *((1, 1) if par.auto
+                                                                     else (par.dp, par.pp)))
     if not par.auto:
         out += shape_problems(m, par.tp, par.pp, par.vpp, par.dp, par.ep)
         out += hsdp_problems(par.dp, par.dp_replicate, par.ep)

@@ -42,15 +42,14 @@ def run(args: argparse.Namespace) -> int:
         rows = dry_run_job(spec, os.environ, step=args.step)
         print(json.dumps(rows, indent=1) if args.json else format_rows(rows, args.step))
         return 0
+    reached = _checkpoint_step(spec)
+    if reached is not None and reached >= spec.training.steps:  # known before any rank starts
+        return _nothing_to_train(spec, reached, "its newest checkpoint is at step")
     summary = run_job(spec, os.environ, show_progress=not args.no_progress)
     out = spec.resolved_output_dir()
     resumed = summary.get("resumed_at") or 0
     if resumed >= spec.training.steps:  # the newest checkpoint the ranks verified is the end
-        print(f"training.steps: {spec.training.steps}, but this run resumed from its checkpoint "
-              f"at step {resumed} and trained nothing; raise training.steps above {resumed} to "
-              "train further, or start anew with another runtime.output_dir or "
-              "checkpoint.resume=never", file=sys.stderr)
-        return 2
+        return _nothing_to_train(spec, resumed, "this run resumed from its checkpoint at step")
     again = f" (resumed from step {resumed})" if resumed else ""
     held_out = f", held-out loss {summary['eval'][-1]['loss']:.4f}" if summary.get("eval") else ""
     print(f"done: {summary['steps_done']} steps{again}, final loss {summary['final_loss']:.4f}"
@@ -58,3 +57,21 @@ def run(args: argparse.Namespace) -> int:
           f"summary {out}/summary.json; MLflow run {summary['mlflow_run_id']} "
           f"at {summary['tracking_uri']}")
     return 0 if summary["status"] == "FINISHED" else 1
+
+
+def _checkpoint_step(spec) -> int | None:
+    """The step of the newest complete checkpoint a run of ``spec`` would resume from (files
+    present at their sizes; the ranks check the digests when they restore), or None."""
+    from pathlib import Path
+
+    from trainmesh.controller.checkpointing import Checkpointer
+
+    found = Checkpointer(spec, Path(spec.resolved_output_dir()), lambda message: None).latest()
+    return None if found is None else int(found[1]["data_position"]["step"])
+
+
+def _nothing_to_train(spec, step: int, where: str) -> int:
+    print(f"training.steps: {spec.training.steps}, but {where} {step}: nothing to train; raise "
+          f"training.steps above {step} to train further, or start anew with another "
+          "runtime.output_dir or checkpoint.resume=never", file=sys.stderr)
+    return 2

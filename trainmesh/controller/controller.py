@@ -324,8 +324,9 @@ class Controller:
         of ``_after_step_hooks`` run in their order; the first that returns a stop ends it."""
         tr, start = self.spec.training, state.start
         nodes = len(set(self.rank_nodes))
-        self.cadence.start(start, nodes, predicted_save(self.spec.model, dims.tp, dims.pp, dims.dp,
-                                                        nodes, self.spec.checkpoint.async_save))
+        self.cadence.start(start, nodes, predicted_save(
+            self.spec.model, dims.tp, dims.pp, dims.dp, nodes, self.spec.checkpoint.async_save,
+            dp_replicate=self.eff.parallelism.dp_replicate))
         hooks = self._after_step_hooks(state, dims)
         self._set(state="training", step=start)
         for step in range(start, tr.steps):

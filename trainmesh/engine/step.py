@@ -22,7 +22,7 @@ from trainmesh.models.moe.moe import balance_experts, set_loss_scale
 
 @dataclass(frozen=True)
 class StepStats:
-    loss: float  # mean over this rank's microbatches (the caller averages across DP)
+    loss: float  # this rank's microbatch losses × their weights (averaged across DP: the step's)
     grad_norm: float  # global norm before clipping
     lr: float
     tokens: int  # tokens this rank processed

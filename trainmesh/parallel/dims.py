@@ -5,7 +5,10 @@ So a TP group is ``tp`` consecutive ranks (one node), and a pipeline stage is ``
 consecutive ranks.
 
 Expert parallel folds over dp (it adds no ranks): dp = edp × ep with ep fastest, so an EP
-group is ``ep`` consecutive data-parallel replicas (``dp_i = edp_i * ep + ep_i``).
+group is ``ep`` consecutive data-parallel replicas (``dp_i = edp_i * ep + ep_i``). Hybrid
+sharding (``parallelism.dp_replicate``, the mesh's business: ``parallel/mesh.py``) splits dp
+the same way, dp = dp_replicate × dp_shard with shard fastest: a ZeRO-3 shard group is
+``dp_shard`` consecutive replicas, the nearest ranks.
 """
 
 from __future__ import annotations

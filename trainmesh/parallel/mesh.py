@@ -65,7 +65,8 @@ class Mesh:
         return self.device_mesh["dp"]
 
     def __getitem__(self, axis: Axis | str) -> DeviceMesh:
-        """The 1-D mesh of ``axis`` through this rank: pp, dp, tp, or ep, edp, dp_tp."""
+        """The 1-D mesh of ``axis`` through this rank: pp, dp, tp, or ep, edp, dp_tp, or
+        dp_replicate, dp_shard (hybrid sharding)."""
         return self.device_mesh[axis.value if isinstance(axis, Axis) else axis]
 
     def coord(self, axis: Axis | str) -> int:

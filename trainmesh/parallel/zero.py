@@ -36,6 +36,9 @@ class ZeroPolicy:
         module.set_is_last_backward(sync)
         module.set_requires_gradient_sync(sync)
         module.set_reshard_after_backward(sync)
+        # Hybrid sharding: reduce-scatter inside the shard group as above, but all-reduce the
+        # accumulated shards across the replica groups once, at the step's last microbatch.
+        module.set_requires_all_reduce(is_last)
 
     @staticmethod
     def before_split_backward(module: nn.Module) -> None:

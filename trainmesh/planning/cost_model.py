@@ -69,6 +69,8 @@ PP_LATENCY_S = 20e-6  # per point-to-point message
 COLLECTIVE_LATENCY_S = 20e-6
 # Per hop of a ring collective (NCCL's all-gather and reduce-scatter are rings): a collective
 # over n ranks pays n - 1 of them, so ZeRO-3 over hundreds of replicas pays for its size.
+# Assumed, not measured here (NCCL's tree and NVLS algorithms grow more slowly); the hybrid
+# sharding choice at scale rests on them.
 HOP_LATENCY_INTER_S = 5e-6
 HOP_LATENCY_INTRA_S = 1e-6
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")
@@ -404,11 +406,11 @@ def _zero3_exposed(model, c: Candidate, device: DeviceSpec, per_node: int, compu
                    compute: float) -> float:
     """ZeRO-3's step time not hidden behind compute. Inside a shard group (all of dp, or
     dp / dp_replicate replicas under hybrid sharding): parameters all-gathered and gradients
-    reduce-scattered, ring cost (s-1)/s × bytes / bandwidth; under hybrid sharding each
-    reduce-scatter's output (1/s of the gradients) is then all-reduced across the dp_replicate
-    groups, 2(r-1)/r × bytes. A group within a node uses intra-node bandwidth. Overlapped with
-    compute except what exceeds half of it; each collective's latency (one hop per other
-    participant of its ring) is paid per FSDP unit and not hidden."""
+    reduce-scattered, ring cost (s-1)/s × bytes / bandwidth; under hybrid sharding the
+    reduce-scatters' accumulated output (1/s of the gradients) is then all-reduced across the
+    dp_replicate groups once per step, 2(r-1)/r × bytes. A group within a node uses intra-node
+    bandwidth. Overlapped with compute except what exceeds half of it; each collective's
+    latency (one hop per other participant of its ring) is paid per FSDP unit, not hidden."""
     params = rank_params(model, c.pp, 0, c.schedule).gathered(c.tp, c.ep)
     s, r = c.dp_shard, c.dp_replicate
     shard_inside = s * c.tp <= per_node
@@ -424,8 +426,9 @@ def _zero3_exposed(model, c: Candidate, device: DeviceSpec, per_node: int, compu
     if r > 1:
         whole_inside = c.dp * c.tp <= per_node
         bw = device.intra_node_gbps if whole_inside else device.inter_node_gbps
-        time += reduces * 2 * (r - 1) / r * c.reduce_bytes * params / s / (bw * 1e9)
-        latency += reduces * units * 2 * _ring_latency(r, not whole_inside)
+        # once per step: re-gathering reduce-scatters every microbatch, all-reduces at the last
+        time += 2 * (r - 1) / r * c.reduce_bytes * params / s / (bw * 1e9)
+        latency += units * 2 * _ring_latency(r, not whole_inside)
     return max(0.0, time - 0.5 * compute) + latency
 
 

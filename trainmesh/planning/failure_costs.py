@@ -96,20 +96,26 @@ def state_gb_per_rank(model, tp: int, pp: int, dp: int) -> float:
 
 
 def mesh_costs(model, tp: int, pp: int, dp: int, nodes: int, step_s: float, tokens_per_step: int,
-               async_save: bool, a: Assumptions = ASSUMED, m: Measured = MEASURED
-               ) -> MeshCosts:
+               async_save: bool, a: Assumptions = ASSUMED, m: Measured = MEASURED,
+               dp_replicate: int = 1) -> MeshCosts:
+    """A mesh's checkpoint and recovery costs. Under hybrid sharding (``dp_replicate`` > 1) a
+    rank holds 1 / (dp / dp_replicate) of its stage's state: a save copies all of it to host
+    memory but writes each replicated shard once (DCP's de-duplication spreads them over the
+    replicas), and a restore reads every rank's whole part."""
     world = tp * pp * dp
-    per_rank = state_gb_per_rank(model, tp, pp, dp)
-    per_node = per_rank * world / max(1, nodes)
+    per_rank = state_gb_per_rank(model, tp, pp, dp // dp_replicate)
+    written_per_node = per_rank * world / dp_replicate / max(1, nodes)
+    read_per_node = per_rank * world / max(1, nodes)
     bw = min(a.storage_node_gbps, a.storage_total_gbps / max(1, nodes))
-    write = per_node / bw
+    write = written_per_node / bw
     pg = a.pg_init_s_per_1k_ranks * world / 1000
+    hsdp = f" (hsdp {dp_replicate}×{dp // dp_replicate})" if dp_replicate > 1 else ""
     return MeshCosts(
-        label=f"tp{tp}·pp{pp}·dp{dp}", world=world, nodes=nodes, step_s=step_s,
+        label=f"tp{tp}·pp{pp}·dp{dp}{hsdp}", world=world, nodes=nodes, step_s=step_s,
         tokens_per_step=tokens_per_step, state_gb_per_rank=per_rank,
         save_blocked_s=per_rank / a.d2h_gbps if async_save else write,
         save_write_s=write, save_durable_s=per_rank / a.d2h_gbps + write if async_save else write,
-        restore_s=m.warm_restore_s + per_node / bw, restore_bytes_s=per_node / bw,
+        restore_s=m.warm_restore_s + read_per_node / bw, restore_bytes_s=read_per_node / bw,
         warm_reform_s=m.warm_reform_s + pg, cold_reform_s=m.cold_reform_s + pg,
         restart_s=m.restart_s + pg)
 
@@ -121,7 +127,7 @@ def detect_s(kind: str, collective_timeout_s: float, a: Assumptions = ASSUMED,
 
 
 def predicted_save(model, tp: int, pp: int, dp: int, nodes: int, async_save: bool,
-                   a: Assumptions = ASSUMED) -> tuple[float, float]:
+                   a: Assumptions = ASSUMED, dp_replicate: int = 1) -> tuple[float, float]:
     """(seconds a save blocks training, seconds it takes to be written), before one is measured."""
-    c = mesh_costs(model, tp, pp, dp, nodes, 1.0, 0, async_save, a)
+    c = mesh_costs(model, tp, pp, dp, nodes, 1.0, 0, async_save, a, dp_replicate=dp_replicate)
     return c.save_blocked_s, c.save_write_s

@@ -97,7 +97,8 @@ def replan_job(spec: JobSpec, topo: Topology) -> Replan:
     if not par.auto:
         req.fixed.pop("dp")
         req.fixed["max_ep"] = req.fixed.pop("ep")  # kept where it still divides the new dp
-        req.fixed.pop("dp_replicate")  # part of dp: the planner chooses it for the new dp
+        # part of dp: kept where it still divides the new dp, else the largest below it that does
+        req.fixed["max_dp_replicate"] = req.fixed.pop("dp_replicate")
         result = plan(req, topo)
         if not result.plans:
             changed = (f"the pinned tp={par.tp}, pp={par.pp}, vpp={par.vpp} no longer fit the "
@@ -107,8 +108,9 @@ def replan_job(spec: JobSpec, topo: Topology) -> Replan:
         auto = spec.model_copy(update={"parallelism": par.model_copy(update={"auto": True})})
         req = request_for(auto)
         req.fixed["microbatch_size"] = spec.training.microbatch_size
-        if not par.auto:  # a pinned ep stays an upper bound
+        if not par.auto:  # a pinned ep (and dp_replicate) stays an upper bound
             req.fixed["max_ep"] = par.ep
+            req.fixed["max_dp_replicate"] = par.dp_replicate
         result = plan(req, topo)
     if not result.plans:
         raise PlanError("parallelism: no feasible plan on the accelerators left: "

@@ -224,16 +224,22 @@ def _inner(req: PlanRequest, tp: int, pp: int, max_dp: int,
 
 
 def _replicate_choices(req: PlanRequest, tp: int, dp: int, ep: int, per_node: int) -> list[int]:
-    """Hybrid sharding's replica groups for ``dp``: the pinned ``dp_replicate``, else plain
+    """Hybrid sharding's replica groups for ``dp``: the pinned ``dp_replicate`` (on a re-plan
+    the largest that divides the new dp up to it), else plain
     ZeRO-3 (1) and, once a shard group over all of dp would span more than 8 nodes, shard
-    groups of one node or of 8 nodes (whole nodes: consecutive replicas share them)."""
+    groups of one node or of 8 nodes (whole nodes of the largest size: consecutive replicas
+    share them; on mixed node sizes a group may straddle nodes) of at least 2 replicas (1
+    would be plain data parallel, every rank holding the whole optimizer state)."""
     if "dp_replicate" in req.fixed:
         return [int(req.fixed["dp_replicate"])]
+    if "max_dp_replicate" in req.fixed:  # a re-plan of a pinned layout
+        top = int(req.fixed["max_dp_replicate"]) if ep == 1 else 1
+        return [max(r for r in range(1, top + 1) if dp % r == 0)]
     out = [1]
     if ep == 1 and dp * tp > 8 * per_node:
         for nodes in (1, 8):
             shard = nodes * per_node // tp
-            if shard >= 1 and nodes * per_node % tp == 0 and dp % shard == 0 and shard < dp:
+            if shard > 1 and nodes * per_node % tp == 0 and dp % shard == 0 and shard < dp:
                 out.append(dp // shard)
     return out
 

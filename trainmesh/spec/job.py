@@ -216,7 +216,8 @@ class OptimizerConfig(_Section):
 
 
 class TrainingConfig(_Section):
-    """Steps and batch geometry. global_batch_size = dp * microbatch_size * microbatches."""
+    """Steps and batch geometry: the global batch's global_batch_size / microbatch_size
+    microbatches are dealt out to the dp replicas (shares differ by at most one)."""
 
     steps: int = Field(100, ge=1)
     global_batch_size: int = Field(8, ge=1, description="sequences per optimizer step")

@@ -96,9 +96,9 @@ def microbatches_per_replica(global_batch: int, microbatch_size: int, dp: int) -
     return -(-(global_batch // microbatch_size) // dp)
 
 
-def dp_problems(global_batch: int, microbatch_size: int, dp: int) -> list[Problem]:
+def dp_problems(global_batch: int, microbatch_size: int, dp: int, pp: int = 1) -> list[Problem]:
     """dp deals the global batch's microbatches out to the replicas: any dp up to their number
-    (not only one that divides it)."""
+    (not only one that divides it), each replica's share enough to fill pp stages."""
     if global_batch % microbatch_size:
         return [Problem("training.global_batch_size", f"{global_batch} is not divisible by "
                         f"microbatch_size={microbatch_size}", "make it a multiple of "
@@ -109,6 +109,12 @@ def dp_problems(global_batch: int, microbatch_size: int, dp: int) -> list[Proble
                         f"{micro} microbatches ({global_batch} / microbatch_size "
                         f"{microbatch_size}): a replica would have no data",
                         f"use dp ≤ {micro}, or raise training.global_batch_size or lower "
+                        "training.microbatch_size", DIVISIBILITY)]
+    share = microbatches_per_replica(global_batch, microbatch_size, dp)
+    if pp > 1 and share < pp:
+        return [Problem("parallelism.dp", f"dp={dp} leaves each replica {share} microbatch(es) "
+                        f"of the global batch, too few to fill pp={pp} pipeline stages",
+                        f"use dp ≤ {micro // pp}, or raise training.global_batch_size or lower "
                         "training.microbatch_size", DIVISIBILITY)]
     return []
 

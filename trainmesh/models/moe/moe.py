@@ -281,6 +281,7 @@ def balance_experts(model: nn.Module, sum_over_ranks: Callable[[torch.Tensor], N
 
 
 def set_loss_scale(model: nn.Module, scale: float) -> None:
-    """The balancing loss's share of the step: 1 / microbatches, as the main loss's."""
+    """The balancing loss's share of the step, as the main loss's: the microbatch's weight
+    (1 / microbatches for one process; 0 for a padding microbatch)."""
     for _, m in moe_layers(model):
         m.loss_scale = scale

@@ -92,7 +92,7 @@ class PipelineExecutor:
         """``stages[s](x)`` runs stage s; the last stage is called as ``stages[s](x, y)`` and
         returns the microbatch's mean loss. ``set_weight`` hears the weight of each compute
         action's microbatch before it runs (a loss the stages add themselves, MoE balancing,
-        takes the microbatch's share of the step, in a backward's recomputation too)."""
+        takes the microbatch's share of the step from its forward)."""
         self.shape, self.actions, self.stages, self.p2p = shape, actions, stages, p2p
         self.loss_context = loss_context
         self.zero = zero  # the stages' ZeRO-3 policy (None: stages are not sharded)

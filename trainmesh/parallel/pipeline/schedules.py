@@ -155,9 +155,12 @@ def _one_f_one_b(shape: PipeShape, rank: int) -> list[Action]:
 def interleave_groups(pp: int, m: int) -> list[int]:
     """Interleaved 1F1B sends microbatches through a rank's chunks in groups of at least pp:
     ``m // pp`` groups whose sizes differ by at most one (pp each when pp divides m, Megatron's
-    case; otherwise the first few take one more, so any m ≥ pp runs without padding, at the
-    price of one more chunk of activations in the warm-up, which the first group sizes: with
-    the larger groups last, that warm-up is too short and the ranks deadlock)."""
+    case; otherwise the first ``m % (m // pp)`` groups take one more), so any m ≥ pp runs
+    without padding. The warm-up is sized by the first group g: (v - 1)·(g - pp) forward units
+    more than Megatron's, activations included (one group of 7 for m = 7, pp = 4: 3·(v - 1)
+    more); with the larger groups last, that warm-up is too short and the ranks deadlock."""
+    if m < pp:
+        raise ValueError(f"interleaved 1F1B needs at least pp={pp} microbatches, not {m}")
     rounds = m // pp
     size, extra = divmod(m, rounds)
     return [size + (j < extra) for j in range(rounds)]
