@@ -224,16 +224,20 @@ def rank_pids_under(raylet: int) -> list[int]:
 
 
 def remove_node_hard(cluster, node_id: str) -> None:
-    """End a simulated node as a machine's loss would: its raylet, and its rank processes
-    (which a real node's end takes with it) killed."""
+    """End a simulated node as a machine's loss would: its raylet, and everything it started
+    (rank processes, idle workers, its dashboard and runtime-env agents, which a real node's
+    end takes with it; left behind, the agents spin for minutes looking for their raylet)."""
     import os
     import signal
 
     [node] = [n for n in cluster.worker_nodes if n.node_id == node_id]
-    doomed = rank_pids_under(node.all_processes["raylet"][0].process.pid)
+    doomed = descendants(node.all_processes["raylet"][0].process.pid)
     cluster.remove_node(node, allow_graceful=False)
     for pid in doomed:
-        os.kill(pid, signal.SIGKILL)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def job_in_background(spec, environ: dict[str, str]):

@@ -38,11 +38,12 @@ CASES = {  # largest meshes first: the rank pool then only shrinks
         "model.moe.experts=2", "model.moe.top_k=1", "model.moe.balance=bias",
         "model.moe.router=sigmoid", "model.moe.shared_experts=1", "model.moe.dense_layers=1",
         "model.moe.bias_update_rate=0.01", "model.moe.capacity_factor=1.0"]),
-    # dp not dividing the batch's 8 microbatches (shares 3, 3, 2): the short replica's
-    # padding microbatch keeps the all-to-alls aligned and moves neither loss nor bias.
-    "ep3-dp3-uneven-6-experts-bias": (ParallelDims(dp=3, ep=3), [
-        "model.moe.experts=6", "model.moe.balance=bias", "model.moe.bias_update_rate=0.01",
-        "parallelism.keep_gathered=false", "optimizer.grad_clip=0"]),
+    # dp not dividing the batch's 6 microbatches (shares 2, 2, 1, 1): the short replicas'
+    # padding microbatches keep the all-to-alls aligned and move neither loss nor bias.
+    "ep4-dp4-uneven-batch-6-bias": (ParallelDims(dp=4, ep=4), [
+        "training.global_batch_size=6", "model.moe.balance=bias",
+        "model.moe.bias_update_rate=0.01", "parallelism.keep_gathered=false",
+        "optimizer.grad_clip=0"]),
 }
 
 

