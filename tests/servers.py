@@ -188,9 +188,13 @@ class RayHead:
 
     def stop(self) -> None:
         """End this head's processes only (``ray stop`` would end every Ray on the machine):
-        those whose command line names its temp dir, then their orphaned workers."""
+        those whose command line names its temp dir or whose environment carries its marker,
+        and everything they started (the agents retitle themselves, which can hide both)."""
+        tree = set(self._pids())
+        for pid in list(tree):
+            tree |= descendants(pid)
         for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 1.0)):
-            pids = self._pids()
+            pids = sorted((tree & set(process_parents())) | set(self._pids()))
             for pid in pids:
                 try:
                     os.kill(pid, sig)
