@@ -272,6 +272,22 @@ def test_a_plan_that_no_longer_fits_ends_the_job_with_the_reason(tmp_path):
     assert ctl._progress["state"] == "failed" and ctl.losses == pytest.approx([10.0, 5.0, 10 / 3])
 
 
+def test_a_node_lost_re_plans_to_every_accelerator_left_even_an_uneven_dp(tmp_path):
+    """dp 4 loses a node of one accelerator: the re-plan takes all 3 left, dp 3, both over a
+    batch of 6 microbatches (shares of 2) and over one of 10 (shares 4, 3, 3), where dp had to
+    divide the batch before and 2 of the 3 would have run."""
+    for batch, dp_after in ((12, 3), (20, 3)):
+        cluster = FakeCluster({"n0": 2, "n1": 1, "n2": 1})
+        cluster.before_step[3] = _kill(cluster, "n2")
+        out = tmp_path / str(batch)
+        ctl = _controller(out, cluster, "parallelism.dp=4", f"training.global_batch_size={batch}",
+                          f"runtime.output_dir={out}")
+        s = ctl.run()
+        assert s["status"] == "FINISHED" and s["steps_done"] == 6
+        (rec,) = s["recoveries"]
+        assert (rec["old_mesh"]["dp"], rec["new_mesh"]["dp"]) == (4, dp_after), rec
+
+
 def test_too_few_accelerators_left_gives_up_before_re_forming(tmp_path):
     cluster = FakeCluster({"n0": 2, "n1": 2})
     cluster.before_step[3] = _kill(cluster, "n1")
