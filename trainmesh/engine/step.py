@@ -112,10 +112,13 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
     weights = [1.0 / n] * n if weights is None else list(weights)
     total = None  # summed where the loss lives: one host sync per step, not per microbatch
     tokens = 0
+    scale = None
     for i, ((x, y), w) in enumerate(zip(microbatches, weights, strict=True)):
         if set_grad_sync is not None:
             set_grad_sync(i == n - 1)
-        set_loss_scale(model, w)  # a balancing loss's share of the step, as the loss's
+        if w != scale:  # a balancing loss's share of the step, as the loss's (it walks the
+            set_loss_scale(model, w)  # modules: only when the weight changes, at most twice)
+            scale = w
         with loss_context():
             on_phase("forward")
             loss = model(x, y) * w
