@@ -104,7 +104,7 @@ class RayWorkerGroup:
         self.backend = self.group.setup_process_group(self.spec.runtime.device, self.timeout)
 
     def build(self, spec_json: str, dims: ParallelDims, data_dir: str) -> None:
-        d = {"pp": dims.pp, "dp": dims.dp, "tp": dims.tp, "ep": dims.ep}
+        d = {"pp": dims.pp, "dp": dims.dp, "tp": dims.tp, "ep": dims.ep, "cp": dims.cp}
         self.group.call("build", spec_json, d, data_dir, timeout_s=self.timeout + 120)
 
     def train_step(self, measure_activations: bool = False) -> list[dict]:

@@ -1,10 +1,13 @@
-"""The device mesh one rank trains on: a DeviceMesh over ("pp", "dp", "tp"), or with expert
-parallel ("pp", "edp", "ep", "tp"), or with hybrid sharding ("pp", "dp_replicate",
-"dp_shard", "tp"), plus its dims. There "dp" is ("edp", "ep") or ("dp_replicate", "dp_shard")
-flattened (every data-parallel replica); "ep" is one expert-parallel group, "edp" the replicas
-of one expert; ZeRO-3 shards over ``zero_mesh``: all of "dp", or for hybrid sharding the 2-D
-("dp_replicate", "dp_shard"), FSDP2's HSDP. "dp_tp" is every rank of a pipeline stage (the
-ranks that split an MoE block's tokens).
+"""The device mesh one rank trains on: a DeviceMesh over ("pp", "dp", "tp"), with context
+parallel ("pp", "dp", "cp", "tp"), with expert parallel ("pp", "edp", "ep", "tp") (with cp:
+("pp", "edp", "ep_dp", "cp", "tp"), "ep" = ("ep_dp", "cp")), or with hybrid sharding
+("pp", "dp_replicate", "dp_shard"[, "cp"], "tp"), plus its dims. "dp" is every data-parallel
+replica (flattened where it is split); "ep" is one expert-parallel group, "edp" the replicas of
+one expert; "dp_cp" every rank that holds the same parameters of a stage (the replicas and
+their context-parallel peers), over which gradients reduce; ZeRO-3 shards over ``zero_mesh``:
+"dp" (cp = 1) or "dp_cp", or for hybrid sharding the 2-D ("dp_replicate", "dp_shard"[_cp]),
+FSDP2's HSDP. "dp_tp" is every rank of a pipeline stage (the ranks that split an MoE block's
+tokens).
 
 Passed explicitly to everything that needs a group; there are no module-level groups.
 """
@@ -29,44 +32,75 @@ class Mesh:
     @classmethod
     def build(cls, dims: ParallelDims, device_type: str, rank: int, moe: bool = False,
               dp_replicate: int = 1) -> Mesh:
-        """Collective over the default process group: every rank must call it. Without expert
-        parallel the mesh is ("pp", "dp", "tp"), and "dp_tp" exists only for an MoE model
-        (``moe``): each view is a process group to set up, which a rank's start pays for.
+        """Collective over the default process group: every rank must call it. Each view is a
+        process group to set up, which a rank's start pays for: only those the layout uses
+        exist ("dp_tp" only for an MoE model, ``moe``; "dp_cp" only with cp > 1).
         ``dp_replicate`` > 1: hybrid sharding, the dp axis split in (replicate, shard) with
         shard fastest, so a shard group is consecutive replicas (the nearest ranks)."""
+        cp = (dims.cp,) if dims.cp > 1 else ()
+        cpn = ("cp",) if cp else ()
         if dp_replicate > 1:
             if dims.ep > 1 or dims.dp % dp_replicate:
                 raise ValueError(f"dp_replicate={dp_replicate} needs ep=1 and to divide "
                                  f"dp={dims.dp}")
             dm = init_device_mesh(device_type, (dims.pp, dp_replicate, dims.dp // dp_replicate,
-                                                dims.tp),
-                                  mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
+                                                *cp, dims.tp),
+                                  mesh_dim_names=("pp", "dp_replicate", "dp_shard", *cpn, "tp"))
             dm["dp_replicate", "dp_shard"]._flatten("dp")
+            if cp:
+                dm["dp_shard", "cp"]._flatten("dp_shard_cp")
+                dm["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
             if moe:
-                dm["dp_replicate", "dp_shard", "tp"]._flatten("dp_tp")
+                dm["dp_replicate", "dp_shard", *cpn, "tp"]._flatten("dp_tp")
             return cls(dims=dims, device_mesh=dm, rank=rank, dp_replicate=dp_replicate)
         if dims.ep == 1:
-            dm = init_device_mesh(device_type, dims.shape, mesh_dim_names=("pp", "dp", "tp"))
+            dm = init_device_mesh(device_type, (dims.pp, dims.dp, *cp, dims.tp),
+                                  mesh_dim_names=("pp", "dp", *cpn, "tp"))
+            if cp:
+                dm["dp", "cp"]._flatten("dp_cp")
             if moe:
-                dm["dp", "tp"]._flatten("dp_tp")
+                dm["dp", *cpn, "tp"]._flatten("dp_tp")
             return cls(dims=dims, device_mesh=dm, rank=rank)
-        dm = init_device_mesh(device_type, (dims.pp, dims.edp, dims.ep, dims.tp),
-                              mesh_dim_names=("pp", "edp", "ep", "tp"))
-        dm["edp", "ep"]._flatten("dp")
-        dm["edp", "ep", "tp"]._flatten("dp_tp")
+        if not cp:
+            dm = init_device_mesh(device_type, (dims.pp, dims.edp, dims.ep, dims.tp),
+                                  mesh_dim_names=("pp", "edp", "ep", "tp"))
+            dm["edp", "ep"]._flatten("dp")
+            dm["edp", "ep", "tp"]._flatten("dp_tp")
+            return cls(dims=dims, device_mesh=dm, rank=rank)
+        # ep = k × cp: each EP group is k replicas' whole CP rings
+        k = dims.ep // dims.cp
+        dm = init_device_mesh(device_type, (dims.pp, dims.dp // k, k, dims.cp, dims.tp),
+                              mesh_dim_names=("pp", "edp", "ep_dp", "cp", "tp"))
+        dm["ep_dp", "cp"]._flatten("ep")
+        dm["edp", "ep_dp"]._flatten("dp")
+        dm["edp", "ep_dp", "cp"]._flatten("dp_cp")
+        dm["edp", "ep_dp", "cp", "tp"]._flatten("dp_tp")
         return cls(dims=dims, device_mesh=dm, rank=rank)
 
     @property
     def zero_mesh(self) -> DeviceMesh:
-        """What ZeRO-3 shards non-expert parameters over: "dp", or for hybrid sharding the 2-D
-        ("dp_replicate", "dp_shard") (FSDP2 shards over the second, replicates over the first)."""
+        """What ZeRO-3 shards non-expert parameters over: "dp" ("dp_cp" with context parallel:
+        parameters are replicated across cp), or for hybrid sharding the 2-D ("dp_replicate",
+        "dp_shard"[_cp]) (FSDP2 shards over the second, replicates over the first)."""
+        cp = self.dims.cp > 1
         if self.dp_replicate > 1:
-            return self.device_mesh["dp_replicate", "dp_shard"]
-        return self.device_mesh["dp"]
+            return self.device_mesh["dp_replicate", "dp_shard_cp" if cp else "dp_shard"]
+        return self.device_mesh["dp_cp" if cp else "dp"]
+
+    @property
+    def replicas(self) -> int:
+        """Ranks of a stage holding the same parameters: dp × cp."""
+        return self.dims.dp * self.dims.cp
+
+    def replica_group(self):
+        """The process group over them ("dp", or "dp_cp"); None for one."""
+        if self.replicas == 1:
+            return None
+        return self[("dp_cp" if self.dims.cp > 1 else "dp")].get_group()
 
     def __getitem__(self, axis: Axis | str) -> DeviceMesh:
-        """The 1-D mesh of ``axis`` through this rank: pp, dp, tp, or ep, edp, dp_tp, or
-        dp_replicate, dp_shard (hybrid sharding)."""
+        """The 1-D mesh of ``axis`` through this rank: pp, dp, cp, tp, or ep, edp, dp_cp, dp_tp,
+        or dp_replicate, dp_shard (hybrid sharding)."""
         return self.device_mesh[axis.value if isinstance(axis, Axis) else axis]
 
     def coord(self, axis: Axis | str) -> int:

@@ -1,0 +1,276 @@
+"""Context parallel: each sequence split over the ``cp`` ranks of a ring, attention exact across
+them.
+
+The sequence is cut into 2·cp chunks and rank i holds chunks i and 2·cp−1−i, so that under a
+causal mask every rank has the same work (an early chunk sees few keys, its partner many).
+Each rank computes attention for its own queries against every rank's keys and values, one
+block (a rank's two chunks) at a time, and merges the partial results by their log-sum-exp:
+
+- ``ring``: the key/value blocks travel around the ring by point-to-point; the transfer of the
+  next block is posted before the current block's attention, so it overlaps it. Backward sends
+  them round again with their gradients, which arrive back at their owner after cp hops.
+- ``allgather`` (Llama 3's): all-gather the keys and values once (cheap with grouped-query
+  attention: only the key/value heads travel), attend locally, reduce-scatter their gradients.
+
+Chunk pairs a query cannot see are skipped (a later key chunk under the causal mask, or with
+document masks two chunks without a common document). Key/value heads travel unexpanded.
+Point-to-point follows NCCL's rules: both directions of a hop are posted together in one batch,
+every rank posts the same sequence, and a batch's messages meet in posting order.
+
+The same code runs at cp = 1 for document masks alone (no communication).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from trainmesh.kernels import reference
+
+MODES = ("ring", "allgather")
+
+
+def chunk_ids(cp_rank: int, cp: int) -> tuple[int, int]:
+    """The two chunks (of 2·cp) a rank holds: i and 2·cp−1−i."""
+    return cp_rank, 2 * cp - 1 - cp_rank
+
+
+def local_spans(seq_len: int, cp_rank: int, cp: int) -> list[tuple[int, int]]:
+    """(start, length) in the sequence of each of a rank's chunks, in its local order."""
+    if seq_len % (2 * cp):
+        raise ValueError(f"training.seq_len={seq_len} is not divisible by 2 × cp = {2 * cp}")
+    c = seq_len // (2 * cp)
+    return [(i * c, c) for i in chunk_ids(cp_rank, cp)]
+
+
+def local_positions(seq_len: int, cp_rank: int, cp: int) -> torch.Tensor:
+    """The global positions of a rank's tokens, in its local order (for RoPE)."""
+    return torch.cat([torch.arange(s, s + n) for s, n in local_spans(seq_len, cp_rank, cp)])
+
+
+def shard_sequence(t_BT: torch.Tensor, cp_rank: int, cp: int) -> torch.Tensor:
+    """A rank's chunks of a whole (B, T, ...) sequence tensor."""
+    return torch.cat([t_BT[:, s:s + n] for s, n in local_spans(t_BT.shape[1], cp_rank, cp)], 1)
+
+
+@dataclass
+class ContextParallel:
+    """One rank's place in a context-parallel ring (``group`` None at cp = 1) and how it
+    attends: ``mode`` ring | allgather; ``eos``: the end-of-document token when documents are
+    masked from each other (None: one causal sequence); ``post``: ``batch_isend_irecv`` or the
+    NCCL-rules layer; ``block``/``block_backward``: the attention-with-LSE kernels."""
+
+    cp: int = 1
+    rank: int = 0
+    group: dist.ProcessGroup | None = None
+    mode: str = "ring"
+    eos: int | None = None
+    post: Callable = dist.batch_isend_irecv
+    block: Callable = reference.attention_block
+    block_backward: Callable = reference.attention_block_backward
+    peers: list[int] = field(default_factory=list)  # global ranks, by cp coordinate
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"parallelism.cp_mode={self.mode!r}; use one of {', '.join(MODES)}")
+        if self.cp > 1 and not self.peers:
+            self.peers = [dist.get_global_rank(self.group, i) for i in range(self.cp)]
+
+    @property
+    def next_peer(self) -> int:
+        return self.peers[(self.rank + 1) % self.cp]
+
+    @property
+    def prev_peer(self) -> int:
+        return self.peers[(self.rank - 1) % self.cp]
+
+    # -- documents -----------------------------------------------------------------------
+    def document_ids(self, tokens_BT: torch.Tensor) -> torch.Tensor | None:
+        """Each local token's document (the count of end-of-document tokens before it in the
+        whole sequence), or None without document masks. A collective over the ring (each
+        chunk's count of documents ended) at cp > 1."""
+        if self.eos is None:
+            return None
+        B, T = tokens_BT.shape
+        ends = (tokens_BT == self.eos).view(B, 2, T // 2).long()
+        counts = ends.sum(-1)  # (B, 2): documents ended in each local chunk
+        if self.cp > 1:
+            every = _all_gather(counts.contiguous(), self.cp, self.group)
+            by_chunk = counts.new_zeros((B, 2 * self.cp))
+            for r in range(self.cp):
+                by_chunk[:, list(chunk_ids(r, self.cp))] = every[r]
+        else:
+            by_chunk = counts
+        before = torch.cumsum(by_chunk, 1) - by_chunk  # documents ended before each chunk
+        mine = before[:, list(chunk_ids(self.rank, self.cp))] if self.cp > 1 else before
+        return (torch.cumsum(ends, -1) - ends + mine.unsqueeze(-1)).view(B, T)
+
+    # -- attention -----------------------------------------------------------------------
+    def attend(self, q_BTHD: torch.Tensor, k_BTHD: torch.Tensor, v_BTHD: torch.Tensor,
+               docs_BT: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal attention of this rank's queries over the whole sequence's keys (the
+        rank's own tokens in local chunk order, shapes (B, T_local, heads, head_dim)), within
+        documents given ``docs_BT``; (B, T_local, n_heads, head_dim) out."""
+        B, T, H, D = q_BTHD.shape
+        Hkv = k_BTHD.shape[2]
+        q = q_BTHD.view(B, T, Hkv, H // Hkv, D).permute(0, 2, 3, 1, 4)
+        k = k_BTHD.unsqueeze(3).permute(0, 2, 3, 1, 4)
+        v = v_BTHD.unsqueeze(3).permute(0, 2, 3, 1, 4)
+        out = _Attention.apply(q, k, v, docs_BT, self)  # (B, Hkv, rep, T, D)
+        return out.permute(0, 3, 1, 2, 4).reshape(B, T, H, D)
+
+    def pairs(self, owner: int, docs_q: torch.Tensor | None, docs_k: torch.Tensor | None,
+              c: int, device: torch.device) -> Iterator[tuple[int, int, torch.Tensor | None]]:
+        """(local query chunk, key chunk of ``owner``'s block, mask or None) for every pair a
+        query can see: key chunk before the query chunk (no mask) or the same (causal), and
+        with documents only pairs sharing one."""
+        mine, theirs = chunk_ids(self.rank, self.cp), chunk_ids(owner, self.cp)
+        for i, qa in enumerate(mine):
+            for j, kb in enumerate(theirs):
+                if kb > qa:
+                    continue
+                mask = torch.ones(c, c, dtype=torch.bool, device=device).tril() if kb == qa else None
+                if docs_q is not None:
+                    same = (docs_q[:, None, None, i * c:(i + 1) * c, None]
+                            == docs_k[:, None, None, None, j * c:(j + 1) * c])
+                    mask = same if mask is None else same & mask
+                    if not bool(mask.any()):
+                        continue
+                yield i, j, mask
+
+    def blocks(self, tensors: Sequence[torch.Tensor]) -> Iterator[tuple[int, list[torch.Tensor]]]:
+        """(owner, its block) for every rank's block of ``tensors`` (this rank's own first).
+        Ring: the next block's transfer is in flight while the caller works on this one."""
+        cur = [t.contiguous() for t in tensors]
+        if self.cp == 1:
+            yield 0, cur
+            return
+        if self.mode == "allgather":
+            every = [_all_gather(t, self.cp, self.group) for t in cur]
+            for step in range(self.cp):
+                owner = (self.rank - step) % self.cp
+                yield owner, [e[owner] for e in every]
+            return
+        for step in range(self.cp):
+            nxt, handles = None, None
+            if step < self.cp - 1:
+                nxt = [torch.empty_like(t) for t in cur]
+                handles = self.exchange(cur, nxt)
+            yield (self.rank - step) % self.cp, cur
+            if handles is not None:
+                _wait(handles)
+                cur = nxt
+
+    def exchange(self, send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor]) -> list:
+        """Post one hop of the ring: ``send`` to the next rank, ``recv`` from the previous."""
+        ops = [dist.P2POp(dist.isend, t, self.next_peer, self.group) for t in send]
+        ops += [dist.P2POp(dist.irecv, t, self.prev_peer, self.group) for t in recv]
+        return self.post(ops)
+
+
+def _all_gather(t: torch.Tensor, n: int, group) -> torch.Tensor:
+    """(n, *t.shape): every rank's ``t`` (concatenated on dim 0 as gloo requires)."""
+    out = t.new_empty((n * t.shape[0], *t.shape[1:]))
+    dist.all_gather_single(out, t, group=group)
+    return out.view(n, *t.shape)
+
+
+def _wait(handles) -> None:
+    for h in handles:
+        h.wait()
+
+
+def _merge(acc: tuple | None, out: torch.Tensor, lse: torch.Tensor) -> tuple:
+    """Two partial attentions over disjoint keys → their union's, by log-sum-exp (float32;
+    a query that saw no key in one part has lse −inf there, weight 0)."""
+    out = out.float()
+    if acc is None:
+        return out, lse
+    o, l = acc
+    new = torch.logaddexp(l, lse)
+    finite = torch.isfinite(new)
+    w_old = torch.where(finite, torch.exp(l - new), 0.0).unsqueeze(-1)
+    w_new = torch.where(finite, torch.exp(lse - new), 0.0).unsqueeze(-1)
+    return o * w_old + out * w_new, new
+
+
+class _Attention(torch.autograd.Function):
+    """Exact causal attention over a context-parallel ring (``ContextParallel``'s layout)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, docs, cpx: ContextParallel):
+        T = q.shape[3]
+        c = T // 2
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        qs = (q[..., :c, :], q[..., c:, :])
+        acc: list[tuple | None] = [None, None]
+        travel = [k, v] if docs is None else [k, v, docs]
+        for owner, block in cpx.blocks(travel):
+            kb, vb = block[0], block[1]
+            docs_k = block[2] if docs is not None else None
+            for i, j, mask in cpx.pairs(owner, docs, docs_k, c, q.device):
+                o, lse = cpx.block(qs[i], kb[..., j * c:(j + 1) * c, :],
+                                   vb[..., j * c:(j + 1) * c, :], mask, scale)
+                acc[i] = _merge(acc[i], o, lse)
+        out = torch.cat([acc[0][0], acc[1][0]], dim=3).to(q.dtype)
+        lse = torch.cat([acc[0][1], acc[1][1]], dim=3)
+        ctx.save_for_backward(q, k, v, out, lse, docs)
+        ctx.cpx, ctx.scale = cpx, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, docs = ctx.saved_tensors
+        cpx, scale = ctx.cpx, ctx.scale
+        c = q.shape[3] // 2
+        sl = (slice(0, c), slice(c, 2 * c))
+        dout = dout.contiguous()
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+
+        def accumulate(owner, kb, vb, docs_k, dk, dv) -> None:
+            for i, j, mask in cpx.pairs(owner, docs, docs_k, c, q.device):
+                gq, gk, gv = cpx.block_backward(
+                    dout[..., sl[i], :], q[..., sl[i], :], kb[..., sl[j], :], vb[..., sl[j], :],
+                    out[..., sl[i], :], lse[..., sl[i]], mask, scale)
+                dq[..., sl[i], :] += gq
+                dk[..., sl[j], :] += gk
+                dv[..., sl[j], :] += gv
+
+        travel = [k.contiguous(), v.contiguous()] + ([] if docs is None else [docs])
+        if cpx.cp == 1 or cpx.mode == "allgather":
+            every = [_all_gather(t, cpx.cp, cpx.group) for t in travel] if cpx.cp > 1 else [
+                t.unsqueeze(0) for t in travel]
+            dks = torch.zeros((cpx.cp, *k.shape), dtype=torch.float32, device=k.device)
+            dvs = torch.zeros_like(dks)
+            for owner in range(cpx.cp):
+                accumulate(owner, every[0][owner], every[1][owner],
+                           every[2][owner] if docs is not None else None, dks[owner], dvs[owner])
+            if cpx.cp == 1:
+                dk, dv = dks[0], dvs[0]
+            else:  # each owner gets the sum of every rank's part of its keys' gradients
+                dk, dv = torch.empty_like(dks[0]), torch.empty_like(dvs[0])
+                dist.reduce_scatter_single(dk, dks.flatten(0, 1), group=cpx.group)
+                dist.reduce_scatter_single(dv, dvs.flatten(0, 1), group=cpx.group)
+        else:  # ring: blocks go round again, their gradients travel with them back home
+            cur = travel
+            grads = [torch.zeros(k.shape, dtype=torch.float32, device=k.device),
+                     torch.zeros(v.shape, dtype=torch.float32, device=v.device)]
+            for step in range(cpx.cp):
+                owner = (cpx.rank - step) % cpx.cp
+                nxt, handles = None, None
+                if step < cpx.cp - 1:
+                    nxt = [torch.empty_like(t) for t in cur]
+                    handles = cpx.exchange(cur, nxt)
+                accumulate(owner, cur[0], cur[1], cur[2] if docs is not None else None, *grads)
+                arrived = [torch.empty_like(g) for g in grads]
+                if handles is not None:
+                    _wait(handles)
+                    cur = nxt
+                _wait(cpx.exchange(grads, arrived))
+                grads = arrived
+            dk, dv = grads
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
