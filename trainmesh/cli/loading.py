@@ -17,7 +17,13 @@ from pydantic import BaseModel, ValidationError
 
 from trainmesh.data.tokenizer import VOCAB_SIZE as BYTE_TOKENIZER_VOCAB
 from trainmesh.spec.job import JobSpec
-from trainmesh.spec.mesh_rules import dp_problems, hsdp_problems, runnable_problems, shape_problems
+from trainmesh.spec.mesh_rules import (
+    cp_problems,
+    dp_problems,
+    hsdp_problems,
+    runnable_problems,
+    shape_problems,
+)
 from trainmesh.spec.problems import Problem, SpecError
 
 
@@ -290,8 +296,10 @@ def consistency_problems(spec: JobSpec) -> list[Problem]:
     out += dp_problems(tr.global_batch_size, tr.microbatch_size, *((1, 1) if par.auto
                                                                      else (par.dp, par.pp)))
     if not par.auto:
-        out += shape_problems(m, par.tp, par.pp, par.vpp, par.dp, par.ep)
+        out += shape_problems(m, par.tp, par.pp, par.vpp, par.dp * par.cp, par.ep)
         out += hsdp_problems(par.dp, par.dp_replicate, par.ep)
+        out += cp_problems(tr.seq_len, par.cp, par.tp, par.ep, par.pp,
+                           par.sequence_parallel or m.moe is not None, spec.data.document_mask)
         need(m.moe is None or par.tp == 1 or tr.seq_len % par.tp == 0, "training.seq_len",
              f"{tr.seq_len} is not divisible by tp={par.tp} (each tensor-parallel rank routes "
              "its share of a sequence to the experts)", f"use a multiple of {par.tp}")

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
 from trainmesh.data import sampler
 from trainmesh.data.shards import TokenStream
+
+Spans = Sequence[tuple[int, int]] | None  # (start, length) of each part of a sequence to read
 
 
 class _Array:
@@ -39,30 +43,37 @@ class TokenDataset:
             raise ValueError(f"samples {first}:{first + self.num_samples} are outside the "
                              f"{total} samples of seq_len={seq_len} in the data")
 
-    def batch(self, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets), each (len(ids), seq_len) int64."""
+    def batch(self, ids: np.ndarray, spans: Spans = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets), each (len(ids), seq_len) int64; with ``spans`` ((start, length)
+        in the sequence: a context-parallel rank's chunks) only those positions, concatenated,
+        and only their tokens are read."""
         T = self.seq_len
-        rows = np.stack([self.tokens.read((self.first + int(i)) * T, T + 1) for i in ids])
-        t = torch.from_numpy(rows)
-        return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+        parts = []
+        for start, n in spans or [(0, T)]:
+            parts.append(np.stack([self.tokens.read((self.first + int(i)) * T + start, n + 1)
+                                   for i in ids]))
+        x = torch.cat([torch.from_numpy(p[:, :-1]) for p in parts], 1)
+        y = torch.cat([torch.from_numpy(p[:, 1:]) for p in parts], 1)
+        return x.contiguous(), y.contiguous()
 
     def microbatches(self, seed: int, step: int, global_batch_size: int, dp_rank: int, dp: int,
-                     microbatch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This DP rank's share of ``step``'s global batch, split into microbatches."""
+                     microbatch_size: int, spans: Spans = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This DP rank's share of ``step``'s global batch, split into microbatches (of each
+        sequence only ``spans``, as ``batch``)."""
         start, count = sampler.rank_slice(dp_rank, dp, global_batch_size, microbatch_size)
         ids = sampler.sample_ids(seed, step, global_batch_size, self.num_samples, start, count)
-        return self._split(ids, microbatch_size)
+        return self._split(ids, microbatch_size, spans)
 
     def eval_microbatches(self, batch: int, global_batch_size: int, dp_rank: int, dp: int,
-                          microbatch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                          microbatch_size: int, spans: Spans = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This DP rank's share of held-out batch ``batch``: windows ``batch * B ...`` in order
         (wrapping around), the same for every mesh and every evaluation."""
         start, count = sampler.rank_slice(dp_rank, dp, global_batch_size, microbatch_size)
         ids = (batch * global_batch_size + start + np.arange(count)) % self.num_samples
-        return self._split(ids, microbatch_size)
+        return self._split(ids, microbatch_size, spans)
 
-    def _split(self, ids: np.ndarray, size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [self.batch(ids[i:i + size]) for i in range(0, len(ids), size)]
+    def _split(self, ids: np.ndarray, size: int, spans: Spans) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [self.batch(ids[i:i + size], spans) for i in range(0, len(ids), size)]
 
 
 def open_datasets(data_dir: str, seq_len: int, eval_path: str | None = None,

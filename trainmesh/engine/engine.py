@@ -31,12 +31,14 @@ from trainmesh.engine.step import (
 from trainmesh.models.llama.model import Llama, LlamaArgs
 from trainmesh.models.llama.parallelize import (
     apply_activation_checkpointing,
+    apply_context_parallel,
     apply_tensor_parallel,
     sum_partial_grads_over_tp,
     tp_partial_params,
 )
 from trainmesh.models.llama.stage import PipelineStage, rank_model
 from trainmesh.models.moe.moe import moe_layers, set_loss_scale
+from trainmesh.parallel.context import ContextParallel, local_positions, local_spans
 from trainmesh.parallel.dims import Axis
 from trainmesh.parallel.expert import (
     apply_expert_parallel,
@@ -94,10 +96,24 @@ class Engine:
         self.n_micro = n_micro
         self.weight = mesh.size(Axis.DP) * tr.microbatch_size / tr.global_batch_size
         shape = pipe_shape(spec.schedule.name, pp, vpp, n_micro) if pp > 1 else None
+        self.dataset, self.eval_set = open_datasets(data_dir, tr.seq_len, spec.data.eval_path,
+                                                    spec.data.eval_fraction)
+        meta = self.dataset.tokens.meta
+        if meta["vocab_size"] > spec.model.vocab_size:
+            raise ValueError(f"model.vocab_size {spec.model.vocab_size} is smaller than the "
+                             f"{meta['vocab_size']} tokens of the dataset at {data_dir}")
+        # Context parallel: this rank's chunks of each sequence (read, embedded, attended).
+        cp = mesh.size(Axis.CP)
+        self.spans = local_spans(tr.seq_len, mesh.coord(Axis.CP), cp) if cp > 1 else None
         with torch.device("meta"):
             self.model, stage_ids = rank_model(
                 LlamaArgs.from_config(spec.model, device.type), mesh.coord(Axis.PP), pp, vpp,
                 shape.stages_of(mesh.coord(Axis.PP)) if shape else None)
+        self.context = None
+        if cp > 1 or spec.data.document_mask:
+            self.context = self._context(meta.get("eos_id"))
+            apply_context_parallel(self.model, self.context, local_positions(
+                tr.seq_len, mesh.coord(Axis.CP), cp) if cp > 1 else None)
         self.loss_context = contextlib.nullcontext
         if mesh.size(Axis.TP) > 1:
             apply_tensor_parallel(self.model, mesh[Axis.TP], par.sequence_parallel)
@@ -121,7 +137,7 @@ class Engine:
             stages = {s: PipelineStage(self.model, s, pp * par.vpp) for s in stage_ids}
             # FSDP2 at dp = 1 shards nothing, it only casts (mixed precision): a stage that needs
             # neither is not wrapped, its hooks would be overhead on every microbatch.
-            wrap = mesh.size(Axis.DP) > 1 or dtype != torch.float32
+            wrap = mesh.replicas > 1 or dtype != torch.float32
             for stage in stages.values() if wrap else ():
                 apply_zero3(stage, mesh.zero_mesh, self.zero, experts)
             self.executor = self._build_executor(shape, stages, dtype, self.zero if wrap else None)
@@ -136,14 +152,23 @@ class Engine:
             after_update=balance_over_mesh(self.model, mesh))
         self.optimizer = build_optimizer(self.model, spec.optimizer)
         self.scheduler = build_lr_scheduler(self.optimizer, spec.optimizer, tr.steps)
-        self.dataset, self.eval_set = open_datasets(data_dir, tr.seq_len, spec.data.eval_path,
-                                                    spec.data.eval_fraction)
-        vocab = self.dataset.tokens.meta["vocab_size"]
-        if vocab > spec.model.vocab_size:
-            raise ValueError(f"model.vocab_size {spec.model.vocab_size} is smaller than the "
-                             f"{vocab} tokens of the dataset at {data_dir}")
         self.step = 0  # optimizer steps done
         self.activation_peak = 0  # bytes saved for backward, from the last measured step
+
+    def _context(self, eos: int | None) -> ContextParallel:
+        """Attention over the context-parallel ring (and/or within documents)."""
+        spec, mesh = self.spec, self.mesh
+        if spec.data.document_mask and eos is None:
+            raise ValueError("data.document_mask: the dataset names no end-of-document token "
+                             "(dataset.json eos_id); prepare it again with trainmesh data prepare")
+        cp = mesh.size(Axis.CP)
+        timeout = timedelta(seconds=spec.runtime.collective_timeout_s)
+        ops = self.model.ops
+        return ContextParallel(
+            cp=cp, rank=mesh.coord(Axis.CP), group=mesh[Axis.CP].get_group() if cp > 1 else None,
+            mode=spec.parallelism.cp_mode, eos=eos if spec.data.document_mask else None,
+            post=nccl_rules.from_env(timeout) or dist.batch_isend_irecv,
+            block=ops.attention_block, block_backward=ops.attention_block_backward)
 
     def _build_executor(self, shape: PipeShape, stages: dict, dtype: torch.dtype,
                         zero: ZeroPolicy | None) -> PipelineExecutor:
@@ -152,9 +177,11 @@ class Engine:
         self._schedule = build_schedule(self.spec.schedule.name, shape.pp, shape.vpp,
                                         shape.microbatches)
         timeout = timedelta(seconds=self.spec.runtime.collective_timeout_s)
-        seq = tr.seq_len // dims.tp if par.sequence_parallel else tr.seq_len
+        seq = tr.seq_len // dims.cp
+        seq = seq // dims.tp if par.sequence_parallel else seq
         p2p = P2PSpec(group=mesh[Axis.PP].get_group(),
-                      peers=[dims.rank_of(i, c[Axis.DP], c[Axis.TP]) for i in range(dims.pp)],
+                      peers=[dims.rank_of(i, c[Axis.DP], c[Axis.TP], c[Axis.CP])
+                             for i in range(dims.pp)],
                       act_shape=(tr.microbatch_size, seq, self.spec.model.dim), dtype=dtype,
                       device=self.device, timeout=timeout,
                       post=nccl_rules.from_env(timeout) or dist.batch_isend_irecv)
@@ -179,7 +206,7 @@ class Engine:
         tr = self.spec.training
         mbs = self.dataset.microbatches(tr.seed, self.step, tr.global_batch_size,
                                         self.mesh.coord(Axis.DP), self.mesh.size(Axis.DP),
-                                        tr.microbatch_size)
+                                        tr.microbatch_size, self.spans)
         mbs, weights = self._padded([(x.to(self.device), y.to(self.device)) for x, y in mbs])
         if self.executor is None:
             stats = train_step(self.model, self.optimizer, self.scheduler, mbs,
@@ -217,7 +244,7 @@ class Engine:
         total = 0.0
         for b in range(batches):
             mbs = self.eval_set.eval_microbatches(b, tr.global_batch_size, self.mesh.coord(Axis.DP),
-                                                  dp, tr.microbatch_size)
+                                                  dp, tr.microbatch_size, self.spans)
             mbs, weights = self._padded([(x.to(self.device), y.to(self.device)) for x, y in mbs])
             if self.executor is None:
                 with self.loss_context():
@@ -250,11 +277,14 @@ class Engine:
         return list(self.executor.timeline) if self.executor is not None else []
 
     def _dp_mean(self, value: float) -> float:
-        if self.mesh.size(Axis.DP) == 1:
+        """The mean over the replicas and their context-parallel peers: each cp rank's loss is
+        the mean over its equal share of every sequence's tokens."""
+        group = self.mesh.replica_group()
+        if group is None:
             return value
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, group=self.mesh[Axis.DP].get_group())
-        return float(t.item()) / self.mesh.size(Axis.DP)
+        dist.all_reduce(t, group=group)
+        return float(t.item()) / self.mesh.replicas
 
     def save(self, directory: str) -> dict:
         return dcp_io.save(directory, self.model, self.optimizer)

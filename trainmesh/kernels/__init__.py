@@ -30,6 +30,10 @@ class KernelSet:
     # (h, head weight, targets) → mean loss without materialising the logits; None: the model
     # computes logits with its output module and then the loss (the torch path).
     linear_cross_entropy: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None
+    # One block of attention with its log-sum-exp, and its backward given the merged output
+    # (context parallel, document masks): the exact torch math on every device for now.
+    attention_block: Callable = reference.attention_block
+    attention_block_backward: Callable = reference.attention_block_backward
 
 
 def resolve(mode: str, device_type: str) -> str:

@@ -88,25 +88,33 @@ def _source_major_to_expert_major(counts_SE: torch.Tensor, total: int) -> torch.
 def apply_expert_parallel(model: nn.Module, mesh: Mesh) -> nn.Module:
     """Split every MoE block's experts over "ep" (on the meta device, before ZeRO-3) and give
     each block the all-to-all dispatcher; under tp, the tp group splits its tokens."""
-    ep, tp = mesh.dims.ep, mesh.dims.tp
+    ep, tp, cp = mesh.dims.ep, mesh.dims.tp, mesh.dims.cp
+    # The ranks that split a microbatch's tokens: its tensor- and context-parallel ranks.
+    token_group = None
+    if cp > 1 or tp > 1:
+        token_group = mesh["cp_tp" if cp > 1 and tp > 1 else "cp" if cp > 1 else "tp"].get_group()
     for _, moe in moe_layers(model):
+        # Each context-parallel rank's loss is the mean over its share of a sequence, cp× its
+        # part of the whole: its part of the balancing loss weighs the same (ZeRO-3 averages
+        # the gradients over dp × cp).
+        moe.aux_share = float(cp)
         if ep > 1:
-            coord = mesh.device_mesh.get_local_rank("ep")
+            coord = mesh["ep"].get_local_rank()
             for name in ("w1", "w2", "w3"):
                 full = getattr(moe.experts, name)
                 local = full.detach().chunk(ep, dim=0)[coord]
                 setattr(moe.experts, name, nn.Parameter(DTensor.from_local(
                     local, mesh["ep"], [Shard(0)], run_check=False)))
         moe.dispatch = AllToAllDispatch(mesh["ep"].get_group() if ep > 1 else None, ep,
-                                        moe.args.experts,
-                                        mesh["tp"].get_group() if tp > 1 else None)
+                                        moe.args.experts, token_group)
     return model
 
 
 def expert_divide_factor(mesh: Mesh) -> float:
     """What ZeRO-3 over "edp" divides expert gradients by: every data-parallel replica's
-    tokens reached them (through the all-to-all), so the mean is over dp, not edp."""
-    return float(mesh.dims.dp)
+    (and context-parallel rank's) tokens reached them through the all-to-all, so the mean is
+    over dp × cp, not edp."""
+    return float(mesh.replicas)
 
 
 def balance_over_mesh(model: nn.Module, mesh: Mesh) -> Callable[[], dict[str, dict]]:
@@ -114,13 +122,13 @@ def balance_over_mesh(model: nn.Module, mesh: Mesh) -> Callable[[], dict[str, di
     dp × tp ranks (a collective after every optimizer step, on every rank of the stage)."""
     if not moe_layers(model):
         return dict
-    group = mesh["dp_tp"].get_group() if mesh.dims.dp * mesh.dims.tp > 1 else None
+    group = mesh["dp_tp"].get_group() if mesh.replicas * mesh.dims.tp > 1 else None
 
     def sum_over_ranks(t: torch.Tensor) -> None:
         if group is not None:
             dist.all_reduce(t, group=group)
 
-    return lambda: balance_experts(model, sum_over_ranks, replicas=mesh.dims.dp)
+    return lambda: balance_experts(model, sum_over_ranks, replicas=mesh.replicas)
 
 
 def is_moe(model: nn.Module) -> bool:

@@ -52,6 +52,8 @@ class Mesh:
                 dm["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
             if moe:
                 dm["dp_replicate", "dp_shard", *cpn, "tp"]._flatten("dp_tp")
+                if cp and dims.tp > 1:
+                    dm["cp", "tp"]._flatten("cp_tp")
             return cls(dims=dims, device_mesh=dm, rank=rank, dp_replicate=dp_replicate)
         if dims.ep == 1:
             dm = init_device_mesh(device_type, (dims.pp, dims.dp, *cp, dims.tp),
@@ -60,6 +62,8 @@ class Mesh:
                 dm["dp", "cp"]._flatten("dp_cp")
             if moe:
                 dm["dp", *cpn, "tp"]._flatten("dp_tp")
+                if cp and dims.tp > 1:
+                    dm["cp", "tp"]._flatten("cp_tp")
             return cls(dims=dims, device_mesh=dm, rank=rank)
         if not cp:
             dm = init_device_mesh(device_type, (dims.pp, dims.edp, dims.ep, dims.tp),
@@ -75,6 +79,8 @@ class Mesh:
         dm["edp", "ep_dp"]._flatten("dp")
         dm["edp", "ep_dp", "cp"]._flatten("dp_cp")
         dm["edp", "ep_dp", "cp", "tp"]._flatten("dp_tp")
+        if dims.tp > 1:
+            dm["cp", "tp"]._flatten("cp_tp")
         return cls(dims=dims, device_mesh=dm, rank=rank)
 
     @property

@@ -142,6 +142,9 @@ class DataConfig(_Section):
     eval_path: str | None = Field(None, description="a held-out dataset (same tokenizer)")
     eval_fraction: float = Field(0.0, ge=0, lt=1, description="without eval_path: hold out this "
                                  "fraction of data.path's samples (the last ones; never trained on)")
+    document_mask: bool = Field(False, description="packed documents: attention never crosses "
+                                "a document boundary (the dataset's end-of-document token); "
+                                "with or without context parallel, not beside pipeline parallel")
 
 
 class EvalConfig(_Section):
@@ -168,6 +171,13 @@ class ParallelismConfig(_Section):
     vpp: int = Field(1, ge=1, description="virtual pipeline chunks per stage (interleaving)")
     ep: int = Field(1, ge=1, description="expert-parallel degree: each group of ep data-parallel "
                     "ranks splits the experts among them (needs model.moe; divides dp)")
+    cp: int = Field(1, ge=1, description="context-parallel degree: each sequence split over cp "
+                    "ranks (2·cp chunks, load-balanced), attention exact across them; "
+                    "training.seq_len must divide by 2·cp")
+    cp_mode: Literal["ring", "allgather"] = Field(
+        "ring", description="context parallel: ring (key/value blocks passed round the ring, "
+        "each transfer overlapped with a block's attention) or allgather (all-gather the keys "
+        "and values, then attend locally: cp× their memory, one collective)")
     sequence_parallel: bool = False
     keep_gathered: bool | None = Field(
         None, description="ZeRO-3: keep each rank's parameters gathered (and gradients "
@@ -183,7 +193,7 @@ class ParallelismConfig(_Section):
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
 
 
 class ActivationCheckpointConfig(_Section):

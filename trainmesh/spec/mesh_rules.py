@@ -133,6 +133,32 @@ def hsdp_problems(dp: int, dp_replicate: int, ep: int = 1) -> list[Problem]:
     return []
 
 
+def cp_problems(seq_len: int, cp: int, tp: int = 1, ep: int = 1, pp: int = 1,
+                split_over_tp: bool = False, document_mask: bool = False) -> list[Problem]:
+    """cp splits each sequence into 2·cp chunks (rank i holds chunks i and 2·cp−1−i);
+    ``split_over_tp``: the rank's part is split again over tp (sequence parallel, an MoE's
+    routing). Expert parallel spans whole context-parallel rings. Document masks need the
+    tokens where the attention is: not beside pipeline parallel."""
+    out = []
+    if seq_len % (2 * cp):
+        out.append(Problem("training.seq_len", f"{seq_len} is not divisible by 2 × cp = {2 * cp} "
+                           "(context parallel cuts each sequence into 2·cp equal chunks)",
+                           f"use a multiple of {2 * cp}, or another parallelism.cp", DIVISIBILITY))
+    elif cp > 1 and split_over_tp and tp > 1 and (seq_len // cp) % tp:
+        out.append(Problem("training.seq_len", f"{seq_len} / cp={cp} is not divisible by tp={tp} "
+                           "(each tensor-parallel rank takes a share of its rank's part)",
+                           f"use a multiple of {cp * tp}", DIVISIBILITY))
+    if cp > 1 and ep > 1 and ep % cp:
+        out.append(Problem("parallelism.ep", f"ep={ep} is not a multiple of cp={cp} (an "
+                           "expert-parallel group holds whole context-parallel rings)",
+                           f"use a multiple of {cp} that divides dp × cp", DIVISIBILITY))
+    if document_mask and pp > 1:
+        out.append(Problem("data.document_mask", f"pp={pp}: stages after the first do not see "
+                           "the tokens that mark the documents", "set parallelism.pp=1 or "
+                           "data.document_mask=false"))
+    return out
+
+
 def shape_problems(m: ModelShape, tp: int, pp: int, vpp: int = 1, dp: int = 1,
                    ep: int = 1) -> list[Problem]:
     """Every rule a (tp, pp, vpp, dp, ep) layout of model ``m`` breaks."""

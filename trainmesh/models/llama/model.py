@@ -115,8 +115,13 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps, args.ops) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps, args.ops) if args.qk_norm else None
+        # Context parallel / document masks (``parallel/context.py``): attention over the ring
+        # of ranks holding the rest of the sequence; None: one causal sequence, here.
+        self.context = None
 
-    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                docs: torch.Tensor | None = None) -> torch.Tensor:
+        """``docs``: each token's document (attention stays inside one), or None."""
         B, T, _ = x_BTD.shape
         # -1 for the head count: under tensor parallel each rank holds a slice of the heads.
         q = self.wq(x_BTD).view(B, T, -1, self.head_dim)
@@ -126,6 +131,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         # Slice the tables here, where T is the whole sequence even under sequence parallel.
         q, k = self.ops.rope(q, cos[:T], sin[:T]), self.ops.rope(k, cos[:T], sin[:T])
+        if self.context is not None:
+            return self.wo(self.context.attend(q, k, v, docs).reshape(B, T, -1))
         rep = q.shape[2] // k.shape[2]
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
@@ -162,13 +169,15 @@ class TransformerBlock(nn.Module):
             self.feed_forward = FeedForward(args.dim, args.ffn_dim, args.ops)
         self.recompute = False  # activation checkpointing: recompute this block in backward
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                docs: torch.Tensor | None = None) -> torch.Tensor:
         if self.recompute and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, cos, sin, use_reentrant=False)
-        return self._forward(x, cos, sin)
+            return checkpoint(self._forward, x, cos, sin, docs, use_reentrant=False)
+        return self._forward(x, cos, sin, docs)
 
-    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 docs: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, docs=docs)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -187,6 +196,10 @@ class Llama(nn.Module):
         if has_head and not args.tie_embeddings:
             self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.ops = args.ops
+        # Context parallel (``parallelize.apply_context_parallel``): the rank's part of each
+        # sequence, whose global positions index the RoPE tables, and the ring it attends over.
+        self.rope_positions: torch.Tensor | None = None
+        self.context = None
         cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta, args.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -210,6 +223,8 @@ class Llama(nn.Module):
         ``to_empty`` they hold garbage."""
         a = self.args
         cos, sin = rope_tables(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling)
+        if self.rope_positions is not None:  # rows in the rank's token order
+            cos, sin = cos[self.rope_positions], sin[self.rope_positions]
         device = self.rope_cos.device
         self.rope_cos = cos.to(device)
         self.rope_sin = sin.to(device)
@@ -227,11 +242,15 @@ def decoder_forward(parts: nn.Module, layers, h: torch.Tensor,
                     targets: torch.Tensor | None = None) -> torch.Tensor:
     """Embedding (if ``parts`` has one), ``layers`` in order, then norm and head (if any) and,
     given ``targets``, the loss. ``parts`` is a Llama or a pipeline stage holding a subset of
-    its modules (and ``ops``, its kernel set)."""
+    its modules (and ``ops``, its kernel set). With document masks, the documents come from the
+    tokens, so only where the embedding is (no pipeline: the spec refuses documents beside it)."""
+    docs = None
     if parts.tok_embeddings is not None:
+        context = getattr(parts, "context", None)
+        docs = context.document_ids(h) if context is not None else None
         h = parts.tok_embeddings(h)
     for layer in layers:
-        h = layer(h, parts.rope_cos, parts.rope_sin)
+        h = layer(h, parts.rope_cos, parts.rope_sin, docs)
     if parts.norm is None:
         return h
     h = parts.norm(h)

@@ -106,3 +106,14 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, stride: int = 1)
     for i, block in enumerate(model.layers.values()):
         block.recompute = mode == "full" or (mode == "selective" and i % stride == 0)
     return model
+
+
+def apply_context_parallel(model: Llama, context, positions: torch.Tensor | None) -> Llama:
+    """Every attention block attends through ``context`` (a ``parallel.context.ContextParallel``:
+    the ring of ranks holding the rest of each sequence, or document masks alone); the RoPE
+    tables take the rank's tokens' global ``positions`` (None: 0 … T−1). On the meta device,
+    before the buffers are filled."""
+    model.context, model.rope_positions = context, positions
+    for block in model.layers.values():
+        block.attention.context = context
+    return model

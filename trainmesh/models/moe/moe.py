@@ -162,6 +162,7 @@ class MoE(nn.Module):
         self.register_buffer("dropped", torch.zeros((), dtype=torch.int64), persistent=False)
         self.dispatch: Dispatch = LocalDispatch()
         self.loss_scale = 1.0  # set per microbatch: its share of the step's loss (0: padding)
+        self.aux_share = 1.0  # context parallel: cp (each rank's loss is cp× its part)
 
     def reset_buffers(self) -> None:
         """Zero the bias and counters (after a meta-device build they hold garbage)."""
@@ -216,7 +217,7 @@ class MoE(nn.Module):
         # Activation checkpointing runs the forward again inside backward: count once.
         first_run = torch._C._current_graph_task_id() == -1
         if a.balance == "aux_loss" and a.aux_loss_coef > 0:
-            aux = self._aux_loss(scores, counts)
+            aux = self._aux_loss(scores, counts) * self.aux_share
             y = _AddAuxLoss.apply(y, aux, self.loss_scale)
             if first_run:
                 self.aux_total += aux.detach().double() * self.loss_scale

@@ -1,0 +1,98 @@
+"""Context parallel (ring and all-gather attention over 2·cp load-balanced chunks) alone and
+with ZeRO-3 over dp × cp, TP + SP, PP (1F1B), expert parallel and document masks, on real ranks
+over gloo (point-to-point under NCCL's rules: the rank pool's TRAINMESH_P2P), against the
+single-process model at seq_len 256 with grouped-query attention (tiny: 4 heads, 2 KV heads)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference import reference_run
+from test_tensor_parallel import BASE, _close, _parallel_run
+
+from trainmesh.cli.loading import load_spec
+from trainmesh.data.dataset import open_datasets
+from trainmesh.data.shards import ensure_tiny_corpus
+from trainmesh.engine.engine import build_model
+from trainmesh.models.llama.parallelize import apply_context_parallel
+from trainmesh.parallel.context import ContextParallel, local_positions, shard_sequence
+from trainmesh.parallel.dims import ParallelDims
+
+LONG = ["training.seq_len=256", "optimizer.grad_clip=0"]  # unclipped: a mis-scaled sum shows
+MOE = ["model.preset=tiny-moe", "training.seq_len=256", "optimizer.grad_clip=0"]
+DOCS = "data.document_mask=true"
+CASES = {  # largest meshes first: the rank pool then only shrinks
+    "cp4-ring": (ParallelDims(cp=4), ["parallelism.cp_mode=ring"]),
+    "cp4-allgather": (ParallelDims(cp=4), ["parallelism.cp_mode=allgather"]),
+    # ZeRO-3 shards and reduces over dp × cp
+    "cp2-dp2-ring": (ParallelDims(cp=2, dp=2), ["parallelism.keep_gathered=false"]),
+    "cp2-tp2-sp-allgather": (ParallelDims(cp=2, tp=2), ["parallelism.sequence_parallel=true",
+                                                         "parallelism.cp_mode=allgather"]),
+    "cp2-pp2-1f1b-ring": (ParallelDims(cp=2, pp=2), ["schedule.name=1f1b"]),
+    # experts split over an EP group of 2 replicas' whole rings (ep = 2 × cp)
+    "moe-cp2-dp2-ep4": (ParallelDims(cp=2, dp=2, ep=4), ["parallelism.ep=4"]),
+    "cp2-ring-documents-full-ac": (ParallelDims(cp=2), [DOCS, "activation_checkpoint.mode=full"]),
+    "cp2-allgather-documents": (ParallelDims(cp=2), [DOCS, "parallelism.cp_mode=allgather"]),
+    "documents-alone": (ParallelDims(), [DOCS]),
+}
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("case", list(CASES))
+def test_context_parallel_matches_single_process(rank_pool, tmp_path, case):
+    dims, extra = CASES[case]
+    base = MOE if case.startswith("moe") else LONG
+    spec = load_spec(None, [*BASE, *base, f"parallelism.pp={dims.pp}", f"parallelism.tp={dims.tp}",
+                            f"parallelism.dp={dims.dp}", f"parallelism.cp={dims.cp}",
+                            f"runtime.output_dir={tmp_path}", *extra])
+    data_dir = str(ensure_tiny_corpus(tmp_path / "data"))
+    losses, grads, params = _parallel_run(rank_pool, spec, dims, data_dir)
+    ref_losses, ref_params, ref_grads = reference_run(spec, data_dir, steps=3, grads_after=1,
+                                                      prepare=_documents(spec, data_dir))
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    _close(grads, ref_grads)
+    _close(params, ref_params, rtol=1e-5, atol=5e-5)  # after AdamW: see test_tensor_parallel
+
+
+def _documents(spec, data_dir: str):
+    """The single process with document masks (attention inside each document), or None."""
+    if not spec.data.document_mask:
+        return None
+    eos = open_datasets(data_dir, spec.training.seq_len)[0].tokens.meta["eos_id"]
+    return lambda model: apply_context_parallel(model, ContextParallel(eos=eos), None)
+
+
+def test_document_masks_equal_each_document_alone(tmp_path):
+    """A packed sequence under document masks gives every token the logits that its document
+    gives alone (RoPE is relative: a document's offset in the pack does not matter), also with
+    the sequence split into a rank's load-balanced chunks and their global positions."""
+    spec = load_spec(None, [*BASE, *LONG, DOCS, f"runtime.output_dir={tmp_path}"])
+    data_dir = str(ensure_tiny_corpus(tmp_path / "data"))
+    data = open_datasets(data_dir, 256)[0]
+    eos = data.tokens.meta["eos_id"]
+    x, _ = data.batch([3, 4])
+    assert all((row == eos).sum() >= 1 for row in x)  # several documents in each window
+    model = build_model(spec, torch.device("cpu"))
+    alone = torch.empty(*x.shape, spec.model.vocab_size)
+    with torch.no_grad():
+        for b, row in enumerate(x):
+            ends = [int(i) + 1 for i in torch.nonzero(row == eos)] + [len(row)]
+            start = 0
+            for end in ends:
+                if end > start:
+                    alone[b, start:end] = model(row[None, start:end])[0]
+                start = end
+        apply_context_parallel(model, ContextParallel(eos=eos), None)
+        packed = model(x)
+    torch.testing.assert_close(packed, alone, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(packed, build_model(spec, torch.device("cpu"))(x), atol=1e-3)
+
+
+def test_load_balanced_chunks_and_positions():
+    """Rank i of cp holds chunks i and 2·cp−1−i; together the ranks hold the sequence once."""
+    seq = torch.arange(16)[None]
+    parts = [shard_sequence(seq, r, 4) for r in range(4)]
+    assert parts[0].tolist() == [[0, 1, 14, 15]] and parts[3].tolist() == [[6, 7, 8, 9]]
+    assert sorted(torch.cat(parts, 1)[0].tolist()) == list(range(16))
+    for r in range(4):
+        assert torch.equal(local_positions(16, r, 4), parts[r][0])
