@@ -44,10 +44,10 @@ def test_large_presets_match_published_llama3_counts(preset, published):
 def test_flops_per_token_by_hand():
     args = _args("tiny")
     matmul = args.num_params() - 264 * 64  # everything but the embedding lookup
-    assert flops_per_token(args, 64) == 6 * matmul + 12 * 4 * 64 * 64
+    assert flops_per_token(args, 64) == 6 * matmul + 6 * 4 * 64 * 64
     tied = load_spec(None, ["model.preset=1b"]).model
     # a tied head is counted once as a parameter but still costs its matmul
-    assert flops_per_token(tied, 1) == 6 * num_params(tied) + 12 * 16 * 2048
+    assert flops_per_token(tied, 1) == 6 * num_params(tied) + 6 * 16 * 2048
 
 
 def test_stage_split_keeps_global_names_and_values():

@@ -166,7 +166,7 @@ def test_parameter_count_is_exact_and_flops_count_the_active_experts(extra):
     moe = spec.model.moe
     layers = spec.model.n_layers - moe.dense_layers
     assert args.num_params() - dense_equivalent == layers * (moe.experts - moe.top_k) * 3 * 64 * 64
-    assert args.flops_per_token(32) == 6 * (dense_equivalent - 264 * 64) + 12 * 4 * 64 * 32
+    assert args.flops_per_token(32) == 6 * (dense_equivalent - 264 * 64) + 6 * 4 * 64 * 32
 
 
 @pytest.mark.parametrize("args, field, fix", [

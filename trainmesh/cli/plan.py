@@ -78,17 +78,21 @@ def _print_table(spec: JobSpec, topo: Topology, rows: list[dict]) -> None:
              f"= {topo.world_size} accelerators")
     table = Table(title=title)
     moe = spec.model.moe is not None  # the expert-parallel degree, for MoE models
+    # context parallel ("cp": degree and mode) where any plan shown uses it
+    cp = any(r["cp"] > 1 for r in rows)
     # zero3: "keep" gathers each rank's parameters once per step and reduce-scatters once;
     # "regather" gathers and reduce-scatters every microbatch (less memory, more traffic);
     # hsdp: "r×s" hybrid sharding, ZeRO-3 inside groups of s replicas, r groups ("-": over dp).
-    cols = ["tp", "pp", "dp", *(["ep"] if moe else []), "idle", "vpp", "schedule", "mbs", "micro",
+    cols = ["tp", "pp", "dp", *(["cp"] if cp else []), *(["ep"] if moe else []), "idle", "vpp", "schedule", "mbs", "micro",
             "recompute", "zero3", "hsdp", "mem GiB", "step s", "tokens/s", "TFLOP/s/gpu", "MFU",
             "bubble"]
     for c in cols:
         table.add_column(c, justify="left" if c in ("schedule", "recompute", "zero3", "hsdp")
                          else "right")
     for r in rows:
-        table.add_row(str(r["tp"]), str(r["pp"]), str(r["dp"]), *([str(r["ep"])] if moe else []),
+        cp_cell = [f"{r['cp']} {r['cp_mode']}" if r["cp"] > 1 else "1"] if cp else []
+        table.add_row(str(r["tp"]), str(r["pp"]), str(r["dp"]), *cp_cell,
+                      *([str(r["ep"])] if moe else []),
                       str(r["idle"]), str(r["vpp"]), r["schedule"],
                       str(r["microbatch_size"]), str(r["num_microbatches"]), r["recompute"],
                       "keep" if r["keep_gathered"] else "regather",

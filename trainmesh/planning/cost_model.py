@@ -76,7 +76,7 @@ HOP_LATENCY_INTRA_S = 1e-6
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")
 AUTO_SCHEDULES = SCHEDULES[:3]  # what the planner weighs unasked; zero-bubble ones when named
 CHUNKED = ("interleaved-1f1b", "zbv")  # schedules that run vpp chunks per rank
-RECOMPUTE = ("none", "full")
+RECOMPUTE = ("none", "selective", "full")  # selective: every recompute_stride-th block
 
 
 @dataclass(frozen=True)
@@ -101,6 +101,18 @@ class Candidate:
     # hybrid sharding (HSDP): ZeRO-3 inside groups of dp / dp_replicate replicas, gradients
     # all-reduced across the dp_replicate groups
     dp_replicate: int = 1
+    cp: int = 1  # context parallel: each sequence over cp ranks (ZeRO-3 over dp × cp)
+    cp_mode: str = "ring"  # ring | allgather
+    recompute_stride: int = 2  # with selective recomputation: every N-th block of a rank
+
+    def recomputed(self, layers: int) -> float:
+        """The fraction of a rank's ``layers`` blocks recomputed in backward (selective: the
+        rank's blocks 0, N, 2N, … as ``apply_activation_checkpointing`` picks them)."""
+        if self.recompute == "full":
+            return 1.0
+        if self.recompute == "selective":
+            return -(-layers // self.recompute_stride) / layers
+        return 0.0
 
     @property
     def dp_shard(self) -> int:
@@ -108,12 +120,17 @@ class Candidate:
         return self.dp // self.dp_replicate
 
     @property
+    def zero_shards(self) -> int:
+        """Ranks a ZeRO-3 shard group spans: its replicas and their context-parallel peers."""
+        return self.dp_shard * self.cp
+
+    @property
     def reduce_bytes(self) -> int:
         return 2 if self.reduce_dtype == "bfloat16" else 4
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
 
 
 @dataclass(frozen=True)
@@ -129,6 +146,7 @@ class Estimate:
     pp_comm_s: float
     dp_exposed_s: float
     ep_comm_s: float = 0.0  # MoE token all-to-alls (dispatch and combine, forward and backward)
+    cp_comm_s: float = 0.0  # context parallel's key/value traffic not hidden behind attention
 
 
 def bubble_fraction(schedule: str, pp: int, vpp: int, m: int) -> float:
@@ -262,21 +280,23 @@ def rank_params(model, pp: int, pp_rank: int, schedule: str = "1f1b") -> RankPar
 
 
 def activation_units(model, tp: int, sequence_parallel: bool, recompute: str,
-                     fused: bool = False, ep: int = 1) -> float:
+                     fused: bool = False, ep: int = 1, cp: int = 1) -> float:
     """Saved activations of one layer and microbatch, in s·b·h elements (module docstring).
     ``fused``: the Triton kernels, whose RMSNorm keeps only its input (not the normalised
-    copy) and whose SwiGLU keeps gate and up only."""
+    copy) and whose SwiGLU keeps gate and up only. ``cp`` > 1: the context-parallel attention
+    keeps the key/value heads unexpanded (q, k, v: 1 + 2·kv/h instead of 3)."""
     if recompute == "full":
         return 1.0 / tp if sequence_parallel and tp > 1 else 1.0
     f = model.ffn_dim / model.dim
+    attn = 5.0 if cp == 1 else 3.0 + 2.0 * model.n_kv_heads / model.n_heads
     norm = 1 if fused else 2  # per norm, besides the output the next matmul keeps
     mlp = (3 if fused else 4) * f
     moe = getattr(model, "moe", None)
     if moe is not None:  # the MoE block: its tp rank's share of the tokens, as the MLP's
         mlp = moe_activation_units(model, ep)
     if sequence_parallel and tp > 1:
-        return 2 + (2 * norm + 5 + mlp) / tp
-    return 2 + 2 * norm + (5 + mlp) / tp
+        return 2 + (2 * norm + attn + mlp) / tp
+    return 2 + 2 * norm + (attn + mlp) / tp
 
 
 # Dropless routing gives no bound on an expert's tokens: memory is planned for the busiest rank
@@ -306,14 +326,14 @@ def rank_memory(model, c: Candidate, seq_len: int, pp_rank: int = 0, compute_byt
     the Triton kernels run (RMSNorm, SwiGLU, RoPE and the fused linear + cross-entropy)."""
     rp = rank_params(model, c.pp, pp_rank, c.schedule)
     reduce_bytes = c.reduce_bytes
-    local = rp.local(c.tp, c.dp_shard)
+    local = rp.local(c.tp, c.zero_shards)
     layer_gathered = rp.layer_gathered(c.tp, c.ep)
     # A unit's gradients come out of backward in the compute dtype and are cast to the reduce
     # dtype for its reduce-scatter into the fp32 sharded gradients (4 × local). Across
     # microbatches without a reduce-scatter FSDP2 accumulates them unsharded in the reduce
     # dtype. AdamW's foreach step makes one parameter-sized fp32 temporary.
     reduce_unit = (compute_bytes + reduce_bytes) * layer_gathered
-    if c.pp > 1 and c.dp == 1 and compute_bytes == 4:  # stages not wrapped (nothing to shard
+    if c.pp > 1 and c.dp * c.cp == 1 and compute_bytes == 4:  # stages not wrapped (nothing to shard
         gathered, grads, end_of_step = 0.0, 4 * local, 8 * local  # or cast): plain fp32 grads
     elif c.keep_gathered and c.num_microbatches > 1:
         gathered = compute_bytes * rp.gathered(c.tp, c.ep)
@@ -328,23 +348,28 @@ def rank_memory(model, c: Candidate, seq_len: int, pp_rank: int = 0, compute_byt
         gathered = compute_bytes * (2 * layer_gathered + root)
         grads = 4 * local + reduce_unit
         end_of_step = 8 * local
-    sbh = seq_len * c.microbatch_size * model.dim
+    tokens = seq_len // c.cp * c.microbatch_size  # a context-parallel rank's part of each sequence
+    sbh = tokens * model.dim
     sp = c.sequence_parallel and c.tp > 1
-    per_layer = activation_units(model, c.tp, sp, c.recompute, fused_head, c.ep) * sbh * compute_bytes
+    f = c.recomputed(model.n_layers // c.pp)
+    units = ((1 - f) * activation_units(model, c.tp, sp, "none", fused_head, c.ep, c.cp)
+             + f * activation_units(model, c.tp, sp, "full", fused_head, c.ep, c.cp))
+    per_layer = units * sbh * compute_bytes
     layers_per_chunk = model.n_layers // (c.pp * c.vpp)
     chunks = in_flight_chunks(c.schedule, c.pp, c.vpp, c.num_microbatches, pp_rank)
     acts = per_layer * layers_per_chunk * chunks
     transient = 0.0
-    if c.recompute == "full":  # one block's activations exist while it is recomputed
-        transient += (activation_units(model, c.tp, sp, "none", fused_head, c.ep) * sbh
+    if f > 0:  # one block's activations exist while it is recomputed
+        transient += (activation_units(model, c.tp, sp, "none", fused_head, c.ep, c.cp) * sbh
                       * compute_bytes)
+    transient += cp_transient_bytes(model, c, seq_len, compute_bytes)
     if holds_head(c.schedule, c.pp, pp_rank):
         norm = 1 if fused_head else 2
         acts += (norm / c.tp + 1 if sp else norm + 1) * sbh * compute_bytes  # final norm
         if fused_head:  # the fused loss computes its gradients in forward and keeps them
             acts += (sbh / (c.tp if sp else 1) + model.vocab_size * model.dim / c.tp) * compute_bytes
         else:  # fp32 log-probabilities (saved), then their gradient in and out in backward
-            logprobs = 4.0 * seq_len * c.microbatch_size * model.vocab_size / c.tp
+            logprobs = 4.0 * tokens * model.vocab_size / c.tp
             acts += logprobs
             transient += 2 * logprobs
     return MemoryBreakdown(params=4 * local, grads=grads, optimizer=8 * local,
@@ -367,7 +392,7 @@ def snapshot_host_bytes(model, c: Candidate, pp_rank: int | None = None) -> floa
     ranks = {0, c.pp - 1} if pp_rank is None else {pp_rank}
 
     def one(r: int) -> float:
-        state = 12 * rank_params(model, c.pp, r, c.schedule).local(c.tp, c.dp_shard)
+        state = 12 * rank_params(model, c.pp, r, c.schedule).local(c.tp, c.zero_shards)
         return 6 * (state + 3 * DCP_ENTRY_BYTES * _tensors(model, c, r)) + state
     return max(one(r) for r in ranks)
 
@@ -412,7 +437,7 @@ def _zero3_exposed(model, c: Candidate, device: DeviceSpec, per_node: int, compu
     bandwidth. Overlapped with compute except what exceeds half of it; each collective's
     latency (one hop per other participant of its ring) is paid per FSDP unit, not hidden."""
     params = rank_params(model, c.pp, 0, c.schedule).gathered(c.tp, c.ep)
-    s, r = c.dp_shard, c.dp_replicate
+    s, r = c.zero_shards, c.dp_replicate
     shard_inside = s * c.tp <= per_node
     gathers = 1 if c.keep_gathered else 2 * c.num_microbatches
     reduces = 1 if c.keep_gathered else c.num_microbatches
@@ -424,12 +449,59 @@ def _zero3_exposed(model, c: Candidate, device: DeviceSpec, per_node: int, compu
         time += moved * (s - 1) / s / (bw * 1e9)
         latency += (gathers + reduces) * units * _ring_latency(s, not shard_inside)
     if r > 1:
-        whole_inside = c.dp * c.tp <= per_node
+        whole_inside = c.dp * c.cp * c.tp <= per_node
         bw = device.intra_node_gbps if whole_inside else device.inter_node_gbps
         # once per step: re-gathering reduce-scatters every microbatch, all-reduces at the last
         time += 2 * (r - 1) / r * c.reduce_bytes * params / s / (bw * 1e9)
         latency += units * 2 * _ring_latency(r, not whole_inside)
     return max(0.0, time - 0.5 * compute) + latency
+
+
+def _kv_dim(model) -> int:
+    return model.n_kv_heads * (getattr(model, "head_dim", None) or model.dim // model.n_heads)
+
+
+def cp_transient_bytes(model, c: Candidate, seq_len: int, compute_bytes: int) -> float:
+    """What context-parallel attention holds while a layer runs, beyond saved activations:
+    all-gather, every rank's keys and values (compute dtype) and in backward their fp32
+    gradients; ring, the block being used and the one arriving, and two fp32 gradient blocks."""
+    if c.cp == 1:
+        return 0.0
+    block = 2 * seq_len // c.cp * c.microbatch_size * _kv_dim(model) / c.tp  # K and V elements
+    if c.cp_mode == "allgather":
+        return c.cp * block * (compute_bytes + 4)
+    return block * (2 * compute_bytes + 2 * 4)
+
+
+def cp_exposed(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: int,
+               compute_bytes: int) -> float:
+    """Context parallel's key/value traffic per step that compute does not hide. Ring: each of
+    cp − 1 hops sends a block (K and V of seq/cp tokens, the rank's key/value heads), hidden
+    behind the attention of the block at hand (forward: 4·(s/cp)²·h/t/2 FLOPs per block,
+    causal; backward twice that) except what exceeds it; backward sends the blocks' fp32
+    gradients cp hops on, after each block (not hidden). All-gather: the keys and values
+    gathered in forward and again in backward, their fp32 gradients reduce-scattered; not
+    hidden. Per layer and microbatch; full recomputation runs the forward's again. The ring is
+    within a node when cp × tp fits one."""
+    if c.cp == 1:
+        return 0.0
+    inside = c.cp * c.tp <= per_node
+    bw = (device.intra_node_gbps if inside else device.inter_node_gbps) * 1e9
+    part = seq_len // c.cp * c.microbatch_size
+    block = 2 * part * _kv_dim(model) / c.tp  # elements of one rank's K and V
+    forwards = 1 + c.recomputed(model.n_layers // c.pp)
+    if c.cp_mode == "allgather":
+        moved = (c.cp - 1) * block * ((forwards + 1) * compute_bytes + 4)
+        per_layer = moved / bw + (forwards + 2) * _ring_latency(c.cp, not inside)
+    else:
+        hop = block * compute_bytes / bw + PP_LATENCY_S
+        attn = 4.0 * part * part * model.dim / c.tp / 2  # one block's causal-average FLOPs
+        attn_s = attn / (device.peak_tflops * 1e12 * MATMUL_EFFICIENCY)
+        fwd = (c.cp - 1) * max(hop - attn_s, PP_LATENCY_S)
+        bwd = (c.cp - 1) * max(hop - 2 * attn_s, PP_LATENCY_S)
+        grads = c.cp * (block * 4 / bw + PP_LATENCY_S)
+        per_layer = forwards * fwd + bwd + grads
+    return per_layer * (model.n_layers // c.pp) * c.num_microbatches
 
 
 def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: int,
@@ -439,12 +511,11 @@ def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: in
     flops = flops_per_token(model, seq_len) * tokens
     computed = flops * c.dp * c.num_microbatches / (c.dp * c.num_microbatches - c.padding)
     ideal = computed / (c.world_size * device.peak_tflops * 1e12 * MATMUL_EFFICIENCY)
-    if c.recompute == "full":
-        ideal *= 4.0 / 3.0
+    ideal *= 1.0 + c.recomputed(model.n_layers // c.pp) / 3.0  # one more forward per recomputed block
     bubble = bubble_fraction(c.schedule, c.pp, c.vpp, c.num_microbatches)
     compute = ideal / (1.0 - bubble)
     h, layers = model.dim, model.n_layers // c.pp
-    act_bytes = compute_bytes * seq_len * c.microbatch_size * h
+    act_bytes = compute_bytes * seq_len // c.cp * c.microbatch_size * h
     tp_comm = 0.0
     if c.tp > 1:
         per_op = 2 * (c.tp - 1) / c.tp * act_bytes / (device.intra_node_gbps * 1e9)
@@ -459,19 +530,21 @@ def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: in
     if moe is not None and c.ep > 1:  # 4 all-to-alls per MoE block and microbatch (6 when
         # full recompute runs the forward's two again)
         moe_layers = sum(1 for i in range(model.n_layers) if i >= moe.dense_layers) / c.pp
-        per_a2a = (seq_len * c.microbatch_size / c.tp * moe.top_k * h * compute_bytes
+        per_a2a = (seq_len // c.cp * c.microbatch_size / c.tp * moe.top_k * h * compute_bytes
                    * (c.ep - 1) / c.ep)
         bw = device.intra_node_gbps if c.ep * c.tp <= per_node else device.inter_node_gbps
-        calls = 6 if c.recompute == "full" else 4
+        calls = 4 + 2 * c.recomputed(model.n_layers // c.pp)
         ep_comm = calls * per_a2a / (bw * 1e9) * moe_layers * c.num_microbatches
     dp_exposed = 0.0
-    if c.dp > 1:
+    if c.dp * c.cp > 1:
         dp_exposed = _zero3_exposed(model, c, device, per_node, compute_bytes, compute)
-    step = compute + tp_comm + pp_comm + dp_exposed + ep_comm
+    cp_comm = cp_exposed(model, c, seq_len, device, per_node, compute_bytes)
+    step = compute + tp_comm + pp_comm + dp_exposed + ep_comm + cp_comm
     achieved = flops / step / c.world_size
     return Estimate(
         memory_per_rank_gib=memory_bytes(model, c, seq_len, compute_bytes,
                                          device.framework_gib * GIB, fused) / GIB,
         step_time_s=step, tokens_per_s=tokens / step, tflops_per_gpu=achieved / 1e12,
         mfu=achieved / (device.peak_tflops * 1e12), bubble_fraction=bubble, compute_s=compute,
-        tp_comm_s=tp_comm, pp_comm_s=pp_comm, dp_exposed_s=dp_exposed, ep_comm_s=ep_comm)
+        tp_comm_s=tp_comm, pp_comm_s=pp_comm, dp_exposed_s=dp_exposed, ep_comm_s=ep_comm,
+        cp_comm_s=cp_comm)

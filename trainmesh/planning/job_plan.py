@@ -20,11 +20,15 @@ def request_for(spec: JobSpec) -> PlanRequest:
     par, tr = spec.parallelism, spec.training
     fixed: dict[str, int | str | bool] = {}
     if not par.auto:
-        fixed.update(tp=par.tp, pp=par.pp, dp=par.dp, vpp=par.vpp, ep=par.ep,
+        fixed.update(tp=par.tp, pp=par.pp, dp=par.dp, vpp=par.vpp, ep=par.ep, cp=par.cp,
+                     cp_mode=par.cp_mode,
                      dp_replicate=par.dp_replicate,
                      microbatch_size=tr.microbatch_size, schedule=spec.schedule.name,
                      sequence_parallel=par.sequence_parallel,
-                     recompute="full" if spec.activation_checkpoint.mode == "full" else "none")
+                     recompute=spec.activation_checkpoint.mode,
+                     recompute_stride=spec.activation_checkpoint.stride)
+    if spec.data.document_mask:
+        fixed["document_mask"] = True
     if par.keep_gathered is not None:
         fixed["keep_gathered"] = par.keep_gathered
     fixed["reduce_dtype"] = par.reduce_dtype
@@ -38,7 +42,7 @@ def plan_job(spec: JobSpec, topo: Topology) -> tuple[ParallelDims, PlanResult]:
     Either may leave accelerators idle (``RankedPlan.idle``)."""
     par = spec.parallelism
     if not par.auto and par.world_size > topo.world_size:
-        raise PlanError(f"parallelism: tp×pp×dp = {par.world_size} ranks but the cluster has "
+        raise PlanError(f"parallelism: tp×pp×dp×cp = {par.world_size} ranks but the cluster has "
                         f"{topo.world_size} accelerators; lower the degrees or add nodes")
     result = plan(request_for(spec), topo)
     if not result.plans:
@@ -46,7 +50,7 @@ def plan_job(spec: JobSpec, topo: Topology) -> tuple[ParallelDims, PlanResult]:
                         + summarize_rejections(result.rejected)
                         + "; lower the degrees, shorten the sequence or add accelerators")
     best = result.best.candidate
-    return ParallelDims(pp=best.pp, dp=best.dp, tp=best.tp, ep=best.ep), result
+    return ParallelDims(pp=best.pp, dp=best.dp, tp=best.tp, ep=best.ep, cp=best.cp), result
 
 
 def expert_parallel_degree(spec: JobSpec, dp: int) -> int:
@@ -61,7 +65,7 @@ def effective_spec(spec: JobSpec, c: Candidate) -> JobSpec:
     """The spec with the plan's choices written in: what the ranks build and run."""
     par = spec.parallelism.model_copy(update={
         "auto": False, "tp": c.tp, "pp": c.pp, "dp": c.dp, "vpp": c.vpp,
-        "ep": c.ep, "dp_replicate": c.dp_replicate,
+        "ep": c.ep, "dp_replicate": c.dp_replicate, "cp": c.cp, "cp_mode": c.cp_mode,
         "sequence_parallel": c.sequence_parallel and c.tp > 1,
         "keep_gathered": c.keep_gathered, "reduce_dtype": c.reduce_dtype})
     update = {"parallelism": par,
@@ -69,7 +73,7 @@ def effective_spec(spec: JobSpec, c: Candidate) -> JobSpec:
               "training": spec.training.model_copy(update={"microbatch_size": c.microbatch_size})}
     if spec.parallelism.auto:  # the planner chose recomputation too
         update["activation_checkpoint"] = spec.activation_checkpoint.model_copy(
-            update={"mode": c.recompute})
+            update={"mode": c.recompute, "stride": c.recompute_stride})
     return spec.model_copy(update=update)
 
 
@@ -101,7 +105,7 @@ def replan_job(spec: JobSpec, topo: Topology) -> Replan:
         req.fixed["max_dp_replicate"] = req.fixed.pop("dp_replicate")
         result = plan(req, topo)
         if not result.plans:
-            changed = (f"the pinned tp={par.tp}, pp={par.pp}, vpp={par.vpp} no longer fit the "
+            changed = (f"the pinned tp={par.tp}, pp={par.pp}, cp={par.cp}, vpp={par.vpp} no longer fit the "
                        f"{topo.world_size} accelerators left ("
                        f"{summarize_rejections(result.rejected)})")
     if result is None or not result.plans:
@@ -124,8 +128,8 @@ def replan_job(spec: JobSpec, topo: Topology) -> Replan:
                         f"dp={c.dp}), below elastic.min_world_size="
                         f"{floor}; lower elastic.min_world_size or add nodes")
     if changed:
-        changed += f"; re-planned to tp={c.tp}, pp={c.pp}, vpp={c.vpp}, dp={c.dp}"
-    dims = ParallelDims(pp=c.pp, dp=c.dp, tp=c.tp, ep=c.ep)
+        changed += f"; re-planned to tp={c.tp}, pp={c.pp}, cp={c.cp}, vpp={c.vpp}, dp={c.dp}"
+    dims = ParallelDims(pp=c.pp, dp=c.dp, tp=c.tp, ep=c.ep, cp=c.cp)
     return Replan(dims, result, effective_spec(spec, c), changed)
 
 

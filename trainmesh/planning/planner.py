@@ -19,6 +19,7 @@ from trainmesh.planning.cost_model import (
 )
 from trainmesh.planning.topology import Topology
 from trainmesh.spec.mesh_rules import (
+    cp_problems,
     ep_degrees,
     microbatches_per_replica,
     pp_problems,
@@ -30,6 +31,13 @@ from trainmesh.spec.problems import Problem
 MEMORY_HEADROOM = 0.9  # plan within this fraction of device memory
 MICROBATCH_SIZES = (1, 2, 4, 8)
 VPP_CHOICES = (1, 2, 4)
+CP_CHOICES = (1, 2, 4, 8, 16, 32)
+CP_MODES = ("ring", "allgather")
+# Context parallel is weighed for sequences this long (Llama 3 used it for its 131K stage,
+# not its 8K one), or for shorter ones when nothing else fits; never leaving a rank fewer
+# tokens of a sequence than CP_MIN_TOKENS (its ring transfers could not hide).
+LONG_CONTEXT = 16384
+CP_MIN_TOKENS = 1024
 
 
 @dataclass(frozen=True)
@@ -58,7 +66,7 @@ class RankedPlan:
                 "microbatch_size": c.microbatch_size, "num_microbatches": c.num_microbatches,
                 "recompute": c.recompute, "keep_gathered": c.keep_gathered,
                 "reduce_dtype": c.reduce_dtype, "sequence_parallel": c.sequence_parallel,
-                "ep": c.ep, "dp_replicate": c.dp_replicate,
+                "ep": c.ep, "dp_replicate": c.dp_replicate, "cp": c.cp, "cp_mode": c.cp_mode,
                 "memory_per_rank_gib": round(e.memory_per_rank_gib, 3),
                 "step_time_s": e.step_time_s, "tokens_per_s": e.tokens_per_s,
                 "tflops_per_gpu": e.tflops_per_gpu, "mfu": e.mfu,
@@ -113,15 +121,29 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidates(req: PlanRequest, topo: Topology) -> Iterator[Candidate | Rejection]:
+def _cp_choices(req: PlanRequest, long: bool) -> list[int]:
+    """The pinned cp, or 1 and (for a long sequence, ``long``) every power of two that cuts
+    it into 2·cp chunks of at least CP_MIN_TOKENS / 2 tokens."""
+    if "cp" in req.fixed:
+        return [int(req.fixed["cp"])]
+    if not long:
+        return [1]
+    return [c for c in CP_CHOICES if c == 1 or (req.seq_len % (2 * c) == 0
+                                                 and req.seq_len // c >= CP_MIN_TOKENS)]
+
+
+def candidates(req: PlanRequest, topo: Topology,
+               long: bool | None = None) -> Iterator[Candidate | Rejection]:
     """Every (tp, pp, dp, vpp, schedule, microbatch size, recompute) that fits the cluster,
     yielding a Rejection (with its reason) for the structurally impossible ones.
 
     A plan need not use every accelerator: tp divides the accelerators of the largest node
     and TP groups stay whole inside nodes (``Topology.usable``), and tp × pp × dp may be
     less than what is usable (whole tp × pp replicas, at most one per microbatch of the
-    global batch, which is always kept), so the rest stay idle (spares)."""
+    global batch, which is always kept), so the rest stay idle (spares). ``long``: weigh
+    context parallel (default: for sequences of LONG_CONTEXT tokens or more)."""
     m, fixed = req.model, req.fixed
+    cps = _cp_choices(req, req.seq_len >= LONG_CONTEXT if long is None else long)
     largest = topo.largest_node
     tps = [int(fixed["tp"])] if "tp" in fixed else _divisors(largest)
     for tp in tps:
@@ -135,16 +157,24 @@ def candidates(req: PlanRequest, topo: Topology) -> Iterator[Candidate | Rejecti
             continue
         usable = topo.usable(tp).world_size
         pps = [int(fixed["pp"])] if "pp" in fixed else _divisors(m.n_layers)
+        if fixed.get("document_mask") and "pp" not in fixed:  # documents need the tokens
+            pps = [1]
         for pp in pps:
             broken = runnable_problems(m, 1, pp)
             if broken:
                 yield _rule_rejection(broken[0])
                 continue
-            if tp * pp > usable:
-                yield Rejection(None, f"topology: tp×pp = {tp}×{pp} exceeds the {usable} "
-                                      f"accelerators usable in whole TP groups of {tp}")
-                continue
-            yield from _inner(req, tp, pp, usable // (tp * pp), largest)
+            for cp in cps:
+                if tp * pp * cp > usable:
+                    yield Rejection(None, f"topology: tp×pp×cp = {tp}×{pp}×{cp} exceeds the "
+                                          f"{usable} accelerators usable in whole TP groups of {tp}")
+                    continue
+                broken = cp_problems(req.seq_len, cp, tp, int(fixed.get("ep", 1)), pp,
+                                     bool(fixed.get("sequence_parallel", tp > 1)))
+                if broken:
+                    yield _rule_rejection(broken[0])
+                    continue
+                yield from _inner(req, tp, pp, usable // (tp * pp * cp), largest, cp)
 
 
 def _dp_choices(req: PlanRequest, pp: int, mbs: int, max_dp: int) -> Iterator[int | Rejection]:
@@ -194,7 +224,7 @@ def _dp_choices(req: PlanRequest, pp: int, mbs: int, max_dp: int) -> Iterator[in
 
 
 def _inner(req: PlanRequest, tp: int, pp: int, max_dp: int,
-           per_node: int) -> Iterator[Candidate | Rejection]:
+           per_node: int, cp: int = 1) -> Iterator[Candidate | Rejection]:
     m, fixed, B = req.model, req.fixed, req.global_batch_size
     for vpp in VPP_CHOICES:
         if ("vpp" in fixed and vpp != fixed["vpp"]) or (pp == 1 and vpp > 1):
@@ -220,7 +250,7 @@ def _inner(req: PlanRequest, tp: int, pp: int, max_dp: int,
                         continue
                     n_micro = microbatches_per_replica(B, mbs, dp)
                     yield from _options(req, tp, pp, dp, vpp, schedule, mbs, n_micro,
-                                        n_micro * dp - B // mbs, per_node)
+                                        n_micro * dp - B // mbs, per_node, cp)
 
 
 def _replicate_choices(req: PlanRequest, tp: int, dp: int, ep: int, per_node: int) -> list[int]:
@@ -245,8 +275,9 @@ def _replicate_choices(req: PlanRequest, tp: int, dp: int, ep: int, per_node: in
 
 
 def _options(req: PlanRequest, tp: int, pp: int, dp: int, vpp: int, schedule: str, mbs: int,
-             n_micro: int, padding: int = 0, per_node: int = 8) -> Iterator[Candidate]:
-    """Recomputation, ZeRO-3 policy and hybrid sharding for one layout."""
+             n_micro: int, padding: int = 0, per_node: int = 8,
+             cp: int = 1) -> Iterator[Candidate]:
+    """Recomputation, ZeRO-3 policy, hybrid sharding and context-parallel mode for one layout."""
     fixed = req.fixed
     sp = bool(fixed.get("sequence_parallel", tp > 1))
     keeps = (True, False)  # FSDP2 gathers a copy even at dp = 1
@@ -255,26 +286,30 @@ def _options(req: PlanRequest, tp: int, pp: int, dp: int, vpp: int, schedule: st
     elif "keep_gathered" in fixed:
         keeps = (bool(fixed["keep_gathered"]),)
     reduce = str(fixed.get("reduce_dtype", "float32"))
-    for ep in _ep_choices(req, dp):
+    stride = int(fixed.get("recompute_stride", 2))
+    modes = ("ring",) if cp == 1 else (str(fixed["cp_mode"]),) if "cp_mode" in fixed else CP_MODES
+    for ep in _ep_choices(req, dp, cp):
         for rc in RECOMPUTE:
             if "recompute" in fixed and rc != fixed["recompute"]:
                 continue
             for keep in keeps:
                 for rep in _replicate_choices(req, tp, dp, ep, per_node):
-                    yield Candidate(tp, pp, dp, vpp, schedule, mbs, n_micro, rc, sp, keep,
-                                    reduce, ep, padding, rep)
+                    for mode in modes:
+                        yield Candidate(tp, pp, dp, vpp, schedule, mbs, n_micro, rc, sp, keep,
+                                        reduce, ep, padding, rep, cp, mode, stride)
 
 
-def _ep_choices(req: PlanRequest, dp: int) -> list[int]:
-    """Expert-parallel degrees for ``dp`` replicas: the pinned one (``fixed["ep"]``, checked
-    by the spec against dp), the largest up to ``fixed["max_ep"]`` (a re-plan keeps the
-    user's ep where it still divides), or every one that divides dp and the experts."""
+def _ep_choices(req: PlanRequest, dp: int, cp: int = 1) -> list[int]:
+    """Expert-parallel degrees for ``dp`` replicas (and their ``cp`` context-parallel ranks):
+    the pinned one (``fixed["ep"]``, checked by the spec), the largest up to
+    ``fixed["max_ep"]`` (a re-plan keeps the user's ep where it still divides), or every one
+    that divides dp × cp and the experts (a multiple of cp: whole rings)."""
     fixed = req.fixed
     if getattr(req.model, "moe", None) is None:
         return [1]
     if "ep" in fixed:
         return [int(fixed["ep"])]
-    valid = ep_degrees(req.model, dp)
+    valid = [e for e in ep_degrees(req.model, dp * cp) if e == 1 or e % cp == 0]
     if "max_ep" in fixed:
         return [max(e for e in valid if e <= int(fixed["max_ep"]))]
     return valid
@@ -282,12 +317,22 @@ def _ep_choices(req: PlanRequest, dp: int) -> list[int]:
 
 def plan(req: PlanRequest, topo: Topology) -> PlanResult:
     """All feasible plans, best first: fewest accelerators idle, then predicted tokens/s; and
-    every rejection."""
+    every rejection. A sequence shorter than LONG_CONTEXT is planned with context parallel
+    only when nothing fits without it."""
+    result = _plan(req, topo, None)
+    if not result.plans and "cp" not in req.fixed and req.seq_len < LONG_CONTEXT:
+        again = _plan(req, topo, True)
+        if again.plans:
+            return again
+    return result
+
+
+def _plan(req: PlanRequest, topo: Topology, long: bool | None) -> PlanResult:
     limit = topo.device.memory_gib * MEMORY_HEADROOM * 1024**3
     fused = uses_fused_kernels(req.kernels, topo.device.name)
     ranked, rejected = [], []
     layouts: dict[tuple[int, int], tuple[int, ...]] = {}
-    for c in candidates(req, topo):
+    for c in candidates(req, topo, long):
         if isinstance(c, Rejection):
             rejected.append(c)
             continue
@@ -337,8 +382,9 @@ def explain(result: PlanResult) -> str:
     """One paragraph on why the winner won."""
     best = result.best
     c, e = best.candidate, best.estimate
-    ep = f" (ep={c.ep} over dp)" if c.ep > 1 else ""
-    parts = [f"tp={c.tp} × pp={c.pp} × dp={c.dp}{ep} (vpp={c.vpp}, {c.schedule}, microbatch "
+    ep = f" (ep={c.ep} over dp{' × cp' if c.cp > 1 else ''})" if c.ep > 1 else ""
+    cp = f" × cp={c.cp} ({c.cp_mode})" if c.cp > 1 else ""
+    parts = [f"tp={c.tp} × pp={c.pp} × dp={c.dp}{cp}{ep} (vpp={c.vpp}, {c.schedule}, microbatch "
              f"{c.microbatch_size} × {c.num_microbatches}, recompute {c.recompute}) is predicted "
              f"fastest at {e.tokens_per_s:,.0f} tokens/s and {e.mfu:.1%} MFU, using "
              f"{e.memory_per_rank_gib:.1f} GiB per rank."]
@@ -359,16 +405,21 @@ def explain(result: PlanResult) -> str:
                  + (f", exposed ZeRO-3 traffic {e.dp_exposed_s:.3g} s and MoE all-to-all "
                     f"{e.ep_comm_s:.3g} s." if c.ep > 1
                     else f" and exposed ZeRO-3 traffic {e.dp_exposed_s:.3g} s."))
+    if c.cp > 1:
+        parts.append(f"Context parallel splits each sequence over {c.cp} ranks: their "
+                     f"activations are 1/{c.cp} of a whole sequence's, and "
+                     f"{e.cp_comm_s:.3g} s of the step is {c.cp_mode} key/value traffic that "
+                     "the attention does not hide.")
     parts += _sharding_choice(result, best)
-    degrees = (c.tp, c.pp, c.dp, c.vpp)
-    others = [p for p in result.plans
-              if (p.candidate.tp, p.candidate.pp, p.candidate.dp, p.candidate.vpp) != degrees]
+    degrees = (c.tp, c.pp, c.dp, c.vpp, c.cp)
+    others = [p for p in result.plans if (p.candidate.tp, p.candidate.pp, p.candidate.dp,
+                                          p.candidate.vpp, p.candidate.cp) != degrees]
     if others:
         nxt = others[0]
         gap = 1 - nxt.estimate.tokens_per_s / e.tokens_per_s
         n = nxt.candidate
         more = f", leaving {nxt.idle - best.idle} more idle" if nxt.idle > best.idle else ""
-        parts.append(f"The best other layout (tp={n.tp}, pp={n.pp}, dp={n.dp}, vpp={n.vpp}, "
+        parts.append(f"The best other layout (tp={n.tp}, pp={n.pp}, dp={n.dp}, cp={n.cp}, vpp={n.vpp}, "
                      f"{n.schedule}, recompute {n.recompute}{more}) is predicted "
                      f"{abs(gap):.1%} {'slower' if gap >= 0 else 'faster'}.")
     if result.rejected:

@@ -22,6 +22,10 @@ PRESETS: dict[str, dict[str, object]] = {
     # Llama-3.1-70B-like shape and RoPE.
     "70b": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672,
                 vocab_size=128256, max_seq_len=8192, **_LLAMA31_ROPE),
+    # Llama-3.1-405B-like shape and RoPE (126 blocks: pipeline degrees must divide them, so a
+    # 16-stage plan of Meta's needs model.n_layers=128 here; stages are even).
+    "405b": dict(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248,
+                 vocab_size=128256, max_seq_len=8192, **_LLAMA31_ROPE),
     # Mixture of Experts. Tests and the CPU demo: 8 experts (ep 2, 4 and 8 divide them),
     # top-2 softmax routing, no shared expert or dense block: Mixtral's layout, so it exports
     # to MixtralForCausalLM.

@@ -59,10 +59,11 @@ def num_params(shape, include_embedding: bool = True, active: bool = False) -> i
 
 def flops_per_token(shape, seq_len: int) -> float:
     """Training FLOPs per token: 6 × (matmul parameters a token uses — the active experts
-    only — the output head included) for forward and backward, plus 6 × 2 × n_layers ×
-    (n_heads × head_dim) × seq_len for attention scores and values (no causal discount: the
-    PaLM convention used for MFU)."""
+    only — the output head included) for forward and backward, plus 6 × n_layers × (n_heads ×
+    head_dim) × seq_len for attention scores and values under the causal mask (half of the
+    unmasked 12 × …: what causal kernels, and context parallel's skipped blocks, compute; at
+    131K tokens the unmasked count would double the step's FLOPs and report MFU above 80%)."""
     matmul_params = num_params(shape, include_embedding=False, active=True)
     if shape.tie_embeddings:
         matmul_params += shape.vocab_size * shape.dim  # the tied head is still a matmul
-    return 6.0 * matmul_params + 12.0 * shape.n_layers * shape.n_heads * head_dim(shape) * seq_len
+    return 6.0 * matmul_params + 6.0 * shape.n_layers * shape.n_heads * head_dim(shape) * seq_len
