@@ -26,6 +26,9 @@ CASES = {  # largest meshes first: the rank pool then only shrinks
     "cp4-allgather": (ParallelDims(cp=4), ["parallelism.cp_mode=allgather"]),
     # ZeRO-3 shards and reduces over dp × cp
     "cp2-dp2-ring": (ParallelDims(cp=2, dp=2), ["parallelism.keep_gathered=false"]),
+    # interrupted and resumed on a mesh without context parallel (_resumed_at_cp1): the
+    # recovery after losing half of the ranks of a cp2 × dp2 job
+    "cp2-dp2-resumed-at-cp1-dp2": (ParallelDims(cp=2, dp=2), []),
     "cp2-tp2-sp-allgather": (ParallelDims(cp=2, tp=2), ["parallelism.sequence_parallel=true",
                                                          "parallelism.cp_mode=allgather"]),
     "cp2-pp2-1f1b-ring": (ParallelDims(cp=2, pp=2), ["schedule.name=1f1b"]),
@@ -40,6 +43,8 @@ CASES = {  # largest meshes first: the rank pool then only shrinks
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("case", list(CASES))
 def test_context_parallel_matches_single_process(rank_pool, tmp_path, case):
+    if case == "cp2-dp2-resumed-at-cp1-dp2":
+        return _resumed_at_cp1(rank_pool, tmp_path)
     dims, extra = CASES[case]
     base = MOE if case.startswith("moe") else LONG
     spec = load_spec(None, [*BASE, *base, f"parallelism.pp={dims.pp}", f"parallelism.tp={dims.tp}",
@@ -52,6 +57,35 @@ def test_context_parallel_matches_single_process(rank_pool, tmp_path, case):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     _close(grads, ref_grads)
     _close(params, ref_params, rtol=1e-5, atol=5e-5)  # after AdamW: see test_tensor_parallel
+
+
+def _resumed_at_cp1(rank_pool, tmp_path) -> None:
+    """cp 2 × dp 2 saves at step 2; dp 2 alone restores it (parameters are replicated across
+    cp: the checkpoint does not depend on it) and reads on from the same data position with
+    whole sequences: every loss is the single process's."""
+    spec = load_spec(None, [*BASE, *LONG, "parallelism.dp=2", "parallelism.cp=2",
+                            f"runtime.output_dir={tmp_path}", "training.steps=4"])
+    data_dir = str(ensure_tiny_corpus(tmp_path / "data"))
+    before, after = ParallelDims(dp=2, cp=2), ParallelDims(dp=2)
+    group = rank_pool.group_for(spec, before)
+    try:
+        group.build(spec.model_dump_json(), before, data_dir)
+        losses = [group.train_step()[0]["loss"] for _ in range(2)]
+        group.save_to(str(tmp_path / "cp2"))
+    finally:
+        rank_pool.release(group)
+    spec = spec.model_copy(update={"parallelism": spec.parallelism.model_copy(update={"cp": 1})})
+    group = rank_pool.group_for(spec, after)
+    try:
+        group.build(spec.model_dump_json(), after, data_dir)
+        group.load(str(tmp_path / "cp2"), 2, None)
+        losses += [group.train_step()[0]["loss"] for _ in range(2)]
+        params = group.full_state()
+    finally:
+        rank_pool.release(group)
+    ref_losses, ref_params = reference_run(spec, data_dir, steps=4)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    _close(params, ref_params, rtol=1e-5, atol=5e-5)
 
 
 def _documents(spec, data_dir: str):

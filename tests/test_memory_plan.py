@@ -80,6 +80,36 @@ def test_planned_memory_matches_what_ranks_hold(rank_pool, tmp_path):
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.timeout(300)
+def test_context_parallel_divides_activations_as_planned(rank_pool, tmp_path):
+    """At the same 256-token sequence, cp 4 saves about a quarter of the activations that
+    cp 1 does (each rank holds 2 of its 8 chunks), and each within 10% of its plan."""
+    data_dir = str(ensure_tiny_corpus(tmp_path / "data"))
+    topo = Topology.uniform(1, 4, "cpu")
+    measured = {}
+    for name, extra in {"cp4-ring": ["parallelism.cp=4"], "cp1-dp4": ["parallelism.dp=4"],
+                        "cp2-dp2-allgather": ["parallelism.cp=2", "parallelism.dp=2",
+                                              "parallelism.cp_mode=allgather"]}.items():
+        spec = load_spec(None, [*BASE, *extra, "training.seq_len=256",
+                                f"runtime.output_dir={tmp_path}"])
+        dims, result = plan_job(spec, topo)
+        eff = effective_spec(spec, result.best.candidate)
+        group = rank_pool.group_for(eff, dims)
+        try:
+            group.build(eff.model_dump_json(), dims, data_dir)
+            group.train_step(measure_activations=True)
+            rows = memory_rows(group.memory_reports(), eff, result.best.candidate, dims,
+                               device_spec("cpu"), stepped=True)
+        finally:
+            rank_pool.release(group)
+        for row in rows:
+            got, planned = row["activations_gib"], row["predicted"]["activations"]
+            assert abs(got / planned - 1) <= 0.10, (name, row["rank"], got * GIB, planned * GIB)
+        measured[name] = max(row["activations_gib"] for row in rows)
+    assert 0.2 <= measured["cp4-ring"] / measured["cp1-dp4"] <= 0.3, measured
+    assert 0.4 <= measured["cp2-dp2-allgather"] / measured["cp1-dp4"] <= 0.6, measured
+
+
 @pytest.mark.timeout(600)
 def test_dry_run_builds_a_1b_model_over_4_ranks_in_a_fraction_of_its_size(ray_local, tmp_path):
     """The meta build: no rank ever holds the whole model. 1b in fp32 is 4.6 GiB; each of 4

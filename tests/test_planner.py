@@ -13,7 +13,7 @@ from trainmesh.cli.loading import load_spec
 from trainmesh.cli.main import main
 from trainmesh.planning import cost_model
 from trainmesh.planning.devices import device_spec
-from trainmesh.planning.job_plan import PlanError, plan_job
+from trainmesh.planning.job_plan import PlanError, plan_job, request_for
 from trainmesh.planning.planner import MEMORY_HEADROOM, PlanRequest, explain, plan
 from trainmesh.planning.topology import Node, Topology, topology_from_nodes
 
@@ -389,3 +389,52 @@ def test_at_16k_gpus_the_planner_chooses_hybrid_sharding_and_says_why(capsys):
     _print_table(spec, Topology.uniform(2048, 8, "h100"), [p.as_row() for p in result.plans[:2]])
     out = capsys.readouterr().out
     assert "hsdp" in out and f"{c.dp_replicate}×{c.dp_shard}" in out
+
+
+def test_a_sequence_that_fits_no_rank_is_planned_with_context_parallel():
+    """Llama-3.1-8B at 131,072 tokens on 4 nodes of 8 H100: without context parallel only
+    layouts that recompute fit (keeping a block's input for most layers), so the
+    planner splits sequences over cp ranks, faster, and says so; the job's own tp 4 × dp 8
+    without cp does not fit; shorter sequences are never split."""
+    spec = load_spec("jobs/llama-8b-128k.yaml", ["parallelism=auto"])
+    result = plan(request_for(spec), Topology.uniform(4, 8, "h100"))
+    best = result.best.candidate
+    assert best.cp > 1 and best.world_size == 32
+    whole = [p for p in result.plans if p.candidate.cp == 1]
+    assert whole and all(p.candidate.recompute != "none" for p in whole)
+    assert whole[0].estimate.tokens_per_s < result.best.estimate.tokens_per_s
+    assert "Context parallel splits each sequence over" in explain(result)
+    pinned = load_spec("jobs/llama-8b-128k.yaml", ["parallelism.cp=1", "parallelism.dp=8"])
+    assert not plan(request_for(pinned), Topology.uniform(4, 8, "h100")).plans
+    # activations per rank: 1/cp of a whole sequence's
+    c = dataclasses.replace(best, cp=1, dp=best.dp * best.cp)
+    whole = cost_model.rank_memory(spec.model, c, 131072).activations
+    assert cost_model.rank_memory(spec.model, best, 131072).activations == pytest.approx(
+        whole / best.cp, rel=0.15)
+    short = plan(request_for(load_spec("jobs/llama-70b.yaml", ["parallelism=auto"])),
+                 Topology.uniform(16, 8, "h100"))
+    assert short.plans and {p.candidate.cp for p in short.plans} == {1}
+
+
+def test_a_replan_keeps_the_pinned_context_parallel_degree():
+    """One of the 4 nodes of the long-context job lost: tp 4 × cp 4 still fit, dp drops."""
+    spec = load_spec("jobs/llama-8b-128k.yaml", ["elastic.min_world_size=1"])
+    from trainmesh.planning.job_plan import replan_job
+
+    new = replan_job(spec, Topology.uniform(3, 8, "h100"))
+    c = new.result.best.candidate
+    assert (c.tp, c.cp, c.dp) == (4, 4, 1) and new.changed is None
+    assert new.dims.cp == 4 and new.spec.parallelism.cp == 4
+
+
+def test_ring_traffic_hides_behind_attention_at_long_sequences_only():
+    """The ring's exposed time per step falls as the sequence grows (attention per block
+    grows with its square, a block's transfer linearly); all-gather is never hidden."""
+    m = load_spec(None, ["model.preset=8b"]).model
+    dev = Topology.uniform(1, 8, "h100").device
+
+    def exposed(seq: int, mode: str) -> float:
+        c = cost_model.Candidate(1, 1, 1, 1, "1f1b", 1, 1, "none", cp=8, cp_mode=mode)
+        return cost_model.cp_exposed(m, c, seq, dev, 8, 2) / (seq / 8192)  # per 8K tokens
+    assert exposed(131072, "ring") < exposed(16384, "ring")
+    assert exposed(131072, "allgather") > exposed(131072, "ring")
