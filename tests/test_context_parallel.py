@@ -29,6 +29,8 @@ CASES = {  # largest meshes first: the rank pool then only shrinks
     # interrupted and resumed on a mesh without context parallel (_resumed_at_cp1): the
     # recovery after losing half of the ranks of a cp2 × dp2 job
     "cp2-dp2-resumed-at-cp1-dp2": (ParallelDims(cp=2, dp=2), []),
+    # hybrid sharding: ZeRO-3 inside each replica's cp ring, all-reduced across the replicas
+    "cp2-hsdp-2x1": (ParallelDims(cp=2, dp=2), ["parallelism.dp_replicate=2"]),
     "cp2-tp2-sp-allgather": (ParallelDims(cp=2, tp=2), ["parallelism.sequence_parallel=true",
                                                          "parallelism.cp_mode=allgather"]),
     "cp2-pp2-1f1b-ring": (ParallelDims(cp=2, pp=2), ["schedule.name=1f1b"]),

@@ -102,6 +102,7 @@ def test_context_parallel_divides_activations_as_planned(rank_pool, tmp_path):
                                device_spec("cpu"), stepped=True)
         finally:
             rank_pool.release(group)
+        assert ("cp=" in rows[0]["mesh"]) == ("cp" in name[:2] and name[2] != "1"), rows[0]["mesh"]
         for row in rows:
             got, planned = row["activations_gib"], row["predicted"]["activations"]
             assert abs(got / planned - 1) <= 0.10, (name, row["rank"], got * GIB, planned * GIB)

@@ -32,6 +32,14 @@ BAD_SPECS = [
     # dp need not divide the batch's microbatches, but may not exceed them
     ("training: {global_batch_size: 8, microbatch_size: 2}\nparallelism: {dp: 5}",
      "parallelism.dp"),
+    # context parallel: 2·cp equal chunks; each rank's part split again over tp under SP;
+    # an EP group holds whole rings; document masks need the tokens (no pipeline)
+    ("training: {seq_len: 60}\nparallelism: {cp: 4}", "training.seq_len"),
+    ("training: {seq_len: 36}\nparallelism: {cp: 2, tp: 4, sequence_parallel: true}\n"
+     "model: {n_heads: 4, n_kv_heads: 4}", "training.seq_len"),
+    ("model: {preset: tiny-moe}\nparallelism: {dp: 2, cp: 4, ep: 2}", "parallelism.ep"),
+    ("data: {document_mask: true}\nparallelism: {pp: 2}", "data.document_mask"),
+    ("parallelism: {cp: 2, cp_mode: ulysses}", "parallelism.cp_mode"),
     ("training: {seq_len: 1}", "training.seq_len"),
     ("training: {seq_len: 4096}", "training.seq_len"),
     ("training: {dtype: float8}", "training.dtype"),

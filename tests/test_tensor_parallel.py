@@ -24,8 +24,9 @@ def _parallel_run(pool, spec, dims: ParallelDims, data_dir: str, steps: int = 3,
     try:
         group.build(spec.model_dump_json(), dims, data_dir)
         if spec.parallelism.dp_replicate > 1:  # FSDP2's HSDP: parameters on the 2-D mesh
+            shard = "dp_shard_cp" if dims.cp > 1 else "dp_shard"  # (shards span the cp ring)
             assert {m[0:2] for rank in group.parameter_meshes() for m in rank.values()} == {
-                ("dp_replicate", "dp_shard")}
+                ("dp_replicate", shard)}
         losses, grads = [], None
         for i in range(steps):
             losses.append(group.train_step()[0]["loss"])

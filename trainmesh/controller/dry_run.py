@@ -35,7 +35,7 @@ def memory_rows(reports: list[dict], spec: JobSpec, c: Candidate, dims: Parallel
             "predicted_gib": predicted / GIB, "measured_peak_gib": r["peak"] / GIB,
             "params_gib": r["params"] / GIB, "grads_gib": r["grads"] / GIB,
             "optimizer_gib": r["optimizer"] / GIB, "activations_gib": r["activations"] / GIB,
-            "predicted": pred.as_gib(),
+            "predicted": pred.as_gib(), "mesh": plan_summary(c),
         })
         if spec.checkpoint.in_memory.every:  # host memory (snapshot_host_bytes): its peak,
             # from one snapshot's files and host copy as measured
@@ -43,6 +43,17 @@ def memory_rows(reports: list[dict], spec: JobSpec, c: Candidate, dims: Parallel
                 "predicted": snapshot_host_bytes(spec.model, c, pp_rank) / GIB,
                 "measured": (6 * r["snapshot"] + r["staged"]) / GIB if "snapshot" in r else None}
     return rows
+
+
+def plan_summary(c: Candidate) -> str:
+    """The plan the ranks were built for, in one line."""
+    cp = f" × cp={c.cp} ({c.cp_mode})" if c.cp > 1 else ""
+    ep = f", ep={c.ep}" if c.ep > 1 else ""
+    hsdp = f", hybrid sharding {c.dp_replicate}×{c.dp_shard}" if c.dp_replicate > 1 else ""
+    rc = f"{c.recompute} every {c.recompute_stride}" if c.recompute == "selective" else c.recompute
+    return (f"tp={c.tp} × pp={c.pp} × dp={c.dp}{cp}{ep}{hsdp}, vpp={c.vpp} {c.schedule}, "
+            f"microbatch {c.microbatch_size} × {c.num_microbatches}, recompute {rc}, ZeRO-3 "
+            f"{'keep gathered' if c.keep_gathered else 're-gather'}")
 
 
 def format_rows(rows: list[dict], stepped: bool) -> str:
@@ -59,7 +70,8 @@ def format_rows(rows: list[dict], stepped: bool) -> str:
 
     head = (f"{'rank':>4} {'node':<10} {'pp':>2} {'params':>8} {'grads':>8} {'optim':>8} "
             f"{'acts':>8} {'peak':>8} {'predicted':>9}  ({unit}; {when})")
-    lines = [head]
+    lines = [f"plan: {rows[0]['mesh']}"] if rows and "mesh" in rows[0] else []
+    lines.append(head)
     for r in rows:
         p = r["predicted"]
         lines.append(f"{r['rank']:>4} {r['node'][:10]:<10} {r['pp_rank']:>2} "
