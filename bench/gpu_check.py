@@ -13,6 +13,12 @@ H100/H200, appended to bench/RESULTS.md as a dated section.
    tensors' peak (torch's max allocated) and the activations autograd saved are set beside
    the cost model's prediction. A 1-rank mesh: NCCL runs, but no collective
    crosses a device (multi-rank NCCL needs more GPUs than the kit assumes).
+5. Context parallel's attention block with its log-sum-exp at a long sequence (one rank of
+   cp 16 at 131K tokens: a 4,096-query chunk against an 8,192-key block, Llama-3.1-8B's
+   heads, bf16): the path trainmesh runs on CUDA today (the explicit math), CUDA's fused
+   flash attention with its log-sum-exp (forward, and backward given the merged output and
+   log-sum-exp: what enabling it needs to be right), and whole SDPA; times, peak memory and
+   the fused path's largest difference from the math.
 4. MoE experts: ``torch._grouped_mm`` (what an MoE block uses on CUDA) against the per-expert
    loop (what it uses elsewhere), forward + backward at Mixtral 8x7B's expert shapes in bf16,
    with the tokens spread evenly and skewed (half of them to one expert).
@@ -177,11 +183,69 @@ def moe_gemm() -> list[str]:
     return lines
 
 
+def attention_lse() -> list[str]:
+    """Context parallel's attention block on CUDA (see the module docstring, 5)."""
+    import math
+
+    import torch
+    from triton.testing import do_bench
+
+    from trainmesh.kernels import attention, reference
+
+    B, Hkv, rep, Tq, Tk, D = 1, 8, 4, 4096, 8192, 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(B, Hkv, rep, Tq, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(B, Hkv, 1, Tk, D, device="cuda", dtype=torch.bfloat16, generator=g)
+            for _ in range(2))
+    scale = 1 / math.sqrt(D)
+    dout = torch.randn_like(q)
+
+    def math_path():
+        out, lse = attention.attention_block(q, k, v, False, None, scale)
+        return out, lse, attention.attention_block_backward(dout, q, k, v, out, lse, False, None,
+                                                            scale)
+
+    q4 = q.reshape(B, Hkv * rep, Tq, D)
+    k4, v4 = (t.expand(B, Hkv, rep, Tk, D).reshape(B, Hkv * rep, Tk, D) for t in (k, v))
+
+    def flash_path():
+        r = torch.ops.aten._scaled_dot_product_flash_attention(q4, k4, v4, 0.0, False, scale=scale)
+        out, lse = r[0], r[1][..., :Tq]
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout.reshape(q4.shape), q4, k4, v4, out, r[1], r[2], r[3], r[4], r[5], 0.0, False,
+            r[6], r[7], scale=scale)
+        return out, lse, grads
+
+    def whole():
+        x = q4.detach().requires_grad_()
+        torch.nn.functional.scaled_dot_product_attention(x, k4, v4).backward(dout.reshape(q4.shape))
+
+    lines = [f"one block: {Tq} queries × {Tk} keys, {Hkv * rep} heads ({Hkv} key/value), head dim "
+             f"{D}, bf16, forward + backward", "", "| path | ms (median) | peak GiB |",
+             "|---|---:|---:|"]
+    for name, fn in (("explicit math (trainmesh on CUDA today)", math_path),
+                     ("fused flash with log-sum-exp", flash_path), ("whole SDPA (no LSE)", whole)):
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        ms = do_bench(fn, warmup=3, rep=20, return_mode="median")
+        peak = (torch.cuda.max_memory_allocated() - base) / GIB
+        lines.append(f"| {name} | {ms:.2f} | {peak:.2f} |")
+    m_out, m_lse, m_grads = math_path()
+    f_out, f_lse, f_grads = flash_path()
+    diff = max(float((m_out.reshape(f_out.shape).float() - f_out.float()).abs().max()),
+               float((m_lse.reshape(f_lse.shape) - f_lse.float()).abs().max()),
+               float((m_grads[0].reshape(f_grads[0].shape) - f_grads[0].float()).abs().max()))
+    ref_out, _ = reference.attention_block(q.float(), k.float(), v.float(), None, scale)
+    lines += ["", f"largest difference, fused vs math (out, lse, dq): {diff:.3g}; math in bf16 vs "
+              f"float32: {float((m_out.float() - ref_out).abs().max()):.3g}"]
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--append", metavar="FILE", help="append the section to FILE (RESULTS.md)")
-    ap.add_argument("--parts", default="tests,kernels,memory,moe",
-                    help="comma-separated subset of tests, kernels, memory, moe")
+    ap.add_argument("--parts", default="tests,kernels,memory,moe,attention",
+                    help="comma-separated subset of tests, kernels, memory, moe, attention")
     args = ap.parse_args()
     import torch
 
@@ -194,7 +258,9 @@ def main() -> None:
              "kernels": ("Kernels and the 1b step", kernel_bench),
              "memory": ("1b memory: planned vs measured (one rank, bf16, seq 2048, microbatch 2 × 4)",
                         memory_check),
-             "moe": ("MoE experts: grouped GEMM vs the per-expert loop", moe_gemm)}
+             "moe": ("MoE experts: grouped GEMM vs the per-expert loop", moe_gemm),
+             "attention": ("Context parallel's attention block with its log-sum-exp",
+                           attention_lse)}
     for title, part in (parts[p] for p in args.parts.split(",")):
         out += [f"### {title}", ""]
         try:

@@ -132,3 +132,46 @@ def test_load_balanced_chunks_and_positions():
     assert sorted(torch.cat(parts, 1)[0].tolist()) == list(range(16))
     for r in range(4):
         assert torch.equal(local_positions(16, r, 4), parts[r][0])
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_fused_attention_block_equals_the_math_and_merges(causal):
+    """The CPU kernel (flash attention with its log-sum-exp) against the explicit math, with
+    grouped-query heads and a document mask that leaves some queries nothing to see in one
+    block (their log-sum-exp −inf there, not the kernel's 0); and its backward given the
+    log-sum-exp merged over the two key blocks gives each block's share of the gradients."""
+    import math
+
+    from trainmesh.kernels import attention, reference
+    from trainmesh.parallel.context import _merge
+
+    g = torch.Generator().manual_seed(0)
+    B, Hkv, rep, T, D = 2, 2, 2, 16, 8
+    q = torch.randn(B, Hkv, rep, T, D, generator=g)
+    k, v = (torch.randn(B, Hkv, 1, 2 * T, D, generator=g) for _ in range(2))
+    docs_q = torch.arange(T).repeat(B, 1) // 5
+    # document 0's queries (0-4) see nothing in the first key block, all of the second
+    docs_k = torch.cat([torch.arange(T) // 5 + 1, torch.zeros(T, dtype=torch.long)]).repeat(B, 1)
+    mask = docs_q[:, None, None, :, None] == docs_k[:, None, None, None, :]
+    scale = 1 / math.sqrt(D)
+    halves = [(k[..., s, :], v[..., s, :], mask[..., s]) for s in (slice(0, T), slice(T, 2 * T))]
+    acc = None
+    for i, (kb, vb, mb) in enumerate(halves):
+        c = causal and i == 0
+        o, lse = attention.attention_block(q, kb, vb, c, mb, scale)
+        ro, rlse = reference.attention_block(q, kb, vb, attention._bool_mask(q, kb, c, mb), scale)
+        torch.testing.assert_close(o, ro, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(lse, rlse)
+        if i == 0:
+            assert torch.isinf(lse[..., :5]).all() and torch.isfinite(lse[..., 5:]).all()
+        acc = _merge(acc, o, lse)
+    out, lse = acc
+    assert torch.isfinite(lse).all()
+    dout = torch.randn_like(out)
+    for i, (kb, vb, mb) in enumerate(halves):
+        c = causal and i == 0
+        got = attention.attention_block_backward(dout, q, kb, vb, out, lse, c, mb, scale)
+        want = reference.attention_block_backward(dout, q, kb, vb, out, lse,
+                                                  attention._bool_mask(q, kb, c, mb), scale)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

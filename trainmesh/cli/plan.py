@@ -83,9 +83,9 @@ def _print_table(spec: JobSpec, topo: Topology, rows: list[dict]) -> None:
     # zero3: "keep" gathers each rank's parameters once per step and reduce-scatters once;
     # "regather" gathers and reduce-scatters every microbatch (less memory, more traffic);
     # hsdp: "r×s" hybrid sharding, ZeRO-3 inside groups of s replicas, r groups ("-": over dp).
-    cols = ["tp", "pp", "dp", *(["cp"] if cp else []), *(["ep"] if moe else []), "idle", "vpp", "schedule", "mbs", "micro",
-            "recompute", "zero3", "hsdp", "mem GiB", "step s", "tokens/s", "TFLOP/s/gpu", "MFU",
-            "bubble"]
+    cols = ["tp", "pp", "dp", *(["cp"] if cp else []), *(["ep"] if moe else []), "idle", "vpp",
+            "schedule", "mbs", "micro", "recompute", "zero3", "hsdp", "mem GiB", "step s",
+            "tokens/s", "TFLOP/s/gpu", "MFU", "bubble"]
     for c in cols:
         table.add_column(c, justify="left" if c in ("schedule", "recompute", "zero3", "hsdp")
                          else "right")

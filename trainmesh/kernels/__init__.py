@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+import trainmesh.kernels.attention as attention
 import trainmesh.kernels.reference as reference
 
 MODES = ("auto", "triton", "torch")
@@ -31,9 +32,9 @@ class KernelSet:
     # computes logits with its output module and then the loss (the torch path).
     linear_cross_entropy: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None
     # One block of attention with its log-sum-exp, and its backward given the merged output
-    # (context parallel, document masks): the exact torch math on every device for now.
-    attention_block: Callable = reference.attention_block
-    attention_block_backward: Callable = reference.attention_block_backward
+    # (context parallel, document masks): ``kernels/attention.py``.
+    attention_block: Callable = attention.attention_block
+    attention_block_backward: Callable = attention.attention_block_backward
 
 
 def resolve(mode: str, device_type: str) -> str:

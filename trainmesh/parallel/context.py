@@ -23,13 +23,14 @@ The same code runs at cp = 1 for document masks alone (no communication).
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from trainmesh.kernels import reference
+from trainmesh.kernels import attention
 
 MODES = ("ring", "allgather")
 
@@ -70,9 +71,12 @@ class ContextParallel:
     mode: str = "ring"
     eos: int | None = None
     post: Callable = dist.batch_isend_irecv
-    block: Callable = reference.attention_block
-    block_backward: Callable = reference.attention_block_backward
+    block: Callable = attention.attention_block
+    block_backward: Callable = attention.attention_block_backward
     peers: list[int] = field(default_factory=list)  # global ranks, by cp coordinate
+    # Seconds this rank spent blocked on the ring's communication (host clock; a GPU's
+    # transfers are asynchronous to it): the exposed part, for benchmarks.
+    waited_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -99,7 +103,7 @@ class ContextParallel:
         ends = (tokens_BT == self.eos).view(B, 2, T // 2).long()
         counts = ends.sum(-1)  # (B, 2): documents ended in each local chunk
         if self.cp > 1:
-            every = _all_gather(counts.contiguous(), self.cp, self.group)
+            every = self.timed(_all_gather, counts.contiguous(), self.cp, self.group)
             by_chunk = counts.new_zeros((B, 2 * self.cp))
             for r in range(self.cp):
                 by_chunk[:, list(chunk_ids(r, self.cp))] = every[r]
@@ -124,23 +128,24 @@ class ContextParallel:
         return out.permute(0, 3, 1, 2, 4).reshape(B, T, H, D)
 
     def pairs(self, owner: int, docs_q: torch.Tensor | None, docs_k: torch.Tensor | None,
-              c: int, device: torch.device) -> Iterator[tuple[int, int, torch.Tensor | None]]:
-        """(local query chunk, key chunk of ``owner``'s block, mask or None) for every pair a
-        query can see: key chunk before the query chunk (no mask) or the same (causal), and
-        with documents only pairs sharing one."""
+              c: int) -> Iterator[tuple[int, int, bool, torch.Tensor | None]]:
+        """(local query chunk, key chunk of ``owner``'s block, causal, document mask or None)
+        for every pair a query can see: a key chunk before the query chunk (whole) or the same
+        one (causal), and with documents only pairs with a document in common."""
         mine, theirs = chunk_ids(self.rank, self.cp), chunk_ids(owner, self.cp)
         for i, qa in enumerate(mine):
             for j, kb in enumerate(theirs):
                 if kb > qa:
                     continue
-                mask = torch.ones(c, c, dtype=torch.bool, device=device).tril() if kb == qa else None
+                mask = None
                 if docs_q is not None:
-                    same = (docs_q[:, None, None, i * c:(i + 1) * c, None]
+                    mask = (docs_q[:, None, None, i * c:(i + 1) * c, None]
                             == docs_k[:, None, None, None, j * c:(j + 1) * c])
-                    mask = same if mask is None else same & mask
-                    if not bool(mask.any()):
+                    visible = mask & torch.ones(c, c, dtype=torch.bool, device=mask.device).tril(
+                        ) if kb == qa else mask
+                    if not bool(visible.any()):
                         continue
-                yield i, j, mask
+                yield i, j, kb == qa, mask
 
     def blocks(self, tensors: Sequence[torch.Tensor]) -> Iterator[tuple[int, list[torch.Tensor]]]:
         """(owner, its block) for every rank's block of ``tensors`` (this rank's own first).
@@ -150,7 +155,7 @@ class ContextParallel:
             yield 0, cur
             return
         if self.mode == "allgather":
-            every = [_all_gather(t, self.cp, self.group) for t in cur]
+            every = [self.timed(_all_gather, t, self.cp, self.group) for t in cur]
             for step in range(self.cp):
                 owner = (self.rank - step) % self.cp
                 yield owner, [e[owner] for e in every]
@@ -162,7 +167,7 @@ class ContextParallel:
                 handles = self.exchange(cur, nxt)
             yield (self.rank - step) % self.cp, cur
             if handles is not None:
-                _wait(handles)
+                self.timed(_wait, handles)
                 cur = nxt
 
     def exchange(self, send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor]) -> list:
@@ -170,6 +175,14 @@ class ContextParallel:
         ops = [dist.P2POp(dist.isend, t, self.next_peer, self.group) for t in send]
         ops += [dist.P2POp(dist.irecv, t, self.prev_peer, self.group) for t in recv]
         return self.post(ops)
+
+    def timed(self, fn: Callable, *args, **kwargs):
+        """``fn(*args, **kwargs)``, its time counted in ``waited_s``."""
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.waited_s += time.perf_counter() - t0
 
 
 def _all_gather(t: torch.Tensor, n: int, group) -> torch.Tensor:
@@ -190,10 +203,10 @@ def _merge(acc: tuple | None, out: torch.Tensor, lse: torch.Tensor) -> tuple:
     out = out.float()
     if acc is None:
         return out, lse
-    o, l = acc
-    new = torch.logaddexp(l, lse)
+    o, old = acc
+    new = torch.logaddexp(old, lse)
     finite = torch.isfinite(new)
-    w_old = torch.where(finite, torch.exp(l - new), 0.0).unsqueeze(-1)
+    w_old = torch.where(finite, torch.exp(old - new), 0.0).unsqueeze(-1)
     w_new = torch.where(finite, torch.exp(lse - new), 0.0).unsqueeze(-1)
     return o * w_old + out * w_new, new
 
@@ -212,9 +225,9 @@ class _Attention(torch.autograd.Function):
         for owner, block in cpx.blocks(travel):
             kb, vb = block[0], block[1]
             docs_k = block[2] if docs is not None else None
-            for i, j, mask in cpx.pairs(owner, docs, docs_k, c, q.device):
+            for i, j, causal, mask in cpx.pairs(owner, docs, docs_k, c):
                 o, lse = cpx.block(qs[i], kb[..., j * c:(j + 1) * c, :],
-                                   vb[..., j * c:(j + 1) * c, :], mask, scale)
+                                   vb[..., j * c:(j + 1) * c, :], causal, mask, scale)
                 acc[i] = _merge(acc[i], o, lse)
         out = torch.cat([acc[0][0], acc[1][0]], dim=3).to(q.dtype)
         lse = torch.cat([acc[0][1], acc[1][1]], dim=3)
@@ -232,17 +245,17 @@ class _Attention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
 
         def accumulate(owner, kb, vb, docs_k, dk, dv) -> None:
-            for i, j, mask in cpx.pairs(owner, docs, docs_k, c, q.device):
+            for i, j, causal, mask in cpx.pairs(owner, docs, docs_k, c):
                 gq, gk, gv = cpx.block_backward(
                     dout[..., sl[i], :], q[..., sl[i], :], kb[..., sl[j], :], vb[..., sl[j], :],
-                    out[..., sl[i], :], lse[..., sl[i]], mask, scale)
+                    out[..., sl[i], :], lse[..., sl[i]], causal, mask, scale)
                 dq[..., sl[i], :] += gq
                 dk[..., sl[j], :] += gk
                 dv[..., sl[j], :] += gv
 
         travel = [k.contiguous(), v.contiguous()] + ([] if docs is None else [docs])
         if cpx.cp == 1 or cpx.mode == "allgather":
-            every = [_all_gather(t, cpx.cp, cpx.group) for t in travel] if cpx.cp > 1 else [
+            every = [cpx.timed(_all_gather, t, cpx.cp, cpx.group) for t in travel] if cpx.cp > 1 else [
                 t.unsqueeze(0) for t in travel]
             dks = torch.zeros((cpx.cp, *k.shape), dtype=torch.float32, device=k.device)
             dvs = torch.zeros_like(dks)
@@ -253,8 +266,8 @@ class _Attention(torch.autograd.Function):
                 dk, dv = dks[0], dvs[0]
             else:  # each owner gets the sum of every rank's part of its keys' gradients
                 dk, dv = torch.empty_like(dks[0]), torch.empty_like(dvs[0])
-                dist.reduce_scatter_single(dk, dks.flatten(0, 1), group=cpx.group)
-                dist.reduce_scatter_single(dv, dvs.flatten(0, 1), group=cpx.group)
+                cpx.timed(dist.reduce_scatter_single, dk, dks.flatten(0, 1), group=cpx.group)
+                cpx.timed(dist.reduce_scatter_single, dv, dvs.flatten(0, 1), group=cpx.group)
         else:  # ring: blocks go round again, their gradients travel with them back home
             cur = travel
             grads = [torch.zeros(k.shape, dtype=torch.float32, device=k.device),
@@ -268,9 +281,9 @@ class _Attention(torch.autograd.Function):
                 accumulate(owner, cur[0], cur[1], cur[2] if docs is not None else None, *grads)
                 arrived = [torch.empty_like(g) for g in grads]
                 if handles is not None:
-                    _wait(handles)
+                    cpx.timed(_wait, handles)
                     cur = nxt
-                _wait(cpx.exchange(grads, arrived))
+                cpx.timed(_wait, cpx.exchange(grads, arrived))
                 grads = arrived
             dk, dv = grads
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None

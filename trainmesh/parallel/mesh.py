@@ -51,7 +51,7 @@ class Mesh:
                 dm["dp_shard", "cp"]._flatten("dp_shard_cp")
                 dm["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
             if moe:
-                dm["dp_replicate", "dp_shard", *cpn, "tp"]._flatten("dp_tp")
+                dm[("dp_replicate", "dp_shard", *cpn, "tp")]._flatten("dp_tp")
                 if cp and dims.tp > 1:
                     dm["cp", "tp"]._flatten("cp_tp")
             return cls(dims=dims, device_mesh=dm, rank=rank, dp_replicate=dp_replicate)
@@ -61,7 +61,7 @@ class Mesh:
             if cp:
                 dm["dp", "cp"]._flatten("dp_cp")
             if moe:
-                dm["dp", *cpn, "tp"]._flatten("dp_tp")
+                dm[("dp", *cpn, "tp")]._flatten("dp_tp")
                 if cp and dims.tp > 1:
                     dm["cp", "tp"]._flatten("cp_tp")
             return cls(dims=dims, device_mesh=dm, rank=rank)

@@ -1,0 +1,86 @@
+"""Context parallel on CPU ranks, in one run: ring against all-gather attention at cp 1, 2
+and 4 for the same model, batch and sequence — step time, the activations autograd saves per
+rank, and the time each rank spent blocked on the ring's communication (exposed).
+
+    .venv/bin/python bench/context_parallel.py [--preset small] [--seq-len 2048] [--steps 3]
+
+Real rank actors (gloo) on a local Ray instance; the first step is a warm-up and is not timed.
+cp ranks split one sequence, so the batch's work is the same in every row: on this machine
+the ranks share its cores, so the step times show each mode's overhead, not the speed-up of
+a cluster. What cp buys is in the activations column: about 1/cp of a whole sequence's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+CASES = [("cp1", 1, "ring"), ("cp2 ring", 2, "ring"), ("cp2 allgather", 2, "allgather"),
+         ("cp4 ring", 4, "ring"), ("cp4 allgather", 4, "allgather")]
+
+
+def _waited(engine) -> float:
+    return engine.context.waited_s if engine.context is not None else 0.0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=3)
+    args = ap.parse_args()
+
+    import ray
+
+    from trainmesh.cli.loading import load_spec
+    from trainmesh.controller.launch import quiet_ray_start_notices
+    from trainmesh.controller.ray_group import RayWorkerGroup, placement_for
+    from trainmesh.data.shards import ensure_tiny_corpus
+    from trainmesh.parallel.dims import ParallelDims
+    from trainmesh.planning.topology import Topology
+
+    quiet_ray_start_notices()
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
+             configure_logging=False)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        data_dir = str(ensure_tiny_corpus(os.path.join(tmp, "data")))
+        for label, cp, mode in CASES:
+            spec = load_spec(None, [f"model.preset={args.preset}",
+                                    f"model.max_seq_len={args.seq_len}", f"parallelism.cp={cp}",
+                                    f"parallelism.cp_mode={mode}", f"training.seq_len={args.seq_len}",
+                                    "training.global_batch_size=2", "training.microbatch_size=1",
+                                    "optimizer.warmup_steps=1", f"training.steps={args.steps + 1}",
+                                    "runtime.device=cpu"])
+            dims = ParallelDims(cp=cp)
+            group = RayWorkerGroup(spec, dims, placement_for(spec, dims, Topology.uniform(1, cp, "cpu")),
+                                   {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"})
+            try:
+                group.build(spec.model_dump_json(), dims, data_dir)
+                group.train_step(measure_activations=True)  # warm-up; counts saved activations
+                acts = max(m["activations"] for m in group.memory_reports()) / 2**20
+                before = group.execute(_waited)
+                t0 = time.perf_counter()
+                losses = [group.train_step()[0]["loss"] for _ in range(args.steps)]
+                dt = (time.perf_counter() - t0) / args.steps
+                waited = max(a - b for a, b in zip(group.execute(_waited), before, strict=True))
+            finally:
+                group.shutdown()
+            rows.append((label, dt, 2 * args.seq_len / dt, acts, waited / args.steps, losses[-1]))
+    ray.shutdown()
+    base_dt, base_acts = rows[0][1], rows[0][3]
+    print(f"model={args.preset} seq={args.seq_len}, global batch 2 × microbatch 1, "
+          f"{args.steps} timed steps; cp ranks share this machine's cores")
+    print(f"{'layout':<15} {'step s':>8} {'tokens/s':>9} {'vs cp1':>7} {'acts MiB/rank':>14} "
+          f"{'vs cp1':>7} {'exposed comm s':>15} {'last loss':>10}")
+    for label, dt, tps, acts, waited, loss in rows:
+        print(f"{label:<15} {dt:>8.3f} {tps:>9.0f} {dt / base_dt:>7.2f} {acts:>14.1f} "
+              f"{acts / base_acts:>7.2f} {waited:>15.3f} {loss:>10.4f}")
+
+
+if __name__ == "__main__":
+    main()
