@@ -118,28 +118,29 @@ def test_a_node_lost_with_its_buddy_falls_back_to_storage(cluster, tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_a_node_lost_from_an_ep4_moe_job_replans_to_ep2_with_the_same_losses(cluster, tmp_path):
-    """Expert parallel through a real node loss: an MoE job at dp 4 × ep 4 (4 ranks, 2 per
-    node, the spare taken away first) loses the node of ranks 2-3 mid-forward; the 2
-    survivors re-plan to dp 2 × ep 2 and restore experts, their AdamW moments and the balancing
-    bias from the survivors' memory (each expert now on another rank), and the job ends with
-    the single process's losses."""
+def test_a_node_lost_from_an_ep4_cp2_moe_job_replans_to_ep2_with_the_same_losses(cluster, tmp_path):
+    """Expert and context parallel through a real node loss: an MoE job at dp 2 × cp 2 with
+    ep 4 over both (4 ranks, 2 per node, the spare taken away first) loses the node of ranks
+    2-3 mid-forward; the 2 survivors re-plan to dp 1 × cp 2 (the pinned cp kept) with ep 2 and
+    restore experts, their AdamW moments and the balancing bias from the survivors' memory
+    (each expert now on another rank), and the job ends with the single process's losses."""
     from servers import MEMORY_ARGS, assert_reference_losses, run_losing_nodes
 
     while len(cluster.worker_nodes) > 2:  # no spare: the job must shrink
         cluster.remove_node(next(iter(cluster.worker_nodes)))
     s = run_losing_nodes(cluster, tmp_path, [
         *MEMORY_ARGS, "model.preset=tiny-moe", "model.moe.balance=bias",
-        "model.moe.bias_update_rate=0.01", "parallelism.dp=4", "parallelism.ep=4",
-        "training.steps=4", "checkpoint.every=4", "elastic.max_world_size=4"],
+        "model.moe.bias_update_rate=0.01", "parallelism.dp=2", "parallelism.cp=2",
+        "parallelism.ep=4", "training.steps=4", "checkpoint.every=4", "elastic.max_world_size=4"],
         ["wait@rank=2,step=2,phase=forward", "wait@rank=3,step=2,phase=forward"])
     while len(cluster.worker_nodes) < 3:
         cluster.add_node(num_cpus=1, num_gpus=2)
     assert s["status"] == "FINISHED" and s["steps_done"] == 4
     [rec] = s["recoveries"]
     assert rec["restored_from"] == "memory" and rec["steps_lost"] == 0, rec
-    assert (rec["old_mesh"]["dp"], rec["old_mesh"]["ep"]) == (4, 4), rec
-    assert (rec["new_mesh"]["dp"], rec["new_mesh"]["ep"]) == (2, 2), rec
+    old, new = rec["old_mesh"], rec["new_mesh"]
+    assert (old["dp"], old.get("cp"), old["ep"]) == (2, 2, 4), rec
+    assert (new["dp"], new.get("cp"), new["ep"]) == (1, 2, 2), rec
     assert s["experts"]["all"]["bias_norm"] > 0
     assert_reference_losses(s, tmp_path)
     cluster.wait_for_nodes()
