@@ -26,6 +26,7 @@ CASES = {  # largest meshes first: the rank pool then only shrinks
     "cp4-allgather": (ParallelDims(cp=4), ["parallelism.cp_mode=allgather"]),
     # ZeRO-3 shards and reduces over dp × cp
     "cp2-dp2-ring": (ParallelDims(cp=2, dp=2), ["parallelism.keep_gathered=false"]),
+    "cp2-dp2-allgather": (ParallelDims(cp=2, dp=2), ["parallelism.cp_mode=allgather"]),
     # interrupted and resumed on a mesh without context parallel (_resumed_at_cp1): the
     # recovery after losing half of the ranks of a cp2 × dp2 job
     "cp2-dp2-resumed-at-cp1-dp2": (ParallelDims(cp=2, dp=2), []),
@@ -33,7 +34,10 @@ CASES = {  # largest meshes first: the rank pool then only shrinks
     "cp2-hsdp-2x1": (ParallelDims(cp=2, dp=2), ["parallelism.dp_replicate=2"]),
     "cp2-tp2-sp-allgather": (ParallelDims(cp=2, tp=2), ["parallelism.sequence_parallel=true",
                                                          "parallelism.cp_mode=allgather"]),
+    "cp2-tp2-sp-ring": (ParallelDims(cp=2, tp=2), ["parallelism.sequence_parallel=true"]),
     "cp2-pp2-1f1b-ring": (ParallelDims(cp=2, pp=2), ["schedule.name=1f1b"]),
+    "cp2-pp2-1f1b-allgather": (ParallelDims(cp=2, pp=2), ["schedule.name=1f1b",
+                                                           "parallelism.cp_mode=allgather"]),
     # experts split over an EP group of 2 replicas' whole rings (ep = 2 × cp)
     "moe-cp2-dp2-ep4": (ParallelDims(cp=2, dp=2, ep=4), ["parallelism.ep=4"]),
     "cp2-ring-documents-full-ac": (ParallelDims(cp=2), [DOCS, "activation_checkpoint.mode=full"]),
@@ -53,8 +57,9 @@ def test_context_parallel_matches_single_process(rank_pool, tmp_path, case):
                             f"parallelism.dp={dims.dp}", f"parallelism.cp={dims.cp}",
                             f"runtime.output_dir={tmp_path}", *extra])
     data_dir = str(ensure_tiny_corpus(tmp_path / "data"))
-    losses, grads, params = _parallel_run(rank_pool, spec, dims, data_dir)
-    ref_losses, ref_params, ref_grads = reference_run(spec, data_dir, steps=3, grads_after=1,
+    # two steps: the gradients of the first, the parameters after the second's update
+    losses, grads, params = _parallel_run(rank_pool, spec, dims, data_dir, steps=2)
+    ref_losses, ref_params, ref_grads = reference_run(spec, data_dir, steps=2, grads_after=1,
                                                       prepare=_documents(spec, data_dir))
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     _close(grads, ref_grads)

@@ -42,14 +42,15 @@ def attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """One block of exact attention and its log-sum-exp, for merging blocks (context parallel,
     document masks). Grouped-query layout, K/V never expanded: ``q`` (B, Hkv, rep, Tq, hd),
     ``k``/``v`` (B, Hkv, 1, Tk, hd); ``mask`` broadcastable to (B, Hkv, rep, Tq, Tk), True
-    where a query sees a key (None: every key). Returns out (B, Hkv, rep, Tq, hd) in q's dtype
-    and lse (B, Hkv, rep, Tq) in float32, −inf for a query that sees no key here (its out 0)."""
+    where a query sees a key (None: every key). Returns out (B, Hkv, rep, Tq, hd)
+    and lse (B, Hkv, rep, Tq), both float32 (blocks are merged in float32), lse −inf for a
+    query that sees no key here (its out 0)."""
     s = (q.float() @ k.float().transpose(-1, -2)) * scale
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.nan_to_num(neginf=0.0).unsqueeze(-1))  # rows of −inf: p = 0
-    return (p @ v.float()).to(q.dtype), lse
+    return p @ v.float(), lse
 
 
 def attention_block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,

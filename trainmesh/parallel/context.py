@@ -128,24 +128,26 @@ class ContextParallel:
         return out.permute(0, 3, 1, 2, 4).reshape(B, T, H, D)
 
     def pairs(self, owner: int, docs_q: torch.Tensor | None, docs_k: torch.Tensor | None,
-              c: int) -> Iterator[tuple[int, int, bool, torch.Tensor | None]]:
+              c: int) -> list[tuple[int, int, bool, torch.Tensor | None]]:
         """(local query chunk, key chunk of ``owner``'s block, causal, document mask or None)
         for every pair a query can see: a key chunk before the query chunk (whole) or the same
-        one (causal), and with documents only pairs with a document in common."""
+        one (causal), and with documents only pairs with a document in common (decided for
+        the block's pairs at once: one host sync per block)."""
         mine, theirs = chunk_ids(self.rank, self.cp), chunk_ids(owner, self.cp)
-        for i, qa in enumerate(mine):
-            for j, kb in enumerate(theirs):
-                if kb > qa:
-                    continue
-                mask = None
-                if docs_q is not None:
-                    mask = (docs_q[:, None, None, i * c:(i + 1) * c, None]
-                            == docs_k[:, None, None, None, j * c:(j + 1) * c])
-                    visible = mask & torch.ones(c, c, dtype=torch.bool, device=mask.device).tril(
-                        ) if kb == qa else mask
-                    if not bool(visible.any()):
-                        continue
-                yield i, j, kb == qa, mask
+        seen = [(i, j, kb == qa) for i, qa in enumerate(mine) for j, kb in enumerate(theirs)
+                if kb <= qa]
+        if docs_q is None:
+            return [(i, j, causal, None) for i, j, causal in seen]
+        masks, visible = [], []
+        tril = torch.ones(c, c, dtype=torch.bool, device=docs_q.device).tril()
+        for i, j, causal in seen:
+            mask = (docs_q[:, None, None, i * c:(i + 1) * c, None]
+                    == docs_k[:, None, None, None, j * c:(j + 1) * c])
+            masks.append(mask)
+            visible.append((mask & tril if causal else mask).any())
+        keep = torch.stack(visible).tolist()
+        return [(i, j, causal, m) for (i, j, causal), m, k in zip(seen, masks, keep, strict=True)
+                if k]
 
     def blocks(self, tensors: Sequence[torch.Tensor]) -> Iterator[tuple[int, list[torch.Tensor]]]:
         """(owner, its block) for every rank's block of ``tensors`` (this rank's own first).
@@ -212,7 +214,9 @@ def _merge(acc: tuple | None, out: torch.Tensor, lse: torch.Tensor) -> tuple:
 
 
 class _Attention(torch.autograd.Function):
-    """Exact causal attention over a context-parallel ring (``ContextParallel``'s layout)."""
+    """Exact causal attention over a context-parallel ring (``ContextParallel``'s layout). A
+    block travels as one buffer of its keys and values stacked (and its tokens' documents),
+    its gradients as one fp32 buffer: one message per hop and direction, one collective."""
 
     @staticmethod
     def forward(ctx, q, k, v, docs, cpx: ContextParallel):
@@ -221,10 +225,10 @@ class _Attention(torch.autograd.Function):
         scale = 1.0 / math.sqrt(q.shape[-1])
         qs = (q[..., :c, :], q[..., c:, :])
         acc: list[tuple | None] = [None, None]
-        travel = [k, v] if docs is None else [k, v, docs]
+        travel = [torch.stack([k, v])] + ([] if docs is None else [docs])
         for owner, block in cpx.blocks(travel):
-            kb, vb = block[0], block[1]
-            docs_k = block[2] if docs is not None else None
+            kb, vb = block[0]
+            docs_k = block[1] if docs is not None else None
             for i, j, causal, mask in cpx.pairs(owner, docs, docs_k, c):
                 o, lse = cpx.block(qs[i], kb[..., j * c:(j + 1) * c, :],
                                    vb[..., j * c:(j + 1) * c, :], causal, mask, scale)
@@ -244,46 +248,42 @@ class _Attention(torch.autograd.Function):
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
 
-        def accumulate(owner, kb, vb, docs_k, dk, dv) -> None:
+        def accumulate(owner, kv, docs_k, dkv) -> None:
             for i, j, causal, mask in cpx.pairs(owner, docs, docs_k, c):
                 gq, gk, gv = cpx.block_backward(
-                    dout[..., sl[i], :], q[..., sl[i], :], kb[..., sl[j], :], vb[..., sl[j], :],
-                    out[..., sl[i], :], lse[..., sl[i]], causal, mask, scale)
+                    dout[..., sl[i], :], q[..., sl[i], :], kv[0][..., sl[j], :],
+                    kv[1][..., sl[j], :], out[..., sl[i], :], lse[..., sl[i]], causal, mask, scale)
                 dq[..., sl[i], :] += gq
-                dk[..., sl[j], :] += gk
-                dv[..., sl[j], :] += gv
+                dkv[0][..., sl[j], :] += gk
+                dkv[1][..., sl[j], :] += gv
 
-        travel = [k.contiguous(), v.contiguous()] + ([] if docs is None else [docs])
+        travel = [torch.stack([k, v])] + ([] if docs is None else [docs])
         if cpx.cp == 1 or cpx.mode == "allgather":
-            every = [cpx.timed(_all_gather, t, cpx.cp, cpx.group) for t in travel] if cpx.cp > 1 else [
-                t.unsqueeze(0) for t in travel]
-            dks = torch.zeros((cpx.cp, *k.shape), dtype=torch.float32, device=k.device)
-            dvs = torch.zeros_like(dks)
+            every = ([cpx.timed(_all_gather, t, cpx.cp, cpx.group) for t in travel]
+                     if cpx.cp > 1 else [t.unsqueeze(0) for t in travel])
+            grads = torch.zeros((cpx.cp, 2, *k.shape), dtype=torch.float32, device=k.device)
             for owner in range(cpx.cp):
-                accumulate(owner, every[0][owner], every[1][owner],
-                           every[2][owner] if docs is not None else None, dks[owner], dvs[owner])
+                accumulate(owner, every[0][owner], every[1][owner] if docs is not None else None,
+                           grads[owner])
             if cpx.cp == 1:
-                dk, dv = dks[0], dvs[0]
+                dkv = grads[0]
             else:  # each owner gets the sum of every rank's part of its keys' gradients
-                dk, dv = torch.empty_like(dks[0]), torch.empty_like(dvs[0])
-                cpx.timed(dist.reduce_scatter_single, dk, dks.flatten(0, 1), group=cpx.group)
-                cpx.timed(dist.reduce_scatter_single, dv, dvs.flatten(0, 1), group=cpx.group)
+                dkv = torch.empty_like(grads[0])
+                cpx.timed(dist.reduce_scatter_single, dkv, grads.flatten(0, 1), group=cpx.group)
         else:  # ring: blocks go round again, their gradients travel with them back home
             cur = travel
-            grads = [torch.zeros(k.shape, dtype=torch.float32, device=k.device),
-                     torch.zeros(v.shape, dtype=torch.float32, device=v.device)]
+            dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
             for step in range(cpx.cp):
                 owner = (cpx.rank - step) % cpx.cp
                 nxt, handles = None, None
                 if step < cpx.cp - 1:
                     nxt = [torch.empty_like(t) for t in cur]
                     handles = cpx.exchange(cur, nxt)
-                accumulate(owner, cur[0], cur[1], cur[2] if docs is not None else None, *grads)
-                arrived = [torch.empty_like(g) for g in grads]
+                accumulate(owner, cur[0], cur[1] if docs is not None else None, dkv)
+                arrived = torch.empty_like(dkv)
                 if handles is not None:
                     cpx.timed(_wait, handles)
                     cur = nxt
-                cpx.timed(_wait, cpx.exchange(grads, arrived))
-                grads = arrived
-            dk, dv = grads
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+                cpx.timed(_wait, cpx.exchange([dkv], [arrived]))
+                dkv = arrived
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None

@@ -462,15 +462,20 @@ def _kv_dim(model) -> int:
 
 
 def cp_transient_bytes(model, c: Candidate, seq_len: int, compute_bytes: int) -> float:
-    """What context-parallel attention holds while a layer runs, beyond saved activations:
-    all-gather, every rank's keys and values (compute dtype) and in backward their fp32
-    gradients; ring, the block being used and the one arriving, and two fp32 gradient blocks."""
+    """What context-parallel attention holds while a layer runs, beyond saved activations: the
+    fp32 partial outputs merged in forward and the fp32 query gradient accumulated in
+    backward (q-sized each); all-gather, every rank's keys and values (compute dtype) and in
+    backward their fp32 gradients; ring, the block being used and the one arriving, and two
+    fp32 gradient blocks (the one travelling, the one arriving)."""
     if c.cp == 1:
         return 0.0
-    block = 2 * seq_len // c.cp * c.microbatch_size * _kv_dim(model) / c.tp  # K and V elements
+    part = seq_len // c.cp * c.microbatch_size
+    block = 2 * part * _kv_dim(model) / c.tp  # K and V elements
+    hd = getattr(model, "head_dim", None) or model.dim // model.n_heads
+    queries = 4 * part * model.n_heads * hd / c.tp  # fp32, q-sized
     if c.cp_mode == "allgather":
-        return c.cp * block * (compute_bytes + 4)
-    return block * (2 * compute_bytes + 2 * 4)
+        return queries + c.cp * block * (compute_bytes + 4)
+    return queries + block * (2 * compute_bytes + 2 * 4)
 
 
 def cp_exposed(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: int,

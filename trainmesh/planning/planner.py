@@ -169,8 +169,9 @@ def candidates(req: PlanRequest, topo: Topology,
                     yield Rejection(None, f"topology: tp×pp×cp = {tp}×{pp}×{cp} exceeds the "
                                           f"{usable} accelerators usable in whole TP groups of {tp}")
                     continue
-                broken = cp_problems(req.seq_len, cp, tp, int(fixed.get("ep", 1)), pp,
-                                     bool(fixed.get("sequence_parallel", tp > 1)))
+                split = (bool(fixed.get("sequence_parallel", tp > 1))
+                         or getattr(m, "moe", None) is not None)  # a rank's part split over tp
+                broken = cp_problems(req.seq_len, cp, tp, int(fixed.get("ep", 1)), pp, split)
                 if broken:
                     yield _rule_rejection(broken[0])
                     continue

@@ -140,9 +140,9 @@ def cp_problems(seq_len: int, cp: int, tp: int = 1, ep: int = 1, pp: int = 1,
     routing). Expert parallel spans whole context-parallel rings. Document masks need the
     tokens where the attention is: not beside pipeline parallel."""
     out = []
-    if seq_len % (2 * cp):
+    if (cp > 1 or document_mask) and seq_len % (2 * cp):
         out.append(Problem("training.seq_len", f"{seq_len} is not divisible by 2 × cp = {2 * cp} "
-                           "(context parallel cuts each sequence into 2·cp equal chunks)",
+                           "(context parallel and document masks cut each sequence into 2·cp equal chunks)",
                            f"use a multiple of {2 * cp}, or another parallelism.cp", DIVISIBILITY))
     elif cp > 1 and split_over_tp and tp > 1 and (seq_len // cp) % tp:
         out.append(Problem("training.seq_len", f"{seq_len} / cp={cp} is not divisible by tp={tp} "
