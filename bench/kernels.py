@@ -165,7 +165,7 @@ def step_table(device: str, smoke: bool, steps: int) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         data_dir = str(ensure_tiny_corpus(os.path.join(tmp, "data")))
-        for kernels in ("torch", "triton"):
+        for kernels in ("torch", "triton", "auto"):
             spec = load_spec(None, [*shape, "training.global_batch_size=8", "training.microbatch_size=2",
                                     f"training.steps={steps + 1}", "optimizer.warmup_steps=1",
                                     f"model.kernels={kernels}",
@@ -198,6 +198,22 @@ def _fmt(v, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
+def measured_entry(rows: list[dict], device: str) -> str:
+    """This run's per-op speed-ups of Triton over torch eager, as an entry of
+    ``trainmesh/spec/kernel_choice.py``'s MEASURED table (what ``model.kernels: auto`` takes
+    on this device class once the entry is added)."""
+    import datetime
+
+    import torch
+
+    from trainmesh.spec.kernel_choice import device_class
+
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreted)"
+    speedup = {r["kernel"]: round(r["vs_eager"], 2) for r in rows if r["impl"] == "triton"}
+    return (f"\nkernel_choice.MEASURED entry for this device:\n\n    {device_class(name)!r}: "
+            f"Measurement({datetime.date.today().isoformat()!r}, {name!r}, {speedup!r}),\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, interpreted")
@@ -220,6 +236,7 @@ def main() -> None:
     for r in rows:
         print(f"| {r['kernel']} | {r['impl']} | {r['ms']:.3f} | {_fmt(r['gb_s'], '.0f')} | "
               f"{_fmt(r['of_copy'], '.2f')} | {r['vs_eager']:.2f} | {_fmt(r['peak_mib'], '.0f')} |")
+    print(measured_entry(rows, device))
     steps = step_table(device, args.smoke, 2 if args.smoke else args.steps)
     print("\n| model.kernels | step s | tokens/s | TFLOP/s | MFU | peak GiB | loss |")
     print("|---|---:|---:|---:|---:|---:|---:|")

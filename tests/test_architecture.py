@@ -25,7 +25,7 @@ ALLOWED = {
     "interop": {"models", "checkpoint", "data"},  # Hugging Face in and out: above the leaves
     "parallel": {"models", "kernels", "spec"},
     "models": {"kernels", "spec"},
-    "kernels": set(),
+    "kernels": {"spec"},  # what model.kernels means on a device (spec/kernel_choice.py)
     "checkpoint": set(),
     "data": set(),
     "tracking": set(),

@@ -74,20 +74,57 @@ def test_rope_backward_is_in_place_on_a_contiguous_gradient():
 
 
 def test_kernel_selection():
-    assert resolve("auto", "cuda") == "triton" and resolve("auto", "cpu") == "torch"
-    assert resolve("torch", "cuda") == "torch"
+    assert resolve("auto", "cpu") == "torch" and resolve("torch", "cuda") == "torch"
     assert resolve("triton", "cpu") == "triton"  # TRITON_INTERPRET=1 here
-    with pytest.raises(ValueError, match="model.kernels='fast'; use one of auto, triton, torch"):
+    with pytest.raises(ValueError, match="model.kernels: 'fast'; use one of auto, triton, torch"):
         resolve("fast", "cpu")
     assert kernel_set("torch").linear_cross_entropy is None  # torch: logits through the head
     assert kernel_set("triton").linear_cross_entropy is not None
+
+
+def test_auto_takes_what_the_kit_measured_faster_per_op_and_torch_elsewhere():
+    """On an H100 auto runs the three kernels measured faster than torch and leaves the fused
+    loss (measured at 0.32× eager) to torch; on a GPU with no measurement, torch; a mapping
+    overrides single ops; and no entry of the table can pick a path measured slower."""
+    from trainmesh.spec import kernel_choice as kc
+
+    h100 = kc.choose("auto", "cuda", "NVIDIA H100 80GB HBM3")
+    assert h100 == {"rms_norm": "triton", "swiglu": "triton", "rope": "triton",
+                    "linear_cross_entropy": "torch"}
+    assert set(kc.choose("auto", "cuda", "NVIDIA H200").values()) == {"torch"}
+    assert kc.choose({"linear_cross_entropy": "triton"}, "cuda", "h100") == {
+        **h100, "linear_cross_entropy": "triton"}
+    for entry in kc.MEASURED.values():
+        for op, impl in entry.choice().items():
+            assert (impl == "triton") == (entry.speedup.get(op, 0) > 1), (entry, op)
+    name = kc.key(h100)
+    assert kc.parse_key(name) == h100 and name not in ("torch", "triton")
+    mixed = kernel_set(name)  # the kernels measured faster, the loss through the head
+    from trainmesh.kernels.rms_norm import rms_norm
+    from trainmesh.kernels.swiglu import swiglu
+
+    assert mixed.rms_norm.__wrapped__ is rms_norm and mixed.swiglu.__wrapped__ is swiglu
+    assert mixed.linear_cross_entropy is None
+    # the planner sees the same choice: the logits are materialised on an H100 under auto
+    from trainmesh.planning.cost_model import uses_fused_kernels
+    assert uses_fused_kernels("auto", "h100") == {"rms_norm", "swiglu", "rope"}
+    assert uses_fused_kernels("auto", "cpu") == frozenset()
+
+
+@pytest.mark.parametrize("value", [{"bogus": "triton"}, {"rope": "compiled"}, "fast"])
+def test_a_bad_kernel_choice_names_the_field(value):
+    from trainmesh.cli.loading import spec_from_dict
+    from trainmesh.spec.problems import SpecError
+
+    with pytest.raises(SpecError, match="model.kernels"):
+        spec_from_dict({"model": {"preset": "tiny", "kernels": value}})
 
 
 def test_triton_on_cpu_without_the_interpreter_is_refused(monkeypatch):
     from trainmesh.cli.loading import load_spec, unsupported_problems
 
     monkeypatch.delenv("TRITON_INTERPRET")
-    with pytest.raises(ValueError, match="model.kernels=triton needs a CUDA device"):
+    with pytest.raises(ValueError, match="triton for rms_norm, swiglu, rope, linear_cross_entropy needs"):
         resolve("triton", "cpu")
     spec = load_spec(None, ["model.kernels=triton", "runtime.device=cpu"])
     [problem] = [p for p in unsupported_problems(spec) if p.path == "model.kernels"]

@@ -334,7 +334,9 @@ def unsupported_problems(spec: JobSpec) -> list[Problem]:
     it; ``validate`` accepts it, so reference specs for larger layouts stay checkable)."""
     par = spec.parallelism
     out = runnable_problems(spec.model, par.tp, par.pp, par.sequence_parallel and not par.auto)
-    if (spec.model.kernels == "triton" and spec.runtime.device == "cpu"
+    kernels = spec.model.kernels
+    asked = kernels.values() if isinstance(kernels, dict) else [kernels]
+    if ("triton" in asked and spec.runtime.device == "cpu"
             and os.environ.get("TRITON_INTERPRET") != "1"):
         out.append(Problem("model.kernels", "triton kernels need a CUDA device (runtime.device is "
                            "cpu)", "use model.kernels=auto, or TRITON_INTERPRET=1 to interpret "

@@ -1,9 +1,11 @@
-"""Fused ops behind one seam: ``kernel_set(name)`` gives the model its norm, SwiGLU, RoPE and
-(for Triton) the fused output-projection + cross-entropy.
+"""Fused ops behind one seam: ``kernel_set(name)`` gives the model its norm, SwiGLU, RoPE,
+the fused output-projection + cross-entropy (or None: logits through the head) and the
+attention block context parallel uses.
 
-``model.kernels: auto | triton | torch`` — auto is Triton on CUDA and the torch references
-elsewhere. Triton on CPU runs only under ``TRITON_INTERPRET=1`` (tests), which must be set
-before the kernel modules are imported.
+``model.kernels``: ``auto`` | ``triton`` | ``torch``, or per op (``spec/kernel_choice.py``);
+auto takes what the GPU check kit measured fastest on the GPU, and the torch references where
+nothing was measured. Triton on CPU runs only under ``TRITON_INTERPRET=1`` (tests), which must
+be set before the kernel modules are imported.
 """
 
 from __future__ import annotations
@@ -18,13 +20,12 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 import trainmesh.kernels.attention as attention
 import trainmesh.kernels.reference as reference
-
-MODES = ("auto", "triton", "torch")
+from trainmesh.spec import kernel_choice
 
 
 @dataclass(frozen=True)
 class KernelSet:
-    name: str
+    name: str  # kernel_choice.key: "torch", "triton", or one implementation per op
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
     swiglu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     rope: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -37,31 +38,42 @@ class KernelSet:
     attention_block_backward: Callable = attention.attention_block_backward
 
 
-def resolve(mode: str, device_type: str) -> str:
-    """The kernel set a ``model.kernels`` mode means on ``device_type``."""
-    if mode not in MODES:
-        raise ValueError(f"model.kernels={mode!r}; use one of {', '.join(MODES)}")
-    if mode == "auto":
-        return "triton" if device_type == "cuda" else "torch"
-    if mode == "triton" and device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("model.kernels=triton needs a CUDA device; on CPU set TRITON_INTERPRET=1 "
-                         "to interpret the kernels (slow, for tests) or use model.kernels=auto")
-    return mode
+def resolve(kernels, device_type: str) -> str:
+    """The kernel set ``model.kernels`` means on ``device_type`` (``spec/kernel_choice.py``:
+    auto takes what the GPU check kit measured fastest on this GPU), as a set name."""
+    name = ""
+    if device_type == "cuda" and torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+    choice = kernel_choice.choose(kernels, device_type, name)
+    if ("triton" in choice.values() and device_type != "cuda"
+            and os.environ.get("TRITON_INTERPRET") != "1"):
+        ops = [op for op, impl in choice.items() if impl == "triton"]
+        raise ValueError(f"model.kernels: triton for {', '.join(ops)} needs a CUDA device; on CPU "
+                         "set TRITON_INTERPRET=1 to interpret the kernels (slow, for tests) or "
+                         "use model.kernels=auto")
+    return kernel_choice.key(choice)
 
 
 @functools.cache
 def kernel_set(name: str) -> KernelSet:
-    if name == "torch":
-        return KernelSet("torch", reference.rms_norm, reference.swiglu, reference.rope, None)
-    if name != "triton":
-        raise ValueError(f"kernel set {name!r}; use torch or triton (resolve 'auto' first)")
-    from trainmesh.kernels.linear_cross_entropy import linear_cross_entropy
-    from trainmesh.kernels.rms_norm import rms_norm
-    from trainmesh.kernels.rope import rope
-    from trainmesh.kernels.swiglu import swiglu
-
-    return KernelSet("triton", _rowwise(rms_norm), _elementwise(swiglu), _local_only(rope),
-                     linear_cross_entropy)
+    """The ops of a set name (``resolve``'s): each op's Triton kernel or torch reference."""
+    choice = kernel_choice.parse_key(name)
+    triton = {op for op, impl in choice.items() if impl == "triton"}
+    ops: dict[str, Callable | None] = {"rms_norm": reference.rms_norm, "swiglu": reference.swiglu,
+                                       "rope": reference.rope, "linear_cross_entropy": None}
+    if "rms_norm" in triton:
+        from trainmesh.kernels.rms_norm import rms_norm
+        ops["rms_norm"] = _rowwise(rms_norm)
+    if "swiglu" in triton:
+        from trainmesh.kernels.swiglu import swiglu
+        ops["swiglu"] = _elementwise(swiglu)
+    if "rope" in triton:
+        from trainmesh.kernels.rope import rope
+        ops["rope"] = _local_only(rope)
+    if "linear_cross_entropy" in triton:
+        from trainmesh.kernels.linear_cross_entropy import linear_cross_entropy
+        ops["linear_cross_entropy"] = linear_cross_entropy
+    return KernelSet(name, **ops)
 
 
 def _rowwise(fn: Callable) -> Callable:

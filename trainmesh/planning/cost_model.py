@@ -58,6 +58,7 @@ from dataclasses import dataclass
 from trainmesh.models.llama.model_math import flops_per_token, layer_params, mlp_params
 from trainmesh.parallel.pipeline.ir import splits_backward
 from trainmesh.planning.devices import DeviceSpec
+from trainmesh.spec.kernel_choice import fused_ops
 
 GIB = 1024**3
 FRAMEWORK_BYTES = 2.0 * GIB  # CUDA context, allocator slack, NCCL/gloo buffers
@@ -280,17 +281,18 @@ def rank_params(model, pp: int, pp_rank: int, schedule: str = "1f1b") -> RankPar
 
 
 def activation_units(model, tp: int, sequence_parallel: bool, recompute: str,
-                     fused: bool = False, ep: int = 1, cp: int = 1) -> float:
+                     fused: Fused = False, ep: int = 1, cp: int = 1) -> float:
     """Saved activations of one layer and microbatch, in s·b·h elements (module docstring).
-    ``fused``: the Triton kernels, whose RMSNorm keeps only its input (not the normalised
-    copy) and whose SwiGLU keeps gate and up only. ``cp`` > 1: the context-parallel attention
-    keeps the key/value heads unexpanded (q, k, v: 1 + 2·kv/h instead of 3)."""
+    ``fused``: the Triton kernels (all, or the set of ops that run them), whose RMSNorm keeps
+    only its input (not the normalised copy) and whose SwiGLU keeps gate and up only.
+    ``cp`` > 1: the context-parallel attention keeps the key/value heads unexpanded (q, k, v:
+    1 + 2·kv/h instead of 3)."""
     if recompute == "full":
         return 1.0 / tp if sequence_parallel and tp > 1 else 1.0
     f = model.ffn_dim / model.dim
     attn = 5.0 if cp == 1 else 3.0 + 2.0 * model.n_kv_heads / model.n_heads
-    norm = 1 if fused else 2  # per norm, besides the output the next matmul keeps
-    mlp = (3 if fused else 4) * f
+    norm = 1 if _runs(fused, "rms_norm") else 2  # per norm, besides the output the next matmul keeps
+    mlp = (3 if _runs(fused, "swiglu") else 4) * f
     moe = getattr(model, "moe", None)
     if moe is not None:  # the MoE block: its tp rank's share of the tokens, as the MLP's
         mlp = moe_activation_units(model, ep)
@@ -320,10 +322,11 @@ def moe_activation_units(model, ep: int = 1) -> float:
 
 
 def rank_memory(model, c: Candidate, seq_len: int, pp_rank: int = 0, compute_bytes: int = 2,
-                framework_bytes: float = FRAMEWORK_BYTES, fused_head: bool = False,
+                framework_bytes: float = FRAMEWORK_BYTES, fused_head: Fused = False,
                 ) -> MemoryBreakdown:
     """Peak bytes of rank ``pp_rank`` of the pipeline (any dp/tp coordinate); ``fused_head``:
-    the Triton kernels run (RMSNorm, SwiGLU, RoPE and the fused linear + cross-entropy)."""
+    the Triton kernels run — all of them (True) or the set of ops that do (RMSNorm, SwiGLU,
+    RoPE, the fused linear + cross-entropy)."""
     rp = rank_params(model, c.pp, pp_rank, c.schedule)
     reduce_bytes = c.reduce_bytes
     local = rp.local(c.tp, c.zero_shards)
@@ -364,9 +367,10 @@ def rank_memory(model, c: Candidate, seq_len: int, pp_rank: int = 0, compute_byt
                       * compute_bytes)
     transient += cp_transient_bytes(model, c, seq_len, compute_bytes)
     if holds_head(c.schedule, c.pp, pp_rank):
-        norm = 1 if fused_head else 2
+        norm = 1 if _runs(fused_head, "rms_norm") else 2
         acts += (norm / c.tp + 1 if sp else norm + 1) * sbh * compute_bytes  # final norm
-        if fused_head:  # the fused loss computes its gradients in forward and keeps them
+        if _runs(fused_head, "linear_cross_entropy"):  # the fused loss computes its gradients
+            # in forward and keeps them
             acts += (sbh / (c.tp if sp else 1) + model.vocab_size * model.dim / c.tp) * compute_bytes
         else:  # fp32 log-probabilities (saved), then their gradient in and out in backward
             logprobs = 4.0 * tokens * model.vocab_size / c.tp
@@ -407,13 +411,21 @@ def _tensors(model, c: Candidate, pp_rank: int) -> int:
             + (last and 1 + (not (model.tie_embeddings and pp_rank == 0))))
 
 
-def uses_fused_kernels(kernels: str, device_name: str) -> bool:
-    """Whether ``model.kernels`` means the Triton kernels on this device (``auto``: on GPUs)."""
-    return kernels == "triton" or (kernels == "auto" and device_name != "cpu")
+Fused = bool | frozenset  # every op fused (True), none (False), or the ops that are
+
+
+def _runs(fused: Fused, op: str) -> bool:
+    return fused if isinstance(fused, bool) else op in fused
+
+
+def uses_fused_kernels(kernels, device_name: str) -> frozenset[str]:
+    """The ops ``model.kernels`` runs as Triton kernels on this device (``auto``: what the GPU
+    check kit measured faster there; ``spec/kernel_choice.py``)."""
+    return fused_ops(kernels, device_name)
 
 
 def memory_bytes(model, c: Candidate, seq_len: int, compute_bytes: int = 2,
-                 framework_bytes: float = FRAMEWORK_BYTES, fused: bool = False) -> float:
+                 framework_bytes: float = FRAMEWORK_BYTES, fused: Fused = False) -> float:
     """Peak bytes on the heaviest rank: the first pipeline rank (embedding, most activations
     in flight) or the last (head, logits)."""
     ranks = {0, c.pp - 1}
@@ -510,7 +522,7 @@ def cp_exposed(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: 
 
 
 def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: int,
-             compute_bytes: int = 2, fused: bool = False) -> Estimate:
+             compute_bytes: int = 2, fused: Fused = False) -> Estimate:
     # Every replica computes num_microbatches; the padding's tokens are not trained on.
     tokens = (c.dp * c.num_microbatches - c.padding) * c.microbatch_size * seq_len
     flops = flops_per_token(model, seq_len) * tokens

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
+from trainmesh.spec.kernel_choice import kernel_problems
 from trainmesh.spec.presets import PRESETS
 
 SPEC_ENV = "TRAINMESH_SPEC"  # the variable `trainmesh submit` and `k8s render` put a spec in
@@ -104,8 +105,18 @@ class ModelConfig(_Section):
     init_from: str | None = Field(
         None, description="a Hugging Face Llama directory (config.json, safetensors) to start "
         "from; each rank reads only its slices. Shape fields not given come from its config.json")
-    kernels: Literal["auto", "triton", "torch"] = Field(
-        "auto", description="fused ops: Triton kernels (auto: on CUDA) or the torch references")
+    kernels: Literal["auto", "triton", "torch"] | dict[str, Literal["triton", "torch"]] = Field(
+        "auto", description="fused ops (rms_norm, swiglu, rope, linear_cross_entropy): Triton "
+        "kernels or the torch references, for every op or per op (a mapping; ops not named: "
+        "auto); auto: what the GPU check kit measured fastest on this GPU, else torch")
+
+    @field_validator("kernels")
+    @classmethod
+    def _known_ops(cls, v: Any) -> Any:
+        broken = kernel_problems(v)
+        if broken:
+            raise ValueError(broken[0])
+        return v
 
     @model_validator(mode="before")
     @classmethod

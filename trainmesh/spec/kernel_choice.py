@@ -1,0 +1,109 @@
+"""Which implementation each fused op runs: ``model.kernels`` and what ``auto`` means on a device.
+
+``model.kernels`` is ``auto``, ``triton`` or ``torch`` (every op), or a mapping of some ops to
+``triton`` | ``torch`` (the ops not named take ``auto``'s choice). ``auto`` takes, per device
+class, what the GPU check kit measured fastest (``MEASURED``: forward + backward at model
+shapes, with the date and device of the measurement); on a device class without a measurement,
+and off CUDA, the torch references. So ``auto`` never picks a path that was measured slower
+than torch. The kit prints a new entry for the device it ran on (``bench/gpu_check.py``).
+
+Torch-free: the planner reads it too (which ops keep fewer activations, whether the loss
+materialises the logits).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+OPS = ("rms_norm", "swiglu", "rope", "linear_cross_entropy")
+IMPLS = ("triton", "torch")
+MODES = ("auto", "triton", "torch")
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One GPU check kit run: each op's speed-up over the torch reference (forward +
+    backward, median), and where and when it was measured."""
+
+    date: str
+    device: str
+    speedup: Mapping[str, float]  # op → torch's time / triton's time
+
+    def choice(self) -> dict[str, str]:
+        """The faster of triton and torch for every op (torch when not faster)."""
+        return {op: "triton" if self.speedup.get(op, 0.0) > 1.0 else "torch" for op in OPS}
+
+
+MEASURED: dict[str, Measurement] = {
+    # bench/RESULTS.md, "GPU check kit, 2026-11-23": 8k tokens × 4096 hidden, 14336 FFN, vocab
+    # 128k, bf16. The fused linear + cross-entropy ran at 0.32× eager: torch takes it.
+    "h100": Measurement("2026-11-23", "one NVIDIA H100 80GB HBM3",
+                        {"rms_norm": 4.41, "swiglu": 1.74, "rope": 1.34,
+                         "linear_cross_entropy": 0.32}),
+}
+
+# Substrings of a CUDA device name (torch.cuda.get_device_name) or the planner's device names.
+_CLASSES = ("h100", "h200", "b200", "a100", "l40s")
+
+
+def device_class(name: str) -> str | None:
+    """"NVIDIA H100 80GB HBM3" or "h100" → "h100"; None for a device not in the table's terms."""
+    low = name.lower().replace(" ", "")
+    return next((c for c in _CLASSES if c in low), None)
+
+
+def kernel_problems(kernels: object) -> list[str]:
+    """What is wrong with a ``model.kernels`` value (empty when it is valid)."""
+    if isinstance(kernels, str):
+        return [] if kernels in MODES else [f"{kernels!r}; use one of {', '.join(MODES)} or a "
+                                            f"mapping of {', '.join(OPS)} to triton|torch"]
+    if not isinstance(kernels, Mapping):
+        return [f"{kernels!r}; use one of {', '.join(MODES)} or a mapping of ops to triton|torch"]
+    out = [f"unknown op {op!r}; the ops are {', '.join(OPS)}" for op in kernels if op not in OPS]
+    out += [f"{op}: {impl!r}; use triton or torch" for op, impl in kernels.items()
+            if op in OPS and impl not in IMPLS]
+    return out
+
+
+def choose(kernels: str | Mapping[str, str], device_type: str,
+           device_name: str = "") -> dict[str, str]:
+    """Each op's implementation on a device (``device_type`` cuda | cpu | …; ``device_name``:
+    what identifies the GPU)."""
+    broken = kernel_problems(kernels)
+    if broken:
+        raise ValueError(f"model.kernels: {broken[0]}")
+    auto = {op: "torch" for op in OPS}
+    if device_type == "cuda":
+        measured = MEASURED.get(device_class(device_name) or "")
+        if measured is not None:
+            auto = measured.choice()
+    if isinstance(kernels, str):
+        return auto if kernels == "auto" else {op: kernels for op in OPS}
+    return {**auto, **kernels}
+
+
+def key(choice: Mapping[str, str]) -> str:
+    """A choice as one string: "torch" or "triton" when every op agrees, else
+    "rms_norm=triton,swiglu=triton,rope=triton,linear_cross_entropy=torch"."""
+    impls = {choice[op] for op in OPS}
+    if len(impls) == 1:
+        return impls.pop()
+    return ",".join(f"{op}={choice[op]}" for op in OPS)
+
+
+def parse_key(name: str) -> dict[str, str]:
+    """``key``'s inverse."""
+    if name in IMPLS:
+        return {op: name for op in OPS}
+    out = dict(part.split("=", 1) for part in name.split(","))
+    if set(out) != set(OPS) or not set(out.values()) <= set(IMPLS):
+        raise ValueError(f"kernel set {name!r}: give every op of {', '.join(OPS)} as triton|torch")
+    return out
+
+
+def fused_ops(kernels: str | Mapping[str, str], device_name: str) -> frozenset[str]:
+    """The ops that run as Triton kernels for the planner's ``device_name`` ("h100", "cpu" …)."""
+    device_type = "cpu" if device_name == "cpu" else "cuda"
+    return frozenset(op for op, impl in choose(kernels, device_type, device_name).items()
+                     if impl == "triton")
