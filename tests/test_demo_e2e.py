@@ -54,8 +54,14 @@ def test_demo_job_through_cli_lands_in_mlflow(tmp_path):
     assert losses == pytest.approx(summary["losses"])
     first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
     assert last < 0.5 * first, (first, last)  # it visibly learns
-    for name in ("lr", "grad_norm", "tokens_per_s", "step_time_s", "mfu"):
+    for name in ("lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_gpu", "step_time_s", "mfu",
+                 "step/compute_s", "step/data_s", "step/comm_s", "step/compute_s_max",
+                 "memory/peak_gib_max", "rank1/compute_s"):
         assert len(client.get_metric_history(run.info.run_id, name)) == 150, name
+    # Where each rank's last step went (its parts add up to the step), in summary.json
+    for r in summary["step_breakdown"]["ranks"]:
+        parts = r["data_s"] + r["compute_s"] + r["comm_s"] + r["bubble_s"]
+        assert parts == pytest.approx(r["step_s"], rel=1e-6) and r["compute_s"] > 0, r
     # Held-out loss every 50 steps, in MLflow and the summary; it falls as training goes on.
     evals = sorted(client.get_metric_history(run.info.run_id, "eval_loss"), key=lambda m: m.step)
     assert [(m.step, m.value) for m in evals] == [(e["step"], e["loss"]) for e in summary["eval"]]

@@ -157,3 +157,62 @@ def test_run_with_tp2_writes_a_checkpoint_the_single_process_model_loads(ray_loc
     client = MlflowClient(tracking_uri=summary["tracking_uri"])
     for name in ("moe_load_max_over_mean", "moe_dropped", "moe/layer3/bias_norm"):
         assert len(client.get_metric_history(summary["mlflow_run_id"], name)) == 3, name
+
+
+@pytest.mark.timeout(300)
+def test_a_slow_rank_is_named_the_straggler_and_the_bubble_is_measured(rank_pool, tmp_path):
+    """Each rank reports where its step went; rank 1, whose blocks' forward sleeps 0.1 s, is the
+    one whose forward compute lags (the others wait for it inside ZeRO-3's collectives, which
+    their own forward time leaves out), and the controller's metrics name it; under a pipeline
+    each stage's idle time is measured."""
+    import sys
+
+    import ray
+
+    from trainmesh.controller.hooks import breakdown_metrics
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    spec = load_spec(None, [*BASE, "parallelism.dp=2", f"runtime.output_dir={tmp_path}"])
+    data_dir = str(ensure_tiny_corpus(tmp_path / "data"))
+    dims = ParallelDims(dp=2)
+    group = rank_pool.group_for(spec, dims)
+    try:
+        group.build(spec.model_dump_json(), dims, data_dir)
+        group.train_step()  # warm-up
+        group.execute(_slow_forward)
+        stats = group.train_step()
+        metrics, straggler = breakdown_metrics(stats)
+    finally:
+        rank_pool.release(group)
+    forward = [r["breakdown"]["forward_s"] for r in stats]
+    # 4 blocks × 2 microbatches × 0.1 s on the slow rank; the other's own forward is quick
+    assert forward[1] > 0.8 > 0.2 > forward[0], forward
+    assert straggler is not None and straggler["rank"] == 1, (straggler, forward)
+    assert metrics["step/forward_s_max"] == straggler["forward_s"] == forward[1]
+    assert "rank1/compute_s" in metrics and "memory/peak_gib_max" in metrics
+    for r in stats:
+        b = r["breakdown"]
+        assert b["data_s"] + b["compute_s"] + b["comm_s"] + b["bubble_s"] == pytest.approx(b["step_s"])
+
+    spec = load_spec(None, [*BASE, "parallelism.pp=2", "schedule.name=gpipe",
+                            f"runtime.output_dir={tmp_path}"])
+    dims = ParallelDims(pp=2)
+    group = rank_pool.group_for(spec, dims)
+    try:
+        group.build(spec.model_dump_json(), dims, data_dir)
+        group.train_step()
+        stats = group.train_step()
+    finally:
+        rank_pool.release(group)
+    # GPipe: the first stage waits for the last one's backwards, the last for the forwards
+    assert all(r["breakdown"]["bubble_s"] > 0 for r in stats), stats
+
+
+def _slow_forward(engine) -> bool:
+    """Rank 1 only: every block's forward sleeps 0.1 s (a slow GPU, a throttled host)."""
+    import time
+
+    if engine.mesh.rank == 1:
+        for block in engine.model.layers.values():
+            block.register_forward_pre_hook(lambda module, args: time.sleep(0.1))
+    return True

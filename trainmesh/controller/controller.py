@@ -22,6 +22,7 @@ from trainmesh.controller.evaluation import Evaluator, evaluate_once
 from trainmesh.controller.hooks import (
     AfterStep,
     Hook,
+    breakdown_metrics,
     expert_metrics,
     flat_expert_metrics,
     step_metrics,
@@ -88,6 +89,8 @@ class Controller:
         self.pid_history: list[list[int]] = []  # the ranks' processes, per (re)start
         self.losses: list[float] = []
         self.experts: dict[str, Any] = {}  # MoE: the last step's statistics (summary.json)
+        self.breakdown: dict[str, Any] = {}  # the last step: where each rank's time went
+        self.stragglers: dict[str, int] = {}  # rank → steps it was named the straggler
         self.resumed_at: int | None = None  # the step this run started from
         self.book = RecoveryBook()  # restarts, dead nodes, the recovery in progress, those done
         self.group = None  # the rank actors (the injected worker group)
@@ -367,7 +370,15 @@ class Controller:
         self.ckpts.poll(s.group, [r.get("save") for r in s.stats], s.tracker)
 
     def _log_step(self, s: AfterStep, metrics_of) -> None:
-        metrics = metrics_of(s.stats[0], s.seconds)
+        metrics = metrics_of(s.stats[0], s.seconds, s.dims.world_size)
+        where, straggler = breakdown_metrics(s.stats)  # compute, comm, bubble, data, memory
+        metrics.update(where)
+        self.breakdown = {"step": s.step, "ranks": [r.get("breakdown") for r in s.stats]}
+        if straggler is not None:  # named in MLflow and counted for summary.json
+            node = self.rank_nodes[straggler["rank"]] if straggler["rank"] < len(self.rank_nodes) else None
+            s.tracker.event("straggler", step=s.step, node=node, **straggler)
+            key = str(straggler["rank"])
+            self.stragglers[key] = self.stragglers.get(key, 0) + 1
         experts = expert_metrics(s.stats)
         if experts:  # MoE: expert load, balancing loss, dropped tokens, bias norm per block
             self.experts = {"step": s.step, **experts,
@@ -441,6 +452,9 @@ class Controller:
         }
         if self.experts:  # the last step's per-block expert statistics, the run's drops
             summary["experts"] = self.experts
+        if self.breakdown:  # where each rank's last step went; who lagged, how often
+            summary["step_breakdown"] = self.breakdown
+            summary["stragglers"] = self.stragglers
         write_json_atomically(self.out / "summary.json", summary)
         return summary
 

@@ -4,6 +4,7 @@ a hook that returns a :class:`Stop` ends the run loop at this step boundary."""
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -36,13 +37,54 @@ def step_metrics(spec: JobSpec, peak_tflops: float) -> Callable[[dict[str, Any],
     tr = spec.training
     tokens, flops = tr.global_batch_size * tr.seq_len, flops_per_token(spec.model, tr.seq_len)
 
-    def metrics(stats: dict[str, Any], step_s: float) -> dict[str, float]:
+    def metrics(stats: dict[str, Any], step_s: float, world: int = 1) -> dict[str, float]:
         tps = tokens / step_s
         return {"loss": stats["loss"], "lr": stats["lr"], "grad_norm": stats["grad_norm"],
-                "tokens_per_s": tps, "step_time_s": step_s,
+                "tokens_per_s": tps, "tokens_per_s_per_gpu": tps / world, "step_time_s": step_s,
                 "mfu": flops * tps / (peak_tflops * 1e12)}
 
     return metrics
+
+
+# A straggler: a rank whose blocks' forward compute lags the median rank's by more than this
+# fraction (and by STRAGGLER_FLOOR_S, so that a tiny step's jitter names nobody). Not the step
+# time: in a synchronous step every rank's step ends together, the fast ones waiting inside
+# ZeRO-3's collectives — time the host clock cannot tell from compute; a block's own forward
+# (timed after its gathers) it can.
+STRAGGLER_MARGIN = 0.25
+STRAGGLER_FLOOR_S = 0.05
+PER_RANK_METRICS = 64  # ranks whose own step breakdown goes to MLflow (aggregates: always)
+
+
+def breakdown_metrics(stats: list[dict[str, Any]]) -> tuple[dict[str, float], dict | None]:
+    """MLflow metrics of where a step went, from every rank's ``breakdown``: each time's median
+    and max over the ranks (``step/compute_s``, ``step/compute_s_max`` …), the highest memory
+    peak, the mean GPU utilisation, each rank's own (``rank3/compute_s``) up to
+    PER_RANK_METRICS ranks; and the straggler, if a rank's forward compute lags the median's
+    (``{"rank", "forward_s", "median_forward_s"}``) or None."""
+    rows = [r.get("breakdown") for r in stats]
+    if not rows or any(r is None for r in rows):
+        return {}, None
+    out: dict[str, float] = {}
+    for key in rows[0]:
+        vals = sorted(float(r[key]) for r in rows)
+        if key.endswith("_s"):
+            out[f"step/{key}"] = statistics.median(vals)
+            out[f"step/{key}_max"] = vals[-1]
+        elif key.startswith("memory"):
+            out[f"memory/{key.removeprefix('memory_')}_max"] = vals[-1]
+        else:
+            out[f"system/{key}"] = sum(vals) / len(vals)
+    if len(rows) <= PER_RANK_METRICS:
+        out.update({f"rank{i}/{k}": float(v) for i, r in enumerate(rows) for k, v in r.items()})
+    forward = [r["forward_s"] for r in rows]
+    median = statistics.median(forward)
+    slowest = max(range(len(rows)), key=forward.__getitem__)
+    straggler = None
+    if (forward[slowest] > median * (1 + STRAGGLER_MARGIN)
+            and forward[slowest] - median > STRAGGLER_FLOOR_S):
+        straggler = {"rank": slowest, "forward_s": forward[slowest], "median_forward_s": median}
+    return out, straggler
 
 
 def expert_metrics(stats: list[dict[str, Any]]) -> dict[str, dict[str, float]]:

@@ -6,6 +6,7 @@ No Ray here: :class:`trainmesh.actors.rank_worker.RankWorker` hosts an Engine in
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from datetime import timedelta
@@ -54,6 +55,77 @@ from trainmesh.parallel.pipeline.schedules import build_schedule, forward_only, 
 from trainmesh.parallel.zero import ExpertSharding, ZeroPolicy, apply_zero3
 from trainmesh.spec.job import JobSpec
 from trainmesh.spec.mesh_rules import microbatches_per_replica
+
+
+class _StepClock:
+    """Where one rank's step goes, on the host clock (on a GPU, at the step's end the loss's
+    host copy has waited for the device; between phases it has not: the split there is the
+    host's view). ``phase`` passes a step's phases on (progress) and notes when the optimizer
+    starts; ``lap`` closes a span."""
+
+    def __init__(self, device: torch.device, on_phase: Callable[[str], None]):
+        self.device, self.on_phase = device, on_phase
+        self.t0 = self.last = time.perf_counter()
+        self.spans: dict[str, float] = {}
+        self._optimizer_at: float | None = None
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def phase(self, name: str) -> None:
+        if name == "optimizer":
+            now = time.perf_counter()
+            self.spans["forward_backward"] = now - self.last
+            self._optimizer_at = self.last = now
+        self.on_phase(name)
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.spans[name] = self.spans.get(name, 0.0) + now - self.last
+        self.last = now
+
+    def breakdown(self, ring_s: float, bubble_s: float, forward_s: float) -> dict[str, float]:
+        """Seconds: the step; data wait; exposed communication that is measured (context
+        parallel's blocked waits, the loss's mean over the replicas); the pipeline's bubble;
+        compute, the rest (it includes what ZeRO-3's gathers and reduce-scatters expose inside
+        forward and backward, which the host clock cannot tell from compute); the blocks' own
+        forward compute, which it can (``_ForwardTimer``); the optimizer; peak memory."""
+        total = self.last - self.t0
+        comm = ring_s + self.spans.get("loss", 0.0)
+        out = {"step_s": total, "data_s": self.spans.get("data", 0.0),
+               "comm_s": comm, "bubble_s": bubble_s,
+               "compute_s": max(0.0, total - self.spans.get("data", 0.0) - comm - bubble_s),
+               "forward_s": forward_s, "optimizer_s": self.spans.get("optimizer", 0.0)}
+        if self.device.type == "cuda":
+            out["memory_allocated_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            out["memory_reserved_peak_gib"] = torch.cuda.max_memory_reserved(self.device) / 2**30
+            try:
+                out["gpu_utilization"] = float(torch.cuda.utilization(self.device))
+            except Exception:  # noqa: BLE001 - the driver may not say (no NVML)
+                pass
+        else:
+            out["memory_peak_gib"] = peak_process_bytes(self.device) / 2**30
+        return out
+
+
+class _ForwardTimer:
+    """The seconds ``blocks`` spend in their own forward (recomputation in backward included),
+    hooked after ZeRO-3's hooks so that waiting for a block's all-gather is not counted: the
+    compute a slow device or host shows, where the ranks that wait for it show nothing."""
+
+    def __init__(self, blocks):
+        self.seconds = 0.0
+        self._start: dict[int, float] = {}
+        for block in blocks:
+            block.register_forward_pre_hook(self._pre)
+            block.register_forward_hook(self._post)
+
+    def _pre(self, module, args) -> None:
+        self._start[id(module)] = time.perf_counter()
+
+    def _post(self, module, args, output) -> None:
+        start = self._start.pop(id(module), None)
+        if start is not None:
+            self.seconds += time.perf_counter() - start
 
 
 def build_model(spec: JobSpec, device: torch.device) -> Llama:
@@ -141,6 +213,8 @@ class Engine:
             for stage in stages.values() if wrap else ():
                 apply_zero3(stage, mesh.zero_mesh, self.zero, experts)
             self.executor = self._build_executor(shape, stages, dtype, self.zero if wrap else None)
+        # Each block's own forward time (hooks after ZeRO-3's: its gathers are not counted).
+        self.forward_timer = _ForwardTimer(self.model.layers.values())
         # Materialise the local shards only, then fill them from each parameter's global name.
         self.model.to_empty(device=device)
         self.imported_bytes = init_weights(self.model, spec)  # read from model.init_from
@@ -154,6 +228,7 @@ class Engine:
         self.scheduler = build_lr_scheduler(self.optimizer, spec.optimizer, tr.steps)
         self.step = 0  # optimizer steps done
         self.activation_peak = 0  # bytes saved for backward, from the last measured step
+        self._bubble_s = 0.0  # the last step's pipeline idle time
 
     def _context(self, eos: int | None) -> ContextParallel:
         """Attention over the context-parallel ring (and/or within documents)."""
@@ -204,20 +279,29 @@ class Engine:
             self.activation_peak = meter.peak
             return stats
         tr = self.spec.training
+        clock = _StepClock(self.device, self.on_phase)
+        self.forward_timer.seconds = 0.0
         mbs = self.dataset.microbatches(tr.seed, self.step, tr.global_batch_size,
                                         self.mesh.coord(Axis.DP), self.mesh.size(Axis.DP),
                                         tr.microbatch_size, self.spans)
         mbs, weights = self._padded([(x.to(self.device), y.to(self.device)) for x, y in mbs])
+        clock.lap("data")
+        ring0 = self.context.waited_s if self.context is not None else 0.0
         if self.executor is None:
             stats = train_step(self.model, self.optimizer, self.scheduler, mbs,
                                self.spec.optimizer.grad_clip,
                                lambda last: self.zero.before_backward(self.model, last),
-                               self.loss_context, self.on_phase, self.hooks, weights)
+                               self.loss_context, clock.phase, self.hooks, weights)
         else:
-            stats = self._pipeline_step(mbs, weights)
+            stats = self._pipeline_step(mbs, weights, clock)
+        clock.lap("optimizer")
+        loss = self._dp_mean(stats.loss)
+        clock.lap("loss")
         self.step += 1
-        return StepStats(loss=self._dp_mean(stats.loss), grad_norm=stats.grad_norm, lr=stats.lr,
-                         tokens=stats.tokens, experts=stats.experts)
+        ring = self.context.waited_s - ring0 if self.context is not None else 0.0
+        return StepStats(loss=loss, grad_norm=stats.grad_norm, lr=stats.lr, tokens=stats.tokens,
+                         experts=stats.experts,
+                         breakdown=clock.breakdown(ring, self._bubble_s, self.forward_timer.seconds))
 
     def _padded(self, mbs: list) -> tuple[list, list[float]]:
         """This replica's microbatches and their weights, padded to the step's ``n_micro``
@@ -226,15 +310,20 @@ class Engine:
         pad = self.n_micro - len(mbs)
         return mbs + mbs[-1:] * pad, [self.weight] * len(mbs) + [0.0] * pad
 
-    def _pipeline_step(self, mbs, weights: list[float]) -> StepStats:
+    def _pipeline_step(self, mbs, weights: list[float], clock: _StepClock) -> StepStats:
         self.optimizer.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
         loss = self.executor.step(mbs, weights).detach().double()
+        # The schedule's idle time: its wall time less what its actions took (compute, and
+        # posting messages); what is left is waiting for another stage — the bubble.
+        spans = sum(end - start for _, start, end in self.executor.timeline)
+        self._bubble_s = max(0.0, time.perf_counter() - t0 - spans)
         pp_group = self.mesh[Axis.PP].get_group()
         dist.all_reduce(loss, group=pp_group)  # only the last stage holds a loss
         tokens = sum(y.numel() for (_, y), w in zip(mbs, weights, strict=True) if w)
         return finish_step(self.model, self.optimizer, self.scheduler,
                            self.spec.optimizer.grad_clip, float(loss), tokens, across=pp_group,
-                           on_phase=self.on_phase, hooks=self.hooks)
+                           on_phase=clock.phase, hooks=self.hooks)
 
     @torch.no_grad()
     def evaluate(self, batches: int) -> float:

@@ -27,6 +27,7 @@ class StepStats:
     lr: float
     tokens: int  # tokens this rank processed
     experts: dict | None = None  # per MoE block: load, balancing loss, dropped, bias norm
+    breakdown: dict | None = None  # where the rank's step went (``Engine.train_step``)
 
 
 def build_optimizer(model: nn.Module, cfg) -> torch.optim.AdamW:
