@@ -35,6 +35,11 @@ CASES = {  # largest meshes first: the rank pool then only shrinks
     # ... interleaved, 3 microbatches a replica over pp 2: one group of 3 through both chunks
     "pp2-vpp2-dp3-interleaved-uneven": (ParallelDims(pp=2, dp=3), [
         "schedule.name=interleaved-1f1b", "parallelism.vpp=2", *UNEVEN]),
+    # torch.compile per block (regional) with full recomputation, ZeRO-3 over dp and a
+    # zero-bubble schedule's split backward (ZBV: two chunks per rank in a V)
+    "compile-zbv-pp2-dp2-full-ac": (ParallelDims(pp=2, dp=2), [
+        "model.compile=true", "schedule.name=zbv", "parallelism.vpp=2", ZB_BATCH,
+        "activation_checkpoint.mode=full"]),
     "pp4-gpipe": (ParallelDims(pp=4), ["schedule.name=gpipe"]),
     "pp4-1f1b": (ParallelDims(pp=4), ["schedule.name=1f1b"]),
     "pp4-vpp2-interleaved": (ParallelDims(pp=4), ["schedule.name=interleaved-1f1b",

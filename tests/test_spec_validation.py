@@ -40,6 +40,7 @@ BAD_SPECS = [
     ("model: {preset: tiny-moe}\nparallelism: {dp: 2, cp: 4, ep: 2}", "parallelism.ep"),
     ("data: {document_mask: true}\nparallelism: {pp: 2}", "data.document_mask"),
     ("parallelism: {cp: 2, cp_mode: ulysses}", "parallelism.cp_mode"),
+    ("model: {compile: true}\nparallelism: {tp: 2}", "model.compile"),
     ("training: {seq_len: 1}", "training.seq_len"),
     ("training: {seq_len: 4096}", "training.seq_len"),
     ("training: {dtype: float8}", "training.dtype"),

@@ -32,6 +32,7 @@ from trainmesh.engine.step import (
 from trainmesh.models.llama.model import Llama, LlamaArgs
 from trainmesh.models.llama.parallelize import (
     apply_activation_checkpointing,
+    apply_compile,
     apply_context_parallel,
     apply_tensor_parallel,
     sum_partial_grads_over_tp,
@@ -197,6 +198,12 @@ class Engine:
                 experts = ExpertSharding(mesh["edp"], expert_divide_factor(mesh))
         apply_activation_checkpointing(self.model, spec.activation_checkpoint.mode,
                                        spec.activation_checkpoint.stride)
+        if spec.model.compile:
+            if mesh.size(Axis.TP) > 1:
+                raise ValueError("model.compile beside tensor parallel is not built (torch "
+                                 "2.13's compiler fails on the TP plan's DTensor blocks); set "
+                                 "model.compile=false or parallelism.tp=1")
+            apply_compile(self.model, pp > 1 and splits_backward(spec.schedule.name))
         self.executor = self.eval_executor = None
         # A split backward (zero-bubble schedules) keeps each stage gathered through the step:
         # its deferred W's need the parameters the forward used.

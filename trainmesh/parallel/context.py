@@ -114,6 +114,7 @@ class ContextParallel:
         return (torch.cumsum(ends, -1) - ends + mine.unsqueeze(-1)).view(B, T)
 
     # -- attention -----------------------------------------------------------------------
+    @torch.compiler.disable  # point-to-point and host syncs: eager between compiled graphs
     def attend(self, q_BTHD: torch.Tensor, k_BTHD: torch.Tensor, v_BTHD: torch.Tensor,
                docs_BT: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention of this rank's queries over the whole sequence's keys (the

@@ -29,6 +29,8 @@ def request_for(spec: JobSpec) -> PlanRequest:
                      recompute_stride=spec.activation_checkpoint.stride)
     if spec.data.document_mask:
         fixed["document_mask"] = True
+    if spec.model.compile:  # compiled blocks beside tensor parallel are not built
+        fixed["tp"] = 1
     if par.keep_gathered is not None:
         fixed["keep_gathered"] = par.keep_gathered
     fixed["reduce_dtype"] = par.reduce_dtype

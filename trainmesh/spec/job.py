@@ -110,6 +110,10 @@ class ModelConfig(_Section):
         "kernels or the torch references, for every op or per op (a mapping; ops not named: "
         "auto); auto: what the GPU check kit measured fastest on this GPU, else torch")
 
+    compile: bool = Field(False, description="torch.compile each transformer block (regional, "
+                          "in place: parameter names unchanged), after tensor parallel and "
+                          "activation checkpointing, before ZeRO-3")
+
     @field_validator("kernels")
     @classmethod
     def _known_ops(cls, v: Any) -> Any:

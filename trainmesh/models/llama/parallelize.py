@@ -117,3 +117,19 @@ def apply_context_parallel(model: Llama, context, positions: torch.Tensor | None
     for block in model.layers.values():
         block.attention.context = context
     return model
+
+
+def apply_compile(model: nn.Module, split_backward: bool = False) -> nn.Module:
+    """torch.compile every transformer block in place (``Module.compile``: the block keeps its
+    name and its parameters theirs, so checkpoints do not change): regional compilation, one
+    compiled graph shared by blocks of the same shape. After TP and activation checkpointing
+    (the recomputation is traced with the block), before ZeRO-3 (whose hooks stay outside the
+    graph). What cannot be traced — context parallel's ring, an MoE block's dispatch with its
+    host sync — runs eagerly between graphs. ``split_backward`` (zero-bubble schedules: the
+    input gradients first, the weights' later, keeping the graph): the compiled backward may
+    not donate its buffers to the first part (a process-wide torch setting)."""
+    if split_backward:
+        torch._functorch.config.donated_buffer = False
+    for block in model.layers.values():
+        block.compile()
+    return model
