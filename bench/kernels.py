@@ -12,7 +12,8 @@ logits), so its GB/s column is left empty.
 
 Part 2: one rank training the `1b` preset (seq 2048, global batch 8, microbatch 2, bf16,
 ZeRO-3 over a 1-rank mesh: the production code path) with model.kernels = torch, triton and
-auto, and torch / auto with model.compile (each block compiled; the warm-up step compiles):
+auto, torch / auto with model.compile (each block compiled; the warm-up step compiles), and
+on a GPU auto + compile with training.float8 tensorwise and rowwise (torchao):
 step time, tokens/s, MFU against the device table's dense bf16 peak, peak memory.
 
 --smoke runs tiny shapes in Triton's CPU interpreter (torch.compile and MFU are skipped): the
@@ -166,11 +167,15 @@ def step_table(device: str, smoke: bool, steps: int) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         data_dir = str(ensure_tiny_corpus(os.path.join(tmp, "data")))
-        for kernels, compiled in (("torch", False), ("triton", False), ("auto", False),
-                                  ("torch", True), ("auto", True)):
+        variants = [("torch", False, "none"), ("triton", False, "none"), ("auto", False, "none"),
+                    ("torch", True, "none"), ("auto", True, "none")]
+        if device == "cuda":  # float8 (torchao) is only emulated off CUDA: nothing to time
+            variants += [("auto", True, "tensorwise"), ("auto", True, "rowwise")]
+        for kernels, compiled, float8 in variants:
             spec = load_spec(None, [*shape, "training.global_batch_size=8", "training.microbatch_size=2",
                                     f"training.steps={steps + 1}", "optimizer.warmup_steps=1",
                                     f"model.kernels={kernels}", f"model.compile={compiled}",
+                                    f"training.float8={float8}",
                                     "tracking.enabled=false", f"runtime.device={device}"])
             engine = Engine(spec, mesh, data_dir, torch.device(device))
             engine.train_step()  # warm-up (compiles the blocks with model.compile)
@@ -185,7 +190,10 @@ def step_table(device: str, smoke: bool, steps: int) -> list[dict]:
             dt = (time.perf_counter() - t0) / steps
             tokens_s = stats.tokens / dt
             flops = engine.model.args.flops_per_token(spec.training.seq_len) * tokens_s
-            rows.append({"kernels": kernels + (" + compile" if compiled else ""), "step_s": dt, "tokens_s": tokens_s,
+            label = kernels + (" + compile" if compiled else "") + (
+                f" + float8 {float8}" if float8 != "none" else "")
+            rows.append({"kernels": label, "step_s": dt,
+                         "tokens_s": tokens_s,
                          "tflops": flops / 1e12, "mfu": flops / (peak * 1e12),
                          "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
                          "loss": stats.loss})

@@ -17,6 +17,10 @@ def reference_run(spec: JobSpec, data_dir: str, steps: int, grads_after: int | N
     the built model first (as a parallel test adjusts its ranks' parts)."""
     tr = spec.training
     model = build_model(spec, torch.device("cpu"))
+    if spec.training.float8 != "none":  # the same linears as the ranks' (torchao's emulation)
+        from trainmesh.models.llama.parallelize import apply_float8
+
+        apply_float8(model, spec.training.float8, "cpu", all_gather_in_float8=False)
     if prepare is not None:
         prepare(model)
     opt = build_optimizer(model, spec.optimizer)

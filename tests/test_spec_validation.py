@@ -41,6 +41,8 @@ BAD_SPECS = [
     ("data: {document_mask: true}\nparallelism: {pp: 2}", "data.document_mask"),
     ("parallelism: {cp: 2, cp_mode: ulysses}", "parallelism.cp_mode"),
     ("model: {compile: true}\nparallelism: {tp: 2}", "model.compile"),
+    ("training: {float8: tensorwise}\nparallelism: {tp: 2}", "training.float8"),
+    ("training: {float8: mxfp8}", "training.float8"),
     ("training: {seq_len: 1}", "training.seq_len"),
     ("training: {seq_len: 4096}", "training.seq_len"),
     ("training: {dtype: float8}", "training.dtype"),

@@ -70,6 +70,10 @@ CASES = {  # largest meshes first: the rank pool then only shrinks
     "tp2-sp": (ParallelDims(tp=2), ["parallelism.sequence_parallel=true"]),
     "tp2-sp-full-ac": (ParallelDims(tp=2), ["parallelism.sequence_parallel=true",
                                             "activation_checkpoint.mode=full"]),
+    # float8 linears (torchao, emulated on CPU), ZeRO-3 gathering the weights in float8 with
+    # scales from the whole weight
+    "dp2-float8-tensorwise": (ParallelDims(dp=2), ["training.float8=tensorwise"]),
+    "dp2-float8-rowwise": (ParallelDims(dp=2), ["training.float8=rowwise"]),
     "dp2-selective-ac": (ParallelDims(dp=2), ["activation_checkpoint.mode=selective",
                                               "activation_checkpoint.stride=2"]),
 }
@@ -86,12 +90,21 @@ def test_parallel_matches_single_process(rank_pool, tmp_path, case):
     data_dir = str(ensure_tiny_corpus(tmp_path / "data"))
     losses, grads, params = _parallel_run(rank_pool, spec, dims, data_dir)
     ref_losses, ref_params, ref_grads = reference_run(spec, data_dir, steps=3, grads_after=1)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    # float8: a weight that differs from the single process's in its last fp32 bit (the
+    # gradients' reduction order) may round to another float8 value; the step after shows it
+    # (seen: 2e-5 on the third loss, tensorwise). Full precision: 1e-5.
+    rtol = 1e-4 if spec.training.float8 != "none" else 1e-5
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=rtol, atol=0)
     _close(grads, ref_grads)
     # AdamW divides by sqrt(v): for gradient elements that are themselves rounding-level
     # (a sum that cancels), fp32 reassociation under TP moves the update by up to ~1e-2·lr
     # (the gradients themselves were checked at 1e-6 above; seen: 1.7e-5 on one element).
-    _close(params, ref_params, rtol=1e-5, atol=5e-5)
+    if spec.training.float8 == "none":
+        _close(params, ref_params, rtol=1e-5, atol=5e-5)
+    else:  # float8: the first step's gradients were checked exactly above; after 3 updates a
+        # few flipped roundings (each can flip an element's update, AdamW moving it by up to
+        # lr) have spread to ~1e-4 (seen: 1.7e-3 on one element, 1e-4 on the norms)
+        _close(params, ref_params, rtol=1e-3, atol=2 * spec.optimizer.lr)
 
 
 def _resumed_at_dp3(rank_pool, tmp_path) -> None:

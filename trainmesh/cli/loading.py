@@ -300,6 +300,9 @@ def consistency_problems(spec: JobSpec) -> list[Problem]:
         out += hsdp_problems(par.dp, par.dp_replicate, par.ep)
         out += cp_problems(tr.seq_len, par.cp, par.tp, par.ep, par.pp,
                            par.sequence_parallel or m.moe is not None, spec.data.document_mask)
+        need(tr.float8 == "none" or par.tp == 1, "training.float8",
+             f"{tr.float8} beside tensor parallel (tp={par.tp}) is not built",
+             "set training.float8=none or parallelism.tp=1")
         need(not m.compile or par.tp == 1, "model.compile",
              f"beside tensor parallel (tp={par.tp}) is not built: torch 2.13's compiler fails on "
              "the TP plan's DTensor blocks", "set model.compile=false or parallelism.tp=1")

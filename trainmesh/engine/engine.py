@@ -34,7 +34,9 @@ from trainmesh.models.llama.parallelize import (
     apply_activation_checkpointing,
     apply_compile,
     apply_context_parallel,
+    apply_float8,
     apply_tensor_parallel,
+    float8_problems,
     sum_partial_grads_over_tp,
     tp_partial_params,
 )
@@ -106,6 +108,18 @@ class _StepClock:
         else:
             out["memory_peak_gib"] = peak_process_bytes(self.device) / 2**30
         return out
+
+
+def _with_float8_scales(model, after_update: Callable[[], dict]) -> Callable[[], dict]:
+    """After the optimizer: every float8 weight's scale for the next step's float8 all-gather,
+    in one all-reduce of their amaxes (torchao's; without it each unit's gather waits for
+    its own)."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    def run() -> dict:
+        precompute_float8_dynamic_scale_for_fsdp(model)
+        return after_update()
+    return run
 
 
 class _ForwardTimer:
@@ -182,6 +196,12 @@ class Engine:
             self.model, stage_ids = rank_model(
                 LlamaArgs.from_config(spec.model, device.type), mesh.coord(Axis.PP), pp, vpp,
                 shape.stages_of(mesh.coord(Axis.PP)) if shape else None)
+        if tr.float8 != "none":  # before TP and ZeRO-3: the linears they wrap are float8's
+            cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+            broken = float8_problems(tr.float8, device.type, mesh.size(Axis.TP), cap)
+            if broken:
+                raise ValueError(broken[0])
+            apply_float8(self.model, tr.float8, device.type, all_gather_in_float8=mesh.replicas > 1)
         self.context = None
         if cp > 1 or spec.data.document_mask:
             self.context = self._context(meta.get("eos_id"))
@@ -228,9 +248,12 @@ class Engine:
         self.model.init_buffers()
         set_loss_scale(self.model, self.weight)  # MoE balancing loss: a microbatch's share
         partial = tp_partial_params(self.model) if mesh.size(Axis.TP) > 1 else []
+        after_update = balance_over_mesh(self.model, mesh)
+        if tr.float8 == "tensorwise" and mesh.replicas > 1:
+            after_update = _with_float8_scales(self.model, after_update)
         self.hooks = StepHooks(
             before_clip=lambda: sum_partial_grads_over_tp(partial, mesh[Axis.TP] if partial else None),
-            after_update=balance_over_mesh(self.model, mesh))
+            after_update=after_update)
         self.optimizer = build_optimizer(self.model, spec.optimizer)
         self.scheduler = build_lr_scheduler(self.optimizer, spec.optimizer, tr.steps)
         self.step = 0  # optimizer steps done

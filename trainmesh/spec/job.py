@@ -250,6 +250,10 @@ class TrainingConfig(_Section):
     seq_len: int = Field(64, ge=2)
     seed: int = Field(0, ge=0)
     dtype: Literal["float32", "bfloat16"] = "float32"
+    float8: Literal["none", "tensorwise", "rowwise"] = Field(
+        "none", description="float8 matmuls for the blocks' linear layers (torchao): one scale "
+        "per tensor (with ZeRO-3's all-gather in float8) or per row; needs a GPU of compute "
+        "capability 8.9+ (H100); on CPU torchao's emulation (tests); not beside tensor parallel")
 
 
 class InMemoryConfig(_Section):

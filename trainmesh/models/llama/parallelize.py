@@ -133,3 +133,41 @@ def apply_compile(model: nn.Module, split_backward: bool = False) -> nn.Module:
     for block in model.layers.values():
         block.compile()
     return model
+
+
+def apply_float8(model: nn.Module, recipe: str, device_type: str,
+                 all_gather_in_float8: bool) -> nn.Module:
+    """The blocks' linear layers as torchao's ``Float8Linear`` (weights and names unchanged;
+    on the meta device, before ZeRO-3): ``recipe`` tensorwise | rowwise (torchao's recipes);
+    ``all_gather_in_float8``: ZeRO-3 gathers the tensorwise-scaled weights in float8 (half the
+    bytes of bf16). Left out: the output head and any linear whose sides do not divide by 16
+    (the float8 matmul's tiles), and what is not a plain linear (routers, stacked experts).
+    On CPU, torchao's emulation (for tests: float8 rounding, float32 matmuls)."""
+    import dataclasses
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    config = dataclasses.replace(
+        config, emulate=device_type != "cuda",
+        enable_fsdp_float8_all_gather=all_gather_in_float8 and recipe == "tensorwise")
+
+    def chosen(module: nn.Module, fqn: str) -> bool:
+        return (type(module) is nn.Linear and fqn.startswith("layers.") and "router" not in fqn
+                and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+
+    return convert_to_float8_training(model, config=config, module_filter_fn=chosen)
+
+
+def float8_problems(recipe: str, device_type: str, tp: int, capability: tuple[int, int] | None):
+    """Why ``training.float8`` cannot run here (empty when it can)."""
+    if recipe == "none":
+        return []
+    if tp > 1:
+        return [f"training.float8={recipe} beside tensor parallel (tp={tp}) is not built; set "
+                "training.float8=none or parallelism.tp=1"]
+    if device_type == "cuda" and capability is not None and capability < (8, 9):
+        return [f"training.float8={recipe} needs a GPU of compute capability 8.9 or more (H100, "
+                f"L40S, B200); this one is {capability[0]}.{capability[1]}: set "
+                "training.float8=none"]
+    return []
