@@ -219,9 +219,13 @@ def measured_entry(rows: list[dict], device: str) -> str:
     from trainmesh.spec.kernel_choice import device_class
 
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreted)"
+    ms = {(r["kernel"], r["impl"]): r["ms"] for r in rows}
     speedup = {r["kernel"]: round(r["vs_eager"], 2) for r in rows if r["impl"] == "triton"}
+    compiled = {op: round(ms[op, "torch.compile"] / ms[op, "triton"], 2) for op in speedup
+                if (op, "torch.compile") in ms}
     return (f"\nkernel_choice.MEASURED entry for this device:\n\n    {device_class(name)!r}: "
-            f"Measurement({datetime.date.today().isoformat()!r}, {name!r}, {speedup!r}),\n")
+            f"Measurement({datetime.date.today().isoformat()!r}, {name!r}, {speedup!r}, "
+            f"{compiled!r}),\n")
 
 
 def main() -> None:

@@ -339,3 +339,25 @@ def test_decide_after_a_stop():
     later = _stop(FAILURE)
     both = _stop(PREEMPTION).then(later)
     assert both.kind == FAILURE and both.cause == "preemption, then failure" and both.at == 0.0
+
+
+def test_a_straggler_is_judged_against_the_ranks_doing_the_same_work():
+    """Pipeline stages differ in work: a last stage whose forward (with the head) is slower
+    than the first's is no straggler, one of two ranks of a stage lagging the other is; a
+    rank without the optional GPU utilisation does not break the metrics; the first step
+    after a start is not judged."""
+    from trainmesh.controller.hooks import breakdown_metrics
+
+    def rank(forward, **extra):
+        return {"breakdown": {"step_s": 1.0, "data_s": 0.0, "comm_s": 0.0, "bubble_s": 0.0,
+                              "compute_s": 1.0, "forward_s": forward, **extra}}
+
+    stages = [0, 0, 1, 1]
+    even = [rank(0.2), rank(0.2, gpu_utilization=90.0), rank(0.6), rank(0.6)]
+    metrics, straggler = breakdown_metrics(even, stages)
+    assert straggler is None and metrics["system/gpu_utilization"] == 90.0
+    assert metrics["step/forward_s_max"] == 0.6 and metrics["rank2/forward_s"] == 0.6
+    lagging = [rank(0.2), rank(0.2), rank(0.6), rank(1.2)]  # 1.2 > 0.9 (the median) × 1.25
+    assert breakdown_metrics(lagging, stages)[1] == {"rank": 3, "forward_s": 1.2,
+                                                     "median_forward_s": pytest.approx(0.9)}
+    assert breakdown_metrics(lagging, stages, judge=False)[1] is None

@@ -92,11 +92,19 @@ def test_auto_takes_what_the_kit_measured_faster_per_op_and_torch_elsewhere():
     assert h100 == {"rms_norm": "triton", "swiglu": "triton", "rope": "triton",
                     "linear_cross_entropy": "torch"}
     assert set(kc.choose("auto", "cuda", "NVIDIA H200").values()) == {"torch"}
+    # against torch.compile (model.compile) only the RMSNorm kernel was faster
+    assert kc.choose("auto", "cuda", "NVIDIA H100 PCIe", compiled=True) == {
+        "rms_norm": "triton", "swiglu": "torch", "rope": "torch", "linear_cross_entropy": "torch"}
+    # whole model numbers only: a GH200 is not an H200, an RTX A1000 not an A100
+    assert [kc.device_class(n) for n in ("NVIDIA GH200 480GB", "NVIDIA RTX A1000 Laptop GPU",
+                                         "NVIDIA H200", "h100", "NVIDIA A100-SXM4-80GB")] == [
+        None, None, "h200", "h100", "a100"]
     assert kc.choose({"linear_cross_entropy": "triton"}, "cuda", "h100") == {
         **h100, "linear_cross_entropy": "triton"}
     for entry in kc.MEASURED.values():
-        for op, impl in entry.choice().items():
-            assert (impl == "triton") == (entry.speedup.get(op, 0) > 1), (entry, op)
+        for compiled, ratios in ((False, entry.speedup), (True, entry.over_compiled)):
+            for op, impl in entry.choice(compiled).items():
+                assert (impl == "triton") == (ratios.get(op, 0) > 1), (entry, op)
     name = kc.key(h100)
     assert kc.parse_key(name) == h100 and name not in ("torch", "triton")
     mixed = kernel_set(name)  # the kernels measured faster, the loss through the head

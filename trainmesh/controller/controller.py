@@ -54,7 +54,7 @@ from trainmesh.controller.states import (
 )
 from trainmesh.controller.summary import write_json_atomically
 from trainmesh.data.shards import resolve_data_dir
-from trainmesh.parallel.dims import ParallelDims
+from trainmesh.parallel.dims import Axis, ParallelDims
 from trainmesh.planning.cadence import CheckpointCadence
 from trainmesh.planning.failure_costs import predicted_save
 from trainmesh.planning.job_plan import PlanError, plan_for
@@ -358,7 +358,9 @@ class Controller:
             first = [recovered]
         return [
             self._poll_background_save,  # a background save that finished: its manifest
-            lambda s: self._log_step(s, metrics_of),  # metrics, progress, the cadence's clock
+            # metrics, progress, the cadence's clock; stragglers judged from the 2nd step on
+            # (the first compiles, warms caches and allocators unevenly)
+            lambda s: self._log_step(s, metrics_of, judge=s.step > state.start + 1),
             *first,
             self._evaluate,  # held-out loss, every eval.every steps and after the last
             self._on_preemption_notice,  # checkpoint, then stop: go on without those nodes
@@ -369,9 +371,11 @@ class Controller:
     def _poll_background_save(self, s: AfterStep) -> None:
         self.ckpts.poll(s.group, [r.get("save") for r in s.stats], s.tracker)
 
-    def _log_step(self, s: AfterStep, metrics_of) -> None:
+    def _log_step(self, s: AfterStep, metrics_of, judge: bool = True) -> None:
         metrics = metrics_of(s.stats[0], s.seconds, s.dims.world_size)
-        where, straggler = breakdown_metrics(s.stats)  # compute, comm, bubble, data, memory
+        stages = [s.dims.coords(r)[Axis.PP] for r in range(s.dims.world_size)]
+        # compute, comm, bubble, data, memory; the straggler among ranks doing the same work
+        where, straggler = breakdown_metrics(s.stats, stages, judge)
         metrics.update(where)
         self.breakdown = {"step": s.step, "ranks": [r.get("breakdown") for r in s.stats]}
         if straggler is not None:  # named in MLflow and counted for summary.json

@@ -23,7 +23,7 @@ def memory_rows(reports: list[dict], spec: JobSpec, c: Candidate, dims: Parallel
     predicted then."""
     tr = spec.training
     compute_bytes = 2 if tr.dtype == "bfloat16" else 4
-    fused = uses_fused_kernels(spec.model.kernels, device.name)
+    fused = uses_fused_kernels(spec.model.kernels, device.name, spec.model.compile)
     rows = []
     for r in reports:
         pp_rank = dims.coords(r["rank"])[Axis.PP]

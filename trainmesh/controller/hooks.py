@@ -56,18 +56,20 @@ STRAGGLER_FLOOR_S = 0.05
 PER_RANK_METRICS = 64  # ranks whose own step breakdown goes to MLflow (aggregates: always)
 
 
-def breakdown_metrics(stats: list[dict[str, Any]]) -> tuple[dict[str, float], dict | None]:
+def breakdown_metrics(stats: list[dict[str, Any]], stages: list[int] | None = None,
+                      judge: bool = True) -> tuple[dict[str, float], dict | None]:
     """MLflow metrics of where a step went, from every rank's ``breakdown``: each time's median
     and max over the ranks (``step/compute_s``, ``step/compute_s_max`` …), the highest memory
     peak, the mean GPU utilisation, each rank's own (``rank3/compute_s``) up to
-    PER_RANK_METRICS ranks; and the straggler, if a rank's forward compute lags the median's
-    (``{"rank", "forward_s", "median_forward_s"}``) or None."""
+    PER_RANK_METRICS ranks; and, with ``judge``, the straggler: a rank whose forward compute
+    lags the median of the ranks doing the same work (its pipeline stage: ``stages[rank]``)
+    (``{"rank", "forward_s", "median_forward_s"}``), or None."""
     rows = [r.get("breakdown") for r in stats]
     if not rows or any(r is None for r in rows):
         return {}, None
     out: dict[str, float] = {}
-    for key in rows[0]:
-        vals = sorted(float(r[key]) for r in rows)
+    for key in dict.fromkeys(k for r in rows for k in r):  # a rank may lack one (no NVML)
+        vals = sorted(float(r[key]) for r in rows if key in r)
         if key.endswith("_s"):
             out[f"step/{key}"] = statistics.median(vals)
             out[f"step/{key}_max"] = vals[-1]
@@ -77,14 +79,21 @@ def breakdown_metrics(stats: list[dict[str, Any]]) -> tuple[dict[str, float], di
             out[f"system/{key}"] = sum(vals) / len(vals)
     if len(rows) <= PER_RANK_METRICS:
         out.update({f"rank{i}/{k}": float(v) for i, r in enumerate(rows) for k, v in r.items()})
-    forward = [r["forward_s"] for r in rows]
-    median = statistics.median(forward)
-    slowest = max(range(len(rows)), key=forward.__getitem__)
-    straggler = None
-    if (forward[slowest] > median * (1 + STRAGGLER_MARGIN)
-            and forward[slowest] - median > STRAGGLER_FLOOR_S):
-        straggler = {"rank": slowest, "forward_s": forward[slowest], "median_forward_s": median}
-    return out, straggler
+    if not judge:
+        return out, None
+    stages = stages or [0] * len(rows)
+    worst = None
+    for stage in set(stages):
+        ranks = [r for r in range(len(rows)) if stages[r] == stage]
+        forward = {r: rows[r]["forward_s"] for r in ranks}
+        median = statistics.median(forward.values())
+        slowest = max(ranks, key=forward.__getitem__)
+        lag = forward[slowest] - median
+        if (forward[slowest] > median * (1 + STRAGGLER_MARGIN) and lag > STRAGGLER_FLOOR_S
+                and (worst is None or lag > worst[0])):
+            worst = (lag, {"rank": slowest, "forward_s": forward[slowest],
+                           "median_forward_s": median})
+    return out, worst[1] if worst else None
 
 
 def expert_metrics(stats: list[dict[str, Any]]) -> dict[str, dict[str, float]]:

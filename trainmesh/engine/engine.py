@@ -123,24 +123,29 @@ def _with_float8_scales(model, after_update: Callable[[], dict]) -> Callable[[],
 
 
 class _ForwardTimer:
-    """The seconds ``blocks`` spend in their own forward (recomputation in backward included),
-    hooked after ZeRO-3's hooks so that waiting for a block's all-gather is not counted: the
-    compute a slow device or host shows, where the ranks that wait for it show nothing."""
+    """The seconds ``blocks`` spend in their own forward, hooked after ZeRO-3's hooks so that
+    waiting for a block's all-gather is not counted, less the time ``waited()`` says the block
+    spent blocked on context parallel's ring: the compute a slow host shows, where the ranks
+    that wait for it show little. Recomputation in backward is not counted (it runs inside the
+    checkpoint, under the hooks' one call). The host's clock: on a GPU, the launches."""
 
-    def __init__(self, blocks):
+    def __init__(self, blocks, waited: Callable[[], float]):
         self.seconds = 0.0
-        self._start: dict[int, float] = {}
+        self.waited = waited
+        self._start: dict[int, tuple[float, float]] = {}
         for block in blocks:
             block.register_forward_pre_hook(self._pre)
             block.register_forward_hook(self._post)
 
+    @torch.compiler.disable  # a compiled block: the hooks stay outside its graph
     def _pre(self, module, args) -> None:
-        self._start[id(module)] = time.perf_counter()
+        self._start[id(module)] = (time.perf_counter(), self.waited())
 
+    @torch.compiler.disable
     def _post(self, module, args, output) -> None:
         start = self._start.pop(id(module), None)
         if start is not None:
-            self.seconds += time.perf_counter() - start
+            self.seconds += time.perf_counter() - start[0] - (self.waited() - start[1])
 
 
 def build_model(spec: JobSpec, device: torch.device) -> Llama:
@@ -241,7 +246,9 @@ class Engine:
                 apply_zero3(stage, mesh.zero_mesh, self.zero, experts)
             self.executor = self._build_executor(shape, stages, dtype, self.zero if wrap else None)
         # Each block's own forward time (hooks after ZeRO-3's: its gathers are not counted).
-        self.forward_timer = _ForwardTimer(self.model.layers.values())
+        self.forward_timer = _ForwardTimer(
+            self.model.layers.values(),
+            (lambda: self.context.waited_s) if self.context is not None else (lambda: 0.0))
         # Materialise the local shards only, then fill them from each parameter's global name.
         self.model.to_empty(device=device)
         self.imported_bytes = init_weights(self.model, spec)  # read from model.init_from
@@ -324,6 +331,8 @@ class Engine:
                                self.loss_context, clock.phase, self.hooks, weights)
         else:
             stats = self._pipeline_step(mbs, weights, clock)
+        if self.device.type == "cuda":  # the optimizer's kernels in its span, not the loss's
+            torch.cuda.synchronize(self.device)
         clock.lap("optimizer")
         loss = self._dp_mean(stats.loss)
         clock.lap("loss")

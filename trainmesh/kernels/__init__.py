@@ -38,13 +38,14 @@ class KernelSet:
     attention_block_backward: Callable = attention.attention_block_backward
 
 
-def resolve(kernels, device_type: str) -> str:
+def resolve(kernels, device_type: str, compiled: bool = False) -> str:
     """The kernel set ``model.kernels`` means on ``device_type`` (``spec/kernel_choice.py``:
-    auto takes what the GPU check kit measured fastest on this GPU), as a set name."""
+    auto takes what the GPU check kit measured faster on this GPU than the torch path,
+    compiled with ``model.compile``), as a set name."""
     name = ""
     if device_type == "cuda" and torch.cuda.is_available():
         name = torch.cuda.get_device_name()
-    choice = kernel_choice.choose(kernels, device_type, name)
+    choice = kernel_choice.choose(kernels, device_type, name, compiled)
     if ("triton" in choice.values() and device_type != "cuda"
             and os.environ.get("TRITON_INTERPRET") != "1"):
         ops = [op for op, impl in choice.items() if impl == "triton"]

@@ -418,10 +418,11 @@ def _runs(fused: Fused, op: str) -> bool:
     return fused if isinstance(fused, bool) else op in fused
 
 
-def uses_fused_kernels(kernels, device_name: str) -> frozenset[str]:
+def uses_fused_kernels(kernels, device_name: str, compiled: bool = False) -> frozenset[str]:
     """The ops ``model.kernels`` runs as Triton kernels on this device (``auto``: what the GPU
-    check kit measured faster there; ``spec/kernel_choice.py``)."""
-    return fused_ops(kernels, device_name)
+    check kit measured faster there than the torch path, compiled with ``model.compile``;
+    ``spec/kernel_choice.py``)."""
+    return fused_ops(kernels, device_name, compiled)
 
 
 def memory_bytes(model, c: Candidate, seq_len: int, compute_bytes: int = 2,

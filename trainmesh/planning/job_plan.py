@@ -36,7 +36,7 @@ def request_for(spec: JobSpec) -> PlanRequest:
     fixed["reduce_dtype"] = par.reduce_dtype
     compute_bytes = 2 if tr.dtype == "bfloat16" else 4
     return PlanRequest(spec.model, tr.global_batch_size, tr.seq_len, compute_bytes, fixed,
-                       spec.model.kernels)
+                       spec.model.kernels, spec.model.compile)
 
 
 def plan_job(spec: JobSpec, topo: Topology) -> tuple[ParallelDims, PlanResult]:

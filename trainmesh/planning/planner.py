@@ -50,6 +50,7 @@ class PlanRequest:
     compute_bytes: int = 2  # bf16
     fixed: dict[str, int | str | bool] = field(default_factory=dict)  # e.g. {"tp": 2}
     kernels: str = "auto"  # model.kernels: the Triton kernels keep fewer activations
+    compiled: bool = False  # model.compile: what auto picks against (spec/kernel_choice.py)
 
 
 @dataclass(frozen=True)
@@ -330,7 +331,7 @@ def plan(req: PlanRequest, topo: Topology) -> PlanResult:
 
 def _plan(req: PlanRequest, topo: Topology, long: bool | None) -> PlanResult:
     limit = topo.device.memory_gib * MEMORY_HEADROOM * 1024**3
-    fused = uses_fused_kernels(req.kernels, topo.device.name)
+    fused = uses_fused_kernels(req.kernels, topo.device.name, req.compiled)
     ranked, rejected = [], []
     layouts: dict[tuple[int, int], tuple[int, ...]] = {}
     for c in candidates(req, topo, long):

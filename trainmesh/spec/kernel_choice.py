@@ -3,9 +3,11 @@
 ``model.kernels`` is ``auto``, ``triton`` or ``torch`` (every op), or a mapping of some ops to
 ``triton`` | ``torch`` (the ops not named take ``auto``'s choice). ``auto`` takes, per device
 class, what the GPU check kit measured fastest (``MEASURED``: forward + backward at model
-shapes, with the date and device of the measurement); on a device class without a measurement,
-and off CUDA, the torch references. So ``auto`` never picks a path that was measured slower
-than torch. The kit prints a new entry for the device it ran on (``bench/gpu_check.py``).
+shapes in bf16, with the date and device of the measurement) — against eager torch, or with
+``model.compile`` against torch.compile of the reference (what the torch path then is); on a
+device class without a measurement, and off CUDA, the torch references. So ``auto`` never
+picks a path that was measured slower than the torch path it replaces (at the kit's shapes
+and dtype). The kit prints a new entry for the device it ran on (``bench/kernels.py``).
 
 Torch-free: the planner reads it too (which ops keep fewer activations, whether the loss
 materialises the logits).
@@ -13,6 +15,7 @@ materialises the logits).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -28,29 +31,36 @@ class Measurement:
 
     date: str
     device: str
-    speedup: Mapping[str, float]  # op → torch's time / triton's time
+    speedup: Mapping[str, float]  # op → eager torch's time / triton's time
+    over_compiled: Mapping[str, float]  # op → torch.compile's time / triton's time
 
-    def choice(self) -> dict[str, str]:
-        """The faster of triton and torch for every op (torch when not faster)."""
-        return {op: "triton" if self.speedup.get(op, 0.0) > 1.0 else "torch" for op in OPS}
+    def choice(self, compiled: bool = False) -> dict[str, str]:
+        """The faster of triton and the torch path for every op (torch when not faster)."""
+        ratios = self.over_compiled if compiled else self.speedup
+        return {op: "triton" if ratios.get(op, 0.0) > 1.0 else "torch" for op in OPS}
 
 
 MEASURED: dict[str, Measurement] = {
     # bench/RESULTS.md, "GPU check kit, 2026-11-23": 8k tokens × 4096 hidden, 14336 FFN, vocab
-    # 128k, bf16. The fused linear + cross-entropy ran at 0.32× eager: torch takes it.
+    # 128k, bf16. The fused linear + cross-entropy ran at 0.32× eager: torch takes it; against
+    # torch.compile only the RMSNorm kernel is faster (SwiGLU ties, RoPE 0.41×).
     "h100": Measurement("2026-11-23", "one NVIDIA H100 80GB HBM3",
                         {"rms_norm": 4.41, "swiglu": 1.74, "rope": 1.34,
-                         "linear_cross_entropy": 0.32}),
+                         "linear_cross_entropy": 0.32},
+                        {"rms_norm": 2.42, "swiglu": 1.00, "rope": 0.41,
+                         "linear_cross_entropy": 0.23}),
 }
 
-# Substrings of a CUDA device name (torch.cuda.get_device_name) or the planner's device names.
-_CLASSES = ("h100", "h200", "b200", "a100", "l40s")
+# A CUDA device name (torch.cuda.get_device_name) or the planner's device name → its class: the
+# model number as a whole word ("NVIDIA GH200" is not an H200, "RTX A1000" not an A100).
+_CLASSES = {c: re.compile(rf"(?<![A-Z0-9]){c.upper()}(?![0-9])") for c in
+            ("h100", "h200", "b200", "a100", "l40s")}
 
 
 def device_class(name: str) -> str | None:
     """"NVIDIA H100 80GB HBM3" or "h100" → "h100"; None for a device not in the table's terms."""
-    low = name.lower().replace(" ", "")
-    return next((c for c in _CLASSES if c in low), None)
+    upper = name.upper()
+    return next((c for c, pattern in _CLASSES.items() if pattern.search(upper)), None)
 
 
 def kernel_problems(kernels: object) -> list[str]:
@@ -66,10 +76,10 @@ def kernel_problems(kernels: object) -> list[str]:
     return out
 
 
-def choose(kernels: str | Mapping[str, str], device_type: str,
-           device_name: str = "") -> dict[str, str]:
+def choose(kernels: str | Mapping[str, str], device_type: str, device_name: str = "",
+           compiled: bool = False) -> dict[str, str]:
     """Each op's implementation on a device (``device_type`` cuda | cpu | …; ``device_name``:
-    what identifies the GPU)."""
+    what identifies the GPU; ``compiled``: ``model.compile``, the torch path compiled)."""
     broken = kernel_problems(kernels)
     if broken:
         raise ValueError(f"model.kernels: {broken[0]}")
@@ -77,7 +87,7 @@ def choose(kernels: str | Mapping[str, str], device_type: str,
     if device_type == "cuda":
         measured = MEASURED.get(device_class(device_name) or "")
         if measured is not None:
-            auto = measured.choice()
+            auto = measured.choice(compiled)
     if isinstance(kernels, str):
         return auto if kernels == "auto" else {op: kernels for op in OPS}
     return {**auto, **kernels}
@@ -102,8 +112,9 @@ def parse_key(name: str) -> dict[str, str]:
     return out
 
 
-def fused_ops(kernels: str | Mapping[str, str], device_name: str) -> frozenset[str]:
+def fused_ops(kernels: str | Mapping[str, str], device_name: str,
+              compiled: bool = False) -> frozenset[str]:
     """The ops that run as Triton kernels for the planner's ``device_name`` ("h100", "cpu" …)."""
     device_type = "cpu" if device_name == "cpu" else "cuda"
-    return frozenset(op for op, impl in choose(kernels, device_type, device_name).items()
-                     if impl == "triton")
+    return frozenset(op for op, impl in choose(kernels, device_type, device_name,
+                                               compiled).items() if impl == "triton")

@@ -55,7 +55,8 @@ class LlamaArgs:
         if hasattr(fields["rope_scaling"], "model_dump"):
             fields["rope_scaling"] = fields["rope_scaling"].model_dump()
         fields["moe"] = MoEArgs.from_config(fields["moe"])
-        return cls(**fields, kernels=resolve(getattr(cfg, "kernels", "auto"), device_type))
+        return cls(**fields, kernels=resolve(getattr(cfg, "kernels", "auto"), device_type,
+                                             bool(getattr(cfg, "compile", False))))
 
     def num_params(self, include_embedding: bool = True, active: bool = False) -> int:
         return model_math.num_params(self, include_embedding, active)
