@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from reference import reference_run
-from test_tensor_parallel import BASE, _close, _parallel_run
+from test_tensor_parallel import BASE, _close, _parallel_run, resumed_elsewhere
 
 from trainmesh.cli.loading import load_spec
 from trainmesh.data.dataset import open_datasets
@@ -72,27 +72,9 @@ def _resumed_at_cp1(rank_pool, tmp_path) -> None:
     whole sequences: every loss is the single process's."""
     spec = load_spec(None, [*BASE, *LONG, "parallelism.dp=2", "parallelism.cp=2",
                             f"runtime.output_dir={tmp_path}", "training.steps=4"])
-    data_dir = str(ensure_tiny_corpus(tmp_path / "data"))
-    before, after = ParallelDims(dp=2, cp=2), ParallelDims(dp=2)
-    group = rank_pool.group_for(spec, before)
-    try:
-        group.build(spec.model_dump_json(), before, data_dir)
-        losses = [group.train_step()[0]["loss"] for _ in range(2)]
-        group.save_to(str(tmp_path / "cp2"))
-    finally:
-        rank_pool.release(group)
-    spec = spec.model_copy(update={"parallelism": spec.parallelism.model_copy(update={"cp": 1})})
-    group = rank_pool.group_for(spec, after)
-    try:
-        group.build(spec.model_dump_json(), after, data_dir)
-        group.load(str(tmp_path / "cp2"), 2, None)
-        losses += [group.train_step()[0]["loss"] for _ in range(2)]
-        params = group.full_state()
-    finally:
-        rank_pool.release(group)
-    ref_losses, ref_params = reference_run(spec, data_dir, steps=4)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
-    _close(params, ref_params, rtol=1e-5, atol=5e-5)
+    after = spec.model_copy(update={"parallelism": spec.parallelism.model_copy(update={"cp": 1})})
+    resumed_elsewhere(rank_pool, tmp_path, (spec, ParallelDims(dp=2, cp=2)),
+                      (after, ParallelDims(dp=2)))
 
 
 def _documents(spec, data_dir: str):

@@ -49,35 +49,46 @@ def test_planned_memory_matches_what_ranks_hold(rank_pool, tmp_path):
     for i, (name, extra) in enumerate(PLANS.items()):
         spec = load_spec(None, [*BASE, *extra, f"runtime.output_dir={tmp_path}",
                                 "checkpoint.in_memory.every=1"])
-        dims, result = plan_job(spec, topo)
-        eff = effective_spec(spec, result.best.candidate)
-        group = rank_pool.group_for(eff, dims)
-        try:
-            group.build(eff.model_dump_json(), dims, data_dir)
-            group.train_step(measure_activations=True)
-            reports = group.memory_reports()
-            snaps = group.memory_snapshot(f"0000-{i:08d}", [None] * 4, wait=True)  # older than later modules'
+
+        def snapshot(group, reports, i=i) -> None:  # a snapshot older than later modules'
+            snaps = group.memory_snapshot(f"0000-{i:08d}", [None] * 4, wait=True)
             for r, snap in zip(reports, snaps, strict=True):
                 r["snapshot"], r["staged"] = snap["files_bytes"], snap["bytes"]
-            rows = memory_rows(reports, eff, result.best.candidate, dims, device_spec("cpu"), stepped=True)
-            for row in rows:
-                p = row["predicted"]
-                state = row["params_gib"] + row["grads_gib"] + row["optimizer_gib"]
-                planned = p["params"] * 4  # after the step, gradients are sharded like params
-                if abs(state / planned - 1) > 0.10:
-                    failures.append(f"{name} rank {row['rank']}: state {state * GIB:.0f} B, "
-                                    f"planned {planned * GIB:.0f} B")
-                if abs(row["activations_gib"] / p["activations"] - 1) > 0.25:
-                    failures.append(f"{name} rank {row['rank']}: activations "
-                                    f"{row['activations_gib'] * GIB:.0f} B, planned "
-                                    f"{p['activations'] * GIB:.0f} B")
-                host = row["snapshot_host_gib"]
-                if abs(host["measured"] / host["predicted"] - 1) > 0.15:  # DCP's framing varies
-                    failures.append(f"{name} rank {row['rank']}: snapshot + copy {host['measured']:.4f} "
-                                    f"GiB, planned {host['predicted']:.4f} GiB")
-        finally:
-            rank_pool.release(group)
+
+        for row in _planned_and_measured(rank_pool, spec, topo, data_dir, snapshot):
+            p = row["predicted"]
+            state = row["params_gib"] + row["grads_gib"] + row["optimizer_gib"]
+            planned = p["params"] * 4  # after the step, gradients are sharded like params
+            if abs(state / planned - 1) > 0.10:
+                failures.append(f"{name} rank {row['rank']}: state {state * GIB:.0f} B, "
+                                f"planned {planned * GIB:.0f} B")
+            if abs(row["activations_gib"] / p["activations"] - 1) > 0.25:
+                failures.append(f"{name} rank {row['rank']}: activations "
+                                f"{row['activations_gib'] * GIB:.0f} B, planned "
+                                f"{p['activations'] * GIB:.0f} B")
+            host = row["snapshot_host_gib"]
+            if abs(host["measured"] / host["predicted"] - 1) > 0.15:  # DCP's framing varies
+                failures.append(f"{name} rank {row['rank']}: snapshot + copy {host['measured']:.4f} "
+                                f"GiB, planned {host['predicted']:.4f} GiB")
     assert not failures, "\n".join(failures)
+
+
+def _planned_and_measured(rank_pool, spec, topo, data_dir: str, after=None) -> list[dict]:
+    """``spec`` planned on ``topo``, built on the pool's ranks as planned and stepped once
+    (activations counted); ``after(group, reports)`` adds to the reports; each rank's
+    measured bytes beside the plan's (``memory_rows``)."""
+    dims, result = plan_job(spec, topo)
+    eff = effective_spec(spec, result.best.candidate)
+    group = rank_pool.group_for(eff, dims)
+    try:
+        group.build(eff.model_dump_json(), dims, data_dir)
+        group.train_step(measure_activations=True)
+        reports = group.memory_reports()
+        if after is not None:
+            after(group, reports)
+    finally:
+        rank_pool.release(group)
+    return memory_rows(reports, eff, result.best.candidate, dims, device_spec("cpu"), stepped=True)
 
 
 @pytest.mark.timeout(300)
@@ -92,16 +103,7 @@ def test_context_parallel_divides_activations_as_planned(rank_pool, tmp_path):
                                               "parallelism.cp_mode=allgather"]}.items():
         spec = load_spec(None, [*BASE, *extra, "training.seq_len=256",
                                 f"runtime.output_dir={tmp_path}"])
-        dims, result = plan_job(spec, topo)
-        eff = effective_spec(spec, result.best.candidate)
-        group = rank_pool.group_for(eff, dims)
-        try:
-            group.build(eff.model_dump_json(), dims, data_dir)
-            group.train_step(measure_activations=True)
-            rows = memory_rows(group.memory_reports(), eff, result.best.candidate, dims,
-                               device_spec("cpu"), stepped=True)
-        finally:
-            rank_pool.release(group)
+        rows = _planned_and_measured(rank_pool, spec, topo, data_dir)
         assert ("cp=" in rows[0]["mesh"]) == ("cp" in name[:2] and name[2] != "1"), rows[0]["mesh"]
         for row in rows:
             got, planned = row["activations_gib"], row["predicted"]["activations"]

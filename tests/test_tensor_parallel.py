@@ -113,29 +113,38 @@ def _resumed_at_dp3(rank_pool, tmp_path) -> None:
     position: every loss is the single process's."""
     spec = load_spec(None, [*BASE, *UNEVEN, "parallelism.dp=4", f"runtime.output_dir={tmp_path}",
                             "training.steps=4", "parallelism.dp_replicate=2"])
-    data_dir = str(ensure_tiny_corpus(tmp_path / "data"))
-    before, after = ParallelDims(dp=4), ParallelDims(dp=3)
-    group = rank_pool.group_for(spec, before)
-    try:
-        group.build(spec.model_dump_json(), before, data_dir)
-        # FSDP2's HSDP: every parameter on the 2-D (replicate, shard) mesh
+    after = spec.model_copy(update={"parallelism": spec.parallelism.model_copy(
+        update={"dp": 3, "dp_replicate": 1})})
+
+    def hsdp(group) -> None:  # FSDP2's HSDP: every parameter on the 2-D (replicate, shard) mesh
         assert {m for rank in group.parameter_meshes() for m in rank.values()} == {
             ("dp_replicate", "dp_shard")}
-        losses = [group.train_step()[0]["loss"] for _ in range(2)]
-        group.save_to(str(tmp_path / "dp4"))
-    finally:
-        rank_pool.release(group)
-    spec = spec.model_copy(update={"parallelism": spec.parallelism.model_copy(
-        update={"dp": 3, "dp_replicate": 1})})
-    group = rank_pool.group_for(spec, after)
-    try:
-        group.build(spec.model_dump_json(), after, data_dir)
-        group.load(str(tmp_path / "dp4"), 2, None)
-        losses += [group.train_step()[0]["loss"] for _ in range(2)]
-        params = group.full_state()
-    finally:
-        rank_pool.release(group)
-    ref_losses, ref_params = reference_run(spec, data_dir, steps=4)
+    resumed_elsewhere(rank_pool, tmp_path, (spec, ParallelDims(dp=4)), (after, ParallelDims(dp=3)),
+                      check=hsdp)
+
+
+def resumed_elsewhere(rank_pool, tmp_path, before, after, check=None) -> None:
+    """Two steps on ``before`` ((spec, dims)), saved; restored on ``after`` and two more steps
+    from the same data position: the four losses and the final parameters are the single
+    process's. ``check(group)`` looks at the first mesh once it is built."""
+    data_dir = str(ensure_tiny_corpus(tmp_path / "data"))
+    losses = []
+    for i, (spec, dims) in enumerate((before, after)):
+        group = rank_pool.group_for(spec, dims)
+        try:
+            group.build(spec.model_dump_json(), dims, data_dir)
+            if i == 0 and check is not None:
+                check(group)
+            if i == 1:
+                group.load(str(tmp_path / "saved"), 2, None)
+            losses += [group.train_step()[0]["loss"] for _ in range(2)]
+            if i == 0:
+                group.save_to(str(tmp_path / "saved"))
+            else:
+                params = group.full_state()
+        finally:
+            rank_pool.release(group)
+    ref_losses, ref_params = reference_run(after[0], data_dir, steps=4)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     _close(params, ref_params, rtol=1e-5, atol=5e-5)
 
