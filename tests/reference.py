@@ -21,11 +21,16 @@ def reference_run(spec: JobSpec, data_dir: str, steps: int, grads_after: int | N
         from trainmesh.models.llama.parallelize import apply_float8
 
         apply_float8(model, spec.training.float8, "cpu", all_gather_in_float8=False)
+    data, _ = open_datasets(data_dir, tr.seq_len, spec.data.eval_path, spec.data.eval_fraction)
+    if spec.data.document_mask:  # attention inside each document, as the ranks'
+        from trainmesh.models.llama.parallelize import apply_context_parallel
+        from trainmesh.parallel.context import ContextParallel
+
+        apply_context_parallel(model, ContextParallel(eos=data.tokens.meta["eos_id"]), None)
     if prepare is not None:
         prepare(model)
     opt = build_optimizer(model, spec.optimizer)
     sched = build_lr_scheduler(opt, spec.optimizer, tr.steps)
-    data, _ = open_datasets(data_dir, tr.seq_len, spec.data.eval_path, spec.data.eval_fraction)
     losses, grads = [], {}
     for step in range(steps):
         mbs = data.microbatches(tr.seed, step, tr.global_batch_size, 0, 1, tr.microbatch_size)

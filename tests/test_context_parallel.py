@@ -59,8 +59,7 @@ def test_context_parallel_matches_single_process(rank_pool, tmp_path, case):
     data_dir = str(ensure_tiny_corpus(tmp_path / "data"))
     # two steps: the gradients of the first, the parameters after the second's update
     losses, grads, params = _parallel_run(rank_pool, spec, dims, data_dir, steps=2)
-    ref_losses, ref_params, ref_grads = reference_run(spec, data_dir, steps=2, grads_after=1,
-                                                      prepare=_documents(spec, data_dir))
+    ref_losses, ref_params, ref_grads = reference_run(spec, data_dir, steps=2, grads_after=1)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     _close(grads, ref_grads)
     _close(params, ref_params, rtol=1e-5, atol=5e-5)  # after AdamW: see test_tensor_parallel
@@ -75,14 +74,6 @@ def _resumed_at_cp1(rank_pool, tmp_path) -> None:
     after = spec.model_copy(update={"parallelism": spec.parallelism.model_copy(update={"cp": 1})})
     resumed_elsewhere(rank_pool, tmp_path, (spec, ParallelDims(dp=2, cp=2)),
                       (after, ParallelDims(dp=2)))
-
-
-def _documents(spec, data_dir: str):
-    """The single process with document masks (attention inside each document), or None."""
-    if not spec.data.document_mask:
-        return None
-    eos = open_datasets(data_dir, spec.training.seq_len)[0].tokens.meta["eos_id"]
-    return lambda model: apply_context_parallel(model, ContextParallel(eos=eos), None)
 
 
 def test_document_masks_equal_each_document_alone(tmp_path):
