@@ -264,10 +264,11 @@ def job_in_background(spec, environ: dict[str, str]):
     return thread, box
 
 
-def run_losing_nodes(cluster, out, args: list[str], faults: list[str]) -> dict:
+def run_losing_nodes(cluster, out, args: list[str], faults: list[str], remove: bool = True) -> dict:
     """Run a job (``args`` over-riding ``load_spec``'s defaults, output in ``out``); once every
     fault (``wait@rank=R,...``: that rank stops there) has fired, remove the nodes of those ranks
-    at once, hard. Returns the summary, with the spec under ``spec``."""
+    at once, hard (unless not ``remove``: the faults act alone). Returns the summary, with the
+    spec under ``spec``."""
     import json
     import time
 
@@ -281,7 +282,7 @@ def run_losing_nodes(cluster, out, args: list[str], faults: list[str]) -> dict:
     removed = False
     while thread.is_alive():
         if not removed and all(m.exists() and m.read_text() for m in markers):
-            for node in {json.loads(m.read_text())["node"] for m in markers}:
+            for node in {json.loads(m.read_text())["node"] for m in markers} if remove else ():
                 remove_node_hard(cluster, node)
             removed = True
         time.sleep(0.1)

@@ -146,6 +146,34 @@ def test_a_node_lost_from_an_ep4_cp2_moe_job_replans_to_ep2_with_the_same_losses
     cluster.wait_for_nodes()
 
 
+@pytest.mark.timeout(300)
+def test_a_frozen_node_is_recovered_warm_keeping_the_survivors_processes(cluster, tmp_path):
+    """Every rank of one node freezes (SIGSTOP: alive to Ray, silent) mid-forward of a 2-node
+    job (2 pipeline stages × TP 2, ZeRO-3). The watcher finds them, their processes are
+    SIGKILLed from their node at once (Ray's own kill of a frozen process takes its raylet's
+    5 s kill timeout, and until then the survivors stay blocked on its sockets and were
+    killed as stuck: a cold restart); so the survivors leave their collectives, keep their
+    processes, and the job goes on warm on them and the spare, from the survivors' memory,
+    with the single process's losses."""
+    from servers import MEMORY_ARGS, assert_reference_losses, run_losing_nodes
+
+    s = run_losing_nodes(cluster, tmp_path, [
+        *MEMORY_ARGS, "parallelism.pp=2", "parallelism.tp=2", "parallelism.dp=1",
+        "training.steps=5", "checkpoint.every=2", "elastic.hang_timeout_s=6",
+        "elastic.max_world_size=4"],
+        [f"hang@rank={r},step=3,phase=forward" for r in (2, 3)], remove=False)
+    frozen = {json.loads((tmp_path / f"fired-{i}").read_text())["pid"] for i in range(2)}
+    assert s["status"] == "FINISHED" and s["steps_done"] == 5
+    [rec] = s["recoveries"]
+    assert rec["cause"] == "HangDetected" and rec["mode"] == "warm", rec
+    assert rec["restored_from"] == "memory", rec
+    before, after = (set(p) for p in s["rank_pids"][-2:])
+    assert frozen < before and not frozen & after
+    assert before - frozen < after  # both survivors kept their processes
+    assert rec["new_mesh"]["world_size"] == 4  # the spare node took the frozen one's place
+    assert_reference_losses(s, tmp_path)
+
+
 @pytest.mark.timeout(600)
 def test_every_fault_is_recovered_warm_in_seconds_with_nothing_lost(cluster, tmp_path):
     from reference import reference_run

@@ -70,6 +70,29 @@ def _aged(seen: tuple[float, dict] | None, t: float, first: float, quiet_s: floa
     return {**seen[1], "idle_s": seen[1]["idle_s"] + t - seen[0]}
 
 
+@ray.remote(num_cpus=0, max_retries=0)
+def _sigkill(pids: list[int]) -> None:
+    import os
+    import signal
+
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def kill_processes(by_node: dict[str, list[int]], timeout_s: float = 10.0) -> None:
+    """SIGKILL processes (node id → pids) from a task on each one's node; returns when done,
+    or after ``timeout_s`` (a node that runs nothing at all is left to Ray's node failure
+    detection)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    refs = [_sigkill.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+            .remote(pids) for node, pids in by_node.items()]
+    ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+
+
 class WorkerGroup:
     """Starts one actor per rank and calls methods on all of them together. It owns the rank
     actors' lives: they are created here (``__init__``, ``reform``), re-formed here (``reform``)
@@ -89,6 +112,14 @@ class WorkerGroup:
         # actor, so also once it has died; a new actor can take a dead one's reservation
         self.slots = [(pg, b) for _, b in ranks]
         self.nodes = [nodes[b] for _, b in ranks]
+        self.pids: list[int | None] = [None] * world  # each rank's process, once it has said
+
+    def infos(self, timeout_s: float) -> list[dict]:
+        """Per rank: node id, pid, ip (``RankWorker.node_info``); the pids are kept, so that a
+        rank can be killed later even when it can no longer answer."""
+        infos = self.call("node_info", timeout_s=timeout_s)
+        self.pids = [i["pid"] for i in infos]
+        return infos
 
     def _place(self, bundles, strategy: str) -> tuple[Any, dict[int, str]]:
         """A placement group of ``bundles``, placed; and the node of each bundle."""
@@ -125,7 +156,7 @@ class WorkerGroup:
         in a reservation of this group's that no actor holds any more (not on a node in
         ``avoid``), else in a new placement group holding just the bundles such ranks need.
         Other old actors are ended."""
-        old, old_slots, old_nodes = self.workers, self.slots, self.nodes
+        old, old_slots, old_nodes, old_pids = self.workers, self.slots, self.nodes, self.pids
         self.end([i for i in range(len(old)) if i not in assignment or i in refill])
         world = len(assignment)
         self.placement = placement
@@ -156,6 +187,7 @@ class WorkerGroup:
                 new[r] = (actor, (pg, b), nodes[b])
         self.workers, self.slots, self.nodes = (list(x) for x in zip(*(new[r] for r in range(world)),
                                                                       strict=True))
+        self.pids = [old_pids[o] if o is not None and o not in refill else None for o in assignment]
         ray.get([old[o].reset.remote(r, world) for r, o in enumerate(assignment)
                  if o is not None and o not in refill], timeout=timeout_s)
         self._release_unused_groups()
@@ -260,7 +292,7 @@ class WorkerGroup:
                 break
         nodes = {self.placement.rank_bundle[r] for r in hung}
         doomed = [r for r, b in enumerate(self.placement.rank_bundle) if b in nodes]
-        self.end(doomed)
+        self.end(doomed, frozen=True)
         where = {r: now[r] for r in hung}
         raise HangDetected(
             f"rank(s) {hung} made no progress for {time.monotonic() - t0:.0f} s in {method} "
@@ -289,9 +321,22 @@ class WorkerGroup:
         backends = self.call("init_process_group", host, port, device, timeout_s)
         return backends[0]
 
-    def end(self, ranks) -> None:
+    def end(self, ranks, frozen: bool = False) -> None:
         """End these ranks' actors (their processes with them): the one place a rank actor is
-        killed. Its reservation stays with the group (``reform`` may refill it)."""
+        killed. Its reservation stays with the group (``reform`` may refill it).
+
+        ``frozen``: the ranks may not run at all (hung, SIGSTOPped). Ray's kill asks a process to
+        exit and only SIGKILLs it after the raylet's ``kill_worker_timeout_milliseconds`` (5 s
+        by default), and until the process is gone its sockets stay open: peers blocked on it
+        in a gloo collective stay blocked and would be judged stuck themselves. So their
+        processes are also SIGKILLed at once, from their own nodes (``kill_processes``)."""
+        ranks = list(ranks)
+        if frozen:
+            by_node: dict[str, list[int]] = {}
+            for r in ranks:
+                if self.pids[r] is not None:
+                    by_node.setdefault(self.nodes[r], []).append(self.pids[r])
+            kill_processes(by_node)
         for r in ranks:
             ray.kill(self.workers[r])
 

@@ -57,7 +57,7 @@ class RayWorkerGroup:
 
     def rank_infos(self) -> list[dict]:
         """Per rank: node id, pid, ip."""
-        return self.group.call("node_info", timeout_s=60)
+        return self.group.infos(timeout_s=60)
 
     def alive_ranks(self, timeout_s: float) -> set[int]:
         """Ranks that answer on their control path within ``timeout_s`` (it never queues
