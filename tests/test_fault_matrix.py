@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import ray
 import torch
-from servers import job_in_background, rank_pids_under, remove_node_hard, simulated_cluster
+from servers import accelerators_held, job_in_background, remove_node_hard, simulated_cluster
 
 from trainmesh.checkpoint.manifest import CheckpointStore
 from trainmesh.cli.loading import load_spec
@@ -72,8 +72,7 @@ def _act_on_faults(cluster, markers: dict[str, Path], job: threading.Thread) -> 
     acted: dict[str, float] = {}
     while job.is_alive():
         if "notice" in acted and "grown" not in acted and sum(
-                len(rank_pids_under(node.all_processes["raylet"][0].process.pid))
-                for node in cluster.worker_nodes) == 2:  # the job goes on with the 2 ranks left
+                accelerators_held().values()) == 2:  # the job goes on with the 2 ranks left
             cluster.add_node(num_cpus=1, num_gpus=2)
             acted["grown"] = time.time()
         for name, path in markers.items():
@@ -87,8 +86,9 @@ def _act_on_faults(cluster, markers: dict[str, Path], job: threading.Thread) -> 
                 remove_node_hard(cluster, where["node"])
             if name == "kill":  # (recovered in place) the spare goes: at the notice the job
                 # has no node to move to and shrinks to 2 ranks
+                held = accelerators_held()
                 for node in list(cluster.worker_nodes):
-                    if not rank_pids_under(node.all_processes["raylet"][0].process.pid):
+                    if not held.get(node.node_id):
                         cluster.remove_node(node)
             acted[name] = time.time()
         time.sleep(0.1)
@@ -174,6 +174,28 @@ def test_a_frozen_node_is_recovered_warm_keeping_the_survivors_processes(cluster
     assert_reference_losses(s, tmp_path)
 
 
+@pytest.mark.timeout(300)
+def test_a_cold_restart_takes_the_ready_rank_processes(cluster, tmp_path):
+    """``elastic.ready_ranks_per_node``: with 2 ready processes kept on each of the job's 2
+    nodes, a rank process killed under ``elastic.warm_recovery: false`` restarts every rank
+    cold, and all 4 new ranks are processes that were ready before the failure (none is
+    started); the job ends with the single process's losses. (A refill taking one: the
+    matrix below.)"""
+    from servers import MEMORY_ARGS, assert_reference_losses, run_losing_nodes
+
+    s = run_losing_nodes(cluster, tmp_path, [
+        *MEMORY_ARGS, "parallelism.pp=2", "parallelism.tp=2", "parallelism.dp=1",
+        "training.steps=7", "checkpoint.every=2", "elastic.warm_recovery=false",
+        "elastic.ready_ranks_per_node=2", "elastic.max_world_size=4"],
+        ["exit@rank=3,step=5,phase=forward"], remove=False)
+    assert s["status"] == "FINISHED" and s["steps_done"] == 7
+    [rec] = s["recoveries"]
+    assert rec["mode"] == "cold" and rec["processes"] == {"ready": [0, 1, 2, 3], "started": []}, rec
+    before, after = (set(p) for p in s["rank_pids"][-2:])
+    assert not before & after and after <= set(rec["ready_pids"]), (before, after, rec)
+    assert_reference_losses(s, tmp_path)
+
+
 @pytest.mark.timeout(600)
 def test_every_fault_is_recovered_warm_in_seconds_with_nothing_lost(cluster, tmp_path):
     from reference import reference_run
@@ -228,6 +250,9 @@ def test_every_fault_is_recovered_warm_in_seconds_with_nothing_lost(cluster, tmp
     killed = json.loads(markers["kill"].read_text())
     after_kill = next(e for e in events if e["kind"] == "failure" and e["time"] > acted["kill"])
     assert killed["node"] not in after_kill["dead_nodes"], after_kill
+    # ... and the new actor is a ready process of that node's (elastic.ready_ranks_per_node)
+    (refill,) = [r for r in recs if abs(r["failed_at"] - after_kill["time"]) < 5]
+    assert refill["mode"] == "warm" and refill["processes"]["ready"], refill
 
     # Same samples in the same order as the uninterrupted run (the single-process model).
     want, _ = reference_run(spec, str(tmp_path / "out" / "data" / "tiny-corpus"), steps=STEPS)

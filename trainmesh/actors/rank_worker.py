@@ -37,18 +37,18 @@ class RankWorker:
     """One rank: process group, mesh, engine. Every method is called on all ranks together."""
 
     def __init__(self, rank: int, world_size: int, cpu_threads: int):
-        import torch
-        import torch.distributed as dist
-
+        """Rank ``rank`` of ``world_size``; or, with rank -1, a ready process (``warm``,
+        ``adopt``), which imports torch only in ``warm``."""
         self.rank, self.world_size = rank, world_size
-        torch.set_num_threads(max(1, cpu_threads))
-        self._store: dist.TCPStore | None = None
+        if rank >= 0:
+            _set_threads(cpu_threads)
+        self._store = None  # rank 0's TCPStore
         self._timeout_s = 60.0
         self.engine = None
         self._progress = Progress(rank)
         # Background checkpoint writes: their own gloo group (created at the first one) and the
         # future of the write in flight.
-        self._save_group: dist.ProcessGroup | None = None
+        self._save_group = None  # a torch.distributed.ProcessGroup
         self._saving: concurrent.futures.Future | None = None
         self._saved_files: dict = {}
         from trainmesh.actors.snapshots import Snapshots
@@ -68,6 +68,32 @@ class RankWorker:
 
     def _on_sigterm(self, signum, frame) -> None:
         self.preempted = True
+
+    # -- a ready process (actors/ready.py) -------------------------------------------------
+    def warm(self) -> int:
+        """A ready process, started ahead of need: import what joining a group and building a
+        model part import (no accelerator is touched); returns the pid."""
+        _set_threads(1)  # imports torch
+        import torch.distributed.checkpoint  # noqa: F401
+        import torch.distributed.fsdp  # noqa: F401
+        import torch.distributed.pipelining  # noqa: F401
+        import torch.distributed.tensor.parallel  # noqa: F401
+
+        import trainmesh.engine.engine  # noqa: F401
+        import trainmesh.parallel.mesh  # noqa: F401
+
+        return os.getpid()
+
+    def adopt(self, rank: int, world_size: int, cpu_threads: int, accelerators: list) -> int:
+        """A ready process becomes rank ``rank``, using the accelerators its seat holds (the
+        reservation is the seat's: ``actors/ready.py``), before anything has touched CUDA;
+        returns the pid."""
+        if accelerators:
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(a) for a in accelerators)
+        _set_threads(cpu_threads)
+        self.rank, self.world_size = rank, world_size
+        self._progress.rank = rank
+        return os.getpid()
 
     # -- process group ---------------------------------------------------------------------
     @ray.method(concurrency_group="control")
@@ -340,6 +366,12 @@ class RankWorker:
         if dist.is_initialized():
             dist.destroy_process_group()
         self.engine = None
+
+
+def _set_threads(n: int) -> None:
+    import torch
+
+    torch.set_num_threads(max(1, n))
 
 
 def _forget_dtensor_caches() -> None:

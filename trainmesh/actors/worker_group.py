@@ -16,6 +16,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from trainmesh.actors.errors import HangDetected, PlacementTimeout
 from trainmesh.actors.rank_worker import RankWorker
+from trainmesh.actors.ready import ReadyPool, Seat
 from trainmesh.parallel.layout import Placement
 
 # The rank actor's threads besides its main one, as its methods declare them:
@@ -99,15 +100,18 @@ class WorkerGroup:
     and ended only through ``end`` (``shutdown`` ends them all)."""
 
     def __init__(self, placement: Placement, env_vars: dict[str, str], ready_timeout_s: float,
-                 cpu_threads: int = 1):
+                 cpu_threads: int = 1, ready: ReadyPool | None = None):
         self.placement = placement
         self._env_vars, self._ready_timeout_s, self._cpu_threads = env_vars, ready_timeout_s, cpu_threads
+        self.ready = ready  # ready processes to take before starting new ones (actors/ready.py)
+        self.from_ready: list[int] = []  # the ranks of the last (re)formation that took one
+        self.started: list[int] = []  # ... and those that started a new process
         self.pgs: list = []  # the first group's, then one per re-form that needed new actors
         self._inflight: list = []  # the refs of the last call on every rank
         world = len(placement.rank_bundle)
         pg, nodes = self._place(placement.bundles, placement.strategy)
         ranks = list(enumerate(placement.rank_bundle))
-        self.workers = self._actors(pg, ranks, world)
+        self.workers, self.seats = (list(x) for x in zip(*self._actors(pg, ranks, world), strict=True))
         # each rank's reservation (placement group, bundle) and node: known without asking the
         # actor, so also once it has died; a new actor can take a dead one's reservation
         self.slots = [(pg, b) for _, b in ranks]
@@ -134,19 +138,32 @@ class WorkerGroup:
         self.pgs.append(pg)
         return pg, placement_group_table(pg)["bundles_to_node_id"]
 
-    def _actors(self, pg, ranks: list[tuple[int, int]], world: int) -> list:
-        """An actor for each (rank, bundle index of ``pg``)."""
+    def _actors(self, pg, ranks: list[tuple[int, int]], world: int) -> list[tuple]:
+        """An actor for each (rank, bundle index of ``pg``), with its seat: a ready process on
+        the bundle's node where the pool has one (its seat holds the reservation), else a new
+        process holding the reservation itself (seat None)."""
         res = self.placement.resources_per_rank
+        where = placement_group_table(pg)["bundles_to_node_id"] if self.ready else {}
         cls = ray.remote(concurrency_groups=RANK_CONCURRENCY_GROUPS)(RankWorker)
-        return [
-            cls.options(
-                num_cpus=res.get("CPU", 0), num_gpus=res.get("GPU", 0),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    pg, placement_group_bundle_index=b),
-                runtime_env={"env_vars": self._env_vars},
-            ).remote(rank, world, self._cpu_threads)
-            for rank, b in ranks
-        ]
+        seat_cls = ray.remote(Seat)
+        out = []
+        for rank, b in ranks:
+            strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b)
+            ready = self.ready.take(where[b]) if self.ready and b in where else None
+            if ready is not None:
+                seat = seat_cls.options(num_cpus=res.get("CPU", 0), num_gpus=res.get("GPU", 0),
+                                        scheduling_strategy=strategy).remote()
+                # (runs once the seat is placed: the ref resolves to its accelerators)
+                ready.adopt.remote(rank, world, self._cpu_threads, seat.accelerators.remote())
+                out.append((ready, seat))
+                self.from_ready.append(rank)
+                continue
+            out.append((cls.options(num_cpus=res.get("CPU", 0), num_gpus=res.get("GPU", 0),
+                                    scheduling_strategy=strategy,
+                                    runtime_env={"env_vars": self._env_vars},
+                                    ).remote(rank, world, self._cpu_threads), None))
+            self.started.append(rank)
+        return out
 
     def reform(self, assignment: list[int | None], placement: Placement, timeout_s: float,
                 refill: set[int] = frozenset(), avoid: set[str] = frozenset()) -> None:
@@ -157,15 +174,17 @@ class WorkerGroup:
         ``avoid``), else in a new placement group holding just the bundles such ranks need.
         Other old actors are ended."""
         old, old_slots, old_nodes, old_pids = self.workers, self.slots, self.nodes, self.pids
+        old_seats = self.seats
         self.end([i for i in range(len(old)) if i not in assignment or i in refill])
         world = len(assignment)
         self.placement = placement
-        new: dict[int, tuple[Any, tuple, str]] = {}  # new rank: (actor, slot, node)
+        self.from_ready, self.started = [], []
+        new: dict[int, tuple[Any, tuple, str, Any]] = {}  # new rank: (actor, slot, node, seat)
         for r, o in enumerate(assignment):
             if o is not None:
-                actor = self._actors(old_slots[o][0], [(r, old_slots[o][1])], world)[0] \
-                    if o in refill else old[o]
-                new[r] = (actor, old_slots[o], old_nodes[o])
+                actor, seat = self._actors(old_slots[o][0], [(r, old_slots[o][1])], world)[0] \
+                    if o in refill else (old[o], old_seats[o])
+                new[r] = (actor, old_slots[o], old_nodes[o], seat)
         new_bundles = sorted({placement.rank_bundle[r] for r, o in enumerate(assignment) if o is None})
         kept_slots = {new[r][1] for r in new}
         for b in list(new_bundles):  # a reservation no actor holds any more, first
@@ -175,18 +194,18 @@ class WorkerGroup:
                 slot, node = found
                 kept_slots.add(slot)
                 new_bundles.remove(b)
-                for r, actor in zip(ranks, self._actors(slot[0], [(r, slot[1]) for r in ranks],
-                                                        world), strict=True):
-                    new[r] = (actor, slot, node)
+                for r, (actor, seat) in zip(ranks, self._actors(slot[0], [(r, slot[1]) for r in ranks],
+                                                                world), strict=True):
+                    new[r] = (actor, slot, node, seat)
         if new_bundles:
             index = {b: i for i, b in enumerate(new_bundles)}
             ranks = [(r, index[placement.rank_bundle[r]]) for r, o in enumerate(assignment) if o is None]
             strategy = placement.strategy if len(new_bundles) > 1 else "PACK"
             pg, nodes = self._place([placement.bundles[b] for b in new_bundles], strategy)
-            for (r, b), actor in zip(ranks, self._actors(pg, ranks, world), strict=True):
-                new[r] = (actor, (pg, b), nodes[b])
-        self.workers, self.slots, self.nodes = (list(x) for x in zip(*(new[r] for r in range(world)),
-                                                                      strict=True))
+            for (r, b), (actor, seat) in zip(ranks, self._actors(pg, ranks, world), strict=True):
+                new[r] = (actor, (pg, b), nodes[b], seat)
+        self.workers, self.slots, self.nodes, self.seats = (
+            list(x) for x in zip(*(new[r] for r in range(world)), strict=True))
         self.pids = [old_pids[o] if o is not None and o not in refill else None for o in assignment]
         ray.get([old[o].reset.remote(r, world) for r, o in enumerate(assignment)
                  if o is not None and o not in refill], timeout=timeout_s)
@@ -339,6 +358,8 @@ class WorkerGroup:
             kill_processes(by_node)
         for r in ranks:
             ray.kill(self.workers[r])
+            if self.seats[r] is not None:  # its reservation, free for a refill
+                ray.kill(self.seats[r])
 
     def shutdown(self) -> None:
         """End every rank and release the placement groups (safe to call twice)."""

@@ -35,6 +35,7 @@ from trainmesh.controller.ray_group import (
     draining_nodes,
     live_topology,
     placement_for,
+    ready_pool,
 )
 from trainmesh.controller.recovery import RecoveryBook
 from trainmesh.controller.states import (
@@ -94,6 +95,8 @@ class Controller:
         self.resumed_at: int | None = None  # the step this run started from
         self.book = RecoveryBook()  # restarts, dead nodes, the recovery in progress, those done
         self.group = None  # the rank actors (the injected worker group)
+        # ready rank processes (actors/ready.py): kept with the real worker group only
+        self.ready, self._keeps_ready = None, group_factory is None
         self.dims = ParallelDims()
         self.eff = self.spec  # the spec with the current plan written in
         self.boundary = StepBoundary(self.spec, self._available)
@@ -141,7 +144,7 @@ class Controller:
     def dry_run(self, step: bool) -> list[dict]:  # memory per rank beside the plan: dry_run.py
         from trainmesh.controller.dry_run import measure, memory_rows
 
-        group = self._place(replan=False)
+        group = self._place(replan=False, ready=False)
         try:
             reports = measure(group, self.eff.model_dump_json(), self.dims, self._data_dir(), step)
         finally:
@@ -163,6 +166,8 @@ class Controller:
                 state = self._advance(state, tracker)
         finally:
             self._drop()
+            if self.ready is not None:
+                self.ready.shutdown()
 
     def _advance(self, state: State, tracker) -> State:
         """Run ``state``'s action. A failure in it (a rank's actor died; a step raised, hung
@@ -208,6 +213,7 @@ class Controller:
             tracker.event("warm-recovery-failed", error=str(err)[-2000:])
             return Scheduling(state.stop)
         self.book.mark("group")
+        self.book.processes = self.group.processes() if self.ready is not None else {}
         return Restoring(state.stop, "warm")
 
     def _build_and_restore(self, state: Restoring, tracker) -> State:
@@ -228,6 +234,8 @@ class Controller:
         communicators, out of band), which nodes are gone, and the policy's decision."""
         stop, group, book = state.stop, self.group, self.book
         book.begin(stop)
+        if self.ready is not None and not book.ready_pids:
+            book.ready_pids = sorted(p for pids in self.ready.pids().values() for p in pids)
         nodes, refill = (group.nodes if group is not None else []), set()
         if stop.kind == SCALE_UP:  # checkpointed already; every rank is kept when warm
             alive = set(range(len(nodes)))
@@ -293,14 +301,28 @@ class Controller:
         self.book.mark("planned")
         return topo
 
-    def _place(self, replan: bool):
-        """Cold: place a new group of rank actors for the plan."""
+    def _place(self, replan: bool, ready: bool = True):
+        """Cold: place a new group of rank actors for the plan (taking ready processes, and
+        keeping them, unless not ``ready``: a one-off group, a dry run or an evaluation)."""
         topo = self._plan(replan)
         self._set(state="placing")
-        group = self._group_factory(self.eff, self.dims, placement_for(self.eff, self.dims, topo),
-                                    self.worker_env)
+        placement = placement_for(self.eff, self.dims, topo)
+        if ready and self._keeps_ready and self.ready is None:
+            self.ready = ready_pool(self.spec, self.worker_env, placement, topo.device.name != "cpu")
+        kw = {"ready": self.ready} if ready and self.ready is not None else {}
+        group = self._group_factory(self.eff, self.dims, placement, self.worker_env, **kw)
         self.book.mark("group")
+        self.book.processes = group.processes() if kw else {}
+        if kw and not replan:  # the job's start: its ready processes start beside its ranks
+            self._fill_ready()
         return group
+
+    def _fill_ready(self) -> None:
+        """Ready processes (``elastic.ready_ranks_per_node``) on every node the job may use: its
+        own and spares (not capped by ``elastic.max_world_size``), none dead or draining."""
+        if self.ready is not None:
+            gone = self.book.dead_nodes | set(draining_nodes())
+            self.ready.fill(n.node_id for n in self._topology_fn(self.spec).nodes if n.node_id not in gone)
 
     def _prepare(self, group, tracker) -> int:
         """Build the ranks' model parts for the plan and restore the newest complete
@@ -360,12 +382,16 @@ class Controller:
                 if s.step == state.start + 1:
                     self._recovered(state, s.tracker)
             first = [recovered]
+        def fill_ready(s: AfterStep) -> None:  # after a recovery's first step (not slowing it)
+            if s.step == state.start + 1:
+                self._fill_ready()
         return [
             self._poll_background_save,  # a background save that finished: its manifest
             # metrics, progress, the cadence's clock; stragglers judged from the 2nd step on
             # (the first compiles, warms caches and allocators unevenly)
             lambda s: self._log_step(s, metrics_of, judge=s.step > state.start + 1),
             *first,
+            fill_ready,  # ready processes for the next failure, on every node the job may use
             self._evaluate,  # held-out loss, every eval.every steps and after the last
             self._on_preemption_notice,  # checkpoint, then stop: go on without those nodes
             self._checkpoint_or_grow,  # the cadence's checkpoint; a scale-up after one

@@ -33,7 +33,7 @@ def evaluate_once(controller) -> dict[str, Any]:
 
     if not Evaluator(controller.spec).enabled:
         raise ValueError("evaluation needs held-out data: set data.eval_path or data.eval_fraction")
-    group = controller._place(replan=False)
+    group = controller._place(replan=False, ready=False)
     try:
         step = controller._prepare(group, NullTracker())
         loss = group.evaluate(controller.spec.eval.batches)

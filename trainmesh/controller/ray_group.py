@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import statistics
 import time
+from collections import Counter
 
 from trainmesh.parallel.dims import ParallelDims
 from trainmesh.parallel.layout import Placement, plan_placement
@@ -24,6 +25,23 @@ def placement_for(spec: JobSpec, dims: ParallelDims, topo: Topology) -> Placemen
     return plan_placement(dims, topo.allocate(dims.tp, dims.world_size), per_rank)
 
 
+def rank_threads(spec: JobSpec) -> int:
+    return max(1, int(spec.runtime.cpus_per_rank))
+
+
+def ready_pool(spec: JobSpec, env: dict[str, str], placement: Placement, accelerators: bool):
+    """The job's ready rank processes (``actors/ready.py``), or None when it keeps none:
+    ``elastic.ready_ranks_per_node``, by default the most ranks ``placement`` puts on one node
+    where ranks hold ``accelerators``, else 1."""
+    from trainmesh.actors.ready import ReadyPool
+    from trainmesh.actors.worker_group import RANK_CONCURRENCY_GROUPS
+
+    n = spec.elastic.ready_ranks_per_node
+    if n is None:
+        n = max(Counter(placement.rank_bundle).values()) if accelerators else 1
+    return ReadyPool(n, env, rank_threads(spec), RANK_CONCURRENCY_GROUPS) if n else None
+
+
 def hang_bound_s(cfg: ElasticConfig, recent_steps: list[float]) -> float | None:
     """How long a step may run before its stalled ranks count as hung: ``elastic.hang_timeout_s``
     when set, else HANG_STEPS × the median of the recent steps but at least HANG_FLOOR_S; None
@@ -39,16 +57,21 @@ class RayWorkerGroup:
     """The real worker group behind the controller's narrow interface."""
 
     def __init__(self, spec: JobSpec, dims: ParallelDims, placement: Placement,
-                 env: dict[str, str]):
+                 env: dict[str, str], ready=None):
         from trainmesh.actors.worker_group import WorkerGroup
 
         self.spec = spec
         self.timeout = spec.runtime.collective_timeout_s
         self.group = WorkerGroup(placement, env, ready_timeout_s=60,
-                                 cpu_threads=max(1, int(spec.runtime.cpus_per_rank)))
+                                 cpu_threads=rank_threads(spec), ready=ready)
         self.backend = self.group.setup_process_group(spec.runtime.device, self.timeout)
         self._steps: list[float] = []  # recent step times, for the hang bound
         self._asked: tuple[float, dict] | None = None  # (when, refs) of the last "alive?"
+
+    def processes(self) -> dict[str, list[int]]:
+        """The ranks of the last (re)formation that took a ready process ("ready") and those
+        that started a new one ("started")."""
+        return {"ready": list(self.group.from_ready), "started": list(self.group.started)}
 
     @property
     def nodes(self) -> list[str]:

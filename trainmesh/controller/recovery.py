@@ -22,6 +22,8 @@ class RecoveryBook:
     marks: dict[str, float] = field(default_factory=dict)  # wall times of the open one's phases
     restored_from: str = "none"  # where the last restore read from: memory | storage | none
     done: list[dict[str, Any]] = field(default_factory=list)  # as in summary.json's recoveries
+    ready_pids: list[int] = field(default_factory=list)  # the ready processes at the failure
+    processes: dict[str, list[int]] = field(default_factory=dict)  # new ranks: ready | started
 
     def joined(self, stop: Stop) -> Stop:
         """``stop`` as part of the recovery still open, if there is one (one recovery, timed
@@ -32,6 +34,7 @@ class RecoveryBook:
         """A recovery from ``stop`` (``joined`` already) starts, or goes on."""
         if self.open is None:
             self.marks = {"failed": time.time()}
+            self.ready_pids, self.processes = [], {}
         self.open = stop
 
     def mark(self, phase: str) -> None:
@@ -48,7 +51,8 @@ class RecoveryBook:
         rec = Recovery(step=start, cause=stop.cause, old_mesh=stop.mesh, new_mesh=new_mesh,
                        downtime_s=time.monotonic() - stop.at, steps_lost=max(0, stop.step - start),
                        mode=mode, restored_from=self.restored_from,
-                       failed_at=marks.get("failed", 0.0), phases=recovery_phases(marks))
+                       failed_at=marks.get("failed", 0.0), phases=recovery_phases(marks),
+                       processes=self.processes, ready_pids=self.ready_pids)
         self.open, self.in_a_row = None, 0
         self.done.append(rec.as_dict())
         return rec

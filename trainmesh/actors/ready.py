@@ -1,0 +1,100 @@
+"""Ready rank processes: started ahead of need on every node a job may use, so that a refill, a
+new node's ranks or a cold restart take a process that has torch and the parallel stack
+imported (``RankWorker.warm``) instead of starting one — a new rank process imports torch and
+DTensor (~2 s of a core) and, on a GPU node, later pays its CUDA context.
+
+A ready process holds no resources: it takes none of the accelerators running ranks need, and
+it must not, since Ray cannot give an actor resources after it started. When it becomes a rank,
+a *seat* (``Seat``: a bare actor, no torch) takes the rank's reservation — its bundle's CPUs and
+accelerator — and tells which accelerator Ray gave it; the ready process uses that one
+(``RankWorker.adopt``). Ray's books stay true, the seat's process starts in a fraction of a
+rank's time, and the two end together (``WorkerGroup.end``)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+
+class Seat:
+    """A rank's reservation, held for the ready process that works in it."""
+
+    def accelerators(self) -> list:
+        return list(ray.get_gpu_ids())
+
+
+class ReadyPool:
+    """Up to ``per_node`` ready processes on each node it is asked to fill, for one job (their
+    environment is the job's ranks'). Owned by the controller: it outlives the worker groups of
+    cold restarts."""
+
+    def __init__(self, per_node: int, env_vars: dict[str, str], cpu_threads: int,
+                 concurrency_groups: dict[str, int]):
+        self.per_node, self._env_vars, self._cpu_threads = per_node, env_vars, cpu_threads
+        self._groups = concurrency_groups
+        # node: [(actor, ref of its warm-up, ref of its node_info)]
+        self._ready: dict[str, list[tuple]] = {}
+
+    def fill(self, nodes: Iterable[str]) -> None:
+        """Start processes (without waiting for them) until each of ``nodes`` has ``per_node``
+        ready; those on other nodes (dead, drained, given back) are ended."""
+        from trainmesh.actors.rank_worker import RankWorker
+
+        nodes = set(nodes)
+        for node in [n for n in self._ready if n not in nodes]:
+            self._end(self._ready.pop(node))
+        cls = ray.remote(concurrency_groups=self._groups)(RankWorker)
+        for node in sorted(nodes):
+            have = self._ready.setdefault(node, [])
+            have[:] = [h for h in have if not _failed(h[1])]
+            for _ in range(self.per_node - len(have)):
+                actor = cls.options(
+                    num_cpus=0, num_gpus=0,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+                    runtime_env={"env_vars": self._env_vars},
+                ).remote(-1, 0, self._cpu_threads)
+                # (node_info: on the control thread, answered while the warm-up runs)
+                have.append((actor, actor.warm.remote(), actor.node_info.remote()))
+
+    def take(self, node: str):
+        """A ready process on ``node`` (warmed ones first), now the caller's; None if none."""
+        have = self._ready.get(node, [])
+        have[:] = [h for h in have if not _failed(h[1])]
+        if not have:
+            return None
+        done = [i for i, h in enumerate(have) if ray.wait([h[1]], timeout=0)[0]]
+        return have.pop(done[0] if done else 0)[0]
+
+    def pids(self) -> dict[str, list[int]]:
+        """Node → the pids of its ready processes that have started (warm or still warming)."""
+        out: dict[str, list[int]] = {}
+        for node, have in self._ready.items():
+            for _, warm, info in have:
+                if ray.wait([info], timeout=0)[0] and not _failed(warm):
+                    with contextlib.suppress(Exception):  # one that died is not ready
+                        out.setdefault(node, []).append(ray.get(info)["pid"])
+        return out
+
+    def shutdown(self) -> None:
+        for have in self._ready.values():
+            self._end(have)
+        self._ready = {}
+
+    @staticmethod
+    def _end(have: list[tuple]) -> None:
+        for actor, *_ in have:
+            ray.kill(actor)
+
+
+def _failed(ref) -> bool:
+    """Whether a ready process's warm-up failed (its node died, the process crashed)."""
+    if not ray.wait([ref], timeout=0)[0]:
+        return False
+    try:
+        ray.get(ref)
+        return False
+    except Exception:  # noqa: BLE001 - any failure: not ready
+        return True
