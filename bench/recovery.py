@@ -115,8 +115,11 @@ def trainmesh_recovery(cluster, mode: str, tmp: Path, delay_s: float) -> dict:
 
     _ensure_two(cluster)
     out = tmp / f"trainmesh-{mode}-{delay_s:.3f}"
-    extra = ["checkpoint.in_memory.every=1", "tracking.enabled=true"] if mode == "memory" else []
-    spec = load_spec(None, [*COMMON, f"elastic.warm_recovery={str(mode != 'cold').lower()}",
+    kind, _, unready = mode.partition("-")  # "-unready": no ready rank processes kept
+    extra = ["checkpoint.in_memory.every=1", "tracking.enabled=true"] if kind == "memory" else []
+    if unready:
+        extra.append("elastic.ready_ranks_per_node=0")
+    spec = load_spec(None, [*COMMON, f"elastic.warm_recovery={str(kind != 'cold').lower()}",
                             f"runtime.output_dir={out}", *extra])
     box: dict = {}
 
@@ -138,12 +141,16 @@ def trainmesh_recovery(cluster, mode: str, tmp: Path, delay_s: float) -> dict:
     if "error" in box:
         raise box["error"]
     [rec] = [r for r in box["summary"]["recoveries"] if r["cause"] != "scale-up"]
-    if rec["mode"] != ("cold" if mode == "cold" else "warm"):  # reported, not hidden
+    if rec["mode"] != ("cold" if kind == "cold" else "warm"):  # reported, not hidden
         print(f"note: asked for a {mode} recovery, got {rec['mode']}")
     ph = rec["phases"]
     detection = rec["failed_at"] - t_kill
-    costs = snapshot_costs(out) if mode == "memory" else {}
-    name = "trainmesh warm, in-memory tier" if mode == "memory" else f"trainmesh {mode}"
+    costs = snapshot_costs(out) if kind == "memory" else {}
+    name = "trainmesh warm, in-memory tier" if kind == "memory" else f"trainmesh {kind}"
+    procs = rec.get("processes") or {}
+    name += (", no ready processes" if unready else
+             f", {len(procs.get('ready', []))} of {len(procs.get('ready', [])) + len(procs.get('started', []))}"
+             " new ranks from ready processes")
     return {"system": name, "detection": detection, **ph, "mode": rec["mode"], **costs,
             "restored_from": rec["restored_from"],
             "total": detection + sum(ph.values()), "steps_lost": rec["steps_lost"],
@@ -268,10 +275,17 @@ def checkpoint_bandwidth(mib: int, tmp: Path, reps: int = 3) -> list[dict]:
     per = mib * 2**20 // 4 // n_tensors
     state = {f"layer{i}.weight": torch.randn(per) for i in range(n_tensors)}
     nbytes = sum(t.numel() * 4 for t in state.values())
-    from trainmesh.checkpoint import memory_fs
-    from trainmesh.checkpoint.host_copy import HostCopy
+    from torch.distributed.checkpoint import FileSystemWriter
 
-    rows: dict[str, list[float]] = {"dcp save": [], "dcp async save: caller blocked": [],
+    from trainmesh.checkpoint import dcp_io, memory_fs
+    from trainmesh.checkpoint.host_copy import HostCopy
+    from trainmesh.checkpoint.manifest import CheckpointStore, file_digests
+
+    store_root = CheckpointStore(tmp / "trainmesh-saves")
+    rows: dict[str, list[float]] = {"dcp save": [],
+                                    "trainmesh save: dcp, digests as written, manifest": [],
+                                    "trainmesh save, digests re-read after (before 2026-11-25)": [],
+                                    "dcp async save: caller blocked": [],
                                      "dcp async save: until written": [],
                                      "plain write + fsync": [], "dcp load": [], "dcp load (pages evicted)": [],
                                      "plain read": [],
@@ -286,6 +300,22 @@ def checkpoint_bandwidth(mib: int, tmp: Path, reps: int = 3) -> list[dict]:
         t0 = time.perf_counter()
         dcp.save(state, checkpoint_id=str(d))
         rows["dcp save"].append(time.perf_counter() - t0)
+        # trainmesh's save path: its writer (digesting as it writes), the manifest committed
+        partial = store_root.partial_dir(2 * r)
+        t0 = time.perf_counter()
+        writer = dcp_io.storage_writer(partial)
+        dcp.save(state, storage_writer=writer, no_dist=True)
+        store_root.commit(partial, {"step": 2 * r}, writer.files())
+        rows["trainmesh save: dcp, digests as written, manifest"].append(time.perf_counter() - t0)
+        partial = store_root.partial_dir(2 * r + 1)
+        t0 = time.perf_counter()
+        writer = FileSystemWriter(partial)
+        dcp.save(state, storage_writer=writer, no_dist=True)
+        names = [p.name for p in Path(partial).iterdir()]
+        store_root.commit(partial, {"step": 2 * r + 1}, file_digests(partial, names))
+        rows["trainmesh save, digests re-read after (before 2026-11-25)"].append(time.perf_counter() - t0)
+        shutil.rmtree(store_root.step_dir(2 * r))
+        shutil.rmtree(store_root.step_dir(2 * r + 1))
         t0 = time.perf_counter()
         fut = dcp.async_save(state, checkpoint_id=str(tmp / f"dcp-async-{r}"))
         rows["dcp async save: caller blocked"].append(time.perf_counter() - t0)
@@ -457,8 +487,9 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ckpt-mib", type=int, default=256)
-    ap.add_argument("--modes", default="warm,memory,cold",
-                    help="trainmesh recoveries to run: warm (from storage), memory (the in-memory tier), cold")
+    ap.add_argument("--modes", default="warm,memory,cold,warm-unready,cold-unready",
+                    help="trainmesh recoveries to run: warm (from storage), memory (the in-memory "
+                         "tier), cold; -unready: without ready rank processes")
     args = ap.parse_args()
     import ray
     from ray.cluster_utils import Cluster
@@ -508,6 +539,8 @@ def main() -> None:
     print(f"\n| checkpoint op ({args.ckpt_mib} MiB) | s | GB/s | speed vs |")
     print("|---|---:|---:|---:|")
     plain = {"dcp save": "plain write + fsync", "dcp async save: caller blocked": "plain write + fsync",
+             "trainmesh save: dcp, digests as written, manifest": "plain write + fsync",
+             "trainmesh save, digests re-read after (before 2026-11-25)": "plain write + fsync",
              "dcp async save: until written": "plain write + fsync", "dcp load": "plain read",
              "dcp load (pages evicted)": "dcp load",
              "in-memory snapshot: training blocked (staging copy)": "dcp save",

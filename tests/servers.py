@@ -221,14 +221,11 @@ class RayHead:
         return [p for p in mine if p != os.getpid()]
 
 
-def accelerators_held() -> dict[str, float]:
-    """Node id → the GPUs reserved there (the job's ranks hold them through their placement
-    group; ready rank processes hold none)."""
-    from ray._private.state import available_resources_per_node, total_resources_per_node
-
-    free = available_resources_per_node()
-    return {n: r.get("GPU", 0) - free.get(n, {}).get("GPU", 0)
-            for n, r in total_resources_per_node().items()}
+def rank_pids_under(raylet: int) -> list[int]:
+    """The job's rank processes a raylet started: rank actors, and the seats of ready processes
+    that became ranks (``actors/ready.py``; one not taken is a ``ReadyRank`` without a seat)."""
+    return [p for p, (pp, cmd) in process_parents().items()
+            if pp == raylet and cmd.startswith((b"ray::RankWorker", b"ray::Seat"))]
 
 
 def remove_node_hard(cluster, node_id: str) -> None:

@@ -147,3 +147,21 @@ def test_files_the_ranks_wrote_elsewhere_are_not_a_checkpoint(tmp_path):
     ck.save(ranks, 4, {}, tracker, background=False)
     assert ck.latest()[1]["step"] == 2 and "not in" in warnings[0]
     assert "checkpoint.dir" in warnings[0]
+
+
+def test_a_ranks_digests_are_taken_as_its_files_are_written(tmp_path):
+    """``dcp_io.save`` digests each file while writing it (no re-read): the sizes and sha256s
+    it returns are those of the files on disk, the metadata file included, for a local path
+    and for a URI."""
+    import torch
+
+    from trainmesh.checkpoint import dcp_io
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 8))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    for where in (str(tmp_path / "plain"), f"file://{tmp_path / 'uri'}"):
+        files = dcp_io.save(where, model, opt)
+        assert ".metadata" in files and any(n.endswith(".distcp") for n in files), files
+        assert files == file_digests(where, list(files)), where

@@ -216,3 +216,33 @@ def test_auto_cadence_measures_then_chooses_and_rechooses_on_a_new_mesh():
 def test_every_cause_is_reported():
     out = simulate("trainmesh warm", Cluster(nodes=2), [], 10.0, {2: _mesh(2)}.get, lambda c: 0)
     assert set(out.as_dict()["hours_lost"]) == set(CAUSES) - {"useful"}
+
+
+def test_a_lost_process_keeps_its_node_a_notice_loses_no_work_a_hang_waits_for_the_watcher():
+    """The trace kinds the soak benchmark replays: a rank process lost on a healthy node (the
+    mesh stays whole: nothing to wait for, even without a spare), a preemption notice (a
+    checkpoint at the step boundary first: no step rolled back), a hang (trainmesh's watcher
+    calls it after ``hang_s``; restart-from-checkpoint waits for the collective timeout)."""
+    cl = Cluster(nodes=4, replace_s=600.0)
+    meshes = {4: _mesh(4, step_s=1.0, save_s=1.0), 3: _mesh(3, step_s=2.0, save_s=1.0)}
+    every = lambda m: 100  # noqa: E731
+
+    proc = simulate("trainmesh warm", cl, [Fault(1050.5, 1, "process")], 3000.0, meshes.get, every,
+                    m=FREE)
+    _check_accounting(proc)
+    assert proc.seconds["waiting"] == 0 and proc.seconds["degraded"] == 0  # 4 nodes throughout
+    # at 1050.5 s, after 10 saves of 1 s, step 1040.5: back to the step-1000 checkpoint
+    assert proc.seconds["lost_work"] == pytest.approx(40.5)
+
+    notice = simulate("trainmesh warm", cl, [Fault(1050.5, 1, "notice")], 3000.0, meshes.get, every,
+                      m=FREE)
+    _check_accounting(notice)
+    assert notice.seconds["lost_work"] == 0 and notice.seconds["degraded"] > 0  # on 3 nodes
+
+    hang = [Fault(1050.5, 1, "hang")]
+    watched = simulate("trainmesh warm", cl, hang, 3000.0, meshes.get, every, m=FREE, hang_s=20.0,
+                       collective_timeout_s=120.0)
+    restart = simulate("restart", cl, hang, 3000.0, meshes.get, every, m=FREE, hang_s=20.0,
+                       collective_timeout_s=120.0)
+    assert watched.seconds["detection"] == pytest.approx(20.0)
+    assert restart.seconds["detection"] == pytest.approx(120.0)

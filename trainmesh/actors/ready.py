@@ -18,6 +18,14 @@ from collections.abc import Iterable
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from trainmesh.actors.rank_worker import RankWorker
+
+
+class ReadyRank(RankWorker):
+    """A rank process started ahead of need (its own class: Ray names its process
+    ``ray::ReadyRank``, also once it is a rank, so a node's ready processes can be told from
+    its ranks: a rank is a ``RankWorker`` or a ``Seat``)."""
+
 
 class Seat:
     """A rank's reservation, held for the ready process that works in it."""
@@ -41,12 +49,10 @@ class ReadyPool:
     def fill(self, nodes: Iterable[str]) -> None:
         """Start processes (without waiting for them) until each of ``nodes`` has ``per_node``
         ready; those on other nodes (dead, drained, given back) are ended."""
-        from trainmesh.actors.rank_worker import RankWorker
-
         nodes = set(nodes)
         for node in [n for n in self._ready if n not in nodes]:
             self._end(self._ready.pop(node))
-        cls = ray.remote(concurrency_groups=self._groups)(RankWorker)
+        cls = ray.remote(concurrency_groups=self._groups)(ReadyRank)
         for node in sorted(nodes):
             have = self._ready.setdefault(node, [])
             have[:] = [h for h in have if not _failed(h[1])]

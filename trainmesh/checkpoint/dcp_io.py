@@ -8,10 +8,14 @@ storage.
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import hashlib
 import pickle
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from trainmesh.checkpoint.manifest import file_digests, is_uri
+from trainmesh.checkpoint.manifest import is_uri
 from trainmesh.checkpoint.memory_fs import PROTOCOL, MemoryStore
 
 # Optimizer state flattened to one key per parameter and field ("state.layers.0...exp_avg",
@@ -36,14 +40,69 @@ from trainmesh.checkpoint.memory_fs import PROTOCOL, MemoryStore
 _OPTS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
+class _Digest:
+    """A file being written, digested as its bytes go by: each write is copied (DCP hands over
+    views of buffers it reuses) to a thread that hashes it while the next is written — sha256
+    releases the GIL, so hashing overlaps the writes and the fsync instead of re-reading the
+    file afterwards. At most ``window`` bytes wait to be hashed."""
+
+    def __init__(self, raw, window: int = 64 << 20):
+        self.raw, self.size, self._window = raw, 0, window
+        self._sha = hashlib.sha256()
+        self._hasher = ThreadPoolExecutor(1)  # one thread: the updates keep their order
+        self._pending: collections.deque = collections.deque()  # (future, bytes)
+        self._waiting = 0
+
+    def write(self, data) -> int:
+        n = self.raw.write(data)
+        chunk = bytes(memoryview(data).cast("B"))
+        self.size += len(chunk)
+        self._pending.append((self._hasher.submit(self._sha.update, chunk), len(chunk)))
+        self._waiting += len(chunk)
+        while self._waiting > self._window:
+            fut, k = self._pending.popleft()
+            fut.result()
+            self._waiting -= k
+        return n
+
+    def digest(self) -> dict[str, Any]:
+        """{"size", "sha256"} of every byte written (waits for the hashing still going on)."""
+        self._hasher.shutdown(wait=True)
+        for fut, _ in self._pending:
+            fut.result()
+        return {"size": self.size, "sha256": self._sha.hexdigest()}
+
+    def __getattr__(self, name: str):  # tell, flush, fileno, close: the file's own
+        return getattr(self.raw, name)
+
+
 class _Recording:
     """A DCP writer that remembers the files this rank wrote (its shards; the coordinator's
-    also the metadata file), so the rank can digest them where they were written."""
+    also the metadata file) with their digests, computed as they were written (``_Digest``)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.written: list[str] = []
+        self.digests: dict[str, dict[str, Any]] = {}  # file name: {"size", "sha256"}
         self.on_write = None  # called as the writing begins (a background save: in its thread)
+        opened = self.fs.create_stream
+
+        @contextlib.contextmanager
+        def create_stream(path, mode: str):
+            with opened(path, mode) as raw:
+                if "w" not in mode:
+                    yield raw
+                    return
+                stream = _Digest(raw)
+                yield stream
+            # (DCP writes the metadata as NAME.tmp, then renames it)
+            self.digests[str(path).rsplit("/", 1)[-1].removesuffix(".tmp")] = stream.digest()
+
+        self.fs.create_stream = create_stream  # (this writer's own FileSystem instance)
+
+    def files(self) -> dict[str, dict[str, Any]]:
+        """{name: {"size", "sha256"}} of the files this rank wrote."""
+        return {n: self.digests[n] for n in self.written}
 
     def write_data(self, plan, planner):
         if self.on_write is not None:
@@ -68,7 +127,7 @@ class _UriWriter(_Recording, FsspecWriter):
     pass
 
 
-def _writer(directory: str | Path):
+def storage_writer(directory: str | Path):
     d = str(directory)
     if is_uri(d):
         # Memory has nothing to sync, and DCP, finding no file descriptor to fsync, would call
@@ -116,10 +175,10 @@ class _MergedReader(FsspecReader):
 
 def save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """Collective: every rank of the job calls it with its own shards. Returns the size and
-    sha256 of each file this rank wrote, computed here (in parallel over the ranks)."""
-    writer = _writer(directory)
+    sha256 of each file this rank wrote, digested as it was written (in parallel over the ranks)."""
+    writer = storage_writer(directory)
     dcp.save(rank_state(model, optimizer), storage_writer=writer)
-    return file_digests(str(directory), writer.written)
+    return writer.files()
 
 
 def rank_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -173,7 +232,7 @@ def async_save(directory: str | Path, model: nn.Module, optimizer: torch.optim.O
     thread (coordinating over ``group``, a gloo group of its own so the writer never shares a
     communicator with training), then digest what this rank wrote. Returns a future of the
     digests (as ``save``); training may go on at once."""
-    writer = _writer(directory)
+    writer = storage_writer(directory)
     writer.on_write = on_write
     written = dcp.async_save(rank_state(model, optimizer), storage_writer=writer, process_group=group)
     digests: Future = Future()
@@ -181,7 +240,7 @@ def async_save(directory: str | Path, model: nn.Module, optimizer: torch.optim.O
     def then(f: Future) -> None:
         try:
             f.result()
-            digests.set_result(file_digests(str(directory), writer.written))
+            digests.set_result(writer.files())
         except BaseException as err:  # noqa: BLE001 - handed to whoever waits on the save
             digests.set_exception(err)
 

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from trainmesh.cli.loading import load_spec
+from trainmesh.controller.ray_group import HANG_FLOOR_S, HANG_STEPS
 from trainmesh.planning.cadence import choose, system_mtbf_s
 from trainmesh.planning.failure_costs import Assumptions, MeshCosts, mesh_costs
 from trainmesh.planning.goodput import CAUSES, KINDS, STRATEGIES, Cluster, Fault, poisson_faults, simulate
@@ -34,7 +35,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     rate.add_argument("--failures-per-day", type=float,
                       help="faults per day of the whole cluster (instead of --mtbf-node-hours)")
     rate.add_argument("--trace", help="faults to replay instead of random ones: a file of lines "
-                                      "'HOURS NODE [crash|unreachable|hang]'")
+                                      "'HOURS NODE [crash|unreachable|hang|process|notice]'")
     p.add_argument("--days", type=float, default=30.0, help="wall-clock days simulated")
     p.add_argument("--spare-nodes", type=int, default=0, help="idle nodes beside the job's")
     p.add_argument("--replace-minutes", type=float, default=30.0,
@@ -75,8 +76,11 @@ def run(args: argparse.Namespace) -> int:
         try:
             every = _cadence(spec, hours)
             faults = trace or poisson_faults(cluster, horizon, args.seed, a)
+            first = plan(nodes)
+            hang = spec.elastic.hang_timeout_s or max(HANG_FLOOR_S, HANG_STEPS * first.step_s) \
+                if first is not None else None  # trainmesh's watcher
             outs = [simulate(s, cluster, faults, horizon, plan, every,
-                             spec.runtime.collective_timeout_s, a=a) for s in STRATEGIES]
+                             spec.runtime.collective_timeout_s, a=a, hang_s=hang) for s in STRATEGIES]
         except ValueError as err:
             print(f"--nodes {nodes}: {err}", file=sys.stderr)
             return 2

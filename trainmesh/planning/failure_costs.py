@@ -122,8 +122,8 @@ def mesh_costs(model, tp: int, pp: int, dp: int, nodes: int, step_s: float, toke
 
 def detect_s(kind: str, collective_timeout_s: float, a: Assumptions = ASSUMED,
              m: Measured = MEASURED) -> float:
-    return {"crash": m.crash_detect_s, "unreachable": a.node_lost_detect_s,
-            "hang": collective_timeout_s}[kind]
+    return {"crash": m.crash_detect_s, "process": m.crash_detect_s, "notice": 0.0,
+            "unreachable": a.node_lost_detect_s, "hang": collective_timeout_s}[kind]
 
 
 def predicted_save(model, tp: int, pp: int, dp: int, nodes: int, async_save: bool,

@@ -19,7 +19,10 @@ Strategies:
 
 Faults are node-level: each node fails as a Poisson process (``mtbf_node_hours``); a failed
 node rejoins ``replace_s`` later; a fault on a node the mesh does not use (a spare, an idle
-node) costs nothing but the node.
+node) costs nothing but the node. A trace may also hold a rank process lost on a healthy node
+(``process``: the node stays) and a preemption notice (``notice``: a checkpoint, then the node
+leaves). A hang is found by trainmesh's watcher after ``hang_s``, by restart-from-checkpoint
+only at the collective timeout.
 """
 
 from __future__ import annotations
@@ -34,13 +37,16 @@ from trainmesh.planning.failure_costs import ASSUMED, MEASURED, Assumptions, Mea
 CAUSES = ("useful", "degraded", "checkpoint", "lost_work", "detection", "recovery", "waiting",
           "resize")
 STRATEGIES = ("trainmesh warm", "trainmesh cold", "restart")
-KINDS = ("crash", "unreachable", "hang")
+# crash, unreachable, hang: the node is lost (it rejoins ``replace_s`` later); process: one
+# rank's process ends, its node is fine; notice: a preemption notice, the node leaves after a
+# checkpoint (nothing is lost) and rejoins ``replace_s`` later
+KINDS = ("crash", "unreachable", "hang", "process", "notice")
 
 
 @dataclass(frozen=True)
 class Fault:
     t: float  # seconds from the start
-    node: int
+    node: int | None  # None: a node of the mesh (a trace of the job's own interruptions)
     kind: str = "crash"
 
 
@@ -69,7 +75,7 @@ def poisson_faults(cluster: Cluster, horizon_s: float, seed: int,
         t += rng.expovariate(rate)
         if t >= horizon_s:
             return out
-        out.append(Fault(t, rng.randrange(cluster.total), rng.choices(KINDS, shares)[0]))
+        out.append(Fault(t, rng.randrange(cluster.total), rng.choices(KINDS[:3], shares)[0]))
 
 
 @dataclass
@@ -111,6 +117,7 @@ class _Run:
     timeout_s: float
     m: Measured
     a: Assumptions
+    hang_s: float | None = None  # trainmesh's hang bound (None: the collective timeout)
     t: float = 0.0
     steps: float = 0.0
     durable: int = 0
@@ -176,16 +183,26 @@ class _Run:
         self.busy.append(("checkpoint", self.t + blocked))
 
     def fault(self, f: Fault) -> None:
-        if f.node not in self.alive:
+        node = f.node if f.node is not None else min(self.used & self.alive, default=None)
+        if node not in self.alive:
             return
-        self.alive.discard(f.node)
-        self.back[f.node] = self.t + self.cluster.replace_s
-        if f.node not in self.used or self.waiting:
+        if f.kind != "process":  # the node is gone until it rejoins
+            self.alive.discard(node)
+            self.back[node] = self.t + self.cluster.replace_s
+        if node not in self.used or self.waiting:
             return  # a spare or idle node, or nothing running: nothing stops
         self.hits += 1
         self.timeline.append((self.t, 0))
+        if f.kind == "notice":  # a checkpoint at the step boundary first: nothing is lost
+            self.steps = float(math.ceil(self.steps - 1e-9))
+            self.pending, self.durable = [], int(self.steps)
+            self.busy = [("checkpoint", self.t + self.mesh.save_write_s)]
+            self._recover(after=self.busy[0][1])
+            return
         self._rollback()
-        self.busy = [("detection", self.t + detect_s(f.kind, self.timeout_s, self.a, self.m))]
+        timeout = self.hang_s if self.hang_s is not None and self.strategy != "restart" \
+            else self.timeout_s
+        self.busy = [("detection", self.t + detect_s(f.kind, timeout, self.a, self.m))]
         self._recover(after=self.busy[0][1])
 
     def rejoin(self, node: int) -> None:
@@ -219,7 +236,7 @@ class _Run:
             self.waiting, self.busy = True, [b for b in self.busy if b[0] == "detection"]
             return
         self._next = new
-        fits = new.nodes <= len(survivors)
+        fits = new.nodes <= len(survivors)  # warm; cold where the survivors cannot hold it
         if self.strategy == "restart":
             cost = new.restart_s + new.restore_bytes_s
         else:
@@ -260,12 +277,14 @@ class _Run:
 def simulate(strategy: str, cluster: Cluster, faults: Sequence[Fault], horizon_s: float,
              plan: Callable[[int], MeshCosts | None], every: Callable[[MeshCosts], int],
              collective_timeout_s: float = 120.0, m: Measured = MEASURED,
-             a: Assumptions = ASSUMED) -> Outcome:
+             a: Assumptions = ASSUMED, hang_s: float | None = None) -> Outcome:
     """Replay ``faults`` (sorted by time) over ``horizon_s`` seconds for one strategy.
-    ``every(mesh)``: steps between checkpoints on that mesh (0: never)."""
+    ``every(mesh)``: steps between checkpoints on that mesh (0: never). ``hang_s``: how long
+    trainmesh's watcher takes to call a hang (``elastic.hang_timeout_s``, else its default
+    bound); None: the collective timeout, as restart-from-checkpoint."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy {strategy!r}; one of {', '.join(STRATEGIES)}")
-    run = _Run(strategy, cluster, plan, every, collective_timeout_s, m, a)
+    run = _Run(strategy, cluster, plan, every, collective_timeout_s, m, a, hang_s)
     lost = [(0.0, 0.0)]
     i = 0
     while run.t < horizon_s:
