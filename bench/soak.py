@@ -63,6 +63,11 @@ MIX = {"node": 0.76, "process": 0.13, "hang": 0.03, "notice": 0.08}
 HOOK = {"node": "wait", "process": "exit", "hang": "hang", "notice": "term"}
 SIM_KIND = {"node": "crash", "process": "process", "hang": "hang", "notice": "notice"}
 NOTICE_S = 20.0  # a notified node is taken away this long after its notice
+# The losses' tolerance against the single process. float32 reductions run in another order on
+# every mesh, and over a hundred steps the tiny model's trajectory amplifies that: measured,
+# an uninterrupted 3D run drifts past 1e-4 relative by step ~45 and reaches ~8e-4 by step 120.
+# A recovery that replayed or skipped a batch moves the loss by percents.
+RTOL = 2e-3
 
 
 def _spec(out: Path, steps: int, extra: list[str] = ()):
@@ -206,7 +211,10 @@ def measured(run: dict, step_s: dict[int, float]) -> dict:
     for r in recs:
         key = f"{r['mode']}: {r['cause'].split(',')[0].split('(')[0]}"
         by[key] = by.get(key, 0) + 1
+    times = _metric(s, "step_time_s")
     return {"goodput": kept / run["wall_s"], "steps": s["steps_done"],
+            "step_s": statistics.median(times), "steps_s": sum(times),
+            "downtime_s": sum(r["downtime_s"] for r in recs),
             "steps_lost": sum(r["steps_lost"] for r in recs), "recoveries": by,
             "faults": {k: sum(f["kind"] == k for f in run["fired"]) for k in MIX}}
 
@@ -223,8 +231,9 @@ def phases(runs: list[dict]) -> dict[str, float]:
 def simulated(run: dict, step_s: dict[int, float], calibrated: dict | None, replace_s: float,
               hang_s: float) -> float:
     """The simulator's goodput for this soak's job and faults: shipped costs and every fault a
-    node-level crash or hang (``calibrated`` None), else the soak's own phase medians and its
-    fault kinds."""
+    node-level crash or hang (``calibrated`` None), else the soak's own phase medians, its
+    fault kinds and its steps' median time (on 2 cores the steps slow down while processes
+    start beside them: the ready processes refilled after each recovery)."""
     from trainmesh.planning.failure_costs import MEASURED, MeshCosts
     from trainmesh.planning.goodput import Cluster, Fault, simulate
 
@@ -239,11 +248,15 @@ def simulated(run: dict, step_s: dict[int, float], calibrated: dict | None, repl
                                 warm_restore_s=calibrated["restore_s"],
                                 first_step_s=calibrated["first_step_s"])
 
+    slow = 1.0
+    if calibrated is not None:  # the soak's own steps, against the uninterrupted ones
+        slow = statistics.median(_metric(s, "step_time_s")) / step_s[8]
+
     def mesh(nodes: int) -> MeshCosts | None:
         if nodes < 1:
             return None
         world = 8 if nodes >= 2 else 4
-        return MeshCosts(f"{world} ranks", world, min(nodes, 2), step_s[world], 1,
+        return MeshCosts(f"{world} ranks", world, min(nodes, 2), step_s[world] * slow, 1,
                          0.0, save_blocked_s=save_b, save_write_s=save_b * 2,
                          save_durable_s=save_b * 2, restore_s=m.warm_restore_s, restore_bytes_s=0.0,
                          warm_reform_s=m.warm_reform_s, cold_reform_s=m.cold_reform_s,
@@ -258,17 +271,23 @@ def simulated(run: dict, step_s: dict[int, float], calibrated: dict | None, repl
     out = simulate("trainmesh warm", Cluster(2, 1, replace_s=replace_s), faults, run["wall_s"],
                    mesh, lambda mc: every, run["spec"].runtime.collective_timeout_s, m=m,
                    hang_s=hang_s if calibrated is not None else None)
-    return out.goodput
+    # its useful time is valued at its first mesh's step time; the measured ratio at the
+    # uninterrupted one's
+    return out.goodput / slow
 
 
-def losses_equal(run: dict, tmp: Path) -> bool:
+def losses_equal(run: dict, tmp: Path) -> tuple[bool, float, int | None]:
+    """Whether the soaked run's losses are the single process's within ``RTOL``; the largest
+    relative difference; the first step beyond it."""
     import torch
     from reference import reference_run
 
     s = run["summary"]
     data = str(Path(run["spec"].runtime.output_dir) / "data" / "tiny-corpus")
     want, _ = reference_run(run["spec"], data, steps=s["steps_done"])
-    return bool(torch.allclose(torch.tensor(s["losses"]), torch.tensor(want), rtol=1e-4, atol=0))
+    rel = ((torch.tensor(s["losses"]) - torch.tensor(want)).abs() / torch.tensor(want).abs())
+    bad = (rel > RTOL).nonzero()
+    return len(bad) == 0, float(rel.max()), (int(bad[0]) + 1 if len(bad) else None)
 
 
 def main() -> None:
@@ -301,7 +320,10 @@ def main() -> None:
                 run = soak(cluster, tmp, every, args.minutes, step_s, args.replace_s, args.seed + i)
                 run["equal"] = losses_equal(run, tmp)
                 runs.append(run)
-                print(f"soak every {every:g} min: {json.dumps(measured(run, step_s))}", flush=True)
+                print(f"soak every {every:g} min: {json.dumps(measured(run, step_s))}; losses "
+                      f"equal, max rel diff, first step off: {run['equal']}; recoveries at steps "
+                      f"{[(r['step'], r['cause'][:20]) for r in run['summary']['recoveries']]}",
+                      flush=True)
         finally:
             ray.shutdown()
             cluster.shutdown()
@@ -309,10 +331,11 @@ def main() -> None:
         cal = phases(runs)
         print(f"\nmeasured recovery phases (medians over the soaks' failures): "
               f"{ {k: round(v, 2) for k, v in cal.items()} }")
-        print("\n| mean fault interval | wall s | steps kept | steps lost | faults (node, process, "
-              "hang, notice) | recoveries | measured goodput | simulated, shipped costs | "
-              "simulated, calibrated | losses = single process |")
-        print("|---|---:|---:|---:|---|---|---:|---:|---:|---|")
+        print("\n| mean fault interval | wall s | steps kept | steps lost | step s (median) | "
+              "in steps s | recovering s | faults (node, process, hang, notice) | recoveries | "
+              "measured goodput | simulated, shipped costs | simulated, calibrated | "
+              "losses = single process |")
+        print("|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---|")
         for run in runs:
             mm = measured(run, step_s)
             before = simulated(run, step_s, None, args.replace_s, hang_s)
@@ -320,11 +343,12 @@ def main() -> None:
             f = mm["faults"]
             recs = ", ".join(f"{k} {v}" for k, v in sorted(mm["recoveries"].items()))
             print(f"| {run['every_min']:g} min | {run['wall_s']:.0f} | {mm['steps']} | "
-                  f"{mm['steps_lost']} | {f['node']}, {f['process']}, {f['hang']}, {f['notice']} "
+                  f"{mm['steps_lost']} | {mm['step_s']:.2f} | {mm['steps_s']:.0f} | "
+                  f"{mm['downtime_s']:.0f} | {f['node']}, {f['process']}, {f['hang']}, {f['notice']} "
                   f"({len(run['fired'])} of {run['planned']} fired) | {recs} | "
                   f"{mm['goodput']:.1%} | {before:.1%} ({(before - mm['goodput']) * 100:+.1f}) | "
                   f"{after:.1%} ({(after - mm['goodput']) * 100:+.1f}) | "
-                  f"{'yes' if run['equal'] else 'NO'} |")
+                  f"{'yes' if run['equal'][0] else 'NO'} (max rel diff {run['equal'][1]:.1e}) |")
 
 
 if __name__ == "__main__":
