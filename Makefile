@@ -40,6 +40,7 @@ bench-smoke: $(STAMP)
 	$(BIN)/python bench/pipeline.py --steps 1
 	$(BIN)/python bench/overhead.py --steps 2 --warmup 1 --skip-ray-train
 	$(BIN)/python bench/recovery.py --trials 1 --skip-ray-train --ckpt-mib 8 --modes warm
+	$(BIN)/python bench/soak.py --minutes 1 --every-min 0.5
 	$(BIN)/python bench/moe.py --tokens 256 --dim 64 --expert-ffn 64 --reps 2
 	$(BIN)/python bench/data_parallel.py --preset tiny --steps 1 --seq-len 32
 	$(BIN)/python bench/context_parallel.py --preset tiny --steps 1 --seq-len 256

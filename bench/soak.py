@@ -301,7 +301,7 @@ def main() -> None:
     import ray
     from ray.cluster_utils import Cluster
 
-    from trainmesh.controller.ray_group import HANG_FLOOR_S, HANG_STEPS
+    from trainmesh.controller.ray_group import HANG_FLOOR_S, HANG_STEPS, hang_found_after_s
 
     runs = []
     with tempfile.TemporaryDirectory() as tmpdir:
@@ -327,7 +327,7 @@ def main() -> None:
         finally:
             ray.shutdown()
             cluster.shutdown()
-        hang_s = max(HANG_FLOOR_S, HANG_STEPS * step_s[8])
+        hang_s = hang_found_after_s(max(HANG_FLOOR_S, HANG_STEPS * step_s[8]))
         cal = phases(runs)
         print(f"\nmeasured recovery phases (medians over the soaks' failures): "
               f"{ {k: round(v, 2) for k, v in cal.items()} }")

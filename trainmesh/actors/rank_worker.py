@@ -38,7 +38,8 @@ class RankWorker:
 
     def __init__(self, rank: int, world_size: int, cpu_threads: int):
         """Rank ``rank`` of ``world_size``; or, with rank -1, a ready process (``warm``,
-        ``adopt``), which imports torch only in ``warm``."""
+        ``adopt``), which imports the parallel stack in ``warm`` and touches no CUDA device
+        before ``adopt``."""
         self.rank, self.world_size = rank, world_size
         if rank >= 0:
             _set_threads(cpu_threads)
@@ -89,7 +90,14 @@ class RankWorker:
         reservation is the seat's: ``actors/ready.py``), before anything has touched CUDA;
         returns the pid."""
         if accelerators:
+            import torch
+
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(a) for a in accelerators)
+            if torch.cuda.is_available() and torch.cuda.device_count() != len(accelerators):
+                raise RuntimeError(  # something touched CUDA before: it sees other devices
+                    f"a ready process adopted for accelerators {accelerators} sees "
+                    f"{torch.cuda.device_count()} CUDA devices: CUDA was initialised before its "
+                    "seat named them; set elastic.ready_ranks_per_node=0")
         _set_threads(cpu_threads)
         self.rank, self.world_size = rank, world_size
         self._progress.rank = rank

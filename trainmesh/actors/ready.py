@@ -12,7 +12,6 @@ rank's time, and the two end together (``WorkerGroup.end``)."""
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterable
 
 import ray
@@ -48,14 +47,16 @@ class ReadyPool:
 
     def fill(self, nodes: Iterable[str]) -> None:
         """Start processes (without waiting for them) until each of ``nodes`` has ``per_node``
-        ready; those on other nodes (dead, drained, given back) are ended."""
+        ready; those on other nodes (dead, drained, given back) and those that died are ended."""
         nodes = set(nodes)
         for node in [n for n in self._ready if n not in nodes]:
             self._end(self._ready.pop(node))
         cls = ray.remote(concurrency_groups=self._groups)(ReadyRank)
         for node in sorted(nodes):
             have = self._ready.setdefault(node, [])
-            have[:] = [h for h in have if not _failed(h[1])]
+            dead = [h for h in have if _failed(h[1]) or _failed(h[2])]
+            self._end(dead)
+            have[:] = [h for h in have if h not in dead]
             for _ in range(self.per_node - len(have)):
                 actor = cls.options(
                     num_cpus=0, num_gpus=0,
@@ -65,24 +66,22 @@ class ReadyPool:
                 # (node_info: on the control thread, answered while the warm-up runs)
                 have.append((actor, actor.warm.remote(), actor.node_info.remote()))
 
-    def take(self, node: str):
-        """A ready process on ``node`` (warmed ones first), now the caller's; None if none."""
+    def take(self, node: str, alive_s: float = 10.0) -> tuple | None:
+        """A ready process on ``node`` that answers (warmed ones first; one still starting is
+        waited for up to ``alive_s``, time its adoption would wait anyway; one that died or does
+        not answer is ended), now the caller's, with its pid; None if there is none."""
         have = self._ready.get(node, [])
-        have[:] = [h for h in have if not _failed(h[1])]
-        if not have:
-            return None
-        done = [i for i, h in enumerate(have) if ray.wait([h[1]], timeout=0)[0]]
-        return have.pop(done[0] if done else 0)[0]
-
-    def pids(self) -> dict[str, list[int]]:
-        """Node → the pids of its ready processes that have started (warm or still warming)."""
-        out: dict[str, list[int]] = {}
-        for node, have in self._ready.items():
-            for _, warm, info in have:
-                if ray.wait([info], timeout=0)[0] and not _failed(warm):
-                    with contextlib.suppress(Exception):  # one that died is not ready
-                        out.setdefault(node, []).append(ray.get(info)["pid"])
-        return out
+        have.sort(key=lambda h: not ray.wait([h[1]], timeout=0)[0])  # warmed first
+        while have:
+            actor, warm, _ = have.pop(0)
+            if _failed(warm):
+                ray.kill(actor)
+                continue
+            try:  # (its control thread: it answers while the warm-up runs)
+                return actor, ray.get(actor.node_info.remote(), timeout=alive_s)["pid"]
+            except Exception:  # noqa: BLE001 - dead or not there: the next one
+                ray.kill(actor)
+        return None
 
     def shutdown(self) -> None:
         for have in self._ready.values():
@@ -96,7 +95,7 @@ class ReadyPool:
 
 
 def _failed(ref) -> bool:
-    """Whether a ready process's warm-up failed (its node died, the process crashed)."""
+    """Whether a ready process's call failed (its node died, the process crashed)."""
     if not ray.wait([ref], timeout=0)[0]:
         return False
     try:

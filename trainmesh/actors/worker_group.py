@@ -83,10 +83,10 @@ def _sigkill(pids: list[int]) -> None:
             pass
 
 
-def kill_processes(by_node: dict[str, list[int]], timeout_s: float = 10.0) -> None:
+def kill_processes(by_node: dict[str, list[int]], timeout_s: float = 2.0) -> None:
     """SIGKILL processes (node id → pids) from a task on each one's node; returns when done,
-    or after ``timeout_s`` (a node that runs nothing at all is left to Ray's node failure
-    detection)."""
+    or after ``timeout_s`` (the kill goes on meanwhile; a node that runs nothing at all is left
+    to Ray's node failure detection, and its ranks' peers to the stuck-rank release)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     refs = [_sigkill.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
@@ -105,7 +105,8 @@ class WorkerGroup:
         self._env_vars, self._ready_timeout_s, self._cpu_threads = env_vars, ready_timeout_s, cpu_threads
         self.ready = ready  # ready processes to take before starting new ones (actors/ready.py)
         self.from_ready: list[int] = []  # the ranks of the last (re)formation that took one
-        self.started: list[int] = []  # ... and those that started a new process
+        self.ready_pids: list[int] = []  # ... their processes
+        self.started: list[int] = []  # ... and the ranks that started a new process
         self.pgs: list = []  # the first group's, then one per re-form that needed new actors
         self._inflight: list = []  # the refs of the last call on every rank
         world = len(placement.rank_bundle)
@@ -117,12 +118,14 @@ class WorkerGroup:
         self.slots = [(pg, b) for _, b in ranks]
         self.nodes = [nodes[b] for _, b in ranks]
         self.pids: list[int | None] = [None] * world  # each rank's process, once it has said
+        self.pid_nodes: list[str | None] = [None] * world
 
     def infos(self, timeout_s: float) -> list[dict]:
         """Per rank: node id, pid, ip (``RankWorker.node_info``); the pids are kept, so that a
         rank can be killed later even when it can no longer answer."""
         infos = self.call("node_info", timeout_s=timeout_s)
         self.pids = [i["pid"] for i in infos]
+        self.pid_nodes = [i["node_id"] for i in infos]  # where each said it runs
         return infos
 
     def _place(self, bundles, strategy: str) -> tuple[Any, dict[int, str]]:
@@ -149,14 +152,16 @@ class WorkerGroup:
         out = []
         for rank, b in ranks:
             strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b)
-            ready = self.ready.take(where[b]) if self.ready and b in where else None
-            if ready is not None:
+            got = self.ready.take(where[b]) if self.ready and b in where else None
+            if got is not None:
+                ready, pid = got
                 seat = seat_cls.options(num_cpus=res.get("CPU", 0), num_gpus=res.get("GPU", 0),
                                         scheduling_strategy=strategy).remote()
                 # (runs once the seat is placed: the ref resolves to its accelerators)
                 ready.adopt.remote(rank, world, self._cpu_threads, seat.accelerators.remote())
                 out.append((ready, seat))
                 self.from_ready.append(rank)
+                self.ready_pids.append(pid)
                 continue
             out.append((cls.options(num_cpus=res.get("CPU", 0), num_gpus=res.get("GPU", 0),
                                     scheduling_strategy=strategy,
@@ -174,11 +179,12 @@ class WorkerGroup:
         ``avoid``), else in a new placement group holding just the bundles such ranks need.
         Other old actors are ended."""
         old, old_slots, old_nodes, old_pids = self.workers, self.slots, self.nodes, self.pids
+        old_pid_nodes = self.pid_nodes
         old_seats = self.seats
         self.end([i for i in range(len(old)) if i not in assignment or i in refill])
         world = len(assignment)
         self.placement = placement
-        self.from_ready, self.started = [], []
+        self.from_ready, self.ready_pids, self.started = [], [], []
         new: dict[int, tuple[Any, tuple, str, Any]] = {}  # new rank: (actor, slot, node, seat)
         for r, o in enumerate(assignment):
             if o is not None:
@@ -207,6 +213,8 @@ class WorkerGroup:
         self.workers, self.slots, self.nodes, self.seats = (
             list(x) for x in zip(*(new[r] for r in range(world)), strict=True))
         self.pids = [old_pids[o] if o is not None and o not in refill else None for o in assignment]
+        self.pid_nodes = [old_pid_nodes[o] if o is not None and o not in refill else None
+                          for o in assignment]
         ray.get([old[o].reset.remote(r, world) for r, o in enumerate(assignment)
                  if o is not None and o not in refill], timeout=timeout_s)
         self._release_unused_groups()
@@ -354,7 +362,7 @@ class WorkerGroup:
             by_node: dict[str, list[int]] = {}
             for r in ranks:
                 if self.pids[r] is not None:
-                    by_node.setdefault(self.nodes[r], []).append(self.pids[r])
+                    by_node.setdefault(self.pid_nodes[r], []).append(self.pids[r])
             kill_processes(by_node)
         for r in ranks:
             ray.kill(self.workers[r])

@@ -72,6 +72,10 @@ class _Digest:
             fut.result()
         return {"size": self.size, "sha256": self._sha.hexdigest()}
 
+    def abandon(self) -> None:
+        self._hasher.shutdown(wait=False, cancel_futures=True)
+        self._pending.clear()
+
     def __getattr__(self, name: str):  # tell, flush, fileno, close: the file's own
         return getattr(self.raw, name)
 
@@ -94,7 +98,11 @@ class _Recording:
                     yield raw
                     return
                 stream = _Digest(raw)
-                yield stream
+                try:
+                    yield stream
+                except BaseException:  # a failed write: no digest, no thread left behind
+                    stream.abandon()
+                    raise
             # (DCP writes the metadata as NAME.tmp, then renames it)
             self.digests[str(path).rsplit("/", 1)[-1].removesuffix(".tmp")] = stream.digest()
 

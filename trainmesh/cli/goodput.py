@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from trainmesh.cli.loading import load_spec
-from trainmesh.controller.ray_group import HANG_FLOOR_S, HANG_STEPS
+from trainmesh.controller.ray_group import HANG_FLOOR_S, HANG_STEPS, hang_found_after_s
 from trainmesh.planning.cadence import choose, system_mtbf_s
 from trainmesh.planning.failure_costs import Assumptions, MeshCosts, mesh_costs
 from trainmesh.planning.goodput import CAUSES, KINDS, STRATEGIES, Cluster, Fault, poisson_faults, simulate
@@ -77,8 +77,8 @@ def run(args: argparse.Namespace) -> int:
             every = _cadence(spec, hours)
             faults = trace or poisson_faults(cluster, horizon, args.seed, a)
             first = plan(nodes)
-            hang = spec.elastic.hang_timeout_s or max(HANG_FLOOR_S, HANG_STEPS * first.step_s) \
-                if first is not None else None  # trainmesh's watcher
+            hang = hang_found_after_s(spec.elastic.hang_timeout_s or max(
+                HANG_FLOOR_S, HANG_STEPS * first.step_s)) if first is not None else None
             outs = [simulate(s, cluster, faults, horizon, plan, every,
                              spec.runtime.collective_timeout_s, a=a, hang_s=hang) for s in STRATEGIES]
         except ValueError as err:

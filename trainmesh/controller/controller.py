@@ -165,9 +165,11 @@ class Controller:
                 self._set(state=state.name)
                 state = self._advance(state, tracker)
         finally:
-            self._drop()
-            if self.ready is not None:
-                self.ready.shutdown()
+            try:
+                self._drop()
+            finally:
+                if self.ready is not None:
+                    self.ready.shutdown()
 
     def _advance(self, state: State, tracker) -> State:
         """Run ``state``'s action. A failure in it (a rank's actor died; a step raised, hung
@@ -234,8 +236,6 @@ class Controller:
         communicators, out of band), which nodes are gone, and the policy's decision."""
         stop, group, book = state.stop, self.group, self.book
         book.begin(stop)
-        if self.ready is not None and not book.ready_pids:
-            book.ready_pids = sorted(p for pids in self.ready.pids().values() for p in pids)
         nodes, refill = (group.nodes if group is not None else []), set()
         if stop.kind == SCALE_UP:  # checkpointed already; every rank is kept when warm
             alive = set(range(len(nodes)))
@@ -320,9 +320,14 @@ class Controller:
     def _fill_ready(self) -> None:
         """Ready processes (``elastic.ready_ranks_per_node``) on every node the job may use: its
         own and spares (not capped by ``elastic.max_world_size``), none dead or draining."""
-        if self.ready is not None:
+        if self.ready is None:
+            return
+        try:
             gone = self.book.dead_nodes | set(draining_nodes())
             self.ready.fill(n.node_id for n in self._topology_fn(self.spec).nodes if n.node_id not in gone)
+        except Exception as err:  # noqa: BLE001 - an optimisation: the job goes on without
+            self._notice(f"ready rank processes not started ({str(err)[:200]}); new ranks "
+                         "will start their own processes")
 
     def _prepare(self, group, tracker) -> int:
         """Build the ranks' model parts for the plan and restore the newest complete

@@ -30,10 +30,9 @@ class Recovery:
     # seconds: decide (health check, backoff, re-plan), reform (process group: new actors and
     # placement when cold), restore (build model parts, load the checkpoint), first_step
     phases: dict = field(default_factory=dict)
-    # the new ranks that took a ready process ("ready") and those that started one ("started");
-    # and the ready processes there were when the failure was seen (their pids)
+    # the new ranks that took a ready process ("ready"; their pids "ready_pids") and those that
+    # started one ("started")
     processes: dict = field(default_factory=dict)
-    ready_pids: list = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -42,6 +42,13 @@ def ready_pool(spec: JobSpec, env: dict[str, str], placement: Placement, acceler
     return ReadyPool(n, env, rank_threads(spec), RANK_CONCURRENCY_GROUPS) if n else None
 
 
+def hang_found_after_s(bound_s: float, poll_s: float = 1.0) -> float:
+    """How long after a step starts a frozen rank is called hung under a ``bound_s`` hang
+    bound: the bound, then silence for half of it at least two polls
+    (``WorkerGroup.call_watched``)."""
+    return bound_s + max(2 * poll_s, bound_s / 2)
+
+
 def hang_bound_s(cfg: ElasticConfig, recent_steps: list[float]) -> float | None:
     """How long a step may run before its stalled ranks count as hung: ``elastic.hang_timeout_s``
     when set, else HANG_STEPS × the median of the recent steps but at least HANG_FLOOR_S; None
@@ -64,14 +71,19 @@ class RayWorkerGroup:
         self.timeout = spec.runtime.collective_timeout_s
         self.group = WorkerGroup(placement, env, ready_timeout_s=60,
                                  cpu_threads=rank_threads(spec), ready=ready)
-        self.backend = self.group.setup_process_group(spec.runtime.device, self.timeout)
+        try:
+            self.backend = self.group.setup_process_group(spec.runtime.device, self.timeout)
+        except BaseException:  # its actors and placement group go with it
+            self.group.shutdown()
+            raise
         self._steps: list[float] = []  # recent step times, for the hang bound
         self._asked: tuple[float, dict] | None = None  # (when, refs) of the last "alive?"
 
     def processes(self) -> dict[str, list[int]]:
-        """The ranks of the last (re)formation that took a ready process ("ready") and those
-        that started a new one ("started")."""
-        return {"ready": list(self.group.from_ready), "started": list(self.group.started)}
+        """The ranks of the last (re)formation that took a ready process ("ready", their pids
+        "ready_pids") and those that started a new one ("started")."""
+        return {"ready": list(self.group.from_ready), "ready_pids": list(self.group.ready_pids),
+                "started": list(self.group.started)}
 
     @property
     def nodes(self) -> list[str]:

@@ -22,7 +22,6 @@ class RecoveryBook:
     marks: dict[str, float] = field(default_factory=dict)  # wall times of the open one's phases
     restored_from: str = "none"  # where the last restore read from: memory | storage | none
     done: list[dict[str, Any]] = field(default_factory=list)  # as in summary.json's recoveries
-    ready_pids: list[int] = field(default_factory=list)  # the ready processes at the failure
     processes: dict[str, list[int]] = field(default_factory=dict)  # new ranks: ready | started
 
     def joined(self, stop: Stop) -> Stop:
@@ -34,7 +33,7 @@ class RecoveryBook:
         """A recovery from ``stop`` (``joined`` already) starts, or goes on."""
         if self.open is None:
             self.marks = {"failed": time.time()}
-            self.ready_pids, self.processes = [], {}
+            self.processes = {}
         self.open = stop
 
     def mark(self, phase: str) -> None:
@@ -52,7 +51,7 @@ class RecoveryBook:
                        downtime_s=time.monotonic() - stop.at, steps_lost=max(0, stop.step - start),
                        mode=mode, restored_from=self.restored_from,
                        failed_at=marks.get("failed", 0.0), phases=recovery_phases(marks),
-                       processes=self.processes, ready_pids=self.ready_pids)
+                       processes=self.processes)
         self.open, self.in_a_row = None, 0
         self.done.append(rec.as_dict())
         return rec

@@ -122,7 +122,7 @@ def mesh_costs(model, tp: int, pp: int, dp: int, nodes: int, step_s: float, toke
 
 def detect_s(kind: str, collective_timeout_s: float, a: Assumptions = ASSUMED,
              m: Measured = MEASURED) -> float:
-    return {"crash": m.crash_detect_s, "process": m.crash_detect_s, "notice": 0.0,
+    return {"crash": m.crash_detect_s, "process": m.crash_detect_s, "notice": m.crash_detect_s,
             "unreachable": a.node_lost_detect_s, "hang": collective_timeout_s}[kind]
 
 

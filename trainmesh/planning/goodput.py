@@ -37,6 +37,7 @@ from trainmesh.planning.failure_costs import ASSUMED, MEASURED, Assumptions, Mea
 CAUSES = ("useful", "degraded", "checkpoint", "lost_work", "detection", "recovery", "waiting",
           "resize")
 STRATEGIES = ("trainmesh warm", "trainmesh cold", "restart")
+KEPT = ("detection", "useful", "degraded", "checkpoint")  # what a recovery waits behind
 # crash, unreachable, hang: the node is lost (it rejoins ``replace_s`` later); process: one
 # rank's process ends, its node is fine; notice: a preemption notice, the node leaves after a
 # checkpoint (nothing is lost) and rejoins ``replace_s`` later
@@ -183,6 +184,8 @@ class _Run:
         self.busy.append(("checkpoint", self.t + blocked))
 
     def fault(self, f: Fault) -> None:
+        if f.node is None and self.waiting:  # the job's own interruption: nothing runs
+            return
         node = f.node if f.node is not None else min(self.used & self.alive, default=None)
         if node not in self.alive:
             return
@@ -193,11 +196,17 @@ class _Run:
             return  # a spare or idle node, or nothing running: nothing stops
         self.hits += 1
         self.timeline.append((self.t, 0))
-        if f.kind == "notice":  # a checkpoint at the step boundary first: nothing is lost
-            self.steps = float(math.ceil(self.steps - 1e-9))
-            self.pending, self.durable = [], int(self.steps)
-            self.busy = [("checkpoint", self.t + self.mesh.save_write_s)]
-            self._recover(after=self.busy[0][1])
+        if f.kind == "notice" and self.strategy != "restart":  # the step in flight, then a
+            # checkpoint: nothing is lost (restart-from-checkpoint takes it as a crash)
+            frac = math.ceil(self.steps - 1e-9) - self.steps
+            useful = frac * min(self.full.step_s, self.mesh.step_s)
+            end = self.t + frac * self.mesh.step_s
+            self.steps += frac
+            self.busy = [("useful", self.t + useful), ("degraded", end),
+                         ("checkpoint", end + self.mesh.save_write_s)]
+            self.pending = [p for p in self.pending if p[1] <= self.t]
+            self.pending.append((int(round(self.steps)), self.busy[-1][1]))
+            self._recover(after=self.busy[-1][1])
             return
         self._rollback()
         timeout = self.hang_s if self.hang_s is not None and self.strategy != "restart" \
@@ -233,7 +242,7 @@ class _Run:
         else:
             new = self.plan(min(len(self.alive), self.full.nodes))
         if new is None:
-            self.waiting, self.busy = True, [b for b in self.busy if b[0] == "detection"]
+            self.waiting, self.busy = True, [b for b in self.busy if b[0] in KEPT]
             return
         self._next = new
         fits = new.nodes <= len(survivors)  # warm; cold where the survivors cannot hold it
@@ -243,7 +252,7 @@ class _Run:
             reform = new.warm_reform_s if self.strategy == "trainmesh warm" and fits \
                 else new.cold_reform_s
             cost = self.m.decide_s + reform + new.restore_s + self.m.first_step_s
-        self.busy = [b for b in self.busy if b[0] == "detection"] + [("recovery", after + cost)]
+        self.busy = [b for b in self.busy if b[0] in KEPT] + [("recovery", after + cost)]
 
     def _bigger(self) -> MeshCosts | None:
         """The mesh a re-plan would grow to on the nodes alive now (trainmesh only)."""
