@@ -52,7 +52,7 @@ os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the test harness
 
 ARGS = ["model.preset=tiny", "training.global_batch_size=16", "training.microbatch_size=2",
-        "training.seq_len=32", "optimizer.warmup_steps=1", "runtime.device=auto",
+        "training.seq_len=32", "optimizer.warmup_steps=1", "optimizer.lr=3e-4", "runtime.device=auto",
         "runtime.cpus_per_rank=0.25", "parallelism.pp=2", "parallelism.tp=2", "parallelism.dp=2",
         "schedule.name=1f1b", "checkpoint.every=4", "checkpoint.async_save=true",
         "checkpoint.keep_last=3", "elastic.max_restarts=10000", "elastic.max_world_size=8",
@@ -64,10 +64,12 @@ HOOK = {"node": "wait", "process": "exit", "hang": "hang", "notice": "term"}
 SIM_KIND = {"node": "crash", "process": "process", "hang": "hang", "notice": "notice"}
 NOTICE_S = 20.0  # a notified node is taken away this long after its notice
 # The losses' tolerance against the single process. float32 reductions run in another order on
-# every mesh, and over a hundred steps the tiny model's trajectory amplifies that: measured,
-# an uninterrupted 3D run drifts past 1e-4 relative by step ~45 and reaches ~8e-4 by step 120.
-# A recovery that replayed or skipped a batch moves the loss by percents.
-RTOL = 2e-3
+# every mesh; at the spec's default learning rate (3e-3) the tiny model memorises its corpus and
+# its trajectory amplifies that: two single-process runs that differ only in gradient
+# accumulation order part by 1e-4 relative at step 23 and by 8% over 300 steps (an uninterrupted
+# 3D run, by 12% over 1,000). At 3e-4 they stay within 6e-7 over 300 steps, so the soak trains at
+# 3e-4 and a replayed or skipped batch shows.
+RTOL = 1e-4
 
 
 def _spec(out: Path, steps: int, extra: list[str] = ()):
@@ -232,8 +234,9 @@ def simulated(run: dict, step_s: dict[int, float], calibrated: dict | None, repl
               hang_s: float) -> float:
     """The simulator's goodput for this soak's job and faults: shipped costs and every fault a
     node-level crash or hang (``calibrated`` None), else the soak's own phase medians, its
-    fault kinds and its steps' median time (on 2 cores the steps slow down while processes
-    start beside them: the ready processes refilled after each recovery)."""
+    fault kinds and its steps' mean time: on 2 cores a background checkpoint's write and the
+    ready processes refilled after a recovery slow the steps beside them, which the shipped
+    model does not count (it charges a save only the time it blocks)."""
     from trainmesh.planning.failure_costs import MEASURED, MeshCosts
     from trainmesh.planning.goodput import Cluster, Fault, simulate
 
@@ -249,8 +252,10 @@ def simulated(run: dict, step_s: dict[int, float], calibrated: dict | None, repl
                                 first_step_s=calibrated["first_step_s"])
 
     slow = 1.0
-    if calibrated is not None:  # the soak's own steps, against the uninterrupted ones
-        slow = statistics.median(_metric(s, "step_time_s")) / step_s[8]
+    if calibrated is not None:  # the soak's own steps (every one it ran, checkpoints' and
+        # refills' slow-downs included), against the uninterrupted median
+        ran = s["steps_done"] + sum(r["steps_lost"] for r in s["recoveries"])
+        slow = sum(_metric(s, "step_time_s")) / ran / step_s[8]
 
     def mesh(nodes: int) -> MeshCosts | None:
         if nodes < 1:
