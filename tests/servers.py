@@ -22,7 +22,10 @@ BIN = Path(sys.executable).parent
 MEMORY_ARGS = ["model.preset=tiny", "training.global_batch_size=8", "training.microbatch_size=2",
                "training.seq_len=32", "optimizer.warmup_steps=1", "runtime.device=auto",
                "runtime.cpus_per_rank=0.5", "checkpoint.in_memory.every=1", "elastic.max_restarts=4",
-               "tracking.enabled=false"]
+               "tracking.enabled=false",
+               # their recoveries keep survivors and start no rank: ready processes (tested in
+               # test_fault_matrix.py) would only share the 2 cores with the ranks
+               "elastic.ready_ranks_per_node=0"]
 
 
 @contextlib.contextmanager
