@@ -117,15 +117,13 @@ class WorkerGroup:
         # actor, so also once it has died; a new actor can take a dead one's reservation
         self.slots = [(pg, b) for _, b in ranks]
         self.nodes = [nodes[b] for _, b in ranks]
-        self.pids: list[int | None] = [None] * world  # each rank's process, once it has said
-        self.pid_nodes: list[str | None] = [None] * world
+        self.procs: list[tuple[str, int] | None] = [None] * world  # (node, pid), once it has said
 
     def infos(self, timeout_s: float) -> list[dict]:
         """Per rank: node id, pid, ip (``RankWorker.node_info``); the pids are kept, so that a
         rank can be killed later even when it can no longer answer."""
         infos = self.call("node_info", timeout_s=timeout_s)
-        self.pids = [i["pid"] for i in infos]
-        self.pid_nodes = [i["node_id"] for i in infos]  # where each said it runs
+        self.procs = [(i["node_id"], i["pid"]) for i in infos]
         return infos
 
     def _place(self, bundles, strategy: str) -> tuple[Any, dict[int, str]]:
@@ -178,9 +176,8 @@ class WorkerGroup:
         in a reservation of this group's that no actor holds any more (not on a node in
         ``avoid``), else in a new placement group holding just the bundles such ranks need.
         Other old actors are ended."""
-        old, old_slots, old_nodes, old_pids = self.workers, self.slots, self.nodes, self.pids
-        old_pid_nodes = self.pid_nodes
-        old_seats = self.seats
+        old, old_slots, old_nodes, old_seats = self.workers, self.slots, self.nodes, self.seats
+        old_procs = self.procs
         self.end([i for i in range(len(old)) if i not in assignment or i in refill])
         world = len(assignment)
         self.placement = placement
@@ -212,9 +209,7 @@ class WorkerGroup:
                 new[r] = (actor, (pg, b), nodes[b], seat)
         self.workers, self.slots, self.nodes, self.seats = (
             list(x) for x in zip(*(new[r] for r in range(world)), strict=True))
-        self.pids = [old_pids[o] if o is not None and o not in refill else None for o in assignment]
-        self.pid_nodes = [old_pid_nodes[o] if o is not None and o not in refill else None
-                          for o in assignment]
+        self.procs = [old_procs[o] if o is not None and o not in refill else None for o in assignment]
         ray.get([old[o].reset.remote(r, world) for r, o in enumerate(assignment)
                  if o is not None and o not in refill], timeout=timeout_s)
         self._release_unused_groups()
@@ -360,9 +355,8 @@ class WorkerGroup:
         ranks = list(ranks)
         if frozen:
             by_node: dict[str, list[int]] = {}
-            for r in ranks:
-                if self.pids[r] is not None:
-                    by_node.setdefault(self.pid_nodes[r], []).append(self.pids[r])
+            for node, pid in filter(None, (self.procs[r] for r in ranks)):
+                by_node.setdefault(node, []).append(pid)
             kill_processes(by_node)
         for r in ranks:
             ray.kill(self.workers[r])
