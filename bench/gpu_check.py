@@ -71,13 +71,24 @@ def gpu_tests() -> list[str]:
 
 
 def kernel_bench() -> list[str]:
-    rc, out, dt = _run([sys.executable, "bench/kernels.py", "--steps", "5"], 330,
+    rc, out, dt = _run([sys.executable, "bench/kernels.py", "--steps", "3"], 400,
                        {"TRITON_INTERPRET": "0"})
-    tables = [ln for ln in out.splitlines() if ln.startswith("|") or not ln.strip()]
+    tables = [ln for ln in out.splitlines()
+              if ln.startswith(("|", "    '", "device-to-device", "model.")) or not ln.strip()]
     if rc != 0:
         return [f"bench/kernels.py failed (exit {rc}, {dt:.0f} s):", "", "```",
                 *out.strip().splitlines()[-30:], "```"]
     return [f"bench/kernels.py ({dt:.0f} s):", "", *tables]
+
+
+def lce_sweep() -> list[str]:
+    rc, out, dt = _run([sys.executable, "bench/kernels.py", "--lce-sweep"], 240,
+                       {"TRITON_INTERPRET": "0"})
+    tables = [ln for ln in out.splitlines() if ln.startswith(("|", "defaults")) or not ln.strip()]
+    if rc != 0:
+        return [f"bench/kernels.py --lce-sweep failed (exit {rc}, {dt:.0f} s):", "", "```",
+                *out.strip().splitlines()[-30:], "```"]
+    return [f"bench/kernels.py --lce-sweep ({dt:.0f} s):", "", *tables]
 
 
 def memory_check() -> list[str]:
@@ -248,8 +259,8 @@ def attention_lse() -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--append", metavar="FILE", help="append the section to FILE (RESULTS.md)")
-    ap.add_argument("--parts", default="tests,kernels,memory,moe,attention",
-                    help="comma-separated subset of tests, kernels, memory, moe, attention")
+    ap.add_argument("--parts", default="tests,lce,kernels,attention,moe,memory",
+                    help="comma-separated subset of tests, lce, kernels, attention, moe, memory")
     args = ap.parse_args()
     import torch
 
@@ -258,7 +269,18 @@ def main() -> None:
     t0 = time.perf_counter()
     today = datetime.date.today().isoformat()
     out = [f"## GPU check kit, {today}", "", *environment(), ""]
+    sink = open(args.append, "a") if args.append else None  # noqa: SIM115 - written part by part
+
+    def flush(lines: list[str]) -> None:  # each part lands as it ends: a cut-off run keeps them
+        print("\n".join(lines), flush=True)
+        if sink:
+            sink.write("\n".join(lines) + "\n")
+            sink.flush()
+
+    flush(["", *out])
+    out = []
     parts = {"tests": ("GPU tests", gpu_tests),
+             "lce": ("Fused linear + cross-entropy: shapes, dtypes, tunings", lce_sweep),
              "kernels": ("Kernels and the 1b step", kernel_bench),
              "memory": ("1b memory: planned vs measured (one rank, bf16, seq 2048, microbatch 2 × 4)",
                         memory_check),
@@ -272,12 +294,11 @@ def main() -> None:
         except Exception as err:  # noqa: BLE001 - a failed part is reported, the rest still run
             out += [f"failed: {type(err).__name__}: {err}"]
         out.append("")
-    out.append(f"(kit wall time {time.perf_counter() - t0:.0f} s)")
-    text = "\n".join(out) + "\n"
-    print(text)
-    if args.append:
-        with open(args.append, "a") as f:
-            f.write("\n" + text)
+        flush(out)
+        out = []
+    flush([f"(kit wall time {time.perf_counter() - t0:.0f} s)"])
+    if sink:
+        sink.close()
 
 
 if __name__ == "__main__":

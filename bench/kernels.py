@@ -144,7 +144,10 @@ def kernel_table(device: str, smoke: bool, dtype_name: str) -> list[dict]:
     return rows
 
 
-def step_table(device: str, smoke: bool, steps: int) -> list[dict]:
+LARGER = ["model.preset=8b", "model.n_layers=8"]  # Llama 3 8B's layers, 8 of them: ~2.8B params
+
+
+def step_table(device: str, smoke: bool, steps: int, larger: bool = False) -> list[dict]:
     import torch
     import torch.distributed as dist
 
@@ -155,11 +158,14 @@ def step_table(device: str, smoke: bool, steps: int) -> list[dict]:
     from trainmesh.parallel.mesh import Mesh
     from trainmesh.planning.devices import device_spec
 
-    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", store=store, rank=0, world_size=1)
+    if not dist.is_initialized():
+        store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", store=store, rank=0,
+                                world_size=1)
     mesh = Mesh.build(ParallelDims(), device, 0)
     shape = (["model.preset=tiny", "training.seq_len=32", "training.dtype=float32"] if smoke else
-             ["model.preset=1b", "training.seq_len=2048", "training.dtype=bfloat16"])
+             [*(LARGER if larger else ["model.preset=1b"]), "training.seq_len=2048",
+              "training.dtype=bfloat16"])
     peak = device_spec("h100" if device == "cuda" else "cpu").peak_tflops
     if device == "cuda":
         name = torch.cuda.get_device_name().lower()
@@ -171,6 +177,9 @@ def step_table(device: str, smoke: bool, steps: int) -> list[dict]:
                     ("torch", True, "none"), ("auto", True, "none")]
         if device == "cuda":  # float8 (torchao) is only emulated off CUDA: nothing to time
             variants += [("auto", True, "tensorwise"), ("auto", True, "rowwise")]
+        if larger:
+            variants = [("torch", False, "none"), ("auto", False, "none"), ("auto", True, "none"),
+                        ("auto", True, "tensorwise")]
         for kernels, compiled, float8 in variants:
             spec = load_spec(None, [*shape, "training.global_batch_size=8", "training.microbatch_size=2",
                                     f"training.steps={steps + 1}", "optimizer.warmup_steps=1",
@@ -178,7 +187,7 @@ def step_table(device: str, smoke: bool, steps: int) -> list[dict]:
                                     f"training.float8={float8}",
                                     "tracking.enabled=false", f"runtime.device={device}"])
             engine = Engine(spec, mesh, data_dir, torch.device(device))
-            engine.train_step()  # warm-up (compiles the blocks with model.compile)
+            first = engine.train_step()  # warm-up (compiles the blocks with model.compile)
             if device == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
@@ -196,12 +205,69 @@ def step_table(device: str, smoke: bool, steps: int) -> list[dict]:
                          "tokens_s": tokens_s,
                          "tflops": flops / 1e12, "mfu": flops / (peak * 1e12),
                          "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
-                         "loss": stats.loss})
+                         "first_loss": first.loss, "loss": stats.loss})
             del engine
             if device == "cuda":
                 torch.cuda.empty_cache()
-    dist.destroy_process_group()
     return rows
+
+
+def lce_sweep(device: str, smoke: bool) -> list[str]:
+    """The fused linear + cross-entropy against eager and torch.compile at several shapes and
+    both dtypes, over its tunings (rows per chunk as a multiple of h's size; the weight's
+    gradient summed in its dtype or in float32): time, peak memory added, and the largest
+    error of the loss and both gradients against the float32 math."""
+    import torch
+
+    from trainmesh.kernels import reference as ref
+    from trainmesh.kernels.linear_cross_entropy import ACCUMULATE, CHUNK_FACTOR, linear_cross_entropy
+
+    timer = _timer(device, reps=2 if smoke else 10)
+    shapes = ([(64, 32, 1000, "float32", True)] if smoke else
+              [(8192, 4096, 128_256, "bfloat16", True), (8192, 4096, 128_256, "float32", False),
+               (4096, 2048, 128_256, "bfloat16", False), (16384, 4096, 32_000, "bfloat16", False)])
+    lines = [f"defaults: CHUNK_FACTOR {CHUNK_FACTOR}, ACCUMULATE {ACCUMULATE!r}", "",
+             "| tokens × dim × vocab | dtype | impl | ms | vs eager | peak MiB | vs eager | "
+             "err loss | err dh | err dW |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for tokens, dim, vocab, dtype_name, full in shapes:
+        dtype = getattr(torch, dtype_name)
+        gen = torch.Generator(device=device).manual_seed(0)
+        h = torch.randn(tokens, dim, generator=gen, device=device).to(dtype).requires_grad_()
+        w = (torch.randn(vocab, dim, generator=gen, device=device) * 0.02).to(dtype).requires_grad_()
+        y = torch.randint(0, vocab, (tokens,), generator=gen, device=device)
+        hf, wf = (t.detach().float().requires_grad_() for t in (h, w))
+        want = ref.linear_cross_entropy(hf, wf, y)
+        want.backward()
+        want = [want.detach(), hf.grad, wf.grad]
+        del hf, wf
+        impls = {"eager": lambda a, b, y=y: ref.linear_cross_entropy(a, b, y)}
+        if not smoke and (full or dtype_name == "bfloat16"):
+            impls["torch.compile"] = torch.compile(impls["eager"])
+        tunings = ([(f, a) for f in (1, 4, 8) for a in ("native", "fp32")] if full else
+                   [(CHUNK_FACTOR, ACCUMULATE)])
+        for f, a in tunings:
+            impls[f"triton ×{f} {a}"] = (lambda a_, b_, f=f, a=a, y=y:
+                                        linear_cross_entropy(a_, b_, y, factor=f, accumulate=a))
+        base_ms = base_peak = None
+        for name, fn in impls.items():
+            run = _fwd_bwd(fn, [h, w], None)
+            run()
+            got = [fn(h, w).detach(), h.grad.float(), w.grad.float()]
+            errs = [float((g - r).abs().max() / r.abs().max()) for g, r in zip(got, want, strict=True)]
+            del got
+            ms = timer(run) * 1e3
+            peak = _peak_bytes(run, device)
+            peak = peak / 2**20 if peak is not None else None
+            base_ms = base_ms or ms
+            base_peak = base_peak or peak
+            lines.append(f"| {tokens} × {dim} × {vocab} | {dtype_name} | {name} | {ms:.2f} | "
+                         f"{base_ms / ms:.2f}× | {_fmt(peak, '.0f')} | "
+                         f"{_fmt(peak / base_peak if peak and base_peak else None, '.2f')} | "
+                         + " | ".join(f"{e:.1e}" for e in errs) + " |")
+        del h, w, want, impls
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return lines
 
 
 def _fmt(v, spec: str) -> str:
@@ -233,6 +299,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, interpreted")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--lce-sweep", action="store_true",
+                    help="only the fused linear + cross-entropy sweep (shapes, dtypes, tunings)")
     args = ap.parse_args()
     import torch
 
@@ -244,6 +312,9 @@ def main() -> None:
         raise SystemExit("bench/kernels.py needs a CUDA GPU (or --smoke with TRITON_INTERPRET=1)")
     else:
         device = "cuda"
+    if args.lce_sweep:
+        print("\n".join(lce_sweep(device, args.smoke)))
+        return
     rows = kernel_table(device, args.smoke, "float32" if args.smoke else args.dtype)
     print("| kernel | impl | ms | GB/s | of copy | speed-up vs eager | peak MiB |")
     print("|---|---|---:|---:|---:|---:|---:|")
@@ -251,13 +322,20 @@ def main() -> None:
         print(f"| {r['kernel']} | {r['impl']} | {r['ms']:.3f} | {_fmt(r['gb_s'], '.0f')} | "
               f"{_fmt(r['of_copy'], '.2f')} | {r['vs_eager']:.2f} | {_fmt(r['peak_mib'], '.0f')} |")
     print(measured_entry(rows, device))
-    steps = step_table(device, args.smoke, 2 if args.smoke else args.steps)
-    print("\n| model.kernels | step s | tokens/s | TFLOP/s | MFU | peak GiB | loss |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    base = steps[0]["step_s"]
-    for r in steps:
-        print(f"| {r['kernels']} | {r['step_s']:.3f} ({base / r['step_s']:.2f}×) | {r['tokens_s']:.0f} | "
-              f"{r['tflops']:.1f} | {r['mfu']:.1%} | {_fmt(r['peak_gib'], '.1f')} | {r['loss']:.4f} |")
+    for larger in (False, True) if not args.smoke else (False,):
+        steps = step_table(device, args.smoke, 2 if args.smoke else args.steps, larger)
+        print(f"\n{' '.join(LARGER) if larger else shape[0]}, seq 2048, global batch 8, "
+              "microbatch 2:\n")
+        print("| model.kernels | step s | tokens/s | TFLOP/s | MFU | peak GiB | first loss | loss |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        base = steps[0]["step_s"]
+        for r in steps:
+            print(f"| {r['kernels']} | {r['step_s']:.3f} ({base / r['step_s']:.2f}×) | "
+                  f"{r['tokens_s']:.0f} | {r['tflops']:.1f} | {r['mfu']:.1%} | "
+                  f"{_fmt(r['peak_gib'], '.1f')} | {r['first_loss']:.4f} | {r['loss']:.4f} |")
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -62,11 +62,15 @@ def rope_case(b, t, h, d, dtype=torch.float32, device="cpu", theta=10000.0, scal
     check(lambda a: k.rope(a, cos, sin), lambda a: ref.rope(a, cos, sin), x, dtype=dtype)
 
 
-def linear_cross_entropy_case(rows_shape, dim, vocab, dtype=torch.float32, device="cpu"):
+def linear_cross_entropy_case(rows_shape, dim, vocab, dtype=torch.float32, device="cpu", **tuning):
+    from trainmesh.kernels.linear_cross_entropy import linear_cross_entropy
+
     k = kernel_set("triton")
     h = rand(*rows_shape, dim, dtype=dtype, device=device)
     w = rand(vocab, dim, dtype=dtype, device=device, seed=4) * 0.5
     y = torch.randint(0, vocab, rows_shape, generator=torch.Generator().manual_seed(5)).to(device)
-    check(lambda a, b: k.linear_cross_entropy(a, b, y),
+    fused = (lambda a, b: linear_cross_entropy(a, b, y, **tuning)) if tuning else (
+        lambda a, b: k.linear_cross_entropy(a, b, y))
+    check(fused,
           lambda a, b: ref.linear_cross_entropy(a.flatten(0, -2), b, y.flatten()), h, w, dtype=dtype,
           out_dtype=torch.float32)  # the loss is float32 whatever the inputs

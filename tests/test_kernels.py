@@ -46,16 +46,26 @@ def test_rope_with_llama3_scaled_tables():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("rows", "dim", "vocab"), [((1,), 8, 5), ((2, 7), 16, 50), ((3, 11), 24, 1500),
-                                                    ((40,), 8, 264)])
+                                                    ((40,), 8, 264), ((3,), 8, 33_000)])
 def test_linear_cross_entropy(rows, dim, vocab, dtype):
-    # (3, 11) × 1500 crosses a 1024-wide vocabulary block; (40,) × 264 with dim 8 takes
-    # several row chunks (the logits of one chunk are about the size of h).
+    # (3,) × 33,000 crosses a 32,768-wide vocabulary block; (40,) × 264 with dim 8 takes
+    # several row chunks (the logits of one chunk are CHUNK_FACTOR times the size of h).
     linear_cross_entropy_case(rows, dim, vocab, dtype)
 
 
+@pytest.mark.parametrize(("factor", "accumulate"), [(1, "native"), (1, "fp32"), (8, "fp32")])
+def test_linear_cross_entropy_chunking_and_accumulation(factor, accumulate):
+    # The kit's sweep settings: one row per chunk up to the whole batch, the weight's gradient
+    # summed over chunks in bf16 or float32.
+    linear_cross_entropy_case((40,), 8, 264, torch.bfloat16, factor=factor, accumulate=accumulate)
+
+
 def test_linear_cross_entropy_chunks_rows_so_logits_stay_small():
-    assert chunk_rows(40, 264, 8) == 2  # 33 chunks: 2 × 264 logits ≈ 40 × 8 inputs
-    assert chunk_rows(8192, 128_256, 4096) == 256
+    assert chunk_rows(40, 264, 8, factor=1) == 2  # 2 × 264 logits ≈ 40 × 8 inputs
+    assert chunk_rows(40, 264, 8, factor=4) == 5  # 5 × 264 ≈ 4 × 40 × 8
+    assert chunk_rows(3, 264, 8, factor=4) == 1 and chunk_rows(40, 16, 64) == 40
+    assert chunk_rows(8192, 128_256, 4096, factor=1) == 256
+    assert chunk_rows(8192, 128_256, 4096, factor=4) == 1024
     assert chunk_rows(3, 5, 64) == 3  # vocabulary smaller than dim: one chunk
 
 

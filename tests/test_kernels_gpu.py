@@ -45,3 +45,11 @@ def test_rope(b, t, h, d, dtype):
 @pytest.mark.parametrize(("rows", "dim", "vocab"), [((2, 2048), 4096, 128_256), ((1000,), 2048, 32_003)])
 def test_linear_cross_entropy(rows, dim, vocab, dtype):
     linear_cross_entropy_case(rows, dim, vocab, dtype, "cuda")
+
+
+@pytest.mark.parametrize(("factor", "accumulate"), [(1, "native"), (8, "fp32")])
+def test_linear_cross_entropy_tunings(factor, accumulate):
+    # The kit's sweep settings; "fp32" in bf16 accumulates through cuBLAS's float32 output,
+    # a path only CUDA has.
+    linear_cross_entropy_case((4, 1024), 4096, 128_256, torch.bfloat16, "cuda", factor=factor,
+                              accumulate=accumulate)

@@ -1,7 +1,7 @@
 """Fused output projection + cross-entropy in Triton: the (tokens × vocab) logits never exist.
 
-Rows (tokens) are taken in chunks of about the hidden size's worth of logits; for a chunk of
-n rows and the local vocabulary V (a shard under tensor parallel, starting at v0):
+Rows (tokens) are taken in chunks whose logits are CHUNK_FACTOR times the size of h; for a
+chunk of n rows and the local vocabulary V (a shard under tensor parallel, starting at v0):
     z      = h Wᵀ                                   (n, V), the only logits alive at a time
     m, s   = max_v z, Σ_v exp(z − m)               one pass over V in blocks (online softmax)
     t      = z[target − v0] if the target is local, else 0
@@ -9,10 +9,11 @@ n rows and the local vocabulary V (a shard under tensor parallel, starting at v0
     lse    = M + log S,     loss += Σ_rows (lse − T)
     dz     = (exp(z − lse) − onehot(target)) / N     written over z, in place
     dh     = dz W          (partial over the tp group: each rank holds its vocabulary's part)
-    dW    += dzᵀ h
-Gradients are computed in the forward, while the chunk's logits exist, and scaled by the
-incoming gradient in backward (Liger-Kernel's fused linear cross-entropy does the same). The
-loss is the mean over all N rows, in float32.
+    dW    += dzᵀ h     (in W's dtype, or float32 with ACCUMULATE = "fp32")
+One program per row streams the row in blocks of up to MAX_BLOCK_V logits: without tensor
+parallel the loss and dz come from one launch per chunk. Gradients are computed in the
+forward, while the chunk's logits exist, and scaled by the incoming gradient in backward
+(the design Liger-Kernel published). The loss is the mean over all N rows, in float32.
 """
 
 from __future__ import annotations
@@ -25,24 +26,58 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from trainmesh.kernels.launch import plain
 
-BLOCK_V = 1024
+MAX_BLOCK_V = 32768  # a row's logits are read in blocks of up to this many (32 warps on a GPU)
+# Rows per chunk: a chunk's logits are CHUNK_FACTOR times the size of the whole input h, and
+# the weight's gradient accumulates in the weight's dtype (as Liger-Kernel does) or float32.
+# Chosen by the GPU check kit's sweep (bench/kernels.py --lce-sweep); see bench/RESULTS.md.
+CHUNK_FACTOR = 4
+ACCUMULATE = "native"
 
 
 @triton.jit
-def _ce_stats(Z, TARGETS, M, S, TGT, stride, V, v0, BLOCK_V: tl.constexpr):
-    row = tl.program_id(0)
-    target = tl.load(TARGETS + row) - v0
+def _row_stats(base, target, V, BLOCK_V: tl.constexpr):
+    """Online softmax over one row of logits: its max m, Σ exp(z − m) and its target's logit."""
     m = tl.full((), float("-inf"), tl.float32)
     s = tl.zeros((), tl.float32)
     t = tl.zeros((), tl.float32)
     for off in range(0, V, BLOCK_V):
         cols = off + tl.arange(0, BLOCK_V)
-        mask = cols < V
-        z = tl.load(Z + row * stride + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        z = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
         m_new = tl.maximum(m, tl.max(z, axis=0))
         s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
         m = m_new
         t += tl.sum(tl.where(cols == target, z, 0.0), axis=0)
+    return m, s, t
+
+
+@triton.jit
+def _row_grad(base, target, lse, V, scale, BLOCK_V: tl.constexpr):
+    """(softmax − onehot(target)) × scale written over the row's logits."""
+    for off in range(0, V, BLOCK_V):
+        cols = off + tl.arange(0, BLOCK_V)
+        mask = cols < V
+        z = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+        g = (tl.exp(z - lse) - tl.where(cols == target, 1.0, 0.0)) * scale
+        tl.store(base + cols, g.to(base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _ce_fused(Z, TARGETS, LOSS, stride, V, scale, BLOCK_V: tl.constexpr):
+    """One program per row, whole vocabulary local: loss and gradient in one launch (the
+    row's second read mostly comes from L2)."""
+    row = tl.program_id(0).to(tl.int64)
+    target = tl.load(TARGETS + row)
+    base = Z + row * stride
+    m, s, t = _row_stats(base, target, V, BLOCK_V)
+    lse = m + tl.log(s)
+    tl.store(LOSS + row, lse - t)
+    _row_grad(base, target, lse, V, scale, BLOCK_V)
+
+
+@triton.jit
+def _ce_stats(Z, TARGETS, M, S, TGT, stride, V, v0, BLOCK_V: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    m, s, t = _row_stats(Z + row * stride, tl.load(TARGETS + row) - v0, V, BLOCK_V)
     tl.store(M + row, m)
     tl.store(S + row, s)
     tl.store(TGT + row, t)
@@ -50,72 +85,89 @@ def _ce_stats(Z, TARGETS, M, S, TGT, stride, V, v0, BLOCK_V: tl.constexpr):
 
 @triton.jit
 def _ce_grad(Z, TARGETS, LSE, stride, V, v0, scale, BLOCK_V: tl.constexpr):
-    row = tl.program_id(0)
-    target = tl.load(TARGETS + row) - v0
-    lse = tl.load(LSE + row)
-    for off in range(0, V, BLOCK_V):
-        cols = off + tl.arange(0, BLOCK_V)
-        mask = cols < V
-        z = tl.load(Z + row * stride + cols, mask=mask, other=0.0).to(tl.float32)
-        g = (tl.exp(z - lse) - tl.where(cols == target, 1.0, 0.0)) * scale
-        tl.store(Z + row * stride + cols, g.to(Z.dtype.element_ty), mask=mask)
+    row = tl.program_id(0).to(tl.int64)
+    _row_grad(Z + row * stride, tl.load(TARGETS + row) - v0, tl.load(LSE + row), V, scale,
+              BLOCK_V)
 
 
-def chunk_rows(n_rows: int, vocab: int, dim: int) -> int:
-    """Rows per chunk so that a chunk's logits are about the size of the whole input h."""
-    return max(1, triton.cdiv(n_rows, triton.cdiv(vocab, dim)))
+def chunk_rows(n_rows: int, vocab: int, dim: int, factor: int = CHUNK_FACTOR) -> int:
+    """Rows per chunk so that a chunk's logits are about ``factor`` times the whole input h."""
+    return max(1, min(n_rows, triton.cdiv(n_rows * factor, triton.cdiv(vocab, dim))))
+
+
+def _launch(vocab: int) -> dict:
+    """Block size and warps for a per-row pass over ``vocab`` logits: wide blocks and many
+    warps, so that one program per row streams its row at memory speed."""
+    block = min(MAX_BLOCK_V, triton.next_power_of_2(vocab))
+    return {"BLOCK_V": block, "num_warps": max(4, min(32, block // 1024))}
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_ND: torch.Tensor, w_VD: torch.Tensor, targets_N: torch.Tensor, v0: int,
-                group: dist.ProcessGroup | None) -> torch.Tensor:
+                group: dist.ProcessGroup | None, factor: int, accumulate: str) -> torch.Tensor:
         n_rows, dim = h_ND.shape
         vocab = w_VD.shape[0]
         h, w, targets = (plain(t).contiguous() for t in (h_ND, w_VD, targets_N))
         grad_h = torch.empty_like(h)
-        grad_w = torch.zeros(vocab, dim, dtype=torch.float32, device=h.device)
-        loss = torch.zeros((), dtype=torch.float32, device=h.device)
-        block = min(BLOCK_V, triton.next_power_of_2(vocab))
-        step = chunk_rows(n_rows, vocab, dim)
+        fp32 = accumulate == "fp32" and w.dtype != torch.float32
+        grad_w = torch.zeros(vocab, dim, dtype=torch.float32 if fp32 else w.dtype, device=h.device)
+        losses = torch.empty(n_rows, dtype=torch.float32, device=h.device)
+        launch = _launch(vocab)
+        step = chunk_rows(n_rows, vocab, dim, factor)
+        z_buf = torch.empty(min(step, n_rows), vocab, dtype=h.dtype, device=h.device)
         for start in range(0, n_rows, step):
             hc, tc = h[start:start + step], targets[start:start + step]
             n = hc.shape[0]
-            z = hc @ w.T  # (n, V) logits of this chunk only
-            m, s, t = (torch.empty(n, dtype=torch.float32, device=h.device) for _ in range(3))
-            _ce_stats[(n,)](z, tc, m, s, t, z.stride(0), vocab, v0, BLOCK_V=block)
-            if group is not None:
+            z = torch.mm(hc, w.T, out=z_buf[:n])  # (n, V) logits of this chunk only
+            if group is None:
+                _ce_fused[(n,)](z, tc, losses[start:start + n], z.stride(0), vocab, 1.0 / n_rows,
+                                **launch)
+            else:
+                m, s, t = (torch.empty(n, dtype=torch.float32, device=h.device) for _ in range(3))
+                _ce_stats[(n,)](z, tc, m, s, t, z.stride(0), vocab, v0, **launch)
                 m_all = m.clone()
                 dist.all_reduce(m_all, dist.ReduceOp.MAX, group=group)
                 s = s * torch.exp(m - m_all)
                 dist.all_reduce(s, group=group)
                 dist.all_reduce(t, group=group)
-                m = m_all
-            lse = m + torch.log(s)
-            loss += (lse - t).sum()
-            _ce_grad[(n,)](z, tc, lse, z.stride(0), vocab, v0, 1.0 / n_rows, BLOCK_V=block)
-            grad_h[start:start + n] = z @ w
-            grad_w += (z.T @ hc).float()
-        ctx.save_for_backward(grad_h, grad_w.to(w.dtype))
-        return loss / n_rows
+                lse = m_all + torch.log(s)
+                losses[start:start + n] = lse - t
+                _ce_grad[(n,)](z, tc, lse, z.stride(0), vocab, v0, 1.0 / n_rows, **launch)
+            torch.mm(z, w, out=grad_h[start:start + n])
+            if not fp32:
+                grad_w.addmm_(z.T, hc)
+            elif h.is_cuda:  # cuBLAS accumulates bf16 products into the float32 buffer
+                torch.addmm(grad_w, z.T, hc, out_dtype=torch.float32, out=grad_w)
+            else:
+                grad_w += (z.T @ hc).float()
+        ctx.save_for_backward(grad_h, grad_w if not fp32 else grad_w.to(w.dtype))
+        return losses.sum() / n_rows
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
+        # Scaled in place: the saved gradients are used once (no retain_graph through the loss).
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad_loss.to(grad_h.dtype), grad_w * grad_loss.to(grad_w.dtype), None, None, None
+        return (grad_h.mul_(grad_loss.to(grad_h.dtype)), grad_w.mul_(grad_loss.to(grad_w.dtype)),
+                None, None, None, None, None)
 
 
-def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                         factor: int | None = None, accumulate: str | None = None) -> torch.Tensor:
     """Mean cross-entropy of ``h @ weight.T`` against ``targets`` (any leading shape).
 
     ``weight`` may be a DTensor sharded on the vocabulary (``Shard(0)`` over the "tp" mesh, as
     the vocab-parallel output projection leaves it): each rank then works on its vocabulary
     slice and the log-sum-exp is combined across the group. ``h`` may be a plain tensor
-    (replicated) or a DTensor (sequence-parallel, gathered here)."""
+    (replicated) or a DTensor (sequence-parallel, gathered here). ``factor`` and ``accumulate``
+    override CHUNK_FACTOR and ACCUMULATE (the kit's sweep)."""
+    factor = CHUNK_FACTOR if factor is None else factor
+    accumulate = ACCUMULATE if accumulate is None else accumulate
     if not isinstance(weight, DTensor):
         if isinstance(h, DTensor):
             raise ValueError("linear_cross_entropy: h is a DTensor but the head weight is not")
-        return LinearCrossEntropyFunction.apply(h.flatten(0, -2), weight, targets.flatten(), 0, None)
+        return LinearCrossEntropyFunction.apply(h.flatten(0, -2), weight, targets.flatten(), 0, None,
+                                                factor, accumulate)
     mesh = weight.device_mesh
     if mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
         raise ValueError("linear_cross_entropy: the head weight must be sharded on the vocabulary "
@@ -127,4 +179,4 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.T
     h_local = h.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
     v0 = mesh.get_local_rank() * w_local.shape[0]
     return LinearCrossEntropyFunction.apply(h_local.flatten(0, -2), w_local, targets.flatten(), v0,
-                                            mesh.get_group())
+                                            mesh.get_group(), factor, accumulate)
