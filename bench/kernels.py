@@ -23,6 +23,7 @@ numbers mean nothing, it only proves the script runs.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import tempfile
@@ -206,7 +207,8 @@ def step_table(device: str, smoke: bool, steps: int, larger: bool = False) -> li
                          "tflops": flops / 1e12, "mfu": flops / (peak * 1e12),
                          "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
                          "first_loss": first.loss, "loss": stats.loss})
-            del engine
+            del engine, stats, first
+            gc.collect()  # the engine holds reference cycles: free it before the next one
             if device == "cuda":
                 torch.cuda.empty_cache()
     return rows
@@ -324,8 +326,8 @@ def main() -> None:
     print(measured_entry(rows, device))
     for larger in (False, True) if not args.smoke else (False,):
         steps = step_table(device, args.smoke, 2 if args.smoke else args.steps, larger)
-        print(f"\n{' '.join(LARGER) if larger else shape[0]}, seq 2048, global batch 8, "
-              "microbatch 2:\n")
+        name = " ".join(LARGER) if larger else "model.preset=" + ("tiny" if args.smoke else "1b")
+        print(f"\n{name}, seq 2048, global batch 8, microbatch 2:\n")
         print("| model.kernels | step s | tokens/s | TFLOP/s | MFU | peak GiB | first loss | loss |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|")
         base = steps[0]["step_s"]

@@ -30,7 +30,7 @@ MAX_BLOCK_V = 32768  # a row's logits are read in blocks of up to this many (32 
 # Rows per chunk: a chunk's logits are CHUNK_FACTOR times the size of the whole input h, and
 # the weight's gradient accumulates in the weight's dtype (as Liger-Kernel does) or float32.
 # Chosen by the GPU check kit's sweep (bench/kernels.py --lce-sweep); see bench/RESULTS.md.
-CHUNK_FACTOR = 4
+CHUNK_FACTOR = 8
 ACCUMULATE = "native"
 
 

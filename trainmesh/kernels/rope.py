@@ -23,23 +23,27 @@ def _rope(X, COS, SIN, Y, T, H, HALF, stride_row, SIGN: tl.constexpr, BLOCK_H: t
           BLOCK_P: tl.constexpr):
     row = tl.program_id(0)  # b * T + t
     t = row % T
+    # The (heads, head dim) tile is read and written whole, contiguous (vector accesses), and
+    # split into its (even, odd) pairs in registers.
     heads = tl.arange(0, BLOCK_H)[:, None]
+    cols = tl.arange(0, 2 * BLOCK_P)[None, :]
+    mask = (heads < H) & (cols < 2 * HALF)
+    offs = row.to(tl.int64) * stride_row + heads * (2 * HALF) + cols
     pairs = tl.arange(0, BLOCK_P)[None, :]
-    mask = (heads < H) & (pairs < HALF)
-    even = row * stride_row + heads * (2 * HALF) + 2 * pairs
     c = tl.load(COS + t * HALF + pairs, mask=pairs < HALF, other=0.0).to(tl.float32)
     s = tl.load(SIN + t * HALF + pairs, mask=pairs < HALF, other=0.0).to(tl.float32) * SIGN
-    x1 = tl.load(X + even, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(X + even + 1, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + even, (x1 * c - x2 * s).to(Y.dtype.element_ty), mask=mask)
-    tl.store(Y + even + 1, (x1 * s + x2 * c).to(Y.dtype.element_ty), mask=mask)
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    x1, x2 = tl.split(tl.reshape(x, (BLOCK_H, BLOCK_P, 2)))
+    y = tl.reshape(tl.join(x1 * c - x2 * s, x1 * s + x2 * c), (BLOCK_H, 2 * BLOCK_P))
+    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
 
 
 def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor,
             sign: float) -> torch.Tensor:
     B, T, H, D = x.shape
-    _rope[(B * T,)](x, cos, sin, out, T, H, D // 2, H * D, SIGN=sign,
-                    BLOCK_H=triton.next_power_of_2(H), BLOCK_P=triton.next_power_of_2(D // 2))
+    block_h, block_p = triton.next_power_of_2(H), triton.next_power_of_2(D // 2)
+    _rope[(B * T,)](x, cos, sin, out, T, H, D // 2, H * D, SIGN=sign, BLOCK_H=block_h,
+                    BLOCK_P=block_p, num_warps=max(1, min(8, block_h * block_p // 256)))
     return out
 
 

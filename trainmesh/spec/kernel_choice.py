@@ -22,6 +22,8 @@ from dataclasses import dataclass
 OPS = ("rms_norm", "swiglu", "rope", "linear_cross_entropy")
 IMPLS = ("triton", "torch")
 MODES = ("auto", "triton", "torch")
+# model.compile compiles the transformer blocks only: the loss after them runs eagerly.
+OUTSIDE_BLOCKS = ("linear_cross_entropy",)
 
 
 @dataclass(frozen=True)
@@ -34,10 +36,14 @@ class Measurement:
     speedup: Mapping[str, float]  # op → eager torch's time / triton's time
     over_compiled: Mapping[str, float]  # op → torch.compile's time / triton's time
 
+    def ratio(self, op: str, compiled: bool = False) -> float:
+        """The torch path's time over triton's for ``op`` (0 when not measured)."""
+        ratios = self.over_compiled if compiled and op not in OUTSIDE_BLOCKS else self.speedup
+        return ratios.get(op, 0.0)
+
     def choice(self, compiled: bool = False) -> dict[str, str]:
         """The faster of triton and the torch path for every op (torch when not faster)."""
-        ratios = self.over_compiled if compiled else self.speedup
-        return {op: "triton" if ratios.get(op, 0.0) > 1.0 else "torch" for op in OPS}
+        return {op: "triton" if self.ratio(op, compiled) > 1.0 else "torch" for op in OPS}
 
 
 MEASURED: dict[str, Measurement] = {
@@ -49,6 +55,14 @@ MEASURED: dict[str, Measurement] = {
                          "linear_cross_entropy": 0.32},
                         {"rms_norm": 2.42, "swiglu": 1.00, "rope": 0.41,
                          "linear_cross_entropy": 0.23}),
+    # bench/RESULTS.md, "GPU check kit, 2026-11-26": same shapes. The fused loss, rewritten
+    # (rows streamed in 32k blocks, chunks of 8× h), runs at 1.29× eager in 0.05× its memory;
+    # against torch.compile the RMSNorm kernel wins, SwiGLU ties, RoPE loses.
+    "h200": Measurement("2026-11-26", "one NVIDIA H200",
+                        {"rms_norm": 7.47, "swiglu": 1.77, "rope": 1.18,
+                         "linear_cross_entropy": 1.29},
+                        {"rms_norm": 2.58, "swiglu": 1.00, "rope": 0.14,
+                         "linear_cross_entropy": 0.96}),
 }
 
 # A CUDA device name (torch.cuda.get_device_name) or the planner's device name → its class: the
