@@ -62,9 +62,11 @@ def environment() -> list[str]:
 
 def gpu_tests() -> list[str]:
     rc, out, dt = _run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-                        "tests/test_kernels_gpu.py"], 240, {"TRITON_INTERPRET": "0"})
+                        "tests/test_kernels_gpu.py", "tests/test_step_gpu.py"], 240,
+                       {"TRITON_INTERPRET": "0"})
     last = [ln for ln in out.strip().splitlines() if ln.strip()][-1:] or ["(no output)"]
-    lines = [f"- `pytest -m gpu tests/test_kernels_gpu.py`: {last[0].strip('= ')} ({dt:.0f} s)"]
+    lines = [f"- `pytest -m gpu tests/test_kernels_gpu.py tests/test_step_gpu.py`: "
+             f"{last[0].strip('= ')} ({dt:.0f} s)"]
     if rc != 0:
         lines += ["", "```", *out.strip().splitlines()[-30:], "```"]
     return lines

@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from trainmesh.checkpoint import dcp_io
 from trainmesh.checkpoint.memory_fs import MemoryStore
 from trainmesh.data.dataset import open_datasets
+from trainmesh.engine.clock import DeviceClock
 from trainmesh.engine.memory import SavedActivations, peak_process_bytes, state_bytes
 from trainmesh.engine.step import (
     StepHooks,
@@ -61,43 +62,46 @@ from trainmesh.spec.mesh_rules import microbatches_per_replica
 
 
 class _StepClock:
-    """Where one rank's step goes, on the host clock (on a GPU, at the step's end the loss's
-    host copy has waited for the device; between phases it has not: the split there is the
-    host's view). ``phase`` passes a step's phases on (progress) and notes when the optimizer
-    starts; ``lap`` closes a span."""
+    """Where one rank's step goes, on the rank's ``DeviceClock``: device time between the
+    host's phase boundaries on CUDA (events, resolved once the step's loss has reached the
+    host), the host clock on CPU. ``phase`` passes a step's phases on (progress) and notes
+    when the optimizer starts; ``lap`` closes a span."""
 
     def __init__(self, device: torch.device, on_phase: Callable[[str], None]):
         self.device, self.on_phase = device, on_phase
-        self.t0 = self.last = time.perf_counter()
-        self.spans: dict[str, float] = {}
-        self._optimizer_at: float | None = None
+        self.clock = DeviceClock(device)
+        self.t0 = self.last = self.clock.origin
+        self.spans: dict[str, list[tuple[object, object]]] = {}
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
 
     def phase(self, name: str) -> None:
         if name == "optimizer":
-            now = time.perf_counter()
-            self.spans["forward_backward"] = now - self.last
-            self._optimizer_at = self.last = now
+            now = self.clock.mark()
+            self.spans["forward_backward"] = [(self.last, now)]
+            self.last = now
         self.on_phase(name)
 
     def lap(self, name: str) -> None:
-        now = time.perf_counter()
-        self.spans[name] = self.spans.get(name, 0.0) + now - self.last
+        now = self.clock.mark()
+        self.spans.setdefault(name, []).append((self.last, now))
         self.last = now
+
+    def seconds(self, name: str) -> float:
+        return sum(self.clock.seconds(a, b) for a, b in self.spans.get(name, ()))
 
     def breakdown(self, ring_s: float, bubble_s: float, forward_s: float) -> dict[str, float]:
         """Seconds: the step; data wait; exposed communication that is measured (context
         parallel's blocked waits, the loss's mean over the replicas); the pipeline's bubble;
         compute, the rest (it includes what ZeRO-3's gathers and reduce-scatters expose inside
-        forward and backward, which the host clock cannot tell from compute); the blocks' own
-        forward compute, which it can (``_ForwardTimer``); the optimizer; peak memory."""
-        total = self.last - self.t0
-        comm = ring_s + self.spans.get("loss", 0.0)
-        out = {"step_s": total, "data_s": self.spans.get("data", 0.0),
-               "comm_s": comm, "bubble_s": bubble_s,
-               "compute_s": max(0.0, total - self.spans.get("data", 0.0) - comm - bubble_s),
-               "forward_s": forward_s, "optimizer_s": self.spans.get("optimizer", 0.0)}
+        forward and backward, which these marks cannot tell from compute); the blocks' own
+        forward compute, which they can (``_ForwardTimer``); the optimizer; peak memory."""
+        total = self.clock.seconds(self.t0, self.last)
+        data = self.seconds("data")
+        comm = ring_s + self.seconds("loss")
+        out = {"step_s": total, "data_s": data, "comm_s": comm, "bubble_s": bubble_s,
+               "compute_s": max(0.0, total - data - comm - bubble_s),
+               "forward_s": forward_s, "optimizer_s": self.seconds("optimizer")}
         if self.device.type == "cuda":
             out["memory_allocated_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
             out["memory_reserved_peak_gib"] = torch.cuda.max_memory_reserved(self.device) / 2**30
@@ -125,27 +129,41 @@ def _with_float8_scales(model, after_update: Callable[[], dict]) -> Callable[[],
 class _ForwardTimer:
     """The seconds ``blocks`` spend in their own forward, hooked after ZeRO-3's hooks so that
     waiting for a block's all-gather is not counted, less the time ``waited()`` says the block
-    spent blocked on context parallel's ring: the compute a slow host shows, where the ranks
+    spent blocked on context parallel's ring: the compute a slow rank shows, where the ranks
     that wait for it show little. Recomputation in backward is not counted (it runs inside the
-    checkpoint, under the hooks' one call). The host's clock: on a GPU, the launches."""
+    checkpoint, under the hooks' one call). Marks on the step's ``DeviceClock``: on a GPU the
+    device's time from a block's first kernel to its last."""
 
     def __init__(self, blocks, waited: Callable[[], float]):
-        self.seconds = 0.0
         self.waited = waited
-        self._start: dict[int, tuple[float, float]] = {}
+        self.clock: DeviceClock | None = None
+        self._start: dict[int, tuple[object, float]] = {}
+        self._spans: list[tuple[object, object, float]] = []
         for block in blocks:
             block.register_forward_pre_hook(self._pre)
             block.register_forward_hook(self._post)
 
+    def start(self, clock: DeviceClock) -> None:
+        """A new step, on ``clock``."""
+        self.clock = clock
+        self._start.clear()
+        self._spans = []
+
+    def seconds(self) -> float:
+        if self.clock is None:
+            return 0.0
+        return sum(self.clock.seconds(a, b) - waited for a, b, waited in self._spans)
+
     @torch.compiler.disable  # a compiled block: the hooks stay outside its graph
     def _pre(self, module, args) -> None:
-        self._start[id(module)] = (time.perf_counter(), self.waited())
+        if self.clock is not None:
+            self._start[id(module)] = (self.clock.mark(), self.waited())
 
     @torch.compiler.disable
     def _post(self, module, args, output) -> None:
         start = self._start.pop(id(module), None)
         if start is not None:
-            self.seconds += time.perf_counter() - start[0] - (self.waited() - start[1])
+            self._spans.append((start[0], self.clock.mark(), self.waited() - start[1]))
 
 
 def build_model(spec: JobSpec, device: torch.device) -> Llama:
@@ -317,7 +335,7 @@ class Engine:
             return stats
         tr = self.spec.training
         clock = _StepClock(self.device, self.on_phase)
-        self.forward_timer.seconds = 0.0
+        self.forward_timer.start(clock.clock)
         mbs = self.dataset.microbatches(tr.seed, self.step, tr.global_batch_size,
                                         self.mesh.coord(Axis.DP), self.mesh.size(Axis.DP),
                                         tr.microbatch_size, self.spans)
@@ -331,8 +349,6 @@ class Engine:
                                self.loss_context, clock.phase, self.hooks, weights)
         else:
             stats = self._pipeline_step(mbs, weights, clock)
-        if self.device.type == "cuda":  # the optimizer's kernels in its span, not the loss's
-            torch.cuda.synchronize(self.device)
         clock.lap("optimizer")
         loss = self._dp_mean(stats.loss)
         clock.lap("loss")
@@ -340,7 +356,7 @@ class Engine:
         ring = self.context.waited_s - ring0 if self.context is not None else 0.0
         return StepStats(loss=loss, grad_norm=stats.grad_norm, lr=stats.lr, tokens=stats.tokens,
                          experts=stats.experts,
-                         breakdown=clock.breakdown(ring, self._bubble_s, self.forward_timer.seconds))
+                         breakdown=clock.breakdown(ring, self._bubble_s, self.forward_timer.seconds()))
 
     def _padded(self, mbs: list) -> tuple[list, list[float]]:
         """This replica's microbatches and their weights, padded to the step's ``n_micro``

@@ -20,7 +20,6 @@ timeline shows when the GPU ran each action, not when it was launched).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from trainmesh.engine.clock import DeviceClock
 from trainmesh.parallel.pipeline.ir import COMPUTE, Action, Op, PipeShape, message, peer_stage
 from trainmesh.parallel.zero import ZeroPolicy
 
@@ -48,32 +48,18 @@ class P2PSpec:
     post: Post = dist.batch_isend_irecv  # how a batch goes out (tests: NCCL's rules on gloo)
 
 
-class _Clock:
-    """Start/end marks of each action: ``perf_counter`` on CPU; on CUDA, events recorded on the
-    current stream and turned into seconds after the step (one synchronisation per step)."""
+class _Clock(DeviceClock):
+    """Start/end marks of each action on the rank's timeline (``DeviceClock``)."""
 
     def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.t0 = time.perf_counter()
-        self.origin = self.mark()
+        super().__init__(device)
         self.spans: list[tuple[str, object, object]] = []
-
-    def mark(self):
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
 
     def span(self, name: str, start) -> None:
         self.spans.append((name, start, self.mark()))
 
     def resolve(self) -> list[tuple[str, float, float]]:
-        if not self.cuda:
-            return list(self.spans)
-        torch.cuda.synchronize()
-        at = lambda ev: self.t0 + self.origin.elapsed_time(ev) / 1e3  # noqa: E731
-        return [(n, at(s), at(e)) for n, s, e in self.spans]
+        return [(n, self.at(s), self.at(e)) for n, s, e in self.spans]
 
 
 def _wait(work, timeout: timedelta | None) -> None:
