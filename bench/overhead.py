@@ -1,5 +1,7 @@
 """Per-step overhead: trainmesh vs a plain PyTorch DDP loop vs Ray Train v2's TorchTrainer, on
-the same model class, shapes, data order and optimizer, in one run (CPU, gloo, 2 ranks).
+the same model class, shapes, data order and optimizer, in one run (CPU, gloo, 2 ranks); and
+the plain loop over FSDP2 configured as trainmesh's ZeRO-3 (the same algorithm: what
+trainmesh itself adds over it).
 
 All three train the ``small`` preset (seq 128, global batch 16, microbatch 4, dp = 2, AdamW);
 the median step time is taken over the steps after the first few (warm-up). trainmesh's step
@@ -34,8 +36,10 @@ def _spec(steps: int, out: Path, extra=()):
     return load_spec(None, [*ARGS, f"training.steps={steps}", f"runtime.output_dir={out}", *extra])
 
 
-def _loop(rank: int, world: int, spec, data_dir: str, report=None) -> list[float]:
-    """The plain data-parallel loop: DDP, gradient accumulation over microbatches."""
+def _loop(rank: int, world: int, spec, data_dir: str, report=None, fsdp: bool = False) -> list[float]:
+    """The plain data-parallel loop: DDP, gradient accumulation over microbatches. ``fsdp``:
+    the same loop over FSDP2 as trainmesh's ZeRO-3 keeps it (a unit per block and the root,
+    gathered all step, gradients reduce-scattered after the last microbatch)."""
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
@@ -47,9 +51,18 @@ def _loop(rank: int, world: int, spec, data_dir: str, report=None) -> list[float
     torch.set_num_threads(1)
     model = Llama(LlamaArgs.from_config(spec.model))
     model.init_weights(spec.training.seed)
-    opt = build_optimizer(model, spec.optimizer)
+    if fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for block in model.layers.values():
+            fully_shard(block, mesh=mesh, reshard_after_forward=False)
+        ddp = fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    else:
+        ddp = DistributedDataParallel(model)
+    opt = build_optimizer(model, spec.optimizer)  # over the sharded parameters under FSDP2
     sched = build_lr_scheduler(opt, spec.optimizer, spec.training.steps)
-    ddp = DistributedDataParallel(model)
     tr = spec.training
     data = TokenDataset(read_tokens(data_dir), tr.seq_len)
     times = []
@@ -58,7 +71,10 @@ def _loop(rank: int, world: int, spec, data_dir: str, report=None) -> list[float
         opt.zero_grad(set_to_none=True)
         mbs = data.microbatches(tr.seed, step, tr.global_batch_size, rank, world, tr.microbatch_size)
         for i, (x, y) in enumerate(mbs):
-            if i < len(mbs) - 1:
+            if fsdp:
+                ddp.set_requires_gradient_sync(i == len(mbs) - 1)
+                (ddp(x, y) / len(mbs)).backward()
+            elif i < len(mbs) - 1:
                 with ddp.no_sync():
                     (ddp(x, y) / len(mbs)).backward()
             else:
@@ -72,7 +88,8 @@ def _loop(rank: int, world: int, spec, data_dir: str, report=None) -> list[float
     return times
 
 
-def _ddp_worker(rank: int, world: int, spec_json: str, data_dir: str, port: int, out: str) -> None:
+def _ddp_worker(rank: int, world: int, spec_json: str, data_dir: str, port: int, out: str,
+                fsdp: bool = False) -> None:
     import json
 
     import torch.distributed as dist
@@ -81,13 +98,13 @@ def _ddp_worker(rank: int, world: int, spec_json: str, data_dir: str, port: int,
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
-    times = _loop(rank, world, JobSpec.model_validate_json(spec_json), data_dir)
+    times = _loop(rank, world, JobSpec.model_validate_json(spec_json), data_dir, fsdp=fsdp)
     if rank == 0:
         Path(out).write_text(json.dumps(times))
     dist.destroy_process_group()
 
 
-def plain_ddp(spec, data_dir: str, tmp: Path) -> list[float]:
+def plain_ddp(spec, data_dir: str, tmp: Path, fsdp: bool = False) -> list[float]:
     import json
     import socket
 
@@ -96,9 +113,10 @@ def plain_ddp(spec, data_dir: str, tmp: Path) -> list[float]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    out = tmp / "ddp.json"
+    out = tmp / ("fsdp.json" if fsdp else "ddp.json")
     os.environ["OMP_NUM_THREADS"] = "1"
-    mp.spawn(_ddp_worker, args=(2, spec.model_dump_json(), data_dir, port, str(out)), nprocs=2)
+    mp.spawn(_ddp_worker, args=(2, spec.model_dump_json(), data_dir, port, str(out), fsdp),
+             nprocs=2)
     return json.loads(out.read_text())
 
 
@@ -160,6 +178,8 @@ def main() -> None:
         spec = _spec(args.steps, tmp / "tm")
         data_dir = str(ensure_tiny_corpus(tmp / "data"))
         rows["plain DDP loop (torch.multiprocessing)"] = plain_ddp(spec, data_dir, tmp)
+        rows["plain FSDP2 loop (ZeRO-3 as trainmesh keeps it)"] = plain_ddp(spec, data_dir, tmp,
+                                                                            fsdp=True)
         ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
                  configure_logging=False)
         try:
@@ -172,11 +192,12 @@ def main() -> None:
     base = statistics.median(rows["plain DDP loop (torch.multiprocessing)"][args.warmup:])
     print(f"\nsmall preset, seq 128, global batch 16, microbatch 4, dp=2, CPU/gloo; median of "
           f"steps {args.warmup + 1}..{args.steps}")
-    print("| system | median step s | vs plain DDP loop |")
-    print("|---|---:|---:|")
+    fsdp = statistics.median(rows["plain FSDP2 loop (ZeRO-3 as trainmesh keeps it)"][args.warmup:])
+    print("| system | median step s | vs plain DDP loop | vs plain FSDP2 loop |")
+    print("|---|---:|---:|---:|")
     for name, times in rows.items():
         med = statistics.median(times[args.warmup:])
-        print(f"| {name} | {med:.3f} | {med / base:.2f}× |")
+        print(f"| {name} | {med:.3f} | {med / base:.2f}× | {med / fsdp:.2f}× |")
 
 
 if __name__ == "__main__":
