@@ -1,7 +1,8 @@
 """Per-step overhead: trainmesh vs a plain PyTorch DDP loop vs Ray Train v2's TorchTrainer, on
 the same model class, shapes, data order and optimizer, in one run (CPU, gloo, 2 ranks); and
-the plain loop over FSDP2 configured as trainmesh's ZeRO-3 (the same algorithm: what
-trainmesh itself adds over it).
+the plain loop over FSDP2 configured as trainmesh's ZeRO-3; trainmesh runs both ways (ZeRO-3,
+the planner's choice, and ``parallelism.dp_replicate=2``, DDP): each against the plain loop
+of the same algorithm is what trainmesh itself adds.
 
 All three train the ``small`` preset (seq 128, global batch 16, microbatch 4, dp = 2, AdamW);
 the median step time is taken over the steps after the first few (warm-up). trainmesh's step
@@ -183,8 +184,11 @@ def main() -> None:
         ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
                  configure_logging=False)
         try:
-            label = "trainmesh run" + (f" ({', '.join(args.overrides)})" if args.overrides else "")
-            rows[label] = trainmesh_steps(_spec(args.steps, tmp / "tm", args.overrides))
+            extra = f", {', '.join(args.overrides)}" if args.overrides else ""
+            rows[f"trainmesh run (ZeRO-3: the planner's choice{extra})"] = trainmesh_steps(
+                _spec(args.steps, tmp / "tm", args.overrides))
+            rows[f"trainmesh run (parallelism.dp_replicate=2: DDP{extra})"] = trainmesh_steps(
+                _spec(args.steps, tmp / "tm-ddp", ["parallelism.dp_replicate=2", *args.overrides]))
             if not args.skip_ray_train:
                 rows["Ray Train v2 TorchTrainer"] = ray_train(spec, data_dir, tmp)
         finally:

@@ -23,7 +23,9 @@ def _parallel_run(pool, spec, dims: ParallelDims, data_dir: str, steps: int = 3,
     group = pool.group_for(spec, dims, env)
     try:
         group.build(spec.model_dump_json(), dims, data_dir)
-        if spec.parallelism.dp_replicate > 1:  # FSDP2's HSDP: parameters on the 2-D mesh
+        if spec.parallelism.dp_replicate == dims.dp > 1:  # DDP: every rank holds plain tensors
+            assert {m for rank in group.parameter_meshes() for m in rank.values()} == {()}
+        elif spec.parallelism.dp_replicate > 1:  # FSDP2's HSDP: parameters on the 2-D mesh
             shard = "dp_shard_cp" if dims.cp > 1 else "dp_shard"  # (shards span the cp ring)
             assert {m[0:2] for rank in group.parameter_meshes() for m in rank.values()} == {
                 ("dp_replicate", shard)}
@@ -64,6 +66,11 @@ CASES = {  # largest meshes first: the rank pool then only shrinks
     # dp 4 under hybrid sharding, interrupted and resumed at dp 3 (_resumed_at_dp3): a case of
     # the table so that it runs where the rank pool holds 4 ranks, then 3
     "hsdp-dp4-resumed-at-dp3": (ParallelDims(dp=3), []),
+    # shard groups of one rank (dp_replicate = dp): DDP; a checkpoint it writes resumes under
+    # ZeRO-3 and one ZeRO-3 writes resumes under it, at another dp
+    "ddp-dp2-resumed-as-zero3-dp3": (ParallelDims(dp=3), []),
+    "zero3-dp2-resumed-as-ddp-dp3": (ParallelDims(dp=3), []),
+    "ddp-dp3-uneven": (ParallelDims(dp=3), [*UNEVEN, "parallelism.dp_replicate=3"]),
     "dp3-uneven-regather": (ParallelDims(dp=3), [*UNEVEN, "parallelism.keep_gathered=false"]),
     "dp3-uneven-keep": (ParallelDims(dp=3), [*UNEVEN, "parallelism.keep_gathered=true"]),
     "tp2": (ParallelDims(tp=2), []),
@@ -84,6 +91,8 @@ CASES = {  # largest meshes first: the rank pool then only shrinks
 def test_parallel_matches_single_process(rank_pool, tmp_path, case):
     if case == "hsdp-dp4-resumed-at-dp3":
         return _resumed_at_dp3(rank_pool, tmp_path)
+    if case.endswith("-resumed-as-zero3-dp3") or case.endswith("-resumed-as-ddp-dp3"):
+        return _ddp_resumed(rank_pool, tmp_path, ddp_first=case.startswith("ddp"))
     dims, extra = CASES[case]
     spec = load_spec(None, [*BASE, f"parallelism.tp={dims.tp}", f"parallelism.dp={dims.dp}",
                             f"runtime.output_dir={tmp_path}", *extra])
@@ -121,6 +130,22 @@ def _resumed_at_dp3(rank_pool, tmp_path) -> None:
             ("dp_replicate", "dp_shard")}
     resumed_elsewhere(rank_pool, tmp_path, (spec, ParallelDims(dp=4)), (after, ParallelDims(dp=3)),
                       check=hsdp)
+
+
+def _ddp_resumed(rank_pool, tmp_path, ddp_first: bool) -> None:
+    """dp2 saves at step 2, dp3 restores it (shares 3, 3, 2 of the 8 microbatches), one of the
+    two under DDP (plain tensors, the whole state on every rank) and the other under ZeRO-3
+    (DTensor shards): the single process's losses and parameters."""
+    def spec_at(dp: int, ddp: bool):
+        return load_spec(None, [*BASE, *UNEVEN, f"parallelism.dp={dp}", "training.steps=4",
+                                f"parallelism.dp_replicate={dp if ddp else 1}",
+                                f"runtime.output_dir={tmp_path}"])
+
+    def plain(group) -> None:  # the first mesh's parameters: plain tensors under DDP only
+        kinds = {m == () for rank in group.parameter_meshes() for m in rank.values()}
+        assert kinds == {ddp_first}, kinds
+    resumed_elsewhere(rank_pool, tmp_path, (spec_at(2, ddp_first), ParallelDims(dp=2)),
+                      (spec_at(3, not ddp_first), ParallelDims(dp=3)), check=plain)
 
 
 def resumed_elsewhere(rank_pool, tmp_path, before, after, check=None) -> None:

@@ -6,6 +6,7 @@ No Ray here: :class:`trainmesh.actors.rank_worker.RankWorker` hosts an Engine in
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -56,7 +57,14 @@ from trainmesh.parallel.pipeline import nccl_rules
 from trainmesh.parallel.pipeline.executor import P2PSpec, PipelineExecutor
 from trainmesh.parallel.pipeline.ir import PipeShape, splits_backward
 from trainmesh.parallel.pipeline.schedules import build_schedule, forward_only, pipe_shape
-from trainmesh.parallel.zero import ExpertSharding, ZeroPolicy, apply_zero3
+from trainmesh.parallel.zero import (
+    ExpertSharding,
+    ReplicatePolicy,
+    ZeroPolicy,
+    apply_replicate,
+    apply_zero3,
+    replicates,
+)
 from trainmesh.spec.job import JobSpec
 from trainmesh.spec.mesh_rules import microbatches_per_replica
 
@@ -219,12 +227,16 @@ class Engine:
             self.model, stage_ids = rank_model(
                 LlamaArgs.from_config(spec.model, device.type), mesh.coord(Axis.PP), pp, vpp,
                 shape.stages_of(mesh.coord(Axis.PP)) if shape else None)
+        # Every shard group one rank (dp_replicate = dp): plain replication, DDP's all-reduce.
+        replicated = replicates(mesh.dims.dp, mesh.dp_replicate, pp, mesh.size(Axis.TP), cp,
+                                is_moe(self.model))
         if tr.float8 != "none":  # before TP and ZeRO-3: the linears they wrap are float8's
             cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
             broken = float8_problems(tr.float8, device.type, mesh.size(Axis.TP), cap)
             if broken:
                 raise ValueError(broken[0])
-            apply_float8(self.model, tr.float8, device.type, all_gather_in_float8=mesh.replicas > 1)
+            apply_float8(self.model, tr.float8, device.type,
+                         all_gather_in_float8=mesh.replicas > 1 and not replicated)
         self.context = None
         if cp > 1 or spec.data.document_mask:
             self.context = self._context(meta.get("eos_id"))
@@ -253,7 +265,12 @@ class Engine:
         split = pp > 1 and splits_backward(spec.schedule.name)
         self.zero = ZeroPolicy(keep_gathered=split or par.keep_gathered is not False,
                                param_dtype=dtype, reduce_dtype=getattr(torch, par.reduce_dtype))
-        if pp == 1:
+        if replicated:
+            self.zero = ReplicatePolicy()
+            apply_replicate(self.model, mesh[Axis.DP].get_group(), device)
+            if dtype != torch.float32:  # DDP keeps one dtype: the compute's by autocast
+                self.loss_context = functools.partial(torch.autocast, device.type, dtype=dtype)
+        elif pp == 1:
             apply_zero3(self.model, mesh.zero_mesh, self.zero, experts)
         else:
             stages = {s: PipelineStage(self.model, s, pp * par.vpp) for s in stage_ids}
@@ -274,7 +291,7 @@ class Engine:
         set_loss_scale(self.model, self.weight)  # MoE balancing loss: a microbatch's share
         partial = tp_partial_params(self.model) if mesh.size(Axis.TP) > 1 else []
         after_update = balance_over_mesh(self.model, mesh)
-        if tr.float8 == "tensorwise" and mesh.replicas > 1:
+        if tr.float8 == "tensorwise" and mesh.replicas > 1 and not replicated:
             after_update = _with_float8_scales(self.model, after_update)
         self.hooks = StepHooks(
             before_clip=lambda: sum_partial_grads_over_tp(partial, mesh[Axis.TP] if partial else None),

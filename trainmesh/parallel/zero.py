@@ -1,4 +1,6 @@
-"""ZeRO-3 over the "dp" axis through FSDP2 ``fully_shard``, with the planner's sharding policy."""
+"""ZeRO-3 over the "dp" axis through FSDP2 ``fully_shard``, with the planner's sharding policy;
+or, when every shard group is one rank (``parallelism.dp_replicate`` = dp), plain replication
+through DDP (torch's composable ``replicate``)."""
 
 from __future__ import annotations
 
@@ -61,6 +63,33 @@ class ZeroPolicy:
             for group in sub._fsdp_param_groups:
                 group.post_backward()
         state._root_post_backward_final_callback()
+
+
+@dataclass(frozen=True)
+class ReplicatePolicy:
+    """Data parallel without sharding: every rank holds the whole model and its optimizer
+    state, and DDP all-reduces the gradients in buckets while backward runs (the last
+    microbatch's only: the others accumulate locally). What TorchTitan applies when the
+    shard degree is 1, and the fastest data parallel for a model whose state fits each rank:
+    no parameter gathers, and the one reduction overlaps backward, also on CPU ranks."""
+
+    def before_backward(self, module: nn.Module, is_last: bool) -> None:
+        module.set_requires_gradient_sync(is_last)
+
+
+def replicates(dp: int, dp_replicate: int, pp: int, tp: int, cp: int, moe: bool) -> bool:
+    """Whether a layout runs as DDP: hybrid sharding whose shard groups are single ranks
+    (dp_replicate = dp > 1), without pipeline, tensor or context parallel and dense (those
+    keep FSDP2's HSDP: its per-stage hooks, DTensor parameters and expert meshes)."""
+    return dp > 1 and dp_replicate == dp and pp == tp == cp == 1 and not moe
+
+
+def apply_replicate(model: nn.Module, group: dist.ProcessGroup, device: torch.device) -> nn.Module:
+    """DDP over ``group`` (built at the first forward, after the weights are filled: it
+    broadcasts rank 0's). Gradients are views into DDP's buckets (no second copy of them)."""
+    from torch.distributed._composable.replicate import replicate
+
+    return replicate(model, process_group=group, gradient_as_bucket_view=True, device_id=device)
 
 
 @dataclass(frozen=True)

@@ -371,6 +371,8 @@ def _sharding_choice(result: PlanResult, best: RankedPlan) -> list[str]:
     a, e, ae = alt.candidate, best.estimate, alt.estimate
 
     def name(x: Candidate) -> str:
+        if x.dp_replicate > 1 and x.dp_shard == 1:
+            return f"no sharding ({x.dp} replicas, gradients all-reduced)"
         return (f"hybrid sharding {x.dp_replicate}×{x.dp_shard} (ZeRO-3 inside groups of "
                 f"{x.dp_shard} replicas, gradients all-reduced across {x.dp_replicate} groups)"
                 if x.dp_replicate > 1 else f"ZeRO-3 over all {x.dp} replicas")
