@@ -41,7 +41,8 @@ def test_forward_time_is_the_devices_time(tmp_path):
         torch.cuda.synchronize()
         sleep_s = start.elapsed_time(end) / 1e3
         block = next(iter(engine.model.layers.values()))
-        block.register_forward_hook(lambda *_: torch.cuda._sleep(10**7))
+        # a pre-hook registered after the timer's: the sleep is queued inside the block's span
+        block.register_forward_pre_hook(lambda *_: torch.cuda._sleep(10**7))
         b = engine.train_step().breakdown
     finally:
         dist.destroy_process_group()

@@ -11,6 +11,7 @@ from trainmesh.cli.loading import load_spec
 from trainmesh.controller.launch import run_job
 from trainmesh.data.shards import ensure_tiny_corpus
 from trainmesh.parallel.dims import ParallelDims
+from trainmesh.parallel.zero import replicates
 
 BASE = ["model.preset=tiny", "training.global_batch_size=8", "training.microbatch_size=2",
         "training.seq_len=32", "optimizer.warmup_steps=1", "tracking.enabled=false",
@@ -23,7 +24,8 @@ def _parallel_run(pool, spec, dims: ParallelDims, data_dir: str, steps: int = 3,
     group = pool.group_for(spec, dims, env)
     try:
         group.build(spec.model_dump_json(), dims, data_dir)
-        if spec.parallelism.dp_replicate == dims.dp > 1:  # DDP: every rank holds plain tensors
+        if replicates(dims.dp, spec.parallelism.dp_replicate, dims.pp, dims.tp, dims.cp, False):
+            # DDP (shard groups of one rank, no tp/pp/cp): every rank holds plain tensors
             assert {m for rank in group.parameter_meshes() for m in rank.values()} == {()}
         elif spec.parallelism.dp_replicate > 1:  # FSDP2's HSDP: parameters on the 2-D mesh
             shard = "dp_shard_cp" if dims.cp > 1 else "dp_shard"  # (shards span the cp ring)
@@ -114,6 +116,23 @@ def test_parallel_matches_single_process(rank_pool, tmp_path, case):
         # few flipped roundings (each can flip an element's update, AdamW moving it by up to
         # lr) have spread to ~1e-4 (seen: 1.7e-3 on one element, 1e-4 on the norms)
         _close(params, ref_params, rtol=1e-3, atol=2 * spec.optimizer.lr)
+
+
+@pytest.mark.timeout(300)
+def test_ddp_in_bf16_computes_under_autocast_over_float32_weights(rank_pool, tmp_path):
+    """``dp_replicate = dp`` at ``training.dtype: bfloat16``: DDP keeps one dtype, so the
+    weights stay float32 and the compute runs under autocast; the losses are the float32
+    single process's to bf16's precision, and not equal to them (the compute was bf16)."""
+    spec = load_spec(None, [*BASE, "parallelism.dp=2", "parallelism.dp_replicate=2",
+                            "training.dtype=bfloat16", f"runtime.output_dir={tmp_path}"])
+    data_dir = str(ensure_tiny_corpus(tmp_path / "data"))
+    losses, _, params = _parallel_run(rank_pool, spec, ParallelDims(dp=2), data_dir)
+    fp32 = spec.model_copy(update={"training": spec.training.model_copy(
+        update={"dtype": "float32"})})
+    ref_losses, _ = reference_run(fp32, data_dir, steps=3)
+    assert {p.dtype for p in params.values()} == {torch.float32}
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-2, atol=0)
+    assert losses != ref_losses
 
 
 def _resumed_at_dp3(rank_pool, tmp_path) -> None:

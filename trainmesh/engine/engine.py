@@ -21,7 +21,6 @@ from torch.distributed.tensor.parallel import loss_parallel
 from trainmesh.checkpoint import dcp_io
 from trainmesh.checkpoint.memory_fs import MemoryStore
 from trainmesh.data.dataset import open_datasets
-from trainmesh.engine.clock import DeviceClock
 from trainmesh.engine.memory import SavedActivations, peak_process_bytes, state_bytes
 from trainmesh.engine.step import (
     StepHooks,
@@ -44,6 +43,7 @@ from trainmesh.models.llama.parallelize import (
 )
 from trainmesh.models.llama.stage import PipelineStage, rank_model
 from trainmesh.models.moe.moe import moe_layers, set_loss_scale
+from trainmesh.parallel.clock import DeviceClock
 from trainmesh.parallel.context import ContextParallel, local_positions, local_spans
 from trainmesh.parallel.dims import Axis
 from trainmesh.parallel.expert import (
@@ -151,8 +151,8 @@ class _ForwardTimer:
             block.register_forward_pre_hook(self._pre)
             block.register_forward_hook(self._post)
 
-    def start(self, clock: DeviceClock) -> None:
-        """A new step, on ``clock``."""
+    def start(self, clock: DeviceClock | None) -> None:
+        """A new step, on ``clock`` (None: stop timing)."""
         self.clock = clock
         self._start.clear()
         self._spans = []
@@ -267,6 +267,8 @@ class Engine:
                                param_dtype=dtype, reduce_dtype=getattr(torch, par.reduce_dtype))
         if replicated:
             self.zero = ReplicatePolicy()
+            if spec.model.compile:  # compiled blocks inside DDP: not split at its buckets
+                torch._dynamo.config.optimize_ddp = False
             apply_replicate(self.model, mesh[Axis.DP].get_group(), device)
             if dtype != torch.float32:  # DDP keeps one dtype: the compute's by autocast
                 self.loss_context = functools.partial(torch.autocast, device.type, dtype=dtype)
@@ -363,7 +365,8 @@ class Engine:
             stats = train_step(self.model, self.optimizer, self.scheduler, mbs,
                                self.spec.optimizer.grad_clip,
                                lambda last: self.zero.before_backward(self.model, last),
-                               self.loss_context, clock.phase, self.hooks, weights)
+                               self.loss_context, clock.phase, self.hooks, weights,
+                               keep_grads=isinstance(self.zero, ReplicatePolicy))
         else:
             stats = self._pipeline_step(mbs, weights, clock)
         clock.lap("optimizer")
@@ -371,9 +374,10 @@ class Engine:
         clock.lap("loss")
         self.step += 1
         ring = self.context.waited_s - ring0 if self.context is not None else 0.0
+        breakdown = clock.breakdown(ring, self._bubble_s, self.forward_timer.seconds())
+        self.forward_timer.start(None)  # evaluations between steps are not timed
         return StepStats(loss=loss, grad_norm=stats.grad_norm, lr=stats.lr, tokens=stats.tokens,
-                         experts=stats.experts,
-                         breakdown=clock.breakdown(ring, self._bubble_s, self.forward_timer.seconds()))
+                         experts=stats.experts, breakdown=breakdown)
 
     def _padded(self, mbs: list) -> tuple[list, list[float]]:
         """This replica's microbatches and their weights, padded to the step's ``n_micro``

@@ -97,7 +97,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
                loss_context: Callable[[], AbstractContextManager] = contextlib.nullcontext,
                on_phase: Callable[[str], None] = lambda phase: None,
                hooks: StepHooks | None = None,
-               weights: Sequence[float] | None = None) -> StepStats:
+               weights: Sequence[float] | None = None,
+               keep_grads: bool = False) -> StepStats:
     """Accumulate gradients over ``microbatches`` (each mean loss scaled by its weight, by
     default 1/len), clip, step.
 
@@ -107,8 +108,10 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
     "optimizer" as they begin (a rank's progress, ``actors/progress.py``); ``hooks``: what
     the model's parallel layout adds around the optimizer step; ``weights``: each
     microbatch's share of the step's loss (a data-parallel rank's: its tokens' share of the
-    global batch × dp; 0 for a padding microbatch, which counts for nothing)."""
-    optimizer.zero_grad(set_to_none=True)
+    global batch × dp; 0 for a padding microbatch, which counts for nothing); ``keep_grads``:
+    zero the gradients in place (DDP's are views into its buckets: dropped, the microbatches
+    before the last would accumulate into a second set)."""
+    optimizer.zero_grad(set_to_none=not keep_grads)
     n = len(microbatches)
     weights = [1.0 / n] * n if weights is None else list(weights)
     total = None  # summed where the loss lives: one host sync per step, not per microbatch

@@ -109,9 +109,12 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         n_rows, dim = h_ND.shape
         vocab = w_VD.shape[0]
         h, w, targets = (plain(t).contiguous() for t in (h_ND, w_VD, targets_N))
-        grad_h = torch.empty_like(h)
+        # Without gradients to give (evaluation), the loss alone: no dz, dh or dW.
+        grads = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(h) if grads else None
         fp32 = accumulate == "fp32" and w.dtype != torch.float32
-        grad_w = torch.zeros(vocab, dim, dtype=torch.float32 if fp32 else w.dtype, device=h.device)
+        grad_w = (torch.zeros(vocab, dim, dtype=torch.float32 if fp32 else w.dtype, device=h.device)
+                  if grads else None)
         losses = torch.empty(n_rows, dtype=torch.float32, device=h.device)
         launch = _launch(vocab)
         step = chunk_rows(n_rows, vocab, dim, factor)
@@ -120,19 +123,23 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             hc, tc = h[start:start + step], targets[start:start + step]
             n = hc.shape[0]
             z = torch.mm(hc, w.T, out=z_buf[:n])  # (n, V) logits of this chunk only
-            if group is None:
+            if group is None and grads:
                 _ce_fused[(n,)](z, tc, losses[start:start + n], z.stride(0), vocab, 1.0 / n_rows,
                                 **launch)
             else:
                 m, s, t = (torch.empty(n, dtype=torch.float32, device=h.device) for _ in range(3))
                 _ce_stats[(n,)](z, tc, m, s, t, z.stride(0), vocab, v0, **launch)
-                m_all = m.clone()
-                dist.all_reduce(m_all, dist.ReduceOp.MAX, group=group)
-                s = s * torch.exp(m - m_all)
-                dist.all_reduce(s, group=group)
-                dist.all_reduce(t, group=group)
-                lse = m_all + torch.log(s)
+                if group is not None:
+                    m_all = m.clone()
+                    dist.all_reduce(m_all, dist.ReduceOp.MAX, group=group)
+                    s = s * torch.exp(m - m_all)
+                    dist.all_reduce(s, group=group)
+                    dist.all_reduce(t, group=group)
+                    m = m_all
+                lse = m + torch.log(s)
                 losses[start:start + n] = lse - t
+                if not grads:
+                    continue
                 _ce_grad[(n,)](z, tc, lse, z.stride(0), vocab, v0, 1.0 / n_rows, **launch)
             torch.mm(z, w, out=grad_h[start:start + n])
             if not fp32:
@@ -141,7 +148,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 torch.addmm(grad_w, z.T, hc, out_dtype=torch.float32, out=grad_w)
             else:
                 grad_w += (z.T @ hc).float()
-        ctx.save_for_backward(grad_h, grad_w if not fp32 else grad_w.to(w.dtype))
+        if grads:
+            ctx.save_for_backward(grad_h, grad_w if not fp32 else grad_w.to(w.dtype))
         return losses.sum() / n_rows
 
     @staticmethod
@@ -163,6 +171,14 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.T
     override CHUNK_FACTOR and ACCUMULATE (the kit's sweep)."""
     factor = CHUNK_FACTOR if factor is None else factor
     accumulate = ACCUMULATE if accumulate is None else accumulate
+    if accumulate not in ("native", "fp32"):
+        raise ValueError(f"linear_cross_entropy: accumulate={accumulate!r}; use native or fp32")
+    device_type = weight.device.type
+    if torch.is_autocast_enabled(device_type):
+        # Autocast does not reach the kernel's out=/in-place matmuls: compute in its dtype
+        # (autograd casts the gradients back to the parameters' dtype).
+        dtype = torch.get_autocast_dtype(device_type)
+        h, weight = h.to(dtype), weight.to(dtype)
     if not isinstance(weight, DTensor):
         if isinstance(h, DTensor):
             raise ValueError("linear_cross_entropy: h is a DTensor but the head weight is not")

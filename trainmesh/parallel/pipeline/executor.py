@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from trainmesh.engine.clock import DeviceClock
+from trainmesh.parallel.clock import DeviceClock
 from trainmesh.parallel.pipeline.ir import COMPUTE, Action, Op, PipeShape, message, peer_stage
 from trainmesh.parallel.zero import ZeroPolicy
 
