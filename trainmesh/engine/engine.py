@@ -136,17 +136,17 @@ def _with_float8_scales(model, after_update: Callable[[], dict]) -> Callable[[],
 
 class _ForwardTimer:
     """The seconds ``blocks`` spend in their own forward, hooked after ZeRO-3's hooks so that
-    waiting for a block's all-gather is not counted, less the time ``waited()`` says the block
-    spent blocked on context parallel's ring: the compute a slow rank shows, where the ranks
-    that wait for it show little. Recomputation in backward is not counted (it runs inside the
+    waiting for a block's all-gather is not counted, less the waits on context parallel's
+    ring inside it (``context``'s): the compute a slow rank shows, where the ranks that wait
+    for it show little. Recomputation in backward is not counted (it runs inside the
     checkpoint, under the hooks' one call). Marks on the step's ``DeviceClock``: on a GPU the
     device's time from a block's first kernel to its last."""
 
-    def __init__(self, blocks, waited: Callable[[], float]):
-        self.waited = waited
+    def __init__(self, blocks, context: ContextParallel | None):
+        self.context = context
         self.clock: DeviceClock | None = None
-        self._start: dict[int, tuple[object, float]] = {}
-        self._spans: list[tuple[object, object, float]] = []
+        self._start: dict[int, tuple[object, int]] = {}
+        self._spans: list[tuple[object, object, int, int]] = []
         for block in blocks:
             block.register_forward_pre_hook(self._pre)
             block.register_forward_hook(self._post)
@@ -157,21 +157,29 @@ class _ForwardTimer:
         self._start.clear()
         self._spans = []
 
+    def _waits(self) -> int:
+        return len(self.context.waits) if self.context is not None else 0
+
     def seconds(self) -> float:
         if self.clock is None:
             return 0.0
-        return sum(self.clock.seconds(a, b) - waited for a, b, waited in self._spans)
+        total = 0.0
+        for a, b, w0, w1 in self._spans:
+            total += self.clock.seconds(a, b)
+            if w1 > w0:
+                total -= self.context.waited_s(w0, w1)
+        return total
 
     @torch.compiler.disable  # a compiled block: the hooks stay outside its graph
     def _pre(self, module, args) -> None:
         if self.clock is not None:
-            self._start[id(module)] = (self.clock.mark(), self.waited())
+            self._start[id(module)] = (self.clock.mark(), self._waits())
 
     @torch.compiler.disable
     def _post(self, module, args, output) -> None:
         start = self._start.pop(id(module), None)
         if start is not None:
-            self._spans.append((start[0], self.clock.mark(), self.waited() - start[1]))
+            self._spans.append((start[0], self.clock.mark(), start[1], self._waits()))
 
 
 def build_model(spec: JobSpec, device: torch.device) -> Llama:
@@ -283,9 +291,7 @@ class Engine:
                 apply_zero3(stage, mesh.zero_mesh, self.zero, experts)
             self.executor = self._build_executor(shape, stages, dtype, self.zero if wrap else None)
         # Each block's own forward time (hooks after ZeRO-3's: its gathers are not counted).
-        self.forward_timer = _ForwardTimer(
-            self.model.layers.values(),
-            (lambda: self.context.waited_s) if self.context is not None else (lambda: 0.0))
+        self.forward_timer = _ForwardTimer(self.model.layers.values(), self.context)
         # Materialise the local shards only, then fill them from each parameter's global name.
         self.model.to_empty(device=device)
         self.imported_bytes = init_weights(self.model, spec)  # read from model.init_from
@@ -355,12 +361,13 @@ class Engine:
         tr = self.spec.training
         clock = _StepClock(self.device, self.on_phase)
         self.forward_timer.start(clock.clock)
+        if self.context is not None:
+            self.context.start(clock.clock)
         mbs = self.dataset.microbatches(tr.seed, self.step, tr.global_batch_size,
                                         self.mesh.coord(Axis.DP), self.mesh.size(Axis.DP),
                                         tr.microbatch_size, self.spans)
         mbs, weights = self._padded([(x.to(self.device), y.to(self.device)) for x, y in mbs])
         clock.lap("data")
-        ring0 = self.context.waited_s if self.context is not None else 0.0
         if self.executor is None:
             stats = train_step(self.model, self.optimizer, self.scheduler, mbs,
                                self.spec.optimizer.grad_clip,
@@ -373,9 +380,11 @@ class Engine:
         loss = self._dp_mean(stats.loss)
         clock.lap("loss")
         self.step += 1
-        ring = self.context.waited_s - ring0 if self.context is not None else 0.0
+        ring = self.context.waited_s() if self.context is not None else 0.0
         breakdown = clock.breakdown(ring, self._bubble_s, self.forward_timer.seconds())
         self.forward_timer.start(None)  # evaluations between steps are not timed
+        if self.context is not None:
+            self.context.start(None)
         return StepStats(loss=loss, grad_norm=stats.grad_norm, lr=stats.lr, tokens=stats.tokens,
                          experts=stats.experts, breakdown=breakdown)
 

@@ -74,9 +74,11 @@ class ContextParallel:
     block: Callable = attention.attention_block
     block_backward: Callable = attention.attention_block_backward
     peers: list[int] = field(default_factory=list)  # global ranks, by cp coordinate
-    # Seconds this rank spent blocked on the ring's communication (host clock; a GPU's
-    # transfers are asynchronous to it): the exposed part, for benchmarks.
-    waited_s: float = 0.0
+    # Where this rank was blocked on the ring's communication this step (the exposed part):
+    # marks on ``clock``, the step's DeviceClock (on a GPU the compute stream's wait for the
+    # transfer, which the host does not see), or host times while no step set one.
+    clock: object = None
+    waits: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -180,12 +182,24 @@ class ContextParallel:
         return self.post(ops)
 
     def timed(self, fn: Callable, *args, **kwargs):
-        """``fn(*args, **kwargs)``, its time counted in ``waited_s``."""
-        t0 = time.perf_counter()
+        """``fn(*args, **kwargs)``, its time kept in ``waits``."""
+        mark = self.clock.mark if self.clock is not None else time.perf_counter
+        start = mark()
         try:
             return fn(*args, **kwargs)
         finally:
-            self.waited_s += time.perf_counter() - t0
+            self.waits.append((start, mark()))
+
+    def start(self, clock) -> None:
+        """A new step, its waits marked on ``clock`` (a ``DeviceClock``)."""
+        self.clock, self.waits = clock, []
+
+    def waited_s(self, since: int = 0, until: int | None = None) -> float:
+        """Seconds blocked in ``waits[since:until]`` (resolving a GPU's marks waits for it)."""
+        spans = self.waits[since:until]
+        if self.clock is None:
+            return sum(b - a for a, b in spans)
+        return sum(self.clock.seconds(a, b) for a, b in spans)
 
 
 def _all_gather(t: torch.Tensor, n: int, group) -> torch.Tensor:
