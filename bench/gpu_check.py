@@ -1,27 +1,33 @@
-"""The GPU check kit: what only a GPU can show, in one command, well inside 9 minutes on one
-H100/H200, appended to bench/RESULTS.md as a dated section.
+"""The GPU check kit: what only a GPU can show, in one command, about 5 minutes on one H200
+(measured 2026-11-26), written to bench/RESULTS.md as a dated section part by part (a run cut
+off keeps the parts it finished). Parts in the order they run (``--parts`` picks some):
 
     make gpu-check            # = python3 bench/gpu_check.py --append bench/RESULTS.md
 
-1. The GPU test module (Triton kernels compiled for real against the torch references).
-2. bench/kernels.py: kernel GB/s against a device copy, eager and torch.compile; the `1b`
-   step time, tokens/s and MFU with model.kernels torch vs triton.
-3. Planned vs measured CUDA memory: one rank builds the `1b` preset the way a job does (meta
-   build, FSDP2 over a 1-rank mesh, bf16, seq 2048) and runs two steps (activations counted
-   in the first, the peak of the second: steady state, no counting hooks), for both ZeRO-3
-   policies and both kernel sets; its
-   tensors' peak (torch's max allocated) and the activations autograd saved are set beside
-   the cost model's prediction. A 1-rank mesh: NCCL runs, but no collective
-   crosses a device (multi-rank NCCL needs more GPUs than the kit assumes).
-5. Context parallel's attention block with its log-sum-exp at a long sequence (one rank of
-   cp 16 at 131K tokens: a 4,096-query chunk against an 8,192-key block, Llama-3.1-8B's
-   heads, bf16): the path a rank runs on CUDA in bf16 (the fused flash kernel with its
-   log-sum-exp, and its backward given the log-sum-exp), the explicit math over query slices
-   (fp32, document masks), and whole SDPA; times, peak memory, and the fused path's error
-   against the float32 math (the first run on a GPU is what validates it).
-4. MoE experts: ``torch._grouped_mm`` (what an MoE block uses on CUDA) against the per-expert
-   loop (what it uses elsewhere), forward + backward at Mixtral 8x7B's expert shapes in bf16,
-   with the tokens spread evenly and skewed (half of them to one expert).
+1. tests: the GPU test modules (Triton kernels compiled for real against the torch
+   references; the step's breakdown on CUDA events).
+2. lce: the fused linear + cross-entropy against eager and torch.compile at several shapes and
+   both dtypes, over its tunings (rows per chunk, the weight gradient's accumulation dtype),
+   with errors against the float32 math (``bench/kernels.py --lce-sweep``).
+3. kernels: ``bench/kernels.py``: kernel GB/s against a device copy, eager and torch.compile
+   (and the kernel_choice.MEASURED entry for this GPU); step time, tokens/s, MFU and each
+   variant's first and last loss for `1b` (model.kernels torch / triton / auto, with compile,
+   with float8 tensorwise and rowwise) and an 8B-shaped model (Llama 3 8B's layers, 8 of them).
+4. attention: context parallel's attention block with its log-sum-exp at a long sequence (one
+   rank of cp 16 at 131K tokens: a 4,096-query chunk against an 8,192-key block,
+   Llama-3.1-8B's heads, bf16): the path a rank runs on CUDA in bf16 (the fused flash kernel
+   with its log-sum-exp, and its backward given the log-sum-exp), the explicit math over query
+   slices (fp32, document masks), and whole SDPA; times, peak memory, and the fused path's
+   error against the float32 math.
+5. moe: ``torch._grouped_mm`` (what an MoE block uses on CUDA) against the per-expert loop
+   (what it uses elsewhere), forward + backward at Mixtral 8x7B's expert shapes in bf16, with
+   the tokens spread evenly and skewed (half of them to one expert).
+6. memory: planned vs measured CUDA memory: one rank builds the `1b` preset the way a job
+   does (meta build, FSDP2 over a 1-rank mesh, bf16, seq 2048) and runs two steps
+   (activations counted in the first, the peak of the second: steady state, no counting
+   hooks), for both ZeRO-3 policies and both kernel sets; its tensors' peak (torch's max
+   allocated) and the activations autograd saved are set beside the cost model's prediction.
+   A 1-rank mesh: NCCL runs, but no collective crosses a device.
 """
 
 from __future__ import annotations
