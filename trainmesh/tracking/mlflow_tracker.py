@@ -95,23 +95,29 @@ class MlflowTracker:
     delivers it, so a step never waits for MLflow. A lost tracking server never stops
     training: while it does not answer, calls are buffered (metrics keep the time they were
     logged at) and retried every ``retry_interval_s``, with one warning when it goes and one
-    when it comes back. ``finish`` waits up to ``flush_timeout_s`` for the backlog.
+    when it comes back. While it keeps up, what is queued goes out at most once every
+    ``send_interval_s`` (the steps of that time in one request: per-step requests cost the
+    controller's host, and the server, a request per step). ``finish`` sends what is left at
+    once and waits up to ``flush_timeout_s`` for the backlog.
     MLflow's own HTTP retries (minutes of back-off per call) are turned down for this process
     unless the environment sets them, so a step is never held up by more than one timeout.
     """
 
     def __init__(self, uri: str, experiment: str, run_name: str, run_id: str | None = None,
                  retry_interval_s: float = 5.0, flush_timeout_s: float = 120.0,
+                 send_interval_s: float = 1.0,
                  on_warning: Callable[[str], None] | None = None):
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
         self.uri, self.run_id = uri, run_id
         self._on_warning = on_warning
         self.retry_interval_s, self.flush_timeout_s = retry_interval_s, flush_timeout_s
+        self.send_interval_s = send_interval_s
         self._pending: deque[tuple[str, Callable[[], object] | _Metrics]] = deque()
         self._down_since: float | None = None
         self._events: list[dict[str, Any]] = []
         self._wake, self._closing = threading.Event(), False
+        self._finishing = threading.Event()  # cuts the wait between sends short
         # The run opens in the sender thread (importing MLflow and creating a store take
         # seconds: they overlap the ranks' start); calls queue meanwhile. ``opened`` waits.
         self._opened, self._open_error = threading.Event(), None
@@ -159,6 +165,8 @@ class MlflowTracker:
             delivered = self._drain()
             if self._closing and delivered:
                 return
+            if delivered:  # the next send_interval_s's calls go out together
+                self._finishing.wait(self.send_interval_s)
             self._wake.wait(None if delivered else self.retry_interval_s)
             self._wake.clear()
 
@@ -242,6 +250,7 @@ class MlflowTracker:
             self._submit("events.json", lambda: self.client.log_dict(self.run_id, events, "events.json"))
         self._submit("run status", lambda: self.client.set_terminated(self.run_id, status=status))
         self._closing = True
+        self._finishing.set()
         self._wake.set()
         self._sender.join(self.flush_timeout_s)
         if self._sender.is_alive():
