@@ -271,10 +271,10 @@ class Engine:
         # A split backward (zero-bubble schedules) keeps each stage gathered through the step:
         # its deferred W's need the parameters the forward used.
         split = pp > 1 and splits_backward(spec.schedule.name)
-        self.zero = ZeroPolicy(keep_gathered=split or par.keep_gathered is not False,
-                               param_dtype=dtype, reduce_dtype=getattr(torch, par.reduce_dtype))
+        self.zero = ReplicatePolicy() if replicated else ZeroPolicy(
+            keep_gathered=split or par.keep_gathered is not False, param_dtype=dtype,
+            reduce_dtype=getattr(torch, par.reduce_dtype))
         if replicated:
-            self.zero = ReplicatePolicy()
             if spec.model.compile:  # compiled blocks inside DDP: not split at its buckets
                 torch._dynamo.config.optimize_ddp = False
             apply_replicate(self.model, mesh[Axis.DP].get_group(), device)
