@@ -85,29 +85,33 @@ def test_resume_from_step2_reaches_uninterrupted_step4(ray_local, tmp_path):
 
 @pytest.mark.timeout(240)
 def test_checkpoint_every_auto_chooses_from_measured_costs_and_logs_it_to_mlflow(ray_local, tmp_path):
-    """With nodes failing every 36 ms (a rate that makes the Young/Daly interval a step or two
-    here), ``checkpoint.every: auto`` first chooses from the predicted save cost, then from
-    each measured one, and every choice reaches MLflow with its reason."""
+    """With nodes failing every ~1 s, ``checkpoint.every: auto`` first chooses from the
+    predicted save cost (a few bytes: every step or two), then from the measured one (a
+    tiny model's save still blocks for a good part of a second here, so its Young/Daly interval
+    is several steps), saves exactly where the interval in force falls, and every choice
+    reaches MLflow with its reason. The test holds for any measured cost: it checks the saves
+    against the choices the run reports."""
     spec = _spec(tmp_path, "parallelism.dp=2", "training.steps=12", "checkpoint.every=auto",
-                 "elastic.mtbf_node_hours=0.00001", "checkpoint.keep_last=20",
+                 "elastic.mtbf_node_hours=0.0003", "checkpoint.keep_last=20",
                  "tracking.enabled=true", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}")
     summary = run_job(spec, environ={}, show_progress=False)
     assert summary["status"] == "FINISHED"
     choices = summary["checkpoint_cadence"]
     assert choices[0]["step"] == 3 and "(predicted)" in choices[0]["reason"]
-    assert any("(measured)" in c["reason"] for c in choices[1:])
+    assert choices[1]["step"] == 3 and "(measured)" in choices[1]["reason"]
+    assert choices[1]["every_steps"] > choices[0]["every_steps"]
     for c in choices:
         assert c["every_steps"] == max(1, round(c["interval_s"] / c["step_time_s"]))
+    # the first choice is made after step 3's time is in, before that step's save is due; a
+    # choice after a save (at the save's step) holds from the next step on
+    want, last = [], 0
+    for step in range(1, 12):
+        in_force = [c for c in choices if c["step"] < step] or [c for c in choices[:1] if c["step"] == step]
+        if in_force and step - last >= in_force[-1]["every_steps"]:
+            want.append(step)
+            last = step
     saved = CheckpointStore(tmp_path / "checkpoints").complete_steps()
-    assert len(saved) >= 3 and saved[-1] == 12  # chosen saves, then the final one
-    # each save came once the interval in force had passed since the one before: the last
-    # choice made before the save's step (a save measured and re-chosen at its own step, as a
-    # fast one is, counts from the next save on), else the first
-    previous = 0
-    for step in saved[:-1]:
-        in_force = ([c for c in choices if c["step"] < step] or choices[:1])[-1]
-        assert step - previous >= in_force["every_steps"], (step, previous, choices)
-        previous = step
+    assert saved == [*want, 12] and want[0] == 3, (saved, choices)
 
     from mlflow.tracking import MlflowClient
 

@@ -209,6 +209,13 @@ def test_auto_cadence_measures_then_chooses_and_rechooses_on_a_new_mesh():
     assert [k for k, _ in sink.events] == ["checkpoint-cadence"] * 3
     assert [m["checkpoint_every_steps"] for m, _ in sink.metrics] == [
         c["every_steps"] for c in cad.choices]
+    # a synchronous save is written once it unblocks: its write time sets no floor, even when
+    # the saves cost more than the job runs between failures (Daly's interval is then M)
+    sync = CheckpointCadence(CheckpointConfig(every="auto"), ElasticConfig(mtbf_node_hours=0.001))
+    sync.start(0, nodes=1, predicted=(20.0, 20.0))
+    for s in (1, 2, 3):
+        sync.stepped(s, 1.0, sink)
+    assert sync.choice.every_steps == round(3.6) and sync.choice.write_s == 0.0
     fixed = CheckpointCadence(CheckpointConfig(every=4), ElasticConfig())
     assert [s for s in range(1, 13) if fixed.due(s)] == [4, 8, 12]
 

@@ -118,7 +118,9 @@ class Checkpointer:
                       total_s=round(time.perf_counter() - p.t0, 4), steps_during=p.steps_during)
         tracker.log_metrics({"checkpoint_blocked_s": p.blocked_s}, step=p.step)
         if self.on_commit is not None:
-            self.on_commit(p.step, p.blocked_s, time.perf_counter() - p.t0, tracker)
+            # a synchronous save has no write going on after it: nothing to wait for later
+            write_s = time.perf_counter() - p.t0 if p.background else 0.0
+            self.on_commit(p.step, p.blocked_s, write_s, tracker)
 
     def _drop(self, why: str, tracker) -> None:
         p, self.pending = self.pending, None

@@ -81,13 +81,15 @@ class CheckpointCadence:
         self._nodes = 1
         self._last_save = 0
         self._save: tuple[float, float, str] | None = None  # (blocked s, write s, source)
+        self.background = cfg.async_save  # else a save's write is over when it unblocks
 
     def start(self, step: int, nodes: int, predicted: tuple[float, float]) -> None:
         """A (new) mesh on ``nodes`` nodes begins at ``step``: re-measure, then re-choose.
         ``predicted``: (blocked s, write s) of a save, used until one is measured."""
         self._nodes, self._last_save, self._steps, self.choice = nodes, step, [], None
         if self._save is None or self._save[2] == "predicted":
-            self._save = (*predicted, "predicted")
+            blocked, write = predicted
+            self._save = (blocked, write if self.background else 0.0, "predicted")
 
     def stepped(self, step: int, step_time_s: float, tracker) -> None:
         self._steps.append(step_time_s)
@@ -104,7 +106,8 @@ class CheckpointCadence:
         self._last_save = step
 
     def saved(self, step: int, blocked_s: float, write_s: float, tracker) -> None:
-        """A save of ``step`` blocked training ``blocked_s`` and took ``write_s`` to be written."""
+        """A save of ``step`` blocked training ``blocked_s`` and was written ``write_s`` after it
+        began (0 for a synchronous save: written once it unblocked, so no floor on the next)."""
         if not self.auto:
             return
         self._save = (blocked_s, write_s, "measured")
