@@ -60,6 +60,10 @@ COMMON = ["model.preset=tiny", "training.global_batch_size=16", "training.microb
 KILL_AFTER_STEP = 4
 
 
+MAIN_PHASES = ("decide_s", "reform_s", "restore_s", "first_step_s")
+DECIDE_PARTS = ("abort_s", "stuck_s", "health_s", "plan_s")  # decide_s, split
+
+
 def _gpu_nodes(cluster):
     return list(cluster.worker_nodes)
 
@@ -153,7 +157,8 @@ def trainmesh_recovery(cluster, mode: str, tmp: Path, delay_s: float) -> dict:
              " new ranks from ready processes")
     return {"system": name, "detection": detection, **ph, "mode": rec["mode"], **costs,
             "restored_from": rec["restored_from"],
-            "total": detection + sum(ph.values()), "steps_lost": rec["steps_lost"],
+            "total": detection + sum(ph.get(k, 0.0) for k in MAIN_PHASES),
+            "steps_lost": rec["steps_lost"],
             "mesh": f"{rec['old_mesh']['world_size']} → {rec['new_mesh']['world_size']} ranks"}
 
 
@@ -471,8 +476,8 @@ def summarize(trials: list[dict]) -> dict:
         vals = [t[key] for t in trials if t.get(key) is not None]
         return statistics.median(vals) if vals else None
     totals = [t["total"] for t in trials]
-    return {**trials[0], **{k: med(k) for k in ("detection", "decide_s", "reform_s", "restore_s",
-                                                 "first_step_s", "blocked_s", "step_s")},
+    return {**trials[0], **{k: med(k) for k in ("detection", *MAIN_PHASES, *DECIDE_PARTS,
+                                                 "blocked_s", "step_s")},
             "restored_from": sorted({t.get("restored_from", "") for t in trials}),
             "total": statistics.median(totals), "worst": max(totals),
             "steps_lost": f"{min(t['steps_lost'] for t in trials)}–{max(t['steps_lost'] for t in trials)}",
@@ -530,6 +535,12 @@ def main() -> None:
         print(f"| {r['system']} | {r['mesh']} | {f(r['detection'])} | {f(r.get('decide_s'))} | "
               f"{f(r.get('reform_s'))} | {f(r.get('restore_s'))} | {f(r.get('first_step_s'))} | "
               f"{r['total']:.2f} | {r['worst']:.2f} | {r['total'] / base:.2f}× | {r['steps_lost']} |")
+    print("\n| system | decide s | abort s | stuck grace s | health check s | backoff + re-plan s |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        if r.get("abort_s") is not None:
+            print(f"| {r['system']} | {f(r.get('decide_s'))} | "
+                  + " | ".join(f(r.get(k)) for k in DECIDE_PARTS) + " |")
     for r in rows:
         if any(r["restored_from"]):
             print(f"{r['system']}: restored from {', '.join(r['restored_from'])}")

@@ -196,6 +196,12 @@ def test_every_fault_is_recovered_warm_in_seconds_with_nothing_lost(cluster, tmp
         assert rec["downtime_s"] < spec.runtime.collective_timeout_s, rec
         assert rec["cause"] and {"decide_s", "reform_s", "restore_s", "first_step_s"} <= set(
             rec["phases"]), rec
+        # a failure's decide, split: the abort, the stuck ranks' grace, the health check, the
+        # backoff and re-plan, one after the other
+        parts = [rec["phases"].get(k) for k in ("abort_s", "stuck_s", "health_s", "plan_s")]
+        if rec["cause"] not in ("preemption", "scale-up"):
+            assert None not in parts and min(parts) >= 0, rec
+            assert sum(parts) == pytest.approx(rec["phases"]["decide_s"], abs=0.01), rec
     # A fault while recovering (restoring, re-forming) joins that recovery.
     assert sum(", then " in r["cause"] for r in recs) >= 2, [r["cause"] for r in recs]
     (notice,) = [r for r in recs if r["cause"] == "preemption"]

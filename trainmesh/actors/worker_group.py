@@ -238,13 +238,13 @@ class WorkerGroup:
                     return (pg, b), where[b]
         return None
 
-    def release_stuck(self, wait_s: float) -> list[int]:
-        """After an abort: ranks whose last call has not returned within ``wait_s`` are stuck
-        in a collective that no abort releases (on gloo, one over a sub-group whose peers have
-        left it: it would end only at the collective timeout). They are killed — their
-        processes' end releases whoever still waits on them — and returned; their nodes are
-        fine and their reservations can be refilled (``reform``)."""
-        refs = {ref: r for r, ref in enumerate(self._inflight)}
+    def release_stuck(self, wait_s: float, ranks: set[int] | None = None) -> list[int]:
+        """After an abort: ranks (of ``ranks``, default all) whose last call has not returned
+        within ``wait_s`` are stuck in a collective that no abort releases (on gloo, one over a
+        sub-group whose peers have left it: it would end only at the collective timeout). They
+        are killed — their processes' end releases whoever still waits on them — and returned;
+        their nodes are fine and their reservations can be refilled (``reform``)."""
+        refs = {ref: r for r, ref in enumerate(self._inflight) if ranks is None or r in ranks}
         if not refs:
             return []
         _, pending = ray.wait(list(refs), num_returns=len(refs), timeout=wait_s)
@@ -332,11 +332,11 @@ class WorkerGroup:
                 out.append(None)
         return out
 
-    def abort(self, timeout_s: float = 5.0) -> None:
-        """Every rank aborts its communicators at once, out of band (``RankWorker.abort``);
-        dead ranks are skipped. Returns when all answered or after ``timeout_s``."""
-        refs = [w.abort.remote() for w in self.workers]
-        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    def abort(self) -> list:
+        """Every rank aborts its communicators at once, out of band (``RankWorker.abort``).
+        Returns the calls' refs, in rank order: a dead rank's fails (on a node that is gone,
+        only once Ray gives up on it, ~2 s here)."""
+        return [w.abort.remote() for w in self.workers]
 
     def setup_process_group(self, device: str, timeout_s: float) -> str:
         host, port = ray.get(self.workers[0].create_store.remote(timeout_s))

@@ -249,8 +249,11 @@ class Controller:
             stuck: set[int] = set()
             if group is not None:  # survivors leave their collectives now, not at the timeout
                 group.abort()      # (and any background save with them); those no abort frees
+                book.mark("aborted")
                 stuck = set(group.release_stuck(STUCK_S))  # are killed, their places refilled
+                book.mark("released")
             answered = self._alive(group)  # (asked with the abort: stuck ones answer too)
+            book.mark("checked")
             alive, gone = answered - stuck, set(range(len(nodes))) - answered
             # a node is gone when none of its ranks answers; a rank dead beside ones that do
             # (its process killed: OOM, a crash) leaves a place its node can refill

@@ -28,7 +28,9 @@ class Recovery:
     restored_from: str = "storage"  # memory (peers' in-memory snapshots), storage, none (step 0)
     failed_at: float = 0.0  # wall time the controller saw the failure
     # seconds: decide (health check, backoff, re-plan), reform (process group: new actors and
-    # placement when cold), restore (build model parts, load the checkpoint), first_step
+    # placement when cold), restore (build model parts, load the checkpoint), first_step; and
+    # decide's parts after a failure: abort (survivors leave their communicators), stuck (the
+    # grace for ranks no abort frees), health (who answers), plan (backoff and re-plan)
     phases: dict = field(default_factory=dict)
     # the new ranks that took a ready process ("ready"; their pids "ready_pids") and those that
     # started one ("started")
@@ -40,11 +42,14 @@ class Recovery:
 
 def recovery_phases(marks: dict[str, float]) -> dict[str, float]:
     """Seconds per recovery phase from the wall times marked on the way (``failed``,
-    ``planned``, ``group``, ``restored``, ``first_step``), where both ends were marked."""
+    ``planned``, ``group``, ``restored``, ``first_step``; within deciding, after a failure,
+    ``aborted``, ``released`` and ``checked``), where both ends were marked."""
     phases = {}
     for name, a, b in (("decide_s", "failed", "planned"), ("reform_s", "planned", "group"),
                        ("restore_s", "group", "restored"),
-                       ("first_step_s", "restored", "first_step")):
+                       ("first_step_s", "restored", "first_step"),
+                       ("abort_s", "failed", "aborted"), ("stuck_s", "aborted", "released"),
+                       ("health_s", "released", "checked"), ("plan_s", "checked", "planned")):
         if a in marks and b in marks:
             phases[name] = round(marks[b] - marks[a], 3)
     return phases

@@ -60,6 +60,9 @@ def hang_bound_s(cfg: ElasticConfig, recent_steps: list[float]) -> float | None:
     return max(HANG_FLOOR_S, HANG_STEPS * statistics.median(recent_steps))
 
 
+ANSWER_S = 0.5  # after a failure, how long a live rank may take to answer its abort
+
+
 class RayWorkerGroup:
     """The real worker group behind the controller's narrow interface."""
 
@@ -78,6 +81,10 @@ class RayWorkerGroup:
             raise
         self._steps: list[float] = []  # recent step times, for the hang bound
         self._asked: tuple[float, dict] | None = None  # (when, refs) of the last "alive?"
+        self._aborted: set[int] | None = None  # the ranks that answered the last abort
+        # every rank's process answered since it started (its process group formed): a silent
+        # one is not merely still starting
+        self._formed = True
 
     def processes(self) -> dict[str, list[int]]:
         """The ranks of the last (re)formation that took a ready process ("ready", their pids
@@ -98,13 +105,15 @@ class RayWorkerGroup:
         """Ranks that answer on their control path within ``timeout_s`` (it never queues
         behind a step, so a live rank answers at once, busy or not) of being asked — by
         ``abort``, when it ran: the question then waits alongside the abort and the stuck
-        ranks' grace, not after them. A rank that does not — on a node that is gone but not
-        yet known dead to Ray, or frozen — is not alive: it is killed, so that no later call
-        waits on it."""
+        ranks' grace, not after them, and only the ranks that aborted can be alive. A rank
+        that does not answer — on a node that is gone but not yet known dead to Ray, or
+        frozen — is not alive: it is killed, so that no later call waits on it."""
         import ray
 
         asked, refs = self._asked or (time.monotonic(), self._ask())
-        self._asked = None
+        aborted, self._asked, self._aborted = self._aborted, None, None
+        if aborted is not None:  # those that answered the abort answered this before it
+            refs = {ref: r for ref, r in refs.items() if r in aborted}
         left = max(0.0, asked + timeout_s - time.monotonic())
         ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=left)
         alive = set()
@@ -114,29 +123,70 @@ class RayWorkerGroup:
                 alive.add(refs[ref])
             except ray.exceptions.RayError:
                 pass
-        self.group.end(sorted(set(refs.values()) - alive))
+        self.group.end(sorted(set(range(self.group.world_size)) - alive))
         return alive
 
     def _ask(self) -> dict:
         return {w.node_info.remote(): r for r, w in enumerate(self.group.workers)}
 
-    def abort(self) -> None:
+    def abort(self, answer_s: float = ANSWER_S, limit_s: float = 5.0) -> None:
         """A failure is known: every survivor aborts its communicators now (out of band),
-        asked first whether it lives (``alive_ranks`` reads the answers)."""
-        self._asked = (time.monotonic(), self._ask())  # before the abort on the control path
-        self.group.abort(timeout_s=5.0)
+        asked first whether it lives (``alive_ranks`` reads the answers). Returns once every
+        rank that answers has aborted (at most ``limit_s``) and the rest are silent:
+        ``answer_s`` after the question, or 3 × the slowest answer when answers come slowly (a
+        loaded host). A silent rank is taken for gone (Ray fails a call to a rank on a lost
+        node only ~2 s later here: waiting for that was most of a recovery's decision); were it
+        alive after all, it is ended and its place refilled, as a stuck one's. While the group
+        re-forms (new rank processes may still be starting) every rank gets ``limit_s``."""
+        import ray
+
+        if not self._formed:
+            answer_s = limit_s
+
+        asked, asks = time.monotonic(), self._ask()  # before the abort on the control path
+        self._asked = (asked, asks)
+        calls = {ref: ("ask", r) for ref, r in asks.items()}
+        calls.update({ref: ("abort", r) for r, ref in enumerate(self.group.abort())})
+        answered, silent_or_done, aborted, slowest = set(), set(), set(), 0.0
+        while True:
+            open_ = set(range(self.group.world_size)) - silent_or_done
+            unanswered = open_ - answered
+            deadline = max(asked + min(limit_s, max(answer_s, 3 * slowest)) if unanswered else 0.0,
+                           asked + limit_s if open_ & answered else 0.0)
+            left = deadline - time.monotonic()
+            refs = [ref for ref, (_, r) in calls.items() if r in open_]
+            if not refs or left <= 0:
+                break
+            ready, _ = ray.wait(refs, num_returns=1, timeout=left)
+            for ref in ready:
+                kind, r = calls.pop(ref)
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayError:  # dead: nothing more to wait for
+                    silent_or_done.add(r)
+                    continue
+                if kind == "ask":
+                    answered.add(r)
+                    slowest = time.monotonic() - asked
+                else:
+                    aborted.add(r)
+                    silent_or_done.add(r)
+        self._aborted = aborted
 
     def release_stuck(self, wait_s: float) -> list[int]:
-        """Ranks still stuck in the failed call ``wait_s`` after the abort, killed."""
-        return self.group.release_stuck(wait_s)
+        """Ranks that aborted but are still stuck in the failed call ``wait_s`` after the
+        abort, killed (the silent ones are not waited for: ``alive_ranks`` ends them)."""
+        return self.group.release_stuck(wait_s, self._aborted)
 
     def reform(self, assignment: list[int | None], placement: Placement, timeout_s: float,
                refill: set[int] = frozenset(), avoid: set[str] = frozenset()) -> None:
         """Warm recovery or growth: kept old ranks take their new ranks in the same processes,
         new actors start in the reservations of ``refill`` ranks and where ``assignment`` has
         None (not on the nodes in ``avoid``); all join a new process group on a fresh port."""
+        self._formed = False
         self.group.reform(assignment, placement, timeout_s, refill, avoid)
         self.backend = self.group.setup_process_group(self.spec.runtime.device, self.timeout)
+        self._formed = True
 
     def build(self, spec_json: str, dims: ParallelDims, data_dir: str) -> None:
         d = {"pp": dims.pp, "dp": dims.dp, "tp": dims.tp, "ep": dims.ep, "cp": dims.cp}
