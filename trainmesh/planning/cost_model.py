@@ -265,10 +265,16 @@ def rank_params(model, pp: int, pp_rank: int, schedule: str = "1f1b") -> RankPar
     d, V = model.dim, model.vocab_size
     layers = model.n_layers // pp
     first_layer = pp_rank * layers  # stages own contiguous layers (chunk order aside)
+    # the stage's dense blocks come first (the model's first moe.dense_layers), then its MoE
+    # blocks; blocks of a kind are alike (counted once: the planner asks this ~10^5 times)
+    moe = getattr(model, "moe", None)
+    dense_end = model.n_layers if moe is None else moe.dense_layers
+    n_dense = max(0, min(first_layer + layers, dense_end) - first_layer)
     sharded = replicated = experts = 0
-    for layer in range(first_layer, first_layer + layers):
-        t, r, e = _block_parts(model, layer)
-        sharded, replicated, experts = sharded + t, replicated + r, experts + e
+    for n, layer in ((n_dense, first_layer), (layers - n_dense, first_layer + layers - 1)):
+        if n:
+            t, r, e = _block_parts(model, layer)
+            sharded, replicated, experts = sharded + n * t, replicated + n * r, experts + n * e
     first, last = pp_rank == 0, holds_head(schedule, pp, pp_rank)
     if first:
         sharded += V * d

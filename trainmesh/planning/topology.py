@@ -7,6 +7,7 @@ Read from a live Ray cluster (:func:`topology_from_ray`) or described by hand
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -34,16 +35,16 @@ class Topology:
         dev = device if isinstance(device, DeviceSpec) else device_spec(device)
         return cls(tuple(Node(f"node-{i}", per_node) for i in range(nodes)), dev)
 
-    @property
+    @functools.cached_property  # (a frozen dataclass: computed once; the planner asks often)
     def world_size(self) -> int:
         return sum(n.accelerators for n in self.nodes)
 
-    @property
+    @functools.cached_property
     def per_node(self) -> int:
         """Accelerators on the smallest node."""
         return min(n.accelerators for n in self.nodes)
 
-    @property
+    @functools.cached_property
     def largest_node(self) -> int:
         """Accelerators on the largest node: TP degrees are its divisors."""
         return max(n.accelerators for n in self.nodes)

@@ -49,8 +49,11 @@ def expert_params(shape) -> int:
 def num_params(shape, include_embedding: bool = True, active: bool = False) -> int:
     """Exact parameter count of ``trainmesh.models.llama.model.Llama`` (``active``: counting
     only the experts one token uses)."""
-    d = shape.dim
-    blocks = sum(layer_params(shape, i, active) for i in range(shape.n_layers))
+    d, n = shape.dim, shape.n_layers
+    moe = getattr(shape, "moe", None)
+    dense = n if moe is None else min(n, moe.dense_layers)  # the first blocks; the rest alike
+    blocks = (dense * layer_params(shape, 0, active) if dense else 0) + (
+        (n - dense) * layer_params(shape, n - 1, active) if n > dense else 0)
     emb = shape.vocab_size * d
     head = 0 if shape.tie_embeddings else emb
     total = blocks + d + head + emb
