@@ -32,6 +32,10 @@ MAX_BLOCK_V = 32768  # a row's logits are read in blocks of up to this many (32 
 # Chosen by the GPU check kit's sweep (bench/kernels.py --lce-sweep); see bench/RESULTS.md.
 CHUNK_FACTOR = 8
 ACCUMULATE = "native"
+# ... and never more than this many logits (512 MiB in bf16: the sweep's 8k tokens × 4096 ×
+# vocab 128k at CHUNK_FACTOR 8), so that a long context's chunk does not grow with its tokens
+# (8 GiB of logits at 128k tokens × 4096 without the cap).
+MAX_CHUNK_LOGITS = 1 << 28
 
 
 @triton.jit
@@ -90,9 +94,12 @@ def _ce_grad(Z, TARGETS, LSE, stride, V, v0, scale, BLOCK_V: tl.constexpr):
               BLOCK_V)
 
 
-def chunk_rows(n_rows: int, vocab: int, dim: int, factor: int = CHUNK_FACTOR) -> int:
-    """Rows per chunk so that a chunk's logits are about ``factor`` times the whole input h."""
-    return max(1, min(n_rows, triton.cdiv(n_rows * factor, triton.cdiv(vocab, dim))))
+def chunk_rows(n_rows: int, vocab: int, dim: int, factor: int = CHUNK_FACTOR,
+               max_logits: int = MAX_CHUNK_LOGITS) -> int:
+    """Rows per chunk so that a chunk's logits are about ``factor`` times the whole input h,
+    and at most ``max_logits``."""
+    rows = min(n_rows, triton.cdiv(n_rows * factor, triton.cdiv(vocab, dim)), max_logits // vocab)
+    return max(1, rows)
 
 
 def _launch(vocab: int) -> dict:
