@@ -52,7 +52,9 @@ Step time (seconds):
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 from dataclasses import dataclass
 
 from trainmesh.models.llama.model_math import flops_per_token, layer_params, mlp_params
@@ -187,9 +189,9 @@ def in_flight_chunks(schedule: str, pp: int, vpp: int, m: int, pp_rank: int) -> 
         return min(m, pp)
     if schedule == "zbv":
         return _zero_bubble(schedule, pp, vpp, m)[1][pp_rank]
-    from trainmesh.parallel.pipeline.schedules import interleave_groups
-
-    group = interleave_groups(pp, m)[0] if m >= pp else pp  # microbatches through a chunk at once
+    # microbatches through a chunk at once: the first (largest) of interleaved 1F1B's groups
+    # (``schedules.interleave_groups``: m // pp groups, sizes differing by at most one)
+    group = -(-m // (m // pp)) if m >= pp else pp
     return min(m * vpp, 2 * (pp - pp_rank - 1) + (vpp - 1) * group + 1)
 
 
@@ -261,7 +263,35 @@ def _block_parts(model, layer: int | None) -> tuple[int, int, int]:
     return attention, total - attention - experts, experts
 
 
+_memo = threading.local()  # rank_params' results while ``memoized`` (per thread)
+
+
+@contextlib.contextmanager
+def memoized():
+    """Within it, ``rank_params`` keeps what it computed for each model and stage: a plan's
+    search asks the same ~10^5 times. The models asked about must not change meanwhile."""
+    outer = getattr(_memo, "rank_params", None)
+    if outer is None:
+        _memo.rank_params = {}
+    try:
+        yield
+    finally:
+        if outer is None:
+            _memo.rank_params = None
+
+
 def rank_params(model, pp: int, pp_rank: int, schedule: str = "1f1b") -> RankParams:
+    cache = getattr(_memo, "rank_params", None)
+    if cache is None:
+        return _rank_params(model, pp, pp_rank, holds_head(schedule, pp, pp_rank))
+    key = (id(model), pp, pp_rank, holds_head(schedule, pp, pp_rank))
+    hit = cache.get(key)
+    if hit is None or hit[0] is not model:  # (the model is kept: its id stays its own)
+        hit = cache[key] = (model, _rank_params(model, pp, pp_rank, key[3]))
+    return hit[1]
+
+
+def _rank_params(model, pp: int, pp_rank: int, last: bool) -> RankParams:
     d, V = model.dim, model.vocab_size
     layers = model.n_layers // pp
     first_layer = pp_rank * layers  # stages own contiguous layers (chunk order aside)
@@ -275,7 +305,7 @@ def rank_params(model, pp: int, pp_rank: int, schedule: str = "1f1b") -> RankPar
         if n:
             t, r, e = _block_parts(model, layer)
             sharded, replicated, experts = sharded + n * t, replicated + n * r, experts + n * e
-    first, last = pp_rank == 0, holds_head(schedule, pp, pp_rank)
+    first = pp_rank == 0
     if first:
         sharded += V * d
     if last:

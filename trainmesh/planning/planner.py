@@ -4,6 +4,7 @@ rest by predicted throughput (see ``cost_model`` for the estimates). No torch, n
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -14,6 +15,7 @@ from trainmesh.planning.cost_model import (
     Candidate,
     Estimate,
     estimate,
+    memoized,
     memory_bytes,
     uses_fused_kernels,
 )
@@ -118,8 +120,9 @@ def _rule_rejection(problem: Problem) -> Rejection:
     return Rejection(None, f"{problem.kind}: {problem}")
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+@functools.lru_cache(maxsize=256)
+def _divisors(n: int) -> tuple[int, ...]:
+    return tuple(d for d in range(1, n + 1) if n % d == 0)
 
 
 def _cp_choices(req: PlanRequest, long: bool) -> list[int]:
@@ -321,12 +324,13 @@ def plan(req: PlanRequest, topo: Topology) -> PlanResult:
     """All feasible plans, best first: fewest accelerators idle, then predicted tokens/s; and
     every rejection. A sequence shorter than LONG_CONTEXT is planned with context parallel
     only when nothing fits without it."""
-    result = _plan(req, topo, None)
-    if not result.plans and "cp" not in req.fixed and req.seq_len < LONG_CONTEXT:
-        again = _plan(req, topo, True)
-        if again.plans:
-            return again
-    return result
+    with memoized():
+        result = _plan(req, topo, None)
+        if not result.plans and "cp" not in req.fixed and req.seq_len < LONG_CONTEXT:
+            again = _plan(req, topo, True)
+            if again.plans:
+                return again
+        return result
 
 
 def _plan(req: PlanRequest, topo: Topology, long: bool | None) -> PlanResult:

@@ -68,9 +68,12 @@ class Topology:
 
     def usable(self, unit: int) -> Topology:
         """Only nodes' whole multiples of ``unit`` accelerators (e.g. a TP group)."""
-        nodes = tuple(Node(n.node_id, n.accelerators // unit * unit) for n in self.nodes
-                      if n.accelerators >= unit)
-        return dataclasses.replace(self, nodes=nodes)
+        made = self.__dict__.setdefault("_usable", {})  # (frozen: kept beside the fields)
+        if unit not in made:
+            nodes = tuple(Node(n.node_id, n.accelerators // unit * unit) for n in self.nodes
+                          if n.accelerators >= unit)
+            made[unit] = dataclasses.replace(self, nodes=nodes)
+        return made[unit]
 
     def allocate(self, unit: int, world: int) -> tuple[int, ...]:
         """Ranks per node for ``world`` ranks in whole groups of ``unit`` (a TP group never
