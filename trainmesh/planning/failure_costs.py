@@ -52,7 +52,7 @@ class Measured:
     cold_restore_s: float = 4.84
     first_step_s: float = 1.46  # the first step on the new mesh (its set-up included)
     restart_s: float = 13.0  # Ray Train v2: failure to restarted workers with the state loaded
-    planner_s_16k: float = 0.61  # a plan for 16,384 GPUs
+    planner_s_16k: float = 2.1  # a plan for 16,384 GPUs (bench/planner.py, 2026-11-26)
 
 
 @dataclass(frozen=True)
