@@ -135,6 +135,25 @@ def test_ddp_in_bf16_computes_under_autocast_over_float32_weights(rank_pool, tmp
     assert losses != ref_losses
 
 
+def test_ddp_reduces_in_bf16_when_asked(rank_pool, tmp_path):
+    """``parallelism.reduce_dtype: bfloat16`` under DDP: each bucket is all-reduced in bf16
+    (torch's compression hook), so every reduced gradient is a bf16 value (no clipping here:
+    they are as the reduction left them), within bf16's precision of the single process's."""
+    spec = load_spec(None, [*BASE, NO_CLIP, "parallelism.dp=2", "parallelism.dp_replicate=2",
+                            "parallelism.reduce_dtype=bfloat16", f"runtime.output_dir={tmp_path}"])
+    data_dir = str(ensure_tiny_corpus(tmp_path / "data"))
+    losses, grads, _ = _parallel_run(rank_pool, spec, ParallelDims(dp=2), data_dir)
+    ref_losses, _, ref_grads = reference_run(spec, data_dir, steps=3, grads_after=1)
+    assert losses[0] == pytest.approx(ref_losses[0], rel=1e-6)  # the forward is float32's
+    for k, g in grads.items():
+        assert torch.equal(g, g.to(torch.bfloat16).float()), k
+        # each rank's half and their sum rounded to bf16 (2^-9 each): where the halves cancel,
+        # the error is bf16's against the halves, not the sum
+        scale = ref_grads[k].abs().max().item()
+        torch.testing.assert_close(g, ref_grads[k], rtol=1e-2, atol=1e-2 * scale)
+    assert any(not torch.equal(grads[k], ref_grads[k]) for k in grads)
+
+
 def _resumed_at_dp3(rank_pool, tmp_path) -> None:
     """dp4 under hybrid sharding (2 × 2, 2 microbatches each) saves at step 2; dp3 under plain
     ZeRO-3 (shares 3, 3, 2 of the 8 microbatches) restores it and reads on from the same data

@@ -277,7 +277,8 @@ class Engine:
         if replicated:
             if spec.model.compile:  # compiled blocks inside DDP: not split at its buckets
                 torch._dynamo.config.optimize_ddp = False
-            apply_replicate(self.model, mesh[Axis.DP].get_group(), device)
+            apply_replicate(self.model, mesh[Axis.DP].get_group(), device,
+                            getattr(torch, par.reduce_dtype))
             if dtype != torch.float32:  # DDP keeps one dtype: the compute's by autocast
                 self.loss_context = functools.partial(torch.autocast, device.type, dtype=dtype)
         elif pp == 1:

@@ -200,7 +200,8 @@ class ParallelismConfig(_Section):
         "unsharded) across a step's microbatches, reduce-scattering once (less traffic, more "
         "memory), or re-gather and reduce-scatter every microbatch; null: the planner chooses")
     reduce_dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="dtype of the ZeRO-3 gradient reduce-scatter")
+        "float32", description="dtype of the gradient reduction: ZeRO-3's reduce-scatter, or "
+        "DDP's all-reduce (dp_replicate = dp)")
 
     @model_validator(mode="before")
     @classmethod
