@@ -60,7 +60,7 @@ def hang_bound_s(cfg: ElasticConfig, recent_steps: list[float]) -> float | None:
     return max(HANG_FLOOR_S, HANG_STEPS * statistics.median(recent_steps))
 
 
-ANSWER_S = 0.5  # after a failure, how long a live rank may take to answer its abort
+ANSWER_S = 0.5  # after a failure, how long a live rank may take to answer whether it lives
 
 
 class RayWorkerGroup:
