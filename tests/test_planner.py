@@ -11,7 +11,7 @@ import pytest
 
 from trainmesh.cli.loading import load_spec
 from trainmesh.cli.main import main
-from trainmesh.planning import cost_model
+from trainmesh.planning import cost_model, stage_params
 from trainmesh.planning.devices import device_spec
 from trainmesh.planning.job_plan import PlanError, plan_job, request_for
 from trainmesh.planning.planner import MEMORY_HEADROOM, PlanRequest, explain, plan
@@ -237,8 +237,8 @@ def test_keeping_parameters_gathered_costs_the_stage_unsharded():
     reshard = cost_model.Candidate(1, 1, 8, 1, "1f1b", 1, 4, "none", False, False)
     a = cost_model.rank_memory(m, keep, 4096)
     b = cost_model.rank_memory(m, reshard, 4096)
-    n = cost_model.rank_params(m, 1, 0).gathered(1)
-    layer = cost_model.layer_params(m)
+    n = stage_params.rank_params(m, 1, 0).gathered(1)
+    layer = stage_params.layer_params(m)
     assert a.gathered == pytest.approx(2 * n) and a.grads == pytest.approx(4 * n + 2 * layer)
     assert b.gathered < 0.2 * a.gathered and b.grads < 0.2 * a.grads
     assert a.params == b.params == pytest.approx(4 * n / 8)
@@ -325,7 +325,7 @@ def test_moe_memory_counts_experts_over_ep_and_their_shards_over_dp():
     from trainmesh.models.llama.model_math import num_params
 
     m = _model("tiny-moe", **{"moe.shared_experts": 1})
-    rp = cost_model.rank_params(m, 1, 0)
+    rp = stage_params.rank_params(m, 1, 0)
     assert rp.local(1, 1) == num_params(m)
     experts = m.n_layers * m.moe.experts * 3 * m.dim * m.moe.expert_ffn_dim
     assert rp.experts == experts

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainmesh.planning.cost_model import rank_params
+from trainmesh.planning.stage_params import rank_params
 
 STATE_BYTES_PER_PARAM = 12  # fp32 parameter + AdamW exp_avg + exp_avg_sq
 

@@ -15,10 +15,10 @@ from trainmesh.planning.cost_model import (
     Candidate,
     Estimate,
     estimate,
-    memoized,
     memory_bytes,
     uses_fused_kernels,
 )
+from trainmesh.planning.stage_params import memoized
 from trainmesh.planning.topology import Topology
 from trainmesh.spec.mesh_rules import (
     cp_problems,

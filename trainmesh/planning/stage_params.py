@@ -1,0 +1,109 @@
+"""A pipeline stage's parameters from the model's shape alone (no torch): which rank holds the
+head, and how many elements its part has, split by how tensor and expert parallel shard them.
+The planner's memory and time estimates (``cost_model``) and the failure costs read them;
+a plan's search asks ~10^5 times, so the counts are kept for its length (``memoized``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+
+from trainmesh.models.llama.model_math import layer_params, mlp_params
+
+
+def holds_head(schedule: str, pp: int, pp_rank: int) -> bool:
+    """Whether pipeline rank ``pp_rank`` holds the last stage (norm, head, loss): the last
+    rank, or the first for ZBV's V."""
+    return pp_rank == (0 if schedule == "zbv" and pp > 1 else pp - 1)
+
+
+@dataclass(frozen=True)
+class RankParams:
+    """Parameters of one rank's model part, split by how TP and EP shard them."""
+
+    tp_sharded: int  # matrices (attention, dense MLP, embedding, head): divided over tp
+    replicated: int  # norm weights, MoE routers and shared experts: whole on every tp rank
+    per_layer: int
+    experts: int = 0  # routed experts: divided over ep (an MoE block is not split over tp)
+    # One block's parts (the heaviest block: an MoE one if the model has any).
+    layer_tp_sharded: int = 0
+    layer_replicated: int = 0
+    layer_experts: int = 0
+
+    def local(self, tp: int, dp: int) -> float:
+        """Elements of this rank's ZeRO-3 shards (experts: over ep, then the rest of dp)."""
+        return (self.tp_sharded / tp + self.replicated + self.experts) / dp
+
+    def gathered(self, tp: int, ep: int = 1) -> float:
+        return self.tp_sharded / tp + self.replicated + self.experts / ep
+
+    def layer_gathered(self, tp: int, ep: int = 1) -> float:
+        """One block as ZeRO-3 gathers it on a rank."""
+        return self.layer_tp_sharded / tp + self.layer_replicated + self.layer_experts / ep
+
+
+def _block_parts(model, layer: int | None) -> tuple[int, int, int]:
+    """(tp-sharded, replicated, expert) elements of block ``layer`` (None: the heaviest)."""
+    d = model.dim
+    total = layer_params(model, layer)
+    moe = getattr(model, "moe", None)
+    if moe is None or (layer is not None and layer < moe.dense_layers):
+        return total - 2 * d, 2 * d, 0
+    experts = moe.experts * 3 * d * moe.expert_ffn_dim
+    attention = total - 2 * d - mlp_params(model, layer)
+    return attention, total - attention - experts, experts
+
+
+_memo = threading.local()  # rank_params' results while ``memoized`` (per thread)
+
+
+@contextlib.contextmanager
+def memoized():
+    """Within it, ``rank_params`` keeps what it computed for each model and stage: a plan's
+    search asks the same ~10^5 times. The models asked about must not change meanwhile."""
+    outer = getattr(_memo, "rank_params", None)
+    if outer is None:
+        _memo.rank_params = {}
+    try:
+        yield
+    finally:
+        if outer is None:
+            _memo.rank_params = None
+
+
+def rank_params(model, pp: int, pp_rank: int, schedule: str = "1f1b") -> RankParams:
+    cache = getattr(_memo, "rank_params", None)
+    if cache is None:
+        return _rank_params(model, pp, pp_rank, holds_head(schedule, pp, pp_rank))
+    key = (id(model), pp, pp_rank, holds_head(schedule, pp, pp_rank))
+    hit = cache.get(key)
+    if hit is None or hit[0] is not model:  # (the model is kept: its id stays its own)
+        hit = cache[key] = (model, _rank_params(model, pp, pp_rank, key[3]))
+    return hit[1]
+
+
+def _rank_params(model, pp: int, pp_rank: int, last: bool) -> RankParams:
+    d, V = model.dim, model.vocab_size
+    layers = model.n_layers // pp
+    first_layer = pp_rank * layers  # stages own contiguous layers (chunk order aside)
+    # the stage's dense blocks come first (the model's first moe.dense_layers), then its MoE
+    # blocks; blocks of a kind are alike (counted once: the planner asks this ~10^5 times)
+    moe = getattr(model, "moe", None)
+    dense_end = model.n_layers if moe is None else moe.dense_layers
+    n_dense = max(0, min(first_layer + layers, dense_end) - first_layer)
+    sharded = replicated = experts = 0
+    for n, layer in ((n_dense, first_layer), (layers - n_dense, first_layer + layers - 1)):
+        if n:
+            t, r, e = _block_parts(model, layer)
+            sharded, replicated, experts = sharded + n * t, replicated + n * r, experts + n * e
+    first = pp_rank == 0
+    if first:
+        sharded += V * d
+    if last:
+        replicated += d
+        if not (model.tie_embeddings and first):
+            sharded += V * d
+    lt, lr, le = _block_parts(model, None)
+    return RankParams(sharded, replicated, layer_params(model), experts, lt, lr, le)
