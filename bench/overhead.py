@@ -10,7 +10,7 @@ is the controller's wall time per step (an RPC to every rank, metrics queued for
 the DDP loop's is rank 0's loop time; Ray Train's includes a ``ray.train.report`` per step,
 as a user of it would write.
 
-    python bench/overhead.py [--steps 30] [--warmup 5]
+    python bench/overhead.py [--steps 30] [--warmup 5] [--trials 3] [--skip-ray-train]
 """
 
 from __future__ import annotations
@@ -165,6 +165,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--trials", type=int, default=1,
+                    help="run every system this many times, one after another in turn; a ratio "
+                    "is taken within a trial (this machine's speed drifts between minutes)")
     ap.add_argument("--skip-ray-train", action="store_true")
     ap.add_argument("--set", dest="overrides", action="append", default=[],
                     help="extra spec overrides for the trainmesh run only")
@@ -173,35 +176,41 @@ def main() -> None:
 
     from trainmesh.data.shards import ensure_tiny_corpus
 
-    rows = {}
+    extra = f", {', '.join(args.overrides)}" if args.overrides else ""
+    ddp, fsdp = "plain DDP loop (torch.multiprocessing)", "plain FSDP2 loop (ZeRO-3 as trainmesh keeps it)"
+    trials: list[dict[str, float]] = []  # per trial: system -> median step s
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         spec = _spec(args.steps, tmp / "tm")
         data_dir = str(ensure_tiny_corpus(tmp / "data"))
-        rows["plain DDP loop (torch.multiprocessing)"] = plain_ddp(spec, data_dir, tmp)
-        rows["plain FSDP2 loop (ZeRO-3 as trainmesh keeps it)"] = plain_ddp(spec, data_dir, tmp,
-                                                                            fsdp=True)
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-                 configure_logging=False)
-        try:
-            extra = f", {', '.join(args.overrides)}" if args.overrides else ""
-            rows[f"trainmesh run (ZeRO-3: the planner's choice{extra})"] = trainmesh_steps(
-                _spec(args.steps, tmp / "tm", args.overrides))
-            rows[f"trainmesh run (parallelism.dp_replicate=2: DDP{extra})"] = trainmesh_steps(
-                _spec(args.steps, tmp / "tm-ddp", ["parallelism.dp_replicate=2", *args.overrides]))
-            if not args.skip_ray_train:
-                rows["Ray Train v2 TorchTrainer"] = ray_train(spec, data_dir, tmp)
-        finally:
-            ray.shutdown()
-    base = statistics.median(rows["plain DDP loop (torch.multiprocessing)"][args.warmup:])
+        for t in range(args.trials):
+            rows = {ddp: plain_ddp(spec, data_dir, tmp), fsdp: plain_ddp(spec, data_dir, tmp, fsdp=True)}
+            ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
+                     configure_logging=False)
+            try:
+                rows[f"trainmesh run (ZeRO-3: the planner's choice{extra})"] = trainmesh_steps(
+                    _spec(args.steps, tmp / f"tm{t}", args.overrides))
+                rows[f"trainmesh run (parallelism.dp_replicate=2: DDP{extra})"] = trainmesh_steps(
+                    _spec(args.steps, tmp / f"tm-ddp{t}", ["parallelism.dp_replicate=2", *args.overrides]))
+                if not args.skip_ray_train and t == 0:
+                    rows["Ray Train v2 TorchTrainer"] = ray_train(spec, data_dir, tmp)
+            finally:
+                ray.shutdown()
+            trials.append({name: statistics.median(times[args.warmup:]) for name, times in rows.items()})
     print(f"\nsmall preset, seq 128, global batch 16, microbatch 4, dp=2, CPU/gloo; median of "
-          f"steps {args.warmup + 1}..{args.steps}")
-    fsdp = statistics.median(rows["plain FSDP2 loop (ZeRO-3 as trainmesh keeps it)"][args.warmup:])
+          f"steps {args.warmup + 1}..{args.steps}; {args.trials} trial(s): medians over trials, "
+          f"ratios taken within each trial (min–max beside)")
     print("| system | median step s | vs plain DDP loop | vs plain FSDP2 loop |")
     print("|---|---:|---:|---:|")
-    for name, times in rows.items():
-        med = statistics.median(times[args.warmup:])
-        print(f"| {name} | {med:.3f} | {med / base:.2f}× | {med / fsdp:.2f}× |")
+
+    def ratio(name: str, base: str) -> str:
+        r = [tr[name] / tr[base] for tr in trials if name in tr]
+        spread = f" ({min(r):.2f}–{max(r):.2f})" if len(r) > 1 else ""
+        return f"{statistics.median(r):.2f}×{spread}"
+
+    for name in trials[0]:
+        med = statistics.median(tr[name] for tr in trials if name in tr)
+        print(f"| {name} | {med:.3f} | {ratio(name, ddp)} | {ratio(name, fsdp)} |")
 
 
 if __name__ == "__main__":
