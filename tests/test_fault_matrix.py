@@ -28,14 +28,16 @@ from trainmesh.cli.loading import load_spec
 pytestmark = pytest.mark.cluster  # every test here starts Ray
 
 STEPS = 20
-# 4 ranks: a pipeline of 2 stages (interleaved, 2 chunks each), TP 2 inside each stage's node.
-ARGS = ["model.preset=tiny", "training.global_batch_size=8", "training.microbatch_size=2",
+# 4 ranks: a pipeline of 2 stages (interleaved, 2 chunks each), TP 2 inside each stage's node;
+# 2 microbatches a step (as many as stages: the least interleaving runs) and one ready process
+# per node (a refill takes it, asserted below): each costs 2 cores' time on every step or node.
+ARGS = ["model.preset=tiny", "training.global_batch_size=4", "training.microbatch_size=2",
         "training.seq_len=32", "optimizer.warmup_steps=1", "runtime.device=auto",
         "runtime.cpus_per_rank=0.5", "parallelism.pp=2", "parallelism.vpp=2", "parallelism.tp=2",
         "parallelism.dp=1", "parallelism.sequence_parallel=true",
         "schedule.name=interleaved-1f1b", f"training.steps={STEPS}", "checkpoint.every=2",
         "checkpoint.async_save=true", "checkpoint.keep_last=100", "elastic.max_world_size=4",
-        "elastic.max_restarts=20", "elastic.hang_timeout_s=8"]
+        "elastic.max_restarts=20", "elastic.hang_timeout_s=8", "elastic.ready_ranks_per_node=1"]
 
 # (name, fault): rank r (ranks 0-1 are stage 0 on one node, 2-3 stage 1 on another; the
 # survivors of a recovery become ranks 0-1), at the steps it has done (for a step: the steps
