@@ -61,7 +61,7 @@ KILL_AFTER_STEP = 4
 
 
 MAIN_PHASES = ("decide_s", "reform_s", "restore_s", "first_step_s")
-DECIDE_PARTS = ("abort_s", "stuck_s", "health_s", "plan_s")  # decide_s, split
+DECIDE_PARTS = ("interrupted_s", "abort_s", "stuck_s", "health_s", "plan_s")  # decide_s, split
 
 
 def _gpu_nodes(cluster):
@@ -535,8 +535,9 @@ def main() -> None:
         print(f"| {r['system']} | {r['mesh']} | {f(r['detection'])} | {f(r.get('decide_s'))} | "
               f"{f(r.get('reform_s'))} | {f(r.get('restore_s'))} | {f(r.get('first_step_s'))} | "
               f"{r['total']:.2f} | {r['worst']:.2f} | {r['total'] / base:.2f}× | {r['steps_lost']} |")
-    print("\n| system | decide s | abort s | stuck grace s | health check s | backoff + re-plan s |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("\n| system | decide s | interrupted attempts s | abort s | stuck grace s | health check s | "
+          "backoff + re-plan s |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         if r.get("abort_s") is not None:
             print(f"| {r['system']} | {f(r.get('decide_s'))} | "

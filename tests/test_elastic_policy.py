@@ -175,3 +175,37 @@ def test_ready_processes_default_to_a_nodes_ranks_on_accelerators_and_one_on_cpu
     spec = load_spec(None, ["elastic.ready_ranks_per_node=3"])
     assert ready_pool(spec, {}, placement, accelerators=True).per_node == 3
     assert ready_pool(load_spec(None, ["elastic.ready_ranks_per_node=0"]), {}, placement, True) is None
+
+
+def test_a_recovery_interrupted_by_a_failure_times_its_last_attempt_apart(monkeypatch):
+    """A failure while recovering joins the recovery (one downtime, from the first failure):
+    the interrupted attempt's time is ``interrupted_s``, the last attempt's abort is timed from
+    the interruption (not from the first failure), and deciding's parts add up to it."""
+    from trainmesh.controller import recovery
+    from trainmesh.controller.recovery import RecoveryBook
+    from trainmesh.controller.states import FAILURE, Stop
+
+    now = [100.0]
+    monkeypatch.setattr(recovery.time, "time", lambda: now[0])
+    book, mesh = RecoveryBook(), {"world_size": 4}
+    first = Stop(FAILURE, "RuntimeError", 3, mesh, at=0.0)
+    book.begin(book.joined(first))
+    for phase, dt in (("aborted", 0.5), ("released", 0.1), ("checked", 0.1), ("planned", 0.3),
+                      ("group", 3.0)):
+        now[0] += dt
+        book.mark(phase)
+    now[0] += 2.0  # restoring, when another node goes
+    book.begin(book.joined(Stop(FAILURE, "ActorUnavailableError", 3, mesh, at=6.0)))
+    for phase, dt in (("aborted", 0.6), ("released", 0.0), ("checked", 0.1), ("planned", 0.2),
+                      ("group", 2.0), ("restored", 1.0)):
+        now[0] += dt
+        book.mark(phase)
+    now[0] += 0.5
+    rec = book.complete(book.open, 2, mesh, "warm")
+    p = rec.phases
+    assert rec.cause == "RuntimeError, then ActorUnavailableError"
+    assert p["interrupted_s"] == pytest.approx(6.0) and p["abort_s"] == pytest.approx(0.6)
+    assert p["decide_s"] == pytest.approx(6.9) and p["reform_s"] == pytest.approx(2.0)
+    parts = ("interrupted_s", "abort_s", "stuck_s", "health_s", "plan_s")
+    assert sum(p[k] for k in parts) == pytest.approx(p["decide_s"])
+    assert (p["restore_s"], p["first_step_s"]) == pytest.approx((1.0, 0.5))

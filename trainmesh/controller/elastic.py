@@ -43,12 +43,17 @@ class Recovery:
 def recovery_phases(marks: dict[str, float]) -> dict[str, float]:
     """Seconds per recovery phase from the wall times marked on the way (``failed``,
     ``planned``, ``group``, ``restored``, ``first_step``; within deciding, after a failure,
-    ``aborted``, ``released`` and ``checked``), where both ends were marked."""
+    ``aborted``, ``released`` and ``checked``; ``interrupted``: the last failure that struck
+    while recovering), where both ends were marked. Deciding's parts (``interrupted_s``,
+    ``abort_s``, ``stuck_s``, ``health_s``, ``plan_s``) add up to ``decide_s``."""
     phases = {}
+    # a recovery interrupted by another failure: the attempts before it, then the last one's
+    start = "interrupted" if "interrupted" in marks else "failed"
     for name, a, b in (("decide_s", "failed", "planned"), ("reform_s", "planned", "group"),
                        ("restore_s", "group", "restored"),
                        ("first_step_s", "restored", "first_step"),
-                       ("abort_s", "failed", "aborted"), ("stuck_s", "aborted", "released"),
+                       ("interrupted_s", "failed", "interrupted"),
+                       ("abort_s", start, "aborted"), ("stuck_s", "aborted", "released"),
                        ("health_s", "released", "checked"), ("plan_s", "checked", "planned")):
         if a in marks and b in marks:
             phases[name] = round(marks[b] - marks[a], 3)

@@ -30,10 +30,14 @@ class RecoveryBook:
         return self.open.then(stop) if self.open else stop
 
     def begin(self, stop: Stop) -> None:
-        """A recovery from ``stop`` (``joined`` already) starts, or goes on."""
+        """A recovery from ``stop`` (``joined`` already) starts, or goes on: a failure while
+        recovering interrupts the attempt so far (its time is ``interrupted_s``), and the new
+        attempt's phases are timed from that moment."""
         if self.open is None:
             self.marks = {"failed": time.time()}
             self.processes = {}
+        else:
+            self.marks = {"failed": self.marks["failed"], "interrupted": time.time()}
         self.open = stop
 
     def mark(self, phase: str) -> None:
