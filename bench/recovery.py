@@ -36,6 +36,7 @@ how long until the write is done.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -44,6 +45,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from unittest import mock
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -289,6 +291,7 @@ def checkpoint_bandwidth(mib: int, tmp: Path, reps: int = 3) -> list[dict]:
     store_root = CheckpointStore(tmp / "trainmesh-saves")
     rows: dict[str, list[float]] = {"dcp save": [],
                                     "trainmesh save: dcp, digests as written, manifest": [],
+                                    "trainmesh save with torch.save's zip CRCs (before 2026-11-26)": [],
                                     "trainmesh save, digests re-read after (before 2026-11-25)": [],
                                     "dcp async save: caller blocked": [],
                                      "dcp async save: until written": [],
@@ -312,6 +315,15 @@ def checkpoint_bandwidth(mib: int, tmp: Path, reps: int = 3) -> list[dict]:
         dcp.save(state, storage_writer=writer, no_dist=True)
         store_root.commit(partial, {"step": 2 * r}, writer.files())
         rows["trainmesh save: dcp, digests as written, manifest"].append(time.perf_counter() - t0)
+        shutil.rmtree(store_root.step_dir(2 * r))
+        with mock.patch.object(dcp_io, "without_zip_crc", contextlib.nullcontext):
+            partial = store_root.partial_dir(2 * r)
+            t0 = time.perf_counter()
+            writer = dcp_io.storage_writer(partial)
+            dcp.save(state, storage_writer=writer, no_dist=True)
+            store_root.commit(partial, {"step": 2 * r}, writer.files())
+            rows["trainmesh save with torch.save's zip CRCs (before 2026-11-26)"].append(
+                time.perf_counter() - t0)
         partial = store_root.partial_dir(2 * r + 1)
         t0 = time.perf_counter()
         writer = FileSystemWriter(partial)
@@ -355,7 +367,8 @@ def checkpoint_bandwidth(mib: int, tmp: Path, reps: int = 3) -> list[dict]:
         staging.copy(state)
         rows["in-memory snapshot: training blocked (staging copy)"].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        dcp.save(state, storage_writer=_mem_writer(snap, store), no_dist=True)
+        with dcp_io.without_zip_crc():  # as the tier's snapshots are written (dcp_io.snapshot)
+            dcp.save(state, storage_writer=_mem_writer(snap, store), no_dist=True)
         rows["in-memory snapshot (dcp save to memory)"].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         dcp.load(target, storage_reader=_mem_reader(snap, store), no_dist=True)
@@ -366,6 +379,26 @@ def checkpoint_bandwidth(mib: int, tmp: Path, reps: int = 3) -> list[dict]:
         s = statistics.median(times)
         out.append({"op": name, "s": s, "gb_s": nbytes / s / 1e9})
     return out
+
+
+def _print_io(ckpt: list[dict], mib: int) -> None:
+    print(f"\n| checkpoint op ({mib} MiB) | s | GB/s | speed vs |")
+    print("|---|---:|---:|---:|")
+    plain = {"dcp save": "plain write + fsync", "dcp async save: caller blocked": "plain write + fsync",
+             "trainmesh save: dcp, digests as written, manifest": "plain write + fsync",
+             "trainmesh save with torch.save's zip CRCs (before 2026-11-26)": "plain write + fsync",
+             "trainmesh save, digests re-read after (before 2026-11-25)": "plain write + fsync",
+             "dcp async save: until written": "plain write + fsync", "dcp load": "plain read",
+             "dcp load (pages evicted)": "dcp load",
+             "in-memory snapshot: training blocked (staging copy)": "dcp save",
+             "in-memory snapshot (dcp save to memory)": "dcp save",
+             "restore from memory (dcp load)": "dcp load (pages evicted)",
+             "replicate: gloo send/recv": "replicate: Ray actor → actor"}
+    by = {r["op"]: r for r in ckpt}
+    for r in ckpt:
+        ref = by.get(plain.get(r["op"], r["op"]))
+        vs = "" if ref is r else f"{r['gb_s'] / ref['gb_s']:.2f}× {ref['op']}"
+        print(f"| {r['op']} | {r['s']:.3f} | {r['gb_s']:.2f} | {vs} |")
 
 
 def _evict(directory: Path) -> None:
@@ -495,7 +528,12 @@ def main() -> None:
     ap.add_argument("--modes", default="warm,memory,cold,warm-unready,cold-unready",
                     help="trainmesh recoveries to run: warm (from storage), memory (the in-memory "
                          "tier), cold; -unready: without ready rank processes")
+    ap.add_argument("--io-only", action="store_true", help="only the checkpoint operations' table")
     args = ap.parse_args()
+    if args.io_only:
+        with tempfile.TemporaryDirectory() as tmpdir:
+            _print_io(checkpoint_bandwidth(args.ckpt_mib, Path(tmpdir)), args.ckpt_mib)
+        return
     import ray
     from ray.cluster_utils import Cluster
 
@@ -548,22 +586,7 @@ def main() -> None:
         if r.get("blocked_s") is not None:
             print(f"{r['system']}: a snapshot blocks training {r['blocked_s'] * 1e3:.1f} ms per step "
                   f"({r['blocked_s'] / r['step_s']:.1%} of a {r['step_s']:.2f} s step; median)")
-    print(f"\n| checkpoint op ({args.ckpt_mib} MiB) | s | GB/s | speed vs |")
-    print("|---|---:|---:|---:|")
-    plain = {"dcp save": "plain write + fsync", "dcp async save: caller blocked": "plain write + fsync",
-             "trainmesh save: dcp, digests as written, manifest": "plain write + fsync",
-             "trainmesh save, digests re-read after (before 2026-11-25)": "plain write + fsync",
-             "dcp async save: until written": "plain write + fsync", "dcp load": "plain read",
-             "dcp load (pages evicted)": "dcp load",
-             "in-memory snapshot: training blocked (staging copy)": "dcp save",
-             "in-memory snapshot (dcp save to memory)": "dcp save",
-             "restore from memory (dcp load)": "dcp load (pages evicted)",
-             "replicate: gloo send/recv": "replicate: Ray actor → actor"}
-    by = {r["op"]: r for r in ckpt}
-    for r in ckpt:
-        ref = by.get(plain.get(r["op"], r["op"]))
-        vs = "" if ref is r else f"{r['gb_s'] / ref['gb_s']:.2f}× {ref['op']}"
-        print(f"| {r['op']} | {r['s']:.3f} | {r['gb_s']:.2f} | {vs} |")
+    _print_io(ckpt, args.ckpt_mib)
 
 
 if __name__ == "__main__":

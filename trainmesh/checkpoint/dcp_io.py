@@ -42,11 +42,11 @@ _OPTS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 _crc = threading.Lock()
-_crc_writers = [0, True]  # files being written under _no_zip_crc; the option before the first
+_crc_writers = [0, True]  # files being written under without_zip_crc; the option before the first
 
 
 @contextlib.contextmanager
-def _no_zip_crc():
+def without_zip_crc():
     """While a checkpoint file is written: ``torch.save`` (DCP's serialisation of each tensor)
     computes no zip CRC32 of its records. ``torch.load`` never checks them (measured, torch
     2.13: a flipped byte in a tensor's data loads silently), so they guarded nothing on the
@@ -127,7 +127,7 @@ class _Recording:
                     return
                 stream = _Digest(raw)
                 try:
-                    with _no_zip_crc():
+                    with without_zip_crc():
                         yield stream
                 except BaseException:  # a failed write: no digest, no thread left behind
                     stream.abandon()
@@ -249,7 +249,7 @@ def snapshot(directory: str, rank: int, state: dict, store: MemoryStore) -> None
     # memory: nothing to sync (_writer); the state is in host memory already, so DCP's loader
     # must not synchronise the training thread's GPU stream (as it does when copying ahead)
     writer = _RankWriter(directory, rank, sync_files=False, per_thread_copy_ahead=0, store=store)
-    with _no_zip_crc():
+    with without_zip_crc():
         dcp.save(state, storage_writer=writer, no_dist=True, use_collectives=False)
 
 
