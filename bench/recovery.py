@@ -506,7 +506,8 @@ def snapshot_costs(out: Path) -> dict:
 def summarize(trials: list[dict]) -> dict:
     """One system's trials: the median of each phase, the median and worst death → next step."""
     def med(key):
-        vals = [t[key] for t in trials if t.get(key) is not None]
+        vals = [t.get(key, 0.0 if key == "interrupted_s" else None) for t in trials]  # (none: 0)
+        vals = [v for v in vals if v is not None]
         return statistics.median(vals) if vals else None
     totals = [t["total"] for t in trials]
     return {**trials[0], **{k: med(k) for k in ("detection", *MAIN_PHASES, *DECIDE_PARTS,

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from trainmesh.checkpoint.manifest import CheckpointStore, bad_files, file_digests, split_by_size
 from trainmesh.cli.loading import load_spec
 from trainmesh.controller.checkpointing import RNG_FILE, Checkpointer
@@ -206,3 +208,31 @@ def test_checkpoint_tensors_are_written_without_zip_crcs_and_load_back_exactly(t
         assert torch.equal(a, b)
     for a, b in zip(opt.state.values(), fresh_opt.state.values(), strict=True):
         assert all(torch.equal(a[k], b[k]) for k in ("exp_avg", "exp_avg_sq"))
+
+
+def test_the_zip_crc_option_is_restored_after_overlapping_writes_and_a_users_change():
+    """``without_zip_crc`` counts overlapping writers (a background save's thread beside a
+    snapshot): CRCs stay off until the last ends, then the option is what it was; a change
+    made meanwhile by someone else is not overwritten."""
+    import torch
+
+    from trainmesh.checkpoint.dcp_io import without_zip_crc
+
+    get, set_ = torch.serialization.get_crc32_options, torch.serialization.set_crc32_options
+    try:
+        first, second = without_zip_crc(), without_zip_crc()
+        first.__enter__()
+        second.__enter__()
+        first.__exit__(None, None, None)
+        assert get() is False  # the second writer is still writing
+        second.__exit__(None, None, None)
+        assert get() is True
+        set_(False)  # the user's choice before a save: none
+        with without_zip_crc():
+            set_(True)  # ... changed mid-write: theirs stands, not the one saved before
+        assert get() is True
+        with pytest.raises(RuntimeError), without_zip_crc():  # a failed write restores too
+            raise RuntimeError("disk full")
+        assert get() is True
+    finally:
+        set_(True)

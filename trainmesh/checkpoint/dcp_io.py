@@ -52,20 +52,28 @@ def without_zip_crc():
     2.13: a flipped byte in a tensor's data loads silently), so they guarded nothing on the
     way back, and the pass cost more than the write itself (64 MiB to memory: 0.111 s with it,
     0.044 s without). A storage checkpoint's files are guarded by their sha256, taken as they
-    are written (``_Digest``) and kept in the manifest. The option is process-wide: counted
-    over the files being written (from any thread), restored after the last."""
-    with _crc:
-        if _crc_writers[0] == 0:
-            _crc_writers[1] = torch.serialization.get_crc32_options()
-            torch.serialization.set_crc32_options(False)
-        _crc_writers[0] += 1
+    are written (``_Digest``) and kept in the manifest. (Python's ``zipfile`` and ``unzip -t``
+    reject records with CRC 0: DCP's shard files are not zips to them anyway.)
+
+    The option is process-wide (torch has no per-call one): counted over the files being
+    written from any thread, restored after the last unless someone else changed it
+    meanwhile. Any other ``torch.save`` in the process while a checkpoint is written, a
+    background save's whole write included, writes no CRCs either."""
+    entered = False
     try:
+        with _crc:
+            if _crc_writers[0] == 0:
+                _crc_writers[1] = torch.serialization.get_crc32_options()
+                torch.serialization.set_crc32_options(False)
+            _crc_writers[0] += 1
+            entered = True
         yield
     finally:
-        with _crc:
-            _crc_writers[0] -= 1
-            if _crc_writers[0] == 0:
-                torch.serialization.set_crc32_options(_crc_writers[1])
+        if entered:
+            with _crc:
+                _crc_writers[0] -= 1
+                if _crc_writers[0] == 0 and torch.serialization.get_crc32_options() is False:
+                    torch.serialization.set_crc32_options(_crc_writers[1])
 
 
 class _Digest:

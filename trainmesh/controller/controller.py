@@ -249,9 +249,10 @@ class Controller:
             stuck: set[int] = set()
             if group is not None:  # survivors leave their collectives now, not at the timeout
                 group.abort()      # (and any background save with them); those no abort frees
-                book.mark("aborted")
-                stuck = set(group.release_stuck(STUCK_S))  # are killed, their places refilled
-                book.mark("released")
+            book.mark("aborted")   # (no group: a cold placement failed; nothing to abort)
+            if group is not None:  # are killed, their places refilled
+                stuck = set(group.release_stuck(STUCK_S))
+            book.mark("released")
             answered = self._alive(group)  # (asked with the abort: stuck ones answer too)
             book.mark("checked")
             alive, gone = answered - stuck, set(range(len(nodes))) - answered

@@ -29,8 +29,9 @@ class Recovery:
     failed_at: float = 0.0  # wall time the controller saw the failure
     # seconds: decide (health check, backoff, re-plan), reform (process group: new actors and
     # placement when cold), restore (build model parts, load the checkpoint), first_step; and
-    # decide's parts after a failure: abort (survivors leave their communicators), stuck (the
-    # grace for ranks no abort frees), health (who answers), plan (backoff and re-plan)
+    # decide's parts after a failure: interrupted (attempts another failure cut short, if one
+    # did), abort (survivors leave their communicators), stuck (the grace for ranks no abort
+    # frees), health (who answers), plan (backoff and re-plan)
     phases: dict = field(default_factory=dict)
     # the new ranks that took a ready process ("ready"; their pids "ready_pids") and those that
     # started one ("started")
