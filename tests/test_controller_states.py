@@ -239,6 +239,42 @@ def test_a_second_failure_while_re_forming_is_part_of_the_same_warm_recovery(tmp
     assert len(cluster.groups) == 1 and set(cluster.groups[0].nodes) == {"n0"}
     assert ctl.restarts == 2  # each failure spent one restart
     assert ctl.dead_nodes == {"n1", "n2"}
+    _assert_decide_split(rec)
+
+
+def _assert_decide_split(rec: dict) -> None:
+    """A recovery interrupted by a second failure: deciding is the interrupted attempt, then
+    the last attempt's abort, stuck grace, health check and re-plan, one after the other."""
+    p = rec["phases"]
+    parts = [p.get(k) for k in ("interrupted_s", "abort_s", "stuck_s", "health_s", "plan_s")]
+    assert None not in parts and min(parts) >= 0, p
+    assert sum(parts) == pytest.approx(p["decide_s"], abs=0.01), p
+
+
+def test_a_rank_lost_while_a_cold_restart_places_its_group_joins_that_recovery(tmp_path):
+    """Cold restarts (elastic.warm_recovery=false): a node lost at step 3, then the group being
+    placed for the restart loses a rank (placement raises): one recovery, whose last attempt had
+    no group to abort, and whose decide still splits into its parts."""
+    cluster = FakeCluster({"n0": 2, "n1": 2, "n2": 2})
+    cluster.before_step[3] = _kill(cluster, "n2")
+    factory, calls = cluster.factory, []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # the restart's placement: a rank died as it started
+            raise RayActorError()
+        return factory(*args, **kwargs)
+
+    ctl = _controller(tmp_path, cluster, "parallelism.tp=2", "parallelism.dp=3",
+                      "elastic.warm_recovery=false")
+    ctl._group_factory = flaky
+    s = ctl.run()
+    assert ctl.trace == ["scheduling", "restoring", "training", "recovering", "scheduling",
+                         "recovering", "scheduling", "restoring", "training"]
+    (rec,) = s["recoveries"]
+    assert rec["cause"] == "RayActorError, then RayActorError" and rec["mode"] == "cold"
+    assert s["status"] == "FINISHED" and s["steps_done"] == 6
+    _assert_decide_split(rec)
 
 
 def test_a_re_form_that_breaks_falls_back_to_a_cold_restart(tmp_path):
