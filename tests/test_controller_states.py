@@ -243,8 +243,9 @@ def test_a_second_failure_while_re_forming_is_part_of_the_same_warm_recovery(tmp
 
 
 def _assert_decide_split(rec: dict) -> None:
-    """A recovery interrupted by a second failure: deciding is the interrupted attempt, then
-    the last attempt's abort, stuck grace, health check and re-plan, one after the other."""
+    """A recovery interrupted (by a second failure, or a warm attempt that broke): deciding is
+    the interrupted attempts, then the last one's abort, stuck grace, health check and re-plan,
+    one after the other."""
     p = rec["phases"]
     parts = [p.get(k) for k in ("interrupted_s", "abort_s", "stuck_s", "health_s", "plan_s")]
     assert None not in parts and min(parts) >= 0, p
@@ -292,6 +293,7 @@ def test_a_re_form_that_breaks_falls_back_to_a_cold_restart(tmp_path):
     assert rec["mode"] == "cold" and s["steps_done"] == 6
     assert len(cluster.groups) == 2 and not set(s["rank_pids"][-1]) & set(s["rank_pids"][0])
     assert any("warm recovery failed (reset failed" in n for n in ctl.notices)
+    _assert_decide_split(rec)  # the broken warm attempt is the interrupted one
 
 
 def test_a_plan_that_no_longer_fits_ends_the_job_with_the_reason(tmp_path):

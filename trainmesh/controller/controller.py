@@ -213,6 +213,7 @@ class Controller:
             self._notice(f"warm recovery failed ({str(err).strip().splitlines()[-1][:200]}); "
                          "restarting every rank")
             tracker.event("warm-recovery-failed", error=str(err)[-2000:])
+            self.book.interrupt()
             return Scheduling(state.stop)
         self.book.mark("group")
         self.book.processes = self.group.processes() if self.ready is not None else {}

@@ -40,6 +40,14 @@ class RecoveryBook:
             self.marks = {"failed": self.marks["failed"], "interrupted": time.time()}
         self.open = stop
 
+    def interrupt(self) -> None:
+        """The attempt so far broke without a new failure (a warm re-form that could not
+        finish: the job restarts cold): its time joins ``interrupted_s`` and the next attempt
+        decides from now, with nothing left to abort or check."""
+        now = time.time()
+        self.marks = {"failed": self.marks["failed"],
+                      **dict.fromkeys(("interrupted", "aborted", "released", "checked"), now)}
+
     def mark(self, phase: str) -> None:
         """The wall time ``phase`` ended (``planned``, ``group``, ``restored``)."""
         self.marks[phase] = time.time()
