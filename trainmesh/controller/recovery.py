@@ -37,16 +37,19 @@ class RecoveryBook:
             self.marks = {"failed": time.time()}
             self.processes = {}
         else:
-            self.marks = {"failed": self.marks["failed"], "interrupted": time.time()}
+            self._interrupted()
         self.open = stop
 
     def interrupt(self) -> None:
         """The attempt so far broke without a new failure (a warm re-form that could not
         finish: the job restarts cold): its time joins ``interrupted_s`` and the next attempt
         decides from now, with nothing left to abort or check."""
+        self._interrupted("aborted", "released", "checked")
+
+    def _interrupted(self, *also: str) -> None:
+        """Marks restart: the first failure kept, the interruption (and ``also``) now."""
         now = time.time()
-        self.marks = {"failed": self.marks["failed"],
-                      **dict.fromkeys(("interrupted", "aborted", "released", "checked"), now)}
+        self.marks = {"failed": self.marks["failed"], **dict.fromkeys(("interrupted", *also), now)}
 
     def mark(self, phase: str) -> None:
         """The wall time ``phase`` ended (``planned``, ``group``, ``restored``)."""

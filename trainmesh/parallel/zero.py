@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
@@ -104,8 +105,6 @@ def _bf16_all_reduce(group, bucket):  # (DDP checks a hook's annotations as obje
     """torch's ``bf16_compress_hook`` under another name: DDP refuses that hook by its name
     unless NCCL runs it, but gloo all-reduces bfloat16 too (CPU ranks). ``group``: the
     process group; ``bucket``: a ``dist.GradBucket``; returns the reduction's future."""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
-
     return bf16_compress_hook(group, bucket)
 
 
