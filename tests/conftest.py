@@ -38,6 +38,15 @@ def pytest_collection_modifyitems(config, items):
                                  item.module.__name__ != "test_pipeline_parity"))
 
 
+def pytest_collection_finish(session):
+    """What collection imported (torch, Ray, MLflow, the tests) lives as long as pytest: out of
+    every later garbage collection of this process (as a rank's imports: actors/collector.py)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 @pytest.fixture(scope="session")
 def ray_local():
     """A local Ray instance on 127.0.0.1 shared by the modules that use it (8 logical CPUs:

@@ -16,6 +16,7 @@ import ray
 if TYPE_CHECKING:
     import torch
 
+from trainmesh.actors.collector import Collector, frozen_imports
 from trainmesh.actors.progress import Progress
 from trainmesh.parallel.dims import ParallelDims
 from trainmesh.spec.job import JobSpec
@@ -42,7 +43,9 @@ class RankWorker:
         before ``adopt``."""
         self.rank, self.world_size = rank, world_size
         if rank >= 0:
+            _import_stack()
             _set_threads(cpu_threads)
+        self._collector = None  # the step's garbage collection (``build``: the spec's schedule)
         self._store = None  # rank 0's TCPStore
         self._timeout_s = 60.0
         self.engine = None
@@ -74,15 +77,8 @@ class RankWorker:
     def warm(self) -> int:
         """A ready process, started ahead of need: import what joining a group and building a
         model part import (no accelerator is touched); returns the pid."""
-        _set_threads(1)  # imports torch
-        import torch.distributed.checkpoint  # noqa: F401
-        import torch.distributed.fsdp  # noqa: F401
-        import torch.distributed.pipelining  # noqa: F401
-        import torch.distributed.tensor.parallel  # noqa: F401
-
-        import trainmesh.engine.engine  # noqa: F401
-        import trainmesh.parallel.mesh  # noqa: F401
-
+        _import_stack()
+        _set_threads(1)
         return os.getpid()
 
     def adopt(self, rank: int, world_size: int, cpu_threads: int, accelerators: list) -> int:
@@ -193,12 +189,14 @@ class RankWorker:
                           moe=spec.model.moe is not None,
                           dp_replicate=spec.parallelism.dp_replicate)
         self.engine = Engine(spec, mesh, data_dir, self.device, self._progress.mark)
+        self._collector = Collector(spec.runtime.gc_every_steps)
         return sum(p.numel() for p in self.engine.model.parameters())
 
     def train_step(self, measure_activations: bool = False) -> dict:
         self._progress.step = self.engine.step
-        return {**dataclasses.asdict(self.engine.train_step(measure_activations)),
-                "preempted": self.preempted, "save": self.save_status()}
+        stats = self.engine.train_step(measure_activations)
+        self._collector.after_step(self.engine.step)
+        return {**dataclasses.asdict(stats), "preempted": self.preempted, "save": self.save_status()}
 
     def evaluate(self, batches: int) -> float:
         return self.engine.evaluate(batches)
@@ -374,6 +372,19 @@ class RankWorker:
         if dist.is_initialized():
             dist.destroy_process_group()
         self.engine = None
+
+
+def _import_stack() -> None:
+    """What joining a group and building a model part import (torch, DTensor, FSDP2, DCP, the
+    engine), imported at the process's start with the garbage collector off and then frozen
+    (``actors/collector.py``)."""
+    with frozen_imports():
+        import torch.distributed.checkpoint  # noqa: F401
+        import torch.distributed.fsdp  # noqa: F401
+        import torch.distributed.tensor.parallel  # noqa: F401
+
+        import trainmesh.engine.engine  # noqa: F401
+        import trainmesh.parallel.mesh  # noqa: F401
 
 
 def _set_threads(n: int) -> None:

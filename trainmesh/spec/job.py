@@ -347,6 +347,10 @@ class RuntimeConfig(_Section):
     output_dir: str | None = Field(None, description="default: runs/<job name>")
     collective_timeout_s: float = Field(120.0, gt=0)
     cpus_per_rank: float = Field(1.0, gt=0)
+    gc_every_steps: int = Field(
+        50, ge=0, description="every rank collects Python's garbage at the same steps, every "
+        "this many (the automatic collector off: no rank pauses on its own while the others "
+        "wait in a collective); 0 keeps Python's automatic collection")
 
 
 class JobSpec(_Section):
