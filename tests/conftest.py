@@ -47,6 +47,14 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
+def pytest_unconfigure(config):
+    """... and back before the interpreter's end, whose last collection then frees them (frozen,
+    Triton's bindings report them as leaked)."""
+    import gc
+
+    gc.unfreeze()
+
+
 @pytest.fixture(scope="session")
 def ray_local():
     """A local Ray instance on 127.0.0.1 shared by the modules that use it (8 logical CPUs:
