@@ -172,7 +172,8 @@ def test_job_from_an_imported_model_on_tokenized_data_evaluates_resumes_exports_
            "eval": {"every": 2, "batches": 2}, "parallelism": {"dp": 2},
            "training": {"steps": 6, "seq_len": 32, "global_batch_size": 8, "microbatch_size": 2},
            "checkpoint": {"every": 2}, "optimizer": {"warmup_steps": 1},
-           "runtime": {"device": "cpu", "output_dir": str(out)}}
+           "runtime": {"device": "cpu", "output_dir": str(out)},
+           "elastic": {"ready_ranks_per_node": 0}}  # no failure here: no spare process
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(raw))
     first = run_job(load_spec(tmp_path / "job.yaml"), environ={}, show_progress=False)
     assert first["status"] == "FINISHED" and [e["step"] for e in first["eval"]] == [2, 4, 6]
