@@ -143,7 +143,8 @@ def test_tracking_server_outage_then_trainmesh_run_sigkilled_and_run_again(mlflo
                "--set", f"training.steps={steps}", "--set", "checkpoint.every=25",
                "--set", "parallelism.dp=1", "--set", "training.global_batch_size=8",
                "--set", f"runtime.output_dir={out}", "--set", f"tracking.uri={server.uri}",
-               "--set", "tracking.experiment=outage"]
+               "--set", "tracking.experiment=outage",
+               "--set", "elastic.ready_ranks_per_node=0"]  # (no rank fails: no spare process)
 
     log_path = tmp_path / "run.log"
 
