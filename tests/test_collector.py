@@ -1,52 +1,73 @@
-"""The rank process's garbage collector (actors/collector.py): imports frozen out of later
-collections, and collections at the schedule's steps only, the same on every rank."""
+"""The rank process's garbage collector (actors/collector.py), in a fresh interpreter (the
+schedule switches the process's collector off and freezes objects: not in the test process):
+imports frozen out of later collections, collections at the schedule's steps and calls only.
+On real ranks: test_tensor_parallel.py."""
 
 from __future__ import annotations
 
-import gc
+import json
+import subprocess
+import sys
 
-import pytest
-
+CHECK = r"""
+import gc, json, weakref
 from trainmesh.actors.collector import FULL_EVERY, Collector, frozen_imports
 
+class Cycle:
+    pass
 
-@pytest.fixture
-def collections():
-    """The generations collected while the test runs (the test process's collector is
-    restored after it)."""
-    seen: list[int] = []
+seen, freed = [], []
+gc.callbacks.append(lambda phase, info: phase == "start" and seen.append(info["generation"]))
+out = {}
+before = gc.get_freeze_count()
+with frozen_imports():
+    out["enabled_inside"] = gc.isenabled()
+    kept = [[i] for i in range(50_000)]  # enough allocations to trip gen-0 collections
+    for _ in range(1000):  # cycles: freed by the collection before the freeze
+        cycle = Cycle()
+        cycle.me = cycle
+        weakref.finalize(cycle, freed.append, 1)
+    del cycle
+out["during_imports"], seen[:] = list(seen), []
+out["cycles_freed"] = len(freed)
+out["enabled_after"], out["frozen"] = gc.isenabled(), gc.get_freeze_count() - before
 
-    def record(phase, info):
-        if phase == "start":
-            seen.append(info["generation"])
-
-    was_on = gc.isenabled()
-    gc.callbacks.append(record)
-    try:
-        yield seen
-    finally:
-        gc.callbacks.remove(record)
-        gc.enable() if was_on else gc.disable()
-
-
-def test_imports_run_without_collections_and_are_frozen_after(collections):
-    before = gc.get_freeze_count()
-    with frozen_imports():
-        assert not gc.isenabled()
-        garbage = [[i] for i in range(50_000)]  # enough allocations to trip gen-0 collections
-    assert gc.isenabled() and collections == []
-    assert gc.get_freeze_count() >= before + len(garbage)  # out of every later collection
+c = Collector(every=3)
+seen.clear()
+out["enabled_training"] = gc.isenabled()
+for step in range(1, 3 * FULL_EVERY + 1):
+    [[i] for i in range(20_000)]  # would trip automatic collections
+    c.after_step(step)
+out["steps"], seen[:] = list(seen), []
+c.after_call()
+out["call"], seen[:] = list(seen), []
+Collector.stop()
+out["enabled_stopped"] = gc.isenabled()
+c = Collector(every=0)
+seen.clear()
+c.after_step(30)
+c.after_call()
+out["automatic"] = [gc.isenabled(), list(seen)]
+print(json.dumps(out))
+"""
 
 
-def test_collections_happen_at_the_schedule_steps_only(collections):
-    c = Collector(every=3)
-    assert not gc.isenabled()
-    for step in range(1, 3 * FULL_EVERY + 1):
-        [[i] for i in range(20_000)]  # would trip automatic collections
-        c.after_step(step)
-    # young generations at steps 3, 6, ...; every generation at one in FULL_EVERY
-    assert collections == [2 if s % (3 * FULL_EVERY) == 0 else 1
-                           for s in range(3, 3 * FULL_EVERY + 1, 3)]
-    collections.clear()
-    Collector(every=0).after_step(50)  # Python's own collection back
-    assert gc.isenabled() and collections == []
+def test_imports_are_frozen_and_collections_follow_the_schedule():
+    proc = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    from trainmesh.actors.collector import FULL_EVERY
+
+    # imports: no collection while they run; one full one after (the cycles they left), then
+    # what is left frozen (the 50,000 kept lists and the interpreter's own, not the cycles)
+    assert out["enabled_inside"] is False and out["during_imports"] == [2]
+    assert out["cycles_freed"] == 1000
+    assert out["enabled_after"] is True and out["frozen"] >= 50_000
+    # training: the automatic collector off; young generations at steps 3, 6, ..., everything
+    # at one in FULL_EVERY of them; everything after a collective call
+    assert out["enabled_training"] is False
+    assert out["steps"] == [2 if s % (3 * FULL_EVERY) == 0 else 1
+                            for s in range(3, 3 * FULL_EVERY + 1, 3)]
+    assert out["call"] == [2]
+    assert out["enabled_stopped"] is True
+    assert out["automatic"] == [True, []]  # 0: Python's own collection, none of the schedule's

@@ -303,3 +303,43 @@ def _slow_forward(engine) -> bool:
         for block in engine.model.layers.values():
             block.register_forward_pre_hook(lambda module, args: time.sleep(0.1))
     return True
+
+
+def _collector_state(engine) -> dict:
+    import gc
+
+    return {"enabled": gc.isenabled(), "frozen": gc.get_freeze_count(),
+            "young": gc.get_stats()[1]["collections"]}
+
+
+@pytest.mark.timeout(120)
+def test_ranks_collect_garbage_at_the_same_steps_with_their_imports_frozen(rank_pool, tmp_path):
+    """``runtime.gc_every`` (actors/collector.py) on real ranks: the automatic collector off
+    while they train, the imports frozen, a young-generation collection at every second step
+    only (Ray's own collections, if its raylet asks for one, are full ones); 0 gives Python's
+    automatic collection back."""
+    import sys
+
+    import ray
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    data_dir = str(ensure_tiny_corpus(tmp_path / "data"))
+    dims = ParallelDims(dp=2)
+    spec = load_spec(None, [*BASE, "parallelism.dp=2", "runtime.gc_every=2",
+                            f"runtime.output_dir={tmp_path}"])
+    group = rank_pool.group_for(spec, dims)
+    try:
+        group.build(spec.model_dump_json(), dims, data_dir)
+        before = group.execute(_collector_state)
+        for _ in range(3):
+            group.train_step()
+        after = group.execute(_collector_state)
+        group.build(spec.model_copy(update={"runtime": spec.runtime.model_copy(
+            update={"gc_every": 0})}).model_dump_json(), dims, data_dir)
+        automatic = group.execute(_collector_state)
+    finally:
+        rank_pool.release(group)
+    for b, a, auto in zip(before, after, automatic, strict=True):
+        assert not b["enabled"] and not a["enabled"] and auto["enabled"]
+        assert b["frozen"] > 100_000  # torch's objects, out of every collection
+        assert a["young"] - b["young"] == 1, (b, a)  # at step 2, not at 1 or 3

@@ -4,14 +4,19 @@ Python's thresholds.
 - **Imports.** A rank imports torch, DTensor, FSDP2 and DCP: hundreds of thousands of objects
   that live as long as the process. With the collector on, the allocations trip full
   collections that walk all of them again and again (measured on the 2-core CI machine: 2.8 s
-  of a core with it, 2.0 s without). They are imported with the collector off and then frozen
-  (``gc.freeze``): no later collection walks them.
+  of a core with it, 2.0 s without). They are imported with the collector off, collected once,
+  and what is left (the modules' objects) is frozen (``gc.freeze``): no later collection walks
+  them.
 - **Steps.** A collection pauses the rank that runs it; with every rank collecting when its own
   thresholds trip, each step waits for whichever rank paused last (at a thousand ranks, some
-  rank nearly every step). Instead the automatic collector is off and every rank collects the
-  young generations at the same step, every ``runtime.gc_every_steps`` (as TorchTitan's
-  ``gc_freq`` and Megatron's manual GC do), and every generation at one step in ten of those,
-  so that cycles that outlived a young collection are freed too. 0 keeps Python's own.
+  rank nearly every step). Instead the automatic collector is off while the rank trains, and
+  every rank collects the young generations at the same step, every ``runtime.gc_every`` steps
+  (as TorchTitan's ``gc_freq`` and Megatron's manual GC do), and every generation at one step
+  in ten of those, so that cycles that outlived a young collection are freed too; and fully at
+  the ends of the calls every rank makes together — build, restore, save, evaluation — whose
+  garbage (a restored state's buffers, a failed write's traceback) should not wait for a
+  step. 0 keeps Python's own collection. (Ray's own full collections, which its raylet asks a
+  worker for on its own timer or under object-store pressure, still happen unaligned.)
 """
 
 from __future__ import annotations
@@ -25,23 +30,27 @@ FULL_EVERY = 10  # a full collection at one scheduled collection in ten
 
 @contextlib.contextmanager
 def frozen_imports() -> Iterator[None]:
-    """Import inside this block with the collector off; what exists at its end (the modules'
-    objects, for the process's life) is frozen out of every later collection."""
+    """Import inside this block with the collector off; then one full collection (the garbage
+    the imports left), and what survives it (the modules' objects, for the process's life) is
+    frozen out of every later collection."""
     was_on = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
+        gc.collect()
         gc.freeze()
         if was_on:
             gc.enable()
 
 
 class Collector:
-    """The schedule of one rank process (``every`` steps; 0: Python's automatic collection)."""
+    """The schedule of one rank process while it trains (``every`` steps; 0: Python's
+    automatic collection). Disables the automatic collector until ``stop``."""
 
     def __init__(self, every: int):
         self.every = every
+        gc.collect()  # what came before (an engine dropped, a build's garbage) goes first
         if every:
             gc.disable()
         else:
@@ -51,3 +60,15 @@ class Collector:
         """``step`` (counted from 1) has ended: collect if it is one of the schedule's."""
         if self.every and step % self.every == 0:
             gc.collect(2 if step % (self.every * FULL_EVERY) == 0 else 1)
+
+    def after_call(self) -> None:
+        """A collective call other than a step (restore, save, evaluation) has ended: collect
+        everything, on every rank at the same point."""
+        if self.every:
+            gc.collect()
+
+    @staticmethod
+    def stop() -> None:
+        """The rank no longer trains (its engine dropped: a re-form, an abort): Python's
+        automatic collection again."""
+        gc.enable()

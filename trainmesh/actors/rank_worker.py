@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import gc
 import os
 import signal
 from datetime import timedelta
@@ -77,7 +78,7 @@ class RankWorker:
     def warm(self) -> int:
         """A ready process, started ahead of need: import what joining a group and building a
         model part import (no accelerator is touched); returns the pid."""
-        _import_stack()
+        _import_stack(pipelining=True)
         _set_threads(1)
         return os.getpid()
 
@@ -111,16 +112,14 @@ class RankWorker:
         DeviceMesh/FSDP sub-group is released only by this process's death or the collective
         timeout, even with every Python reference dropped; the references (model, mesh, save
         group) are dropped anyway. Afterwards only ``reset`` (or ``shutdown``) is meaningful."""
-        import gc
-
         import torch.distributed as dist
 
         if dist.is_initialized():
             from torch.distributed.distributed_c10d import _abort_process_group
 
             _abort_process_group()
-        self.engine, self._save_group = None, None
-        gc.collect()
+        self._save_group = None
+        self._drop_engine()
 
     @ray.method(concurrency_group="control")
     def progress(self) -> dict:
@@ -137,8 +136,6 @@ class RankWorker:
     def reset(self, rank: int, world_size: int) -> int:
         """Warm recovery: drop the model and the (possibly broken) process group and take a
         new rank, keeping the process (torch stays imported). Returns the pid."""
-        import gc
-
         self._progress.rank = rank
         self._progress.mark("reform")
         # A background write still going here was cut off by a failure (a resize settles its
@@ -146,13 +143,21 @@ class RankWorker:
         # the collective timeout, so it is given a moment and then left behind.
         self.wait_save(timeout_s=1.0)
         self._snapshots.forget(timeout_s=self._timeout_s)  # (a recovery may restore it)
-        self._saving, self._save_group, self.engine = None, None, None
+        self._saving, self._save_group = None, None
+        self._drop_engine()
         _abandon_process_groups()
         _forget_dtensor_caches()
         self._store = None
         self.rank, self.world_size = rank, world_size
         gc.collect()
         return os.getpid()
+
+    def _drop_engine(self) -> None:
+        """Let the model part go (it holds reference cycles: a collection frees it); Python's
+        automatic collection again until the next ``build``."""
+        self.engine, self._collector = None, None
+        Collector.stop()
+        gc.collect()
 
     def create_store(self, timeout_s: float) -> tuple[str, int]:
         """Rank 0 only: a TCPStore on an OS-chosen port; returns (host, port)."""
@@ -185,11 +190,13 @@ class RankWorker:
         from trainmesh.parallel.mesh import Mesh
 
         spec = JobSpec.model_validate_json(spec_json)
+        if self.engine is not None:  # a part built before: gone before the new one is built
+            self._drop_engine()
         mesh = Mesh.build(ParallelDims(**dims), self.device.type, self.rank,
                           moe=spec.model.moe is not None,
                           dp_replicate=spec.parallelism.dp_replicate)
         self.engine = Engine(spec, mesh, data_dir, self.device, self._progress.mark)
-        self._collector = Collector(spec.runtime.gc_every_steps)
+        self._collector = Collector(spec.runtime.gc_every)
         return sum(p.numel() for p in self.engine.model.parameters())
 
     def train_step(self, measure_activations: bool = False) -> dict:
@@ -199,7 +206,9 @@ class RankWorker:
         return {**dataclasses.asdict(stats), "preempted": self.preempted, "save": self.save_status()}
 
     def evaluate(self, batches: int) -> float:
-        return self.engine.evaluate(batches)
+        loss = self.engine.evaluate(batches)
+        self._collector.after_call()
+        return loss
 
     def reset_peak_memory(self) -> None:
         """Start a new CUDA peak (the CPU's peak RSS cannot be reset)."""
@@ -233,6 +242,7 @@ class RankWorker:
                 self._save_group = dist.new_group(backend="gloo",
                                                   timeout=timedelta(seconds=self._timeout_s))
             self._saving = self.engine.async_save(directory, self._save_group)
+        self._collector.after_call()
         return torch.random.get_rng_state().numpy().tobytes() if self.rank == 0 else None
 
     def save_status(self) -> str | None:
@@ -288,6 +298,7 @@ class RankWorker:
         self._progress.step = step
         self._progress.mark("restore")
         self.engine.load(directory, step, rng, (metadata_files, self._memory) if metadata_files else None)
+        self._collector.after_call()
 
     # -- in-memory checkpoints (checkpoint/memory_fs.py) --------------------------------------
     def memory_snapshot(self, directory: str, buddy, wait: bool = False) -> dict:
@@ -374,11 +385,15 @@ class RankWorker:
         self.engine = None
 
 
-def _import_stack() -> None:
+def _import_stack(pipelining: bool = False) -> None:
     """What joining a group and building a model part import (torch, DTensor, FSDP2, DCP, the
     engine), imported at the process's start with the garbage collector off and then frozen
-    (``actors/collector.py``)."""
+    (``actors/collector.py``). ``pipelining``: torch's pipelining package too, which only a
+    split backward (zero-bubble schedules) uses — a ready process does not know its job's
+    schedule yet, and is there to take imports off a recovery."""
     with frozen_imports():
+        if pipelining:
+            import torch.distributed.pipelining  # noqa: F401
         import torch.distributed.checkpoint  # noqa: F401
         import torch.distributed.fsdp  # noqa: F401
         import torch.distributed.tensor.parallel  # noqa: F401

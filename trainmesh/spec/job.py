@@ -347,10 +347,12 @@ class RuntimeConfig(_Section):
     output_dir: str | None = Field(None, description="default: runs/<job name>")
     collective_timeout_s: float = Field(120.0, gt=0)
     cpus_per_rank: float = Field(1.0, gt=0)
-    gc_every_steps: int = Field(
-        50, ge=0, description="every rank collects Python's garbage at the same steps, every "
-        "this many (the automatic collector off: no rank pauses on its own while the others "
-        "wait in a collective); 0 keeps Python's automatic collection")
+    gc_every: int = Field(
+        50, ge=0, description="collect Python's garbage on every rank at the same steps: the "
+        "young generations every N steps, everything every 10 × N and after each restore, "
+        "save and evaluation, the automatic collector off while training (a rank's own "
+        "collection would stall every other rank in the next collective); 0: Python's "
+        "automatic collection. (Either way a rank's imports are frozen out of collections.)")
 
 
 class JobSpec(_Section):
