@@ -21,6 +21,7 @@ Python's thresholds.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 from collections.abc import Iterator
@@ -40,6 +41,10 @@ def frozen_imports() -> Iterator[None]:
     finally:
         gc.collect()
         gc.freeze()
+        # back before the interpreter's end, whose last collection then frees them (frozen,
+        # Triton's bindings report each of their objects as leaked when a rank exits)
+        atexit.unregister(gc.unfreeze)
+        atexit.register(gc.unfreeze)
         if was_on:
             gc.enable()
 
