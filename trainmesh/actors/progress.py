@@ -11,7 +11,8 @@ runs, to tell a rank that stopped (hung) from ranks waiting for it.
 phase P at step S (the steps it has done: for a step, the steps before it; for a save or a
 restore, the checkpoint's step; any step when left out), then
 
-- ``hang``: the whole process stops (SIGSTOP), as a frozen node would: alive to Ray, silent;
+- ``hang``: the whole process stops (SIGSTOP), as a frozen node would: alive to Ray, silent
+  (continued by a SIGCONT, it stops again: only its end ends it);
 - ``raise``: the call raises;
 - ``exit``: the process is killed (SIGKILL), its node unharmed;
 - ``wait``: the rank blocks there (for the test to remove its node at that exact point);
@@ -80,7 +81,8 @@ class Fault:
         os.write(fd, json.dumps({"node": node, "pid": os.getpid()}).encode())
         os.close(fd)
         if self.kind == "hang":
-            os.kill(os.getpid(), signal.SIGSTOP)
+            while True:  # a frozen node stays frozen: continued (SIGCONT), it stops again
+                os.kill(os.getpid(), signal.SIGSTOP)
         elif self.kind == "exit":
             os.kill(os.getpid(), signal.SIGKILL)
         elif self.kind == "term":
