@@ -144,7 +144,7 @@ class RankWorker:
         self.wait_save(timeout_s=1.0)
         self._snapshots.forget(timeout_s=self._timeout_s)  # (a recovery may restore it)
         self._saving, self._save_group = None, None
-        self._drop_engine()
+        self._drop_engine(collect=False)  # (collected below, with the groups and caches)
         _abandon_process_groups()
         _forget_dtensor_caches()
         self._store = None
@@ -152,12 +152,14 @@ class RankWorker:
         gc.collect()
         return os.getpid()
 
-    def _drop_engine(self) -> None:
-        """Let the model part go (it holds reference cycles: a collection frees it); Python's
-        automatic collection again until the next ``build``."""
+    def _drop_engine(self, collect: bool = True) -> None:
+        """Let the model part go (it holds reference cycles: a collection frees it, unless the
+        caller collects later itself); Python's automatic collection again until the next
+        ``build``."""
         self.engine, self._collector = None, None
         Collector.stop()
-        gc.collect()
+        if collect:
+            gc.collect()
 
     def create_store(self, timeout_s: float) -> tuple[str, int]:
         """Rank 0 only: a TCPStore on an OS-chosen port; returns (host, port)."""
