@@ -299,7 +299,9 @@ def checkpoint_bandwidth(mib: int, tmp: Path, reps: int = 3) -> list[dict]:
                                      "plain read": [],
                                      "in-memory snapshot: training blocked (staging copy)": [],
                                      "in-memory snapshot (dcp save to memory)": [],
-                                     "restore from memory (dcp load)": []}
+                                     "in-memory snapshot: records indexed": [],
+                                     "restore from memory (dcp load)": [],
+                                     "restore from memory, DCP's reader (before 2026-11-26)": []}
     store = memory_fs.MemoryStore()  # a rank's in-memory tier
     staging = HostCopy(torch.device("cpu"))  # its host buffers kept, as a rank keeps them
     staging.copy(state)
@@ -362,17 +364,24 @@ def checkpoint_bandwidth(mib: int, tmp: Path, reps: int = 3) -> list[dict]:
         rows["plain read"].append(time.perf_counter() - t0)
         shutil.rmtree(d)
         f.unlink()
-        snap = memory_fs.uri(f"{r:04d}-00000001")
+        name = f"{r:04d}-00000001"
+        snap = memory_fs.uri(name)
         t0 = time.perf_counter()
         staging.copy(state)
         rows["in-memory snapshot: training blocked (staging copy)"].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        with dcp_io.without_zip_crc():  # as the tier's snapshots are written (dcp_io.snapshot)
-            dcp.save(state, storage_writer=_mem_writer(snap, store), no_dist=True)
+        dcp_io.snapshot(snap, 0, state, store)  # as a rank's tier writes one (background)
         rows["in-memory snapshot (dcp save to memory)"].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        dcp.load(target, storage_reader=_mem_reader(snap, store), no_dist=True)
+        dcp_io.index_snapshot(store, name)  # (background, after the save: actors/snapshots.py)
+        rows["in-memory snapshot: records indexed"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        dcp.load(target, storage_reader=dcp_io.snapshot_reader(snap, ["__0.metadata"], store),
+                 no_dist=True)
         rows["restore from memory (dcp load)"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        dcp.load(target, storage_reader=_dcp_reader(snap, store), no_dist=True)
+        rows["restore from memory, DCP's reader (before 2026-11-26)"].append(time.perf_counter() - t0)
         store.keep_newest(0)
     out = []
     for name, times in rows.items():
@@ -392,7 +401,9 @@ def _print_io(ckpt: list[dict], mib: int) -> None:
              "dcp load (pages evicted)": "dcp load",
              "in-memory snapshot: training blocked (staging copy)": "dcp save",
              "in-memory snapshot (dcp save to memory)": "dcp save",
+             "in-memory snapshot: records indexed": "dcp save",
              "restore from memory (dcp load)": "dcp load (pages evicted)",
+             "restore from memory, DCP's reader (before 2026-11-26)": "dcp load (pages evicted)",
              "replicate: gloo send/recv": "replicate: Ray actor → actor"}
     by = {r["op"]: r for r in ckpt}
     for r in ckpt:
@@ -414,16 +425,16 @@ def _evict(directory: Path) -> None:
                 os.close(fd)
 
 
-def _mem_writer(uri: str, store):
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
-    return FsspecWriter(uri, store=store)
-
-
-def _mem_reader(uri: str, store):
+def _dcp_reader(uri: str, store):
+    """DCP's own fsspec reader of a snapshot (each tensor through ``torch.load``: a copy)."""
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-    return FsspecReader(uri, store=store)
+    from trainmesh.checkpoint import dcp_io
+
+    class Reader(dcp_io._MergedReader):
+        read_data = FsspecReader.read_data
+
+    return Reader(uri, ["__0.metadata"], store=store)
 
 
 class _Peer:

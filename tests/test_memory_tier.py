@@ -115,3 +115,48 @@ def test_the_host_copy_is_the_state_as_copied_and_reuses_its_buffers():
         assert torch.equal(host.copy(state)["model"]["c"], torch.ones(2)) and host.nbytes == 17 * 4
     finally:
         dist.destroy_process_group()
+
+
+def test_a_snapshot_restores_exactly_with_each_tensor_read_in_place():
+    """A restore from memory (``dcp_io.snapshot_reader``) copies each tensor once, from a view
+    of the snapshot file's bytes (checked by the view's address), with the records' layouts
+    noted beforehand (``index_snapshot``) or read then, and gives back every dtype, a
+    non-contiguous tensor and non-tensor state exactly. (Resharded onto another mesh, from
+    peers' memory, on real ranks: test_reshard_restore.py.)"""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from trainmesh.checkpoint import dcp_io
+
+    state = {"w": torch.randn(64, 48), "t": torch.randn(48, 64).t(), "s": torch.randn(48, 64).t()[3:40],
+             "bf": torch.randn(1000).bfloat16(), "i": torch.arange(7), "step": 7, "betas": (0.9, 0.95)}
+    store, snap = memory_fs.MemoryStore(), "0001-00000003"
+    with warnings.catch_warnings():  # DCP warns that no process group is there (as intended)
+        warnings.simplefilter("ignore", UserWarning)
+        dcp_io.snapshot(memory_fs.uri(snap), 0, state, store)
+        for indexed in (False, True):
+            if indexed:
+                dcp_io.index_snapshot(store, snap)
+                [(path, layouts)] = store.layouts.items()
+                assert len(layouts) == 5 and layouts[min(layouts)].start is not None
+            target = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None
+                      for k, v in state.items()}
+            dcp.load(target, storage_reader=dcp_io.snapshot_reader(memory_fs.uri(snap), ["__0.metadata"], store),
+                     no_dist=True)
+            for k, v in state.items():
+                assert (torch.equal(target[k], v) and target[k].dtype == v.dtype) if isinstance(
+                    v, torch.Tensor) else target[k] == v, (k, indexed)
+    # each tensor as read: a view of the file's bytes, not a copy
+    data = store.files[path].getbuffer()
+    start = torch.frombuffer(data, dtype=torch.uint8).data_ptr()
+    for offset, layout in layouts.items():
+        end = min([o for o in layouts if o > offset], default=len(data))
+        saved = dcp_io._saved_tensor(data[offset:end], layout)
+        assert start + offset < saved.data_ptr() < start + end
+        assert any(torch.equal(saved, v) for v in state.values() if isinstance(v, torch.Tensor))
+    del saved
+    data.release()
+    store.drop(snap)
+    assert store.layouts == {}

@@ -320,10 +320,13 @@ class RankWorker:
 
     @ray.method(concurrency_group="memory")
     def keep_replica(self, directory: str, files: dict) -> int:
-        """A peer's snapshot files, kept in this process's memory (the newest two snapshots)."""
+        """A peer's snapshot files, kept in this process's memory (the newest two snapshots),
+        indexed for a restore (``dcp_io.index_snapshot``)."""
+        from trainmesh.checkpoint import dcp_io
 
         self._memory.put(directory, files)
         self._memory.keep_newest(2)
+        dcp_io.index_snapshot(self._memory, directory)
         return sum(len(b) for b in files.values())
 
     @ray.method(concurrency_group="memory")

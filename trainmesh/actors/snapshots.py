@@ -88,6 +88,7 @@ class Snapshots:
             self.store.drop(hidden)  # whatever a failed save left there
         self.store.keep_newest(2)
         if buddy is None:
+            dcp_io.index_snapshot(self.store, directory)
             return
         if self._replica is not None:  # one copy travels at a time
             done, _ = ray.wait([self._replica], timeout=timeout_s)
@@ -96,3 +97,4 @@ class Snapshots:
             except ray.exceptions.RayError as err:
                 log.warning("in-memory snapshot: the last copy to the buddy failed (%s)", err)
         self._replica = buddy.keep_replica.remote(directory, files)
+        dcp_io.index_snapshot(self.store, directory)  # while the copy travels

@@ -44,6 +44,9 @@ class MemoryStore:
         self._lock = threading.RLock()
         self._fetch: Callable[[str], bytes | None] | None = None  # during a restore
         self._fetched: set[str] = set()
+        # path -> {record offset: how the tensor there is laid out}, taken after a file
+        # arrives (``dcp_io.index_snapshot``) so that a restore only copies
+        self.layouts: dict[str, dict[int, object]] = {}
 
     def fs(self) -> RankMemoryFS:
         """An fsspec filesystem over this store (what DCP's readers and writers are given)."""
@@ -71,7 +74,14 @@ class MemoryStore:
         fs = self.fs()
         with self._lock:
             for name in _metadata_last(files):
+                self.layouts.pop(uri(directory, name), None)
                 fs.pipe_file(uri(directory, name), files[name])
+
+    def note_layouts(self, path: str, layouts: dict[int, object]) -> None:
+        """Keep what ``path``'s records hold (while the file is held)."""
+        with self._lock:
+            if path in self.files:
+                self.layouts[path] = layouts
 
     def commit(self, hidden: str, directory: str) -> dict[str, bytes]:
         """Make the files written under ``hidden`` part of ``directory`` (metadata last); returns
@@ -92,6 +102,7 @@ class MemoryStore:
         with self._lock:
             for p in [p for p in self.files if p.startswith(prefix)]:
                 del self.files[p]
+                self.layouts.pop(p, None)
             self.pseudo_dirs[:] = [d for d in self.pseudo_dirs
                                    if not (d == prefix[:-1] or d.startswith(prefix))]
 
@@ -118,6 +129,7 @@ class MemoryStore:
             with self._lock:
                 for p in self._fetched:
                     self.files.pop(p, None)
+                    self.layouts.pop(p, None)
                 self._fetched.clear()
                 self._fetch = None
 
