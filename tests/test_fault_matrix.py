@@ -152,22 +152,22 @@ def test_a_node_lost_from_an_ep4_cp2_moe_job_replans_to_ep2_with_the_same_losses
 
 @pytest.mark.timeout(300)
 def test_a_cold_restart_takes_the_ready_rank_processes(cluster, tmp_path):
-    """``elastic.ready_ranks_per_node``: with 2 ready processes kept on each of the job's 2
-    nodes, a rank process killed under ``elastic.warm_recovery: false`` restarts every rank
-    cold, and all 4 new ranks are processes that were ready before the failure (none is
-    started); the job ends with the single process's losses. (A refill taking one: the
-    matrix below.)"""
+    """``elastic.ready_ranks_per_node``: with 2 ready processes kept on every node (the job's
+    2 ranks, a tp pair, share one), a rank process killed under ``elastic.warm_recovery:
+    false`` restarts every rank cold, and both new ranks are processes that were ready on that
+    node before the failure (none is started); the job ends with the single process's losses.
+    (A refill taking one: the matrix below.)"""
     from servers import MEMORY_ARGS, assert_reference_losses, run_losing_nodes
 
     s = run_losing_nodes(cluster, tmp_path, [
-        *MEMORY_ARGS, "parallelism.pp=2", "parallelism.tp=2", "parallelism.dp=1",
+        *MEMORY_ARGS, "parallelism.pp=1", "parallelism.tp=2", "parallelism.dp=1",
         "training.steps=5", "checkpoint.every=2", "elastic.warm_recovery=false",
-        "elastic.ready_ranks_per_node=2", "elastic.max_world_size=4"],
-        ["exit@rank=3,step=3,phase=forward"], remove=False)
+        "elastic.ready_ranks_per_node=2", "elastic.max_world_size=2"],
+        ["exit@rank=1,step=3,phase=forward"], remove=False)
     assert s["status"] == "FINISHED" and s["steps_done"] == 5
     [rec] = s["recoveries"]
     procs = rec["processes"]
-    assert rec["mode"] == "cold" and (procs["ready"], procs["started"]) == ([0, 1, 2, 3], []), rec
+    assert rec["mode"] == "cold" and (procs["ready"], procs["started"]) == ([0, 1], []), rec
     before, after = (set(p) for p in s["rank_pids"][-2:])
     assert not before & after and after == set(procs["ready_pids"]), (before, after, rec)
     assert_reference_losses(s, tmp_path)
