@@ -1,7 +1,9 @@
-"""Rank actors kept across a test module: each run re-forms the same processes for its mesh
-(the warm-recovery path: new ranks, a new process group, a new model part); a larger mesh
-than the one running starts a new group. Importing torch in a new actor is the
-slowest part of a small multi-rank test on 2 cores."""
+"""Rank actors kept across the test modules on the local instance: each run re-forms the same
+processes for its mesh (the warm-recovery path: new ranks, a new process group, a new model
+part). A smaller mesh leaves the processes it does not use parked (idle, their reservations
+kept) and a larger one takes them back, so the pool starts its processes once (a mesh larger
+than all of them, or another environment, starts a new group). Importing torch in a new actor
+is the slowest part of a small multi-rank test on 2 cores."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ class RankPool:
         self.max_ranks = max_ranks  # beyond this (or another env), a group of its own
         self.group: RayWorkerGroup | None = None
         self.env: dict[str, str] = {}
+        self.parked: list[tuple] = []  # (actor, slot, node, seat, proc) of processes not in the mesh
 
     def group_for(self, spec, dims: ParallelDims, env: dict[str, str] | None = None) -> RayWorkerGroup:
         """A worker group for ``spec``'s mesh, with the process group formed; call ``release``
@@ -38,14 +41,15 @@ class RankPool:
             # A group of its own beside the pool (the shared instance has CPUs for both; the
             # pool's idle actors use no core).
             return RayWorkerGroup(spec, dims, placement, env)
-        # Growing would need the node's whole bundle again while the kept ranks hold part of
-        # it: start afresh instead (order a module's cases largest mesh first).
-        if self.group is not None and (env != self.env
-                                       or dims.world_size > self.group.group.world_size):
+        # Growing past the processes started would need the node's whole bundle again while
+        # the kept ranks hold part of it: start afresh instead (the largest mesh first).
+        if self.group is not None and (env != self.env or dims.world_size > (
+                self.group.group.world_size + len(self.parked))):
             self.close()
         if self.group is None:
             self.group, self.env = RayWorkerGroup(spec, dims, placement, env), env
         else:
+            self._take_parked(dims.world_size)
             # Each process takes another rank than it had (old rank r+1 becomes rank r), as
             # survivors do in a warm recovery: anything a process keeps from its last mesh
             # (DTensor's caches: rank_worker._forget_dtensor_caches) breaks the run here.
@@ -53,6 +57,19 @@ class RankPool:
             world = dims.world_size
             self.group.reform([(r + 1) % world for r in range(world)], placement, timeout_s=120)
         return self.group
+
+    def _take_parked(self, world: int) -> None:
+        """Make the group ``world`` processes before a re-form keeps all of them: park those a
+        smaller mesh does not use (a re-form would end them), take parked ones back for a
+        larger one. (All hold bundles of the pool's first placement group, which the running
+        ranks keep alive.)"""
+        g = self.group.group
+        fields = ("workers", "slots", "nodes", "seats", "procs")
+        rows = list(zip(*(getattr(g, f) for f in fields), strict=True))
+        rows, self.parked = rows[:world], rows[world:] + self.parked
+        rows, self.parked = rows + self.parked[:world - len(rows)], self.parked[world - len(rows):]
+        for f, column in zip(fields, zip(*rows, strict=True), strict=True):
+            setattr(g, f, list(column))
 
     def release(self, group: RayWorkerGroup) -> None:
         """Done with ``group``: a group of the pool stays for the next test, another ends."""
@@ -62,5 +79,6 @@ class RankPool:
     def close(self) -> None:
         """End the pool's actors (a test that starts its own ranks calls this first)."""
         if self.group is not None:
+            self._take_parked(self.group.group.world_size + len(self.parked))  # all of them
             self.group.shutdown()
             self.group = None
