@@ -35,9 +35,11 @@ out["enabled_after"], out["frozen"] = gc.isenabled(), gc.get_freeze_count() - be
 c = Collector(every=3)
 seen.clear()
 out["enabled_training"] = gc.isenabled()
+out["timed"] = []
 for step in range(1, 3 * FULL_EVERY + 1):
     [[i] for i in range(20_000)]  # would trip automatic collections
-    c.after_step(step)
+    if c.after_step(step) > 0:  # its seconds (the step's breakdown: gc_s)
+        out["timed"].append(step)
 out["steps"], seen[:] = list(seen), []
 c.after_call()
 out["call"], seen[:] = list(seen), []
@@ -68,6 +70,7 @@ def test_imports_are_frozen_and_collections_follow_the_schedule():
     assert out["enabled_training"] is False
     assert out["steps"] == [2 if s % (3 * FULL_EVERY) == 0 else 1
                             for s in range(3, 3 * FULL_EVERY + 1, 3)]
+    assert out["timed"] == list(range(3, 3 * FULL_EVERY + 1, 3))  # the others take 0.0 s
     assert out["call"] == [2]
     assert out["enabled_stopped"] is True
     assert out["automatic"] == [True, []]  # 0: Python's own collection, none of the schedule's

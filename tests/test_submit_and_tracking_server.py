@@ -61,7 +61,8 @@ def test_submit_follow_runs_the_tiny_job_and_tracks_it_on_the_server(ray_head, m
     monkeypatch.chdir(tmp_path)
     rc = main(["submit", TINY, "--address", ray_head.address, "--follow",
                "--set", "training.steps=12", "--set", "checkpoint.every=6", "--set", "optimizer.warmup_steps=2",
-               "--set", f"tracking.uri={mlflow_server.uri}", "--set", "tracking.experiment=submitted"])
+               "--set", f"tracking.uri={mlflow_server.uri}", "--set", "tracking.experiment=submitted",
+               "--set", "elastic.ready_ranks_per_node=0"])  # (no rank fails: no spare process)
     out, err = capsys.readouterr()
     assert rc == 0, (out + err)[-3000:]
     assert "SUCCEEDED" in out.splitlines()[-1]
@@ -78,6 +79,7 @@ def test_jobs_list_status_logs_and_stop(ray_head, tmp_path, capsys):
     job_id = f"tm-{uuid.uuid4().hex[:8]}"
     assert main(["submit", TINY, "--address", ray_head.address, "--submission-id", job_id,
                  "--set", "training.steps=100000", "--set", "tracking.enabled=false",
+                 "--set", "elastic.ready_ranks_per_node=0",  # (no rank fails: no spare process)
                  "--set", f"runtime.output_dir={tmp_path / 'long'}"]) == 0
     assert capsys.readouterr().out.startswith(f"submitted {job_id}")
     deadline = time.monotonic() + 120
@@ -95,6 +97,7 @@ def test_jobs_list_status_logs_and_stop(ray_head, tmp_path, capsys):
     # launcher's shell line are not listed.
     assert mine.split()[1:3] == ["RUNNING", "tiny-cpu"]
     assert mine.endswith(f"{TINY} --set training.steps=100000 --set tracking.enabled=false "
+                         "--set elastic.ready_ranks_per_node=0 "
                          f"--set runtime.output_dir={tmp_path / 'long'} ({tmp_path / 'long'})")
     assert not [line for line in lines if "trainmesh-probe" in line or "/proc/" in line]
     assert main(["jobs", "stop", job_id, "--address", ray_head.address]) == 0

@@ -331,8 +331,7 @@ def test_ranks_collect_garbage_at_the_same_steps_with_their_imports_frozen(rank_
     try:
         group.build(spec.model_dump_json(), dims, data_dir)
         before = group.execute(_collector_state)
-        for _ in range(3):
-            group.train_step()
+        steps = [group.train_step() for _ in range(3)]
         after = group.execute(_collector_state)
         group.build(spec.model_copy(update={"runtime": spec.runtime.model_copy(
             update={"gc_every": 0})}).model_dump_json(), dims, data_dir)
@@ -343,3 +342,6 @@ def test_ranks_collect_garbage_at_the_same_steps_with_their_imports_frozen(rank_
         assert not b["enabled"] and not a["enabled"] and auto["enabled"]
         assert b["frozen"] > 100_000  # torch's objects, out of every collection
         assert a["young"] - b["young"] == 1, (b, a)  # at step 2, not at 1 or 3
+    # ... and its time is in step 2's breakdown, after the step (not in its step_s)
+    assert [[r["breakdown"]["gc_s"] > 0 for r in ranks] for ranks in steps] == [
+        [False, False], [True, True], [False, False]]

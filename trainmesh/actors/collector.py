@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
+import time
 from collections.abc import Iterator
 
 FULL_EVERY = 10  # a full collection at one scheduled collection in ten
@@ -61,10 +62,14 @@ class Collector:
         else:
             gc.enable()
 
-    def after_step(self, step: int) -> None:
-        """``step`` (counted from 1) has ended: collect if it is one of the schedule's."""
-        if self.every and step % self.every == 0:
-            gc.collect(2 if step % (self.every * FULL_EVERY) == 0 else 1)
+    def after_step(self, step: int) -> float:
+        """``step`` (counted from 1) has ended: collect if it is one of the schedule's; the
+        seconds that took (0.0 at other steps)."""
+        if not (self.every and step % self.every == 0):
+            return 0.0
+        t0 = time.perf_counter()
+        gc.collect(2 if step % (self.every * FULL_EVERY) == 0 else 1)
+        return time.perf_counter() - t0
 
     def after_call(self) -> None:
         """A collective call other than a step (restore, save, evaluation) has ended: collect

@@ -204,7 +204,9 @@ class RankWorker:
     def train_step(self, measure_activations: bool = False) -> dict:
         self._progress.step = self.engine.step
         stats = self.engine.train_step(measure_activations)
-        self._collector.after_step(self.engine.step)
+        gc_s = self._collector.after_step(self.engine.step)
+        if stats.breakdown is not None:  # (after the step: not part of its step_s)
+            stats.breakdown["gc_s"] = gc_s
         return {**dataclasses.asdict(stats), "preempted": self.preempted, "save": self.save_status()}
 
     def evaluate(self, batches: int) -> float:
