@@ -77,10 +77,11 @@ class MemoryStore:
                 self.layouts.pop(uri(directory, name), None)
                 fs.pipe_file(uri(directory, name), files[name])
 
-    def note_layouts(self, path: str, layouts: dict[int, object]) -> None:
-        """Keep what ``path``'s records hold (while the file is held)."""
+    def note_layouts(self, path: str, file: MemoryFile, layouts: dict[int, object]) -> None:
+        """Keep what the records of ``file``, held at ``path``, hold (unless another file
+        replaced it meanwhile)."""
         with self._lock:
-            if path in self.files:
+            if self.files.get(path) is file:
                 self.layouts[path] = layouts
 
     def commit(self, hidden: str, directory: str) -> dict[str, bytes]:
