@@ -1,8 +1,9 @@
 """Per-step overhead: trainmesh vs a plain PyTorch DDP loop vs Ray Train v2's TorchTrainer, on
 the same model class, shapes, data order and optimizer, in one run (CPU, gloo, 2 ranks); and
-the plain loop over FSDP2 configured as trainmesh's ZeRO-3; trainmesh runs both ways (ZeRO-3,
-the planner's choice, and ``parallelism.dp_replicate=2``, DDP): each against the plain loop
-of the same algorithm is what trainmesh itself adds.
+the plain loop over FSDP2 configured as trainmesh's ZeRO-3; trainmesh runs both ways (ZeRO-3
+with ``parallelism.dp=2`` pinned, and ``parallelism: auto`` on the same 2 ranks, where the
+planner chooses DDP on CPU ranks): each against the plain loop of the same algorithm is what
+trainmesh itself adds.
 
 All three train the ``small`` preset (seq 128, global batch 16, microbatch 4, dp = 2, AdamW);
 the median step time is taken over the steps after the first few (warm-up). trainmesh's step
@@ -150,7 +151,8 @@ def ray_train(spec, data_dir: str, tmp: Path) -> list[float]:
     return json.loads(out.read_text())
 
 
-def trainmesh_steps(spec) -> list[float]:
+def trainmesh_steps(spec) -> tuple[list[float], dict]:
+    """The controller's step times of a trainmesh run of ``spec``, and the plan it ran."""
     from mlflow.tracking import MlflowClient
 
     from trainmesh.controller.launch import run_job
@@ -158,7 +160,13 @@ def trainmesh_steps(spec) -> list[float]:
     summary = run_job(spec, environ={}, show_progress=False)
     hist = MlflowClient(summary["tracking_uri"]).get_metric_history(summary["mlflow_run_id"],
                                                                     "step_time_s")
-    return [m.value for m in sorted(hist, key=lambda m: m.step)]
+    return [m.value for m in sorted(hist, key=lambda m: m.step)], summary["plan"]
+
+
+def _layout(plan: dict) -> str:
+    """How a run's data parallel ran, from its summary's plan."""
+    ddp = plan["dp"] > 1 and plan["dp_replicate"] == plan["dp"]
+    return f"tp={plan['tp']} pp={plan['pp']} dp={plan['dp']}, {'DDP' if ddp else 'ZeRO-3'}"
 
 
 def main() -> None:
@@ -188,10 +196,13 @@ def main() -> None:
             ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
                      configure_logging=False)
             try:
-                rows[f"trainmesh run (ZeRO-3: the planner's choice{extra})"] = trainmesh_steps(
+                rows[f"trainmesh run (parallelism.dp=2 pinned: ZeRO-3{extra})"], _ = trainmesh_steps(
                     _spec(args.steps, tmp / f"tm{t}", args.overrides))
-                rows[f"trainmesh run (parallelism.dp_replicate=2: DDP{extra})"] = trainmesh_steps(
-                    _spec(args.steps, tmp / f"tm-ddp{t}", ["parallelism.dp_replicate=2", *args.overrides]))
+                # the planner's own choice for the same 2 ranks (on CPU ranks: DDP)
+                times, chosen = trainmesh_steps(_spec(args.steps, tmp / f"tm-auto{t}", [
+                    "parallelism=auto", "elastic.max_world_size=2", *args.overrides]))
+                rows[f"trainmesh run (parallelism: auto on 2 ranks, the planner's choice: "
+                     f"{_layout(chosen)}{extra})"] = times
                 if not args.skip_ray_train and t == 0:
                     rows["Ray Train v2 TorchTrainer"] = ray_train(spec, data_dir, tmp)
             finally:

@@ -23,6 +23,7 @@ BASE = ["model.preset=tiny", "model.dim=128", "model.ffn_dim=352", "training.glo
 
 PLANS = {  # every plan on 4 ranks
     "dp4-keep-gathered": ["parallelism.dp=4", "parallelism.keep_gathered=true"],
+    "ddp-dp4": ["parallelism.dp=4", "parallelism.dp_replicate=4"],  # every rank the whole state
     "tp2-dp2-reshard-full-recompute": ["parallelism.tp=2", "parallelism.dp=2",
                                        "parallelism.keep_gathered=false",
                                        "activation_checkpoint.mode=full"],

@@ -25,20 +25,22 @@ def _model(preset, **kw):
 def _brute_force_best(req: PlanRequest, topo: Topology) -> float:
     """Every tuple of degrees and options, filtered only by the documented rules: tp divides
     a node's accelerators and the vocabulary, tp × pp × dp whole TP groups fit the nodes (the
-    rest idle), a tied head neither tensor- nor pipeline-parallel."""
+    rest idle), a tied head neither tensor- nor pipeline-parallel, DDP (every shard group one
+    replica) only for a dense model without tp or pp."""
     m, world = req.model, topo.world_size
     limit = topo.device.memory_gib * MEMORY_HEADROOM * 1024**3
     best = (0, 0.0)  # (ranks used, tokens/s): every usable accelerator first, then speed
-    for tp, pp, dp, vpp, mbs, sched, rc, keep in itertools.product(
+    for tp, pp, dp, vpp, mbs, sched, rc, keep, ddp in itertools.product(
             range(1, world + 1), range(1, world + 1), range(1, world + 1), (1, 2, 4), (1, 2, 4, 8),
-            cost_model.AUTO_SCHEDULES, cost_model.RECOMPUTE, (True, False)):
+            cost_model.AUTO_SCHEDULES, cost_model.RECOMPUTE, (True, False), (False, True)):
         groups = sum(n.accelerators // tp for n in topo.nodes)
         rules = [m.n_heads % tp == 0, m.n_kv_heads % tp == 0, topo.largest_node % tp == 0,
                  m.vocab_size % tp == 0,
                  pp * dp <= groups, m.n_layers % (pp * vpp) == 0,
                  req.global_batch_size % mbs == 0, dp <= req.global_batch_size // mbs,
                  (vpp > 1) == (sched == "interleaved-1f1b"), pp > 1 or sched == "1f1b",
-                 pp > 1 or vpp == 1, not m.tie_embeddings or tp == pp == 1]
+                 pp > 1 or vpp == 1, not m.tie_embeddings or tp == pp == 1,
+                 not ddp or (tp == pp == 1 < dp and getattr(m, "moe", None) is None)]
         if not all(rules):
             continue
         # Any dp: every replica runs the largest share of the microbatches, the rest padding.
@@ -49,7 +51,8 @@ def _brute_force_best(req: PlanRequest, topo: Topology) -> float:
         n = share
         if -(-micro // n) < dp:  # fewer replicas would run as many each: these only pad
             continue
-        c = cost_model.Candidate(tp, pp, dp, vpp, sched, mbs, n, rc, tp > 1, keep, padding=n * dp - micro)
+        c = cost_model.Candidate(tp, pp, dp, vpp, sched, mbs, n, rc, tp > 1, keep, padding=n * dp - micro,
+                                 dp_replicate=dp if ddp else 1)
         fused = cost_model.uses_fused_kernels(req.kernels, topo.device.name)
         if cost_model.memory_bytes(m, c, req.seq_len, req.compute_bytes,
                                    topo.device.framework_gib * 1024**3, fused) > limit:
@@ -379,7 +382,7 @@ def test_at_16k_gpus_the_planner_chooses_hybrid_sharding_and_says_why(capsys):
     assert flat.estimate.dp_exposed_s > result.best.estimate.dp_exposed_s
     assert flat.estimate.memory_per_rank_gib < result.best.estimate.memory_per_rank_gib
     text = explain(result)
-    assert (f"It shards with hybrid sharding {c.dp_replicate}×{c.dp_shard} (ZeRO-3 inside groups "
+    assert (f"It runs hybrid sharding {c.dp_replicate}×{c.dp_shard} (ZeRO-3 inside groups "
             f"of {c.dp_shard} replicas") in text and f"ZeRO-3 over all {c.dp} replicas" in text
     # On 8 nodes a shard group over all of dp stays within 8 nodes: no hybrid option.
     small = plan(request_for(spec), Topology.uniform(8, 8, "h100"))
@@ -438,3 +441,50 @@ def test_ring_traffic_hides_behind_attention_at_long_sequences_only():
         return cost_model.cp_exposed(m, c, seq, dev, 8, 2) / (seq / 8192)  # per 8K tokens
     assert exposed(131072, "ring") < exposed(16384, "ring")
     assert exposed(131072, "allgather") > exposed(131072, "ring")
+
+
+def test_a_dense_model_whose_state_fits_each_rank_runs_as_ddp_where_that_is_faster():
+    """Under ``parallelism: auto`` the planner weighs DDP (shard groups of one replica) beside
+    ZeRO-3. On CPU ranks FSDP2 cannot hide its all-gathers and reduce-scatters (no streams)
+    while DDP's all-reduce still overlaps backward: the demo's model runs as DDP, and the
+    explanation names both. On 8 H100 a 1b model fits whole and runs as DDP (no parameter
+    gathers, more memory); 8b does not fit and stays ZeRO-3; MoE never runs as DDP. The
+    effective spec carries it to the ranks; a pinned layout stays as pinned."""
+    from trainmesh.planning.job_plan import effective_spec
+
+    demo = ["model.preset=tiny", "training.global_batch_size=16", "training.microbatch_size=4",
+            "training.seq_len=64"]
+    spec = load_spec(None, [*demo, "parallelism=auto"])
+    result = plan(request_for(spec), Topology.uniform(1, 2, "cpu"))
+    c = result.best.candidate
+    assert (c.dp, c.dp_replicate) == (2, 2) and cost_model.runs_ddp(spec.model, c)
+    sharded = next(p for p in result.plans if p.candidate == dataclasses.replace(c, dp_replicate=1))
+    assert sharded.estimate.dp_exposed_s > result.best.estimate.dp_exposed_s
+    text = explain(result)
+    assert "It runs DDP (no sharding: each of the 2 replicas holds the whole state" in text
+    assert "ZeRO-3 over all 2 replicas" in text and "exposed DDP all-reduce traffic" in text
+    assert effective_spec(spec, c).parallelism.dp_replicate == 2
+    pinned = load_spec(None, [*demo, "parallelism.dp=2"])
+    assert plan_job(pinned, Topology.uniform(1, 2, "cpu"))[1].best.candidate.dp_replicate == 1
+    # ZeRO-3's traffic hides behind compute on a device with streams only
+    cpu = device_spec("cpu")
+    assert cost_model._zero3_exposed(spec.model, sharded.candidate, cpu, 2, 4, 1.0) > \
+        cost_model._zero3_exposed(spec.model, sharded.candidate, dataclasses.replace(cpu, streams=True), 2, 4, 1.0)
+
+    h100 = Topology.uniform(1, 8, "h100")
+    one_b = load_spec(None, ["model.preset=1b", "parallelism=auto", "training.global_batch_size=64",
+                             "training.seq_len=2048"])
+    best = plan(request_for(one_b), h100).best
+    assert cost_model.runs_ddp(one_b.model, best.candidate) and best.candidate.dp == 8
+    # whole float32 state, gradients and the weights' bf16 casts autocast keeps for backward
+    n = stage_params.rank_params(one_b.model, 1, 0, "1f1b").gathered(1, 1)
+    mem = cost_model.rank_memory(one_b.model, best.candidate, 2048, compute_bytes=2)
+    assert (mem.params, mem.grads, mem.optimizer, mem.gathered) == (4 * n, 4 * n, 8 * n, 2 * n)
+    assert cost_model.rank_memory(one_b.model, best.candidate, 2048, compute_bytes=4).gathered == 0
+    eight_b = load_spec(None, ["model.preset=8b", "parallelism=auto", "training.global_batch_size=64",
+                               "training.seq_len=4096"])
+    assert not any(cost_model.runs_ddp(eight_b.model, p.candidate)
+                   for p in plan(request_for(eight_b), h100).plans)
+    moe = load_spec(None, ["model.preset=tiny-moe", "parallelism=auto", *demo[1:]])
+    plans = plan(request_for(moe), Topology.uniform(1, 4, "cpu")).plans
+    assert plans and not any(cost_model.runs_ddp(moe.model, p.candidate) for p in plans)

@@ -10,8 +10,7 @@ from reference import load_checkpoint_params, reference_run
 from trainmesh.cli.loading import load_spec
 from trainmesh.controller.launch import run_job
 from trainmesh.data.shards import ensure_tiny_corpus
-from trainmesh.parallel.dims import ParallelDims
-from trainmesh.parallel.zero import replicates
+from trainmesh.parallel.dims import ParallelDims, replicates
 
 BASE = ["model.preset=tiny", "training.global_batch_size=8", "training.microbatch_size=2",
         "training.seq_len=32", "optimizer.warmup_steps=1", "tracking.enabled=false",

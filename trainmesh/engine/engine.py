@@ -45,7 +45,7 @@ from trainmesh.models.llama.stage import PipelineStage, rank_model
 from trainmesh.models.moe.moe import moe_layers, set_loss_scale
 from trainmesh.parallel.clock import DeviceClock
 from trainmesh.parallel.context import ContextParallel, local_positions, local_spans
-from trainmesh.parallel.dims import Axis
+from trainmesh.parallel.dims import Axis, replicates
 from trainmesh.parallel.expert import (
     apply_expert_parallel,
     balance_over_mesh,
@@ -63,7 +63,6 @@ from trainmesh.parallel.zero import (
     ZeroPolicy,
     apply_replicate,
     apply_zero3,
-    replicates,
 )
 from trainmesh.spec.job import JobSpec
 from trainmesh.spec.mesh_rules import microbatches_per_replica

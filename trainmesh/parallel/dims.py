@@ -88,3 +88,10 @@ class ParallelDims:
         out = {"pp": self.pp, "dp": self.dp, "tp": self.tp, "world_size": self.world_size}
         extra = {k: getattr(self, k) for k in ("ep", "cp") if getattr(self, k) > 1}
         return {**out, **extra}
+
+
+def replicates(dp: int, dp_replicate: int, pp: int, tp: int, cp: int, moe: bool) -> bool:
+    """Whether a layout runs as DDP: hybrid sharding whose shard groups are single ranks
+    (dp_replicate = dp > 1), without pipeline, tensor or context parallel and dense (those
+    keep FSDP2's HSDP: its per-stage hooks, DTensor parameters and expert meshes)."""
+    return dp > 1 and dp_replicate == dp and pp == tp == cp == 1 and not moe

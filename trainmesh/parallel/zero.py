@@ -78,13 +78,6 @@ class ReplicatePolicy:
         module.set_requires_gradient_sync(is_last)
 
 
-def replicates(dp: int, dp_replicate: int, pp: int, tp: int, cp: int, moe: bool) -> bool:
-    """Whether a layout runs as DDP: hybrid sharding whose shard groups are single ranks
-    (dp_replicate = dp > 1), without pipeline, tensor or context parallel and dense (those
-    keep FSDP2's HSDP: its per-stage hooks, DTensor parameters and expert meshes)."""
-    return dp > 1 and dp_replicate == dp and pp == tp == cp == 1 and not moe
-
-
 def apply_replicate(model: nn.Module, group: dist.ProcessGroup, device: torch.device,
                     reduce_dtype: torch.dtype = torch.float32) -> nn.Module:
     """DDP over ``group`` (built at the first forward, after the weights are filled: it

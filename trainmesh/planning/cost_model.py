@@ -46,16 +46,23 @@ Step time (seconds):
     bytes × (d-1)/d / bandwidth (intra-node when the DP group fits in a node); under hybrid
     sharding d is the shard group and the reduce-scattered gradients are all-reduced across
     the replica groups. Assumed overlapped with compute except what exceeds half the compute
-    time; each collective's latency grows with its ring (a hop per participant) and is not
-    hidden (``_zero3_exposed``).
+    time, on GPUs; on CPU ranks (no streams) not at all; each collective's latency grows with
+    its ring (a hop per participant) and is not hidden (``_zero3_exposed``).
+  * DP without sharding (DDP: shard groups of one rank, a dense model without tp, pp or cp):
+    the gradients all-reduced once per step in 25 MiB buckets, 2(d-1)/d × bytes, while the
+    last microbatch's backward runs; hidden behind it except the last bucket
+    (``_ddp_exposed``). Memory: every rank holds the whole float32 state; under a narrower
+    compute dtype autocast keeps each weight's cast for backward.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 from trainmesh.models.llama.model_math import flops_per_token
+from trainmesh.parallel.dims import replicates
 from trainmesh.parallel.pipeline.ir import splits_backward
 from trainmesh.planning.devices import DeviceSpec
 from trainmesh.planning.stage_params import holds_head, rank_params
@@ -69,6 +76,7 @@ PP_LATENCY_S = 20e-6  # per point-to-point message
 # synchronisation that overlapping with compute does not hide. It is what makes re-gathering
 # for every microbatch cost time even when the bytes would hide behind compute.
 COLLECTIVE_LATENCY_S = 20e-6
+DDP_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size (bucket_cap_mb)
 # Per hop of a ring collective (NCCL's all-gather and reduce-scatter are rings): a collective
 # over n ranks pays n - 1 of them, so ZeRO-3 over hundreds of replicas pays for its size.
 # Assumed, not measured here (NCCL's tree and NVLS algorithms grow more slowly); the hybrid
@@ -275,7 +283,11 @@ def rank_memory(model, c: Candidate, seq_len: int, pp_rank: int = 0, compute_byt
     # microbatches without a reduce-scatter FSDP2 accumulates them unsharded in the reduce
     # dtype. AdamW's foreach step makes one parameter-sized fp32 temporary.
     reduce_unit = (compute_bytes + reduce_bytes) * layer_gathered
-    if c.pp > 1 and c.dp * c.cp == 1 and compute_bytes == 4:  # stages not wrapped (nothing to shard
+    if runs_ddp(model, c):  # DDP: one dtype (float32 weights), gradients viewing its buckets;
+        # under a narrower compute dtype autocast keeps each weight's cast for backward
+        gathered = compute_bytes * local if compute_bytes < 4 else 0.0
+        grads, end_of_step = 4 * local, 8 * local
+    elif c.pp > 1 and c.dp * c.cp == 1 and compute_bytes == 4:  # stages not wrapped (nothing to shard
         gathered, grads, end_of_step = 0.0, 4 * local, 8 * local  # or cast): plain fp32 grads
     elif c.keep_gathered and c.num_microbatches > 1:
         gathered = compute_bytes * rp.gathered(c.tp, c.ep)
@@ -395,6 +407,7 @@ def _zero3_exposed(model, c: Candidate, device: DeviceSpec, per_node: int, compu
     reduces = 1 if c.keep_gathered else c.num_microbatches
     units = model.n_layers // c.pp + 1
     time, latency = 0.0, 0.0
+    hidden = 0.5 * compute if device.streams else 0.0
     if s > 1:
         bw = device.intra_node_gbps if shard_inside else device.inter_node_gbps
         moved = (gathers * compute_bytes + reduces * c.reduce_bytes) * params
@@ -406,7 +419,27 @@ def _zero3_exposed(model, c: Candidate, device: DeviceSpec, per_node: int, compu
         # once per step: re-gathering reduce-scatters every microbatch, all-reduces at the last
         time += 2 * (r - 1) / r * c.reduce_bytes * params / s / (bw * 1e9)
         latency += units * 2 * _ring_latency(r, not whole_inside)
-    return max(0.0, time - 0.5 * compute) + latency
+    return max(0.0, time - hidden) + latency
+
+
+def runs_ddp(model, c: Candidate) -> bool:
+    """Whether ``c`` runs as DDP rather than ZeRO-3 (``parallel/dims.replicates``)."""
+    return replicates(c.dp, c.dp_replicate, c.pp, c.tp, c.cp, getattr(model, "moe", None) is not None)
+
+
+def _ddp_exposed(model, c: Candidate, device: DeviceSpec, per_node: int, compute: float) -> float:
+    """DDP's all-reduce not hidden behind compute: the whole model's gradients in the reduce
+    dtype, once per step (the other microbatches accumulate locally), in buckets of
+    DDP_BUCKET_BYTES all-reduced while the last microbatch's backward (two thirds of its
+    compute) runs, ring cost 2(d-1)/d × bytes / bandwidth and each bucket's latency. All of
+    it hides but the last bucket, on GPUs and CPU ranks alike (gloo's own thread)."""
+    nbytes = c.reduce_bytes * rank_params(model, 1, 0, c.schedule).gathered(1, 1)
+    buckets = max(1, math.ceil(nbytes / DDP_BUCKET_BYTES))
+    inside = c.dp <= per_node
+    bw = device.intra_node_gbps if inside else device.inter_node_gbps
+    total = (2 * (c.dp - 1) / c.dp * nbytes / (bw * 1e9)
+             + buckets * _ring_latency(c.dp, not inside))
+    return max(total - 2 / 3 * compute / c.num_microbatches, total / buckets)
 
 
 def _kv_dim(model) -> int:
@@ -494,7 +527,8 @@ def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: in
         ep_comm = calls * per_a2a / (bw * 1e9) * moe_layers * c.num_microbatches
     dp_exposed = 0.0
     if c.dp * c.cp > 1:
-        dp_exposed = _zero3_exposed(model, c, device, per_node, compute_bytes, compute)
+        dp_exposed = (_ddp_exposed(model, c, device, per_node, compute) if runs_ddp(model, c)
+                      else _zero3_exposed(model, c, device, per_node, compute_bytes, compute))
     cp_comm = cp_exposed(model, c, seq_len, device, per_node, compute_bytes)
     step = compute + tp_comm + pp_comm + dp_exposed + ep_comm + cp_comm
     achieved = flops / step / c.world_size

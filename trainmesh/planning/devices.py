@@ -15,6 +15,10 @@ class DeviceSpec:
     # Memory a rank uses beyond its tensors: CUDA context, allocator slack and NCCL buffers on
     # a GPU; on a CPU rank, the process itself with Python, torch and Ray loaded (measured).
     framework_gib: float = 2.0
+    # Collectives on their own CUDA streams run beside compute; a CPU rank has none: FSDP2
+    # waits for each all-gather and reduce-scatter (measured), while DDP's all-reduce still
+    # overlaps backward there (gloo runs it on its own thread).
+    streams: bool = True
 
 
 DEVICES: dict[str, DeviceSpec] = {
@@ -25,7 +29,7 @@ DEVICES: dict[str, DeviceSpec] = {
     "b200": DeviceSpec("b200", 192, 2250.0, 900.0, 50.0),
     "l40s": DeviceSpec("l40s", 48, 362.0, 32.0, 12.5),
     # One CPU rank (one core's share): a nominal fp32 figure so MFU has a denominator.
-    "cpu": DeviceSpec("cpu", 8, 0.1, 5.0, 1.0, framework_gib=0.65),
+    "cpu": DeviceSpec("cpu", 8, 0.1, 5.0, 1.0, framework_gib=0.65, streams=False),
 }
 
 

@@ -7,7 +7,9 @@ import dataclasses
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
+from trainmesh.parallel.dims import replicates
 from trainmesh.parallel.pipeline.ir import splits_backward
 from trainmesh.planning.cost_model import (
     RECOMPUTE,
@@ -16,6 +18,7 @@ from trainmesh.planning.cost_model import (
     Estimate,
     estimate,
     memory_bytes,
+    runs_ddp,
     uses_fused_kernels,
 )
 from trainmesh.planning.stage_params import memoized
@@ -86,6 +89,7 @@ class Rejection:
 class PlanResult:
     plans: list[RankedPlan]  # best first
     rejected: list[Rejection]
+    model: Any = None  # the model config planned for
 
     @property
     def best(self) -> RankedPlan:
@@ -258,13 +262,15 @@ def _inner(req: PlanRequest, tp: int, pp: int, max_dp: int,
                                         n_micro * dp - B // mbs, per_node, cp)
 
 
-def _replicate_choices(req: PlanRequest, tp: int, dp: int, ep: int, per_node: int) -> list[int]:
+def _replicate_choices(req: PlanRequest, tp: int, dp: int, ep: int, per_node: int,
+                       pp: int = 1, cp: int = 1) -> list[int]:
     """Hybrid sharding's replica groups for ``dp``: the pinned ``dp_replicate`` (on a re-plan
     the largest that divides the new dp up to it), else plain
-    ZeRO-3 (1) and, once a shard group over all of dp would span more than 8 nodes, shard
+    ZeRO-3 (1); once a shard group over all of dp would span more than 8 nodes, shard
     groups of one node or of 8 nodes (whole nodes of the largest size: consecutive replicas
-    share them; on mixed node sizes a group may straddle nodes) of at least 2 replicas (1
-    would be plain data parallel, every rank holding the whole optimizer state)."""
+    share them; on mixed node sizes a group may straddle nodes) of at least 2 replicas; and,
+    for a dense model without tp, pp or cp, groups of one replica (dp: DDP, every rank holding
+    the whole state, the fastest data parallel where that fits)."""
     if "dp_replicate" in req.fixed:
         return [int(req.fixed["dp_replicate"])]
     if "max_dp_replicate" in req.fixed:  # a re-plan of a pinned layout
@@ -276,6 +282,8 @@ def _replicate_choices(req: PlanRequest, tp: int, dp: int, ep: int, per_node: in
             shard = nodes * per_node // tp
             if shard > 1 and nodes * per_node % tp == 0 and dp % shard == 0 and shard < dp:
                 out.append(dp // shard)
+    if replicates(dp, dp, pp, tp, cp, getattr(req.model, "moe", None) is not None):
+        out.append(dp)
     return out
 
 
@@ -292,13 +300,16 @@ def _options(req: PlanRequest, tp: int, pp: int, dp: int, vpp: int, schedule: st
         keeps = (bool(fixed["keep_gathered"]),)
     reduce = str(fixed.get("reduce_dtype", "float32"))
     stride = int(fixed.get("recompute_stride", 2))
+    moe = getattr(req.model, "moe", None) is not None
     modes = ("ring",) if cp == 1 else (str(fixed["cp_mode"]),) if "cp_mode" in fixed else CP_MODES
     for ep in _ep_choices(req, dp, cp):
         for rc in RECOMPUTE:
             if "recompute" in fixed and rc != fixed["recompute"]:
                 continue
             for keep in keeps:
-                for rep in _replicate_choices(req, tp, dp, ep, per_node):
+                for rep in _replicate_choices(req, tp, dp, ep, per_node, pp, cp):
+                    if keep != keeps[0] and replicates(dp, rep, pp, tp, cp, moe):
+                        continue  # (DDP gathers nothing: one candidate, not one per policy)
                     for mode in modes:
                         yield Candidate(tp, pp, dp, vpp, schedule, mbs, n_micro, rc, sp, keep,
                                         reduce, ep, padding, rep, cp, mode, stride)
@@ -360,7 +371,7 @@ def _plan(req: PlanRequest, topo: Topology, long: bool | None) -> PlanResult:
     # cost model has no fixed per-step costs, so for small models it would otherwise trade
     # accelerators the user gave the job for a prediction it cannot make precisely.
     ranked.sort(key=lambda p: (p.idle, -p.estimate.tokens_per_s, p.estimate.memory_per_rank_gib))
-    return PlanResult(ranked, rejected)
+    return PlanResult(ranked, rejected, req.model)
 
 
 def _sharding_choice(result: PlanResult, best: RankedPlan) -> list[str]:
@@ -375,13 +386,16 @@ def _sharding_choice(result: PlanResult, best: RankedPlan) -> list[str]:
     a, e, ae = alt.candidate, best.estimate, alt.estimate
 
     def name(x: Candidate) -> str:
+        if runs_ddp(result.model, x):
+            return (f"DDP (no sharding: each of the {x.dp} replicas holds the whole state, "
+                    "gradients all-reduced while backward runs)")
         if x.dp_replicate > 1 and x.dp_shard == 1:
             return f"no sharding ({x.dp} replicas, gradients all-reduced)"
         return (f"hybrid sharding {x.dp_replicate}×{x.dp_shard} (ZeRO-3 inside groups of "
                 f"{x.dp_shard} replicas, gradients all-reduced across {x.dp_replicate} groups)"
                 if x.dp_replicate > 1 else f"ZeRO-3 over all {x.dp} replicas")
-    return [f"It shards with {name(c)}: {e.dp_exposed_s * 1e3:.3g} ms of its step is exposed "
-            f"ZeRO-3 traffic and latency, against {ae.dp_exposed_s * 1e3:.3g} ms with "
+    return [f"It runs {name(c)}: {e.dp_exposed_s * 1e3:.3g} ms of its step is exposed "
+            f"data-parallel traffic and latency, against {ae.dp_exposed_s * 1e3:.3g} ms with "
             f"{name(a)}, which holds {ae.memory_per_rank_gib:.1f} GiB per rank instead of "
             f"{e.memory_per_rank_gib:.1f} (each collective's latency grows with its ring)."]
 
@@ -412,7 +426,8 @@ def explain(result: PlanResult) -> str:
                  f"PP {e.pp_comm_s:.3g} s"
                  + (f", exposed ZeRO-3 traffic {e.dp_exposed_s:.3g} s and MoE all-to-all "
                     f"{e.ep_comm_s:.3g} s." if c.ep > 1
-                    else f" and exposed ZeRO-3 traffic {e.dp_exposed_s:.3g} s."))
+                    else f" and exposed {'DDP all-reduce' if runs_ddp(result.model, c) else 'ZeRO-3'} "
+                         f"traffic {e.dp_exposed_s:.3g} s."))
     if c.cp > 1:
         parts.append(f"Context parallel splits each sequence over {c.cp} ranks: their "
                      f"activations are 1/{c.cp} of a whole sequence's, and "
