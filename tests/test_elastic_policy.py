@@ -11,10 +11,11 @@ from trainmesh.controller.elastic import (
     failure_report,
     on_failure,
     on_preemption,
+    ready_nodes,
     should_scale_up,
     warm_assignment,
 )
-from trainmesh.planning.topology import Topology
+from trainmesh.planning.topology import Node, Topology
 from trainmesh.spec.job import ElasticConfig
 
 
@@ -175,6 +176,19 @@ def test_ready_processes_default_to_a_nodes_ranks_on_accelerators_and_one_on_cpu
     spec = load_spec(None, ["elastic.ready_ranks_per_node=3"])
     assert ready_pool(spec, {}, placement, accelerators=True).per_node == 3
     assert ready_pool(load_spec(None, ["elastic.ready_ranks_per_node=0"]), {}, placement, True) is None
+
+
+def test_ready_processes_stay_on_the_jobs_nodes_and_as_many_spares_as_replace_one_node():
+    """The job's nodes, then spares until they hold one node's ranks: those already holding
+    ready processes first (a fill does not move them), then the largest; none on the rest."""
+    alive = [Node("a", 4), Node("b", 4), Node("c", 2), Node("d", 4), Node("e", 2), Node("f", 8)]
+    ranks_on = ["a"] * 4 + ["b"] * 4
+    assert ready_nodes(alive, ranks_on, set()) == ["a", "b", "f"]
+    assert ready_nodes(alive, ranks_on, {"c", "e"}) == ["a", "b", "c", "e"]  # 2 + 2 hold 4
+    assert ready_nodes(alive, ranks_on, {"d", "c"}) == ["a", "b", "d"]
+    assert ready_nodes(alive, ["a", "a"], set()) == ["a", "f"]
+    assert ready_nodes(alive[:2], ranks_on, set()) == ["a", "b"]  # no spare left
+    assert ready_nodes(alive, [], set()) == []
 
 
 def test_a_recovery_interrupted_by_a_failure_times_its_last_attempt_apart(monkeypatch):

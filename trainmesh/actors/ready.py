@@ -1,4 +1,5 @@
-"""Ready rank processes: started ahead of need on every node a job may use, so that a refill, a
+"""Ready rank processes: started ahead of need on the nodes of a job's ranks and
+on spares enough to replace one of them (``controller/elastic.ready_nodes``), so that a refill, a
 new node's ranks or a cold restart take a process that has torch and the parallel stack
 imported (``RankWorker.warm``) instead of starting one — a new rank process imports torch and
 DTensor (~2 s of a core) and, on a GPU node, later pays its CUDA context.
@@ -65,6 +66,10 @@ class ReadyPool:
                 ).remote(-1, 0, self._cpu_threads)
                 # (node_info: on the control thread, answered while the warm-up runs)
                 have.append((actor, actor.warm.remote(), actor.node_info.remote()))
+
+    def nodes(self) -> set[str]:
+        """The nodes holding ready processes now."""
+        return {node for node, have in self._ready.items() if have}
 
     def take(self, node: str, alive_s: float = 10.0) -> tuple | None:
         """A ready process on ``node`` that answers (warmed ones first; one still starting is

@@ -17,7 +17,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from trainmesh.actors.errors import HangDetected, PlacementTimeout
 from trainmesh.controller.boundary import StepBoundary
 from trainmesh.controller.checkpointing import Checkpointer, step_meta
-from trainmesh.controller.elastic import JobFailed, bounded_topology, warm_assignment
+from trainmesh.controller.elastic import JobFailed, bounded_topology, ready_nodes, warm_assignment
 from trainmesh.controller.evaluation import Evaluator, evaluate_once
 from trainmesh.controller.hooks import (
     AfterStep,
@@ -319,17 +319,21 @@ class Controller:
         self.book.mark("group")
         self.book.processes = group.processes() if kw else {}
         if kw and not replan:  # the job's start: its ready processes start beside its ranks
-            self._fill_ready()
+            self._fill_ready(group)
         return group
 
-    def _fill_ready(self) -> None:
-        """Ready processes (``elastic.ready_ranks_per_node``) on every node the job may use: its
-        own and spares (not capped by ``elastic.max_world_size``), none dead or draining."""
-        if self.ready is None:
+    def _fill_ready(self, group=None) -> None:
+        """Ready processes (``elastic.ready_ranks_per_node``) on every node of the job's ranks
+        (``group``'s, by default the running one's) and on spare nodes enough to replace one of
+        them (``elastic.ready_nodes``), none dead or draining."""
+        group = group or self.group
+        if self.ready is None or group is None:
             return
         try:
             gone = self.book.dead_nodes | set(draining_nodes())
-            self.ready.fill(n.node_id for n in self._topology_fn(self.spec).nodes if n.node_id not in gone)
+            alive = [n for n in self._topology_fn(self.spec).nodes if n.node_id not in gone]
+            self.ready.fill(ready_nodes(alive, [n for n in group.nodes if n not in gone],
+                                        self.ready.nodes()))
         except Exception as err:  # noqa: BLE001 - an optimisation: the job goes on without
             self._notice(f"ready rank processes not started ({str(err)[:200]}); new ranks "
                          "will start their own processes")
@@ -401,7 +405,7 @@ class Controller:
             # (the first compiles, warms caches and allocators unevenly)
             lambda s: self._log_step(s, metrics_of, judge=s.step > state.start + 1),
             *first,
-            fill_ready,  # ready processes for the next failure, on every node the job may use
+            fill_ready,  # ready processes for the next failure: the job's nodes and a spare's worth
             self._evaluate,  # held-out loss, every eval.every steps and after the last
             self._on_preemption_notice,  # checkpoint, then stop: go on without those nodes
             self._checkpoint_or_grow,  # the cadence's checkpoint; a scale-up after one

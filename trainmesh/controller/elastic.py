@@ -157,3 +157,23 @@ def should_scale_up(current_world: int, planned_world: int, cfg: ElasticConfig) 
     use more of them than are in use (spares it would leave idle do not count)."""
     cap = cfg.max_world_size or 10**9
     return min(planned_world, cap) > current_world
+
+
+def ready_nodes(alive: list[Node], ranks_on: list[str], holding: set[str]) -> list[str]:
+    """Where a job keeps ready rank processes: every node its ranks are on (``ranks_on``: each
+    rank's node), and as many spare nodes (alive, none of its ranks) as it takes to hold the
+    ranks of one of its nodes again, what replacing a lost node needs. Spares already
+    ``holding`` some come first (a fill does not move them), then the largest. More would hold
+    host memory on idle nodes, which other jobs may take, for losses that seldom come
+    together; a recovery that used them fills again."""
+    own = list(dict.fromkeys(ranks_on))
+    need = max(Counter(ranks_on).values(), default=0)
+    spares = sorted((n for n in alive if n.node_id not in own),
+                    key=lambda n: (n.node_id not in holding, -n.accelerators))
+    chosen = []
+    for n in spares:
+        if need <= 0:
+            break
+        chosen.append(n.node_id)
+        need -= max(1, n.accelerators)
+    return own + chosen

@@ -303,9 +303,10 @@ class ElasticConfig(_Section):
                                 "actors (new process group, new model part) instead of "
                                 "restarting every rank; falls back to a cold restart")
     ready_ranks_per_node: int | None = Field(
-        None, ge=0, description="rank processes kept started on every node the job may use (its "
-        "own and spares), torch and the parallel stack imported, holding no accelerator: a "
-        "refill, a new node's ranks or a cold restart take one instead of starting a process. "
+        None, ge=0, description="rank processes kept started on every node of the job's ranks "
+        "and on as many spare nodes as replace one of them, torch and the parallel stack "
+        "imported, holding no accelerator: a refill, a new node's ranks or a cold restart "
+        "take one instead of starting a process. "
         "Default: on accelerator nodes, the ranks the plan puts on one node (a node replaced or "
         "every rank restarted starts no process; each costs ~0.4 GB of host memory and no "
         "accelerator), on CPU-only clusters 1 (a lost rank process); 0: none")
