@@ -31,13 +31,17 @@ MEMORY_ARGS = ["model.preset=tiny", "training.global_batch_size=8", "training.mi
 @contextlib.contextmanager
 def simulated_cluster(nodes: int, num_cpus: float, num_gpus: int):
     """``ray.cluster_utils.Cluster``: a head (1 CPU, no GPU) and ``nodes`` nodes advertising
-    ``num_gpus`` GPUs each, this process connected; shut down on exit."""
+    ``num_gpus`` GPUs each, this process connected; shut down on exit. Its GCS checks its
+    nodes every second (Ray's default: every 3 s, dead after 5 misses), so a node a test
+    removes is seen dead in ~3 s, not ~15; a refused check counts, a slow one has Ray's 10 s.
+    No log monitor: nothing reads the workers' logs here (``log_to_driver=False``)."""
     import ray
     from ray.cluster_utils import Cluster
 
     ray.shutdown()
-    cluster = Cluster(initialize_head=True, connect=False,
-                      head_node_args={"num_cpus": 1, "include_dashboard": False})
+    cluster = Cluster(initialize_head=True, connect=False, head_node_args={
+        "num_cpus": 1, "include_dashboard": False, "include_log_monitor": False,
+        "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}})
     try:
         for _ in range(nodes):
             cluster.add_node(num_cpus=num_cpus, num_gpus=num_gpus)

@@ -71,6 +71,11 @@ class ReadyPool:
         """The nodes holding ready processes now."""
         return {node for node, have in self._ready.items() if have}
 
+    def drop(self, nodes) -> None:
+        """End the ready processes on ``nodes`` (dead, draining: new ranks must not go there)."""
+        for node in set(nodes) & set(self._ready):
+            self._end(self._ready.pop(node))
+
     def take(self, node: str, alive_s: float = 10.0) -> tuple | None:
         """A ready process on ``node`` that answers (warmed ones first; one still starting is
         waited for up to ``alive_s``, time its adoption would wait anyway; one that died or does

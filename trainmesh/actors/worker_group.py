@@ -23,6 +23,9 @@ from trainmesh.parallel.layout import Placement
 # "control": calls that must not queue behind a step (abort, health checks).
 # "memory": a peer's in-memory snapshot arriving or being read while this rank trains.
 RANK_CONCURRENCY_GROUPS = {"control": 1, "memory": 1}
+# How long a placement waits for the nodes holding ready processes before it takes any node
+# (placing where resources are free takes milliseconds; longer, the preferred nodes lack them).
+PREFER_S = 2.0
 
 
 def gather(refs: list, timeout_s: float | None, poll_s: float = 0.5) -> list:
@@ -110,7 +113,7 @@ class WorkerGroup:
         self.pgs: list = []  # the first group's, then one per re-form that needed new actors
         self._inflight: list = []  # the refs of the last call on every rank
         world = len(placement.rank_bundle)
-        pg, nodes = self._place(placement.bundles, placement.strategy)
+        pg, nodes = self._place(placement.bundles, placement.strategy, self._preferred())
         ranks = list(enumerate(placement.rank_bundle))
         self.workers, self.seats = (list(x) for x in zip(*self._actors(pg, ranks, world), strict=True))
         # each rank's reservation (placement group, bundle) and node: known without asking the
@@ -126,8 +129,22 @@ class WorkerGroup:
         self.procs = [(i["node_id"], i["pid"]) for i in infos]
         return infos
 
-    def _place(self, bundles, strategy: str) -> tuple[Any, dict[int, str]]:
-        """A placement group of ``bundles``, placed; and the node of each bundle."""
+    def _preferred(self, avoid: set[str] = frozenset()) -> list[str]:
+        """The nodes new ranks should go to: those holding ready processes (none: any)."""
+        return sorted(self.ready.nodes() - set(avoid)) if self.ready is not None else []
+
+    def _place(self, bundles, strategy: str, prefer: list[str] = ()) -> tuple[Any, dict[int, str]]:
+        """A placement group of ``bundles``, placed; and the node of each bundle. On the
+        ``prefer`` nodes (Ray's ``ray.io/node-id`` label) where they can hold the bundles
+        within PREFER_S, else wherever Ray finds room."""
+        if prefer and len(prefer) >= (len(bundles) if strategy == "STRICT_SPREAD" else 1):
+            only = [{"ray.io/node-id": f"in({','.join(prefer)})"}] * len(bundles)
+            pg = placement_group(list(bundles), strategy=strategy, bundle_label_selector=only)
+            ready, _ = ray.wait([pg.ready()], timeout=min(PREFER_S, self._ready_timeout_s))
+            if ready:
+                self.pgs.append(pg)
+                return pg, placement_group_table(pg)["bundles_to_node_id"]
+            remove_placement_group(pg)
         pg = placement_group(list(bundles), strategy=strategy)
         ready, _ = ray.wait([pg.ready()], timeout=self._ready_timeout_s)
         if not ready:
@@ -204,7 +221,8 @@ class WorkerGroup:
             index = {b: i for i, b in enumerate(new_bundles)}
             ranks = [(r, index[placement.rank_bundle[r]]) for r, o in enumerate(assignment) if o is None]
             strategy = placement.strategy if len(new_bundles) > 1 else "PACK"
-            pg, nodes = self._place([placement.bundles[b] for b in new_bundles], strategy)
+            pg, nodes = self._place([placement.bundles[b] for b in new_bundles], strategy,
+                                    self._preferred(avoid | set(old_nodes)))
             for (r, b), (actor, seat) in zip(ranks, self._actors(pg, ranks, world), strict=True):
                 new[r] = (actor, (pg, b), nodes[b], seat)
         self.workers, self.slots, self.nodes, self.seats = (
