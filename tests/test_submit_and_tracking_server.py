@@ -53,92 +53,17 @@ def _runs(uri: str, experiment: str):
     return client, (client.search_runs([exp.experiment_id]) if exp else [])
 
 
-@pytest.mark.timeout(400)
-def test_submit_follow_runs_the_tiny_job_and_tracks_it_on_the_server(ray_head, mlflow_server, tmp_path,
-                                                                      capsys, monkeypatch):
-    """The default, relative runtime.output_dir (runs/<name>) lands under the directory the
-    user submitted from, and the submit line says where."""
-    monkeypatch.chdir(tmp_path)
-    rc = main(["submit", TINY, "--address", ray_head.address, "--follow",
-               "--set", "training.steps=12", "--set", "checkpoint.every=6", "--set", "optimizer.warmup_steps=2",
-               "--set", f"tracking.uri={mlflow_server.uri}", "--set", "tracking.experiment=submitted",
-               "--set", "elastic.ready_ranks_per_node=0"])  # (no rank fails: no spare process)
-    out, err = capsys.readouterr()
-    assert rc == 0, (out + err)[-3000:]
-    assert "SUCCEEDED" in out.splitlines()[-1]
-    assert f"outputs under {tmp_path / 'runs' / 'tiny-cpu'} on the cluster's filesystem" in out
-    client, runs = _runs(mlflow_server.uri, "submitted")
-    [run] = runs
-    assert run.info.status == "FINISHED"
-    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == list(range(1, 13))
-    assert (tmp_path / "runs" / "tiny-cpu" / "summary.json").exists()
-
-
-@pytest.mark.timeout(400)
-def test_jobs_list_status_logs_and_stop(ray_head, tmp_path, capsys):
-    job_id = f"tm-{uuid.uuid4().hex[:8]}"
-    assert main(["submit", TINY, "--address", ray_head.address, "--submission-id", job_id,
-                 "--set", "training.steps=100000", "--set", "tracking.enabled=false",
-                 "--set", "elastic.ready_ranks_per_node=0",  # (no rank fails: no spare process)
-                 "--set", f"runtime.output_dir={tmp_path / 'long'}"]) == 0
-    assert capsys.readouterr().out.startswith(f"submitted {job_id}")
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:  # running, and training: its log shows steps
-        main(["jobs", "logs", job_id, "--address", ray_head.address])
-        if "step" in capsys.readouterr().out:
-            break
-        time.sleep(2)
-    assert main(["jobs", "status", job_id, "--address", ray_head.address]) == 0
-    assert capsys.readouterr().out.startswith(f"{job_id}: RUNNING")
-    assert main(["jobs", "list", "--address", ray_head.address]) == 0
-    lines = capsys.readouterr().out.splitlines()[1:]
-    [mine] = [line for line in lines if line.startswith(job_id)]
-    # By name and spec as typed, with the outputs' place; submit's probe jobs and the
-    # launcher's shell line are not listed.
-    assert mine.split()[1:3] == ["RUNNING", "tiny-cpu"]
-    assert mine.endswith(f"{TINY} --set training.steps=100000 --set tracking.enabled=false "
-                         "--set elastic.ready_ranks_per_node=0 "
-                         f"--set runtime.output_dir={tmp_path / 'long'} ({tmp_path / 'long'})")
-    assert not [line for line in lines if "trainmesh-probe" in line or "/proc/" in line]
-    assert main(["jobs", "stop", job_id, "--address", ray_head.address]) == 0
-    assert capsys.readouterr().out.strip() == f"{job_id}: stopped (STOPPED)"
-    assert main(["jobs", "status", "no-such-job", "--address", ray_head.address]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["no-such-job: no such job on this cluster; see `trainmesh jobs list`"]
-
-
-def test_submit_probes_that_the_cluster_has_this_trainmesh(ray_head, capsys, monkeypatch):
-    """The head runs from a venv that is not on PATH (tests/servers.py): the probe job finds
-    that interpreter; a client of another version is told what to install, nothing runs."""
-    import trainmesh
-
-    monkeypatch.setattr(trainmesh, "__version__", "9.9.9")
-    assert main(["submit", TINY, "--address", ray_head.address]) == 2
-    [line] = capsys.readouterr().err.strip().splitlines()
-    from importlib.metadata import version
-
-    assert f"the cluster has trainmesh {version('trainmesh')}, this client 9.9.9" in line
-    assert "pip install trainmesh==9.9.9" in line
-
-
-def test_submit_refuses_a_bad_spec_and_a_dead_address(capsys, tmp_path):
-    assert main(["submit", TINY, "--set", "training.stepz=3", "--address", "http://127.0.0.1:9"]) == 2
-    assert capsys.readouterr().err.startswith("training.stepz: unknown field")
-    assert main(["submit", TINY, "--address", "http://127.0.0.1:9"]) == 2
-    [line] = capsys.readouterr().err.strip().splitlines()
-    assert line.startswith("--address http://127.0.0.1:9: cannot reach a Ray job API there")
-
-
 @pytest.mark.timeout(500)
 def test_tracking_server_outage_then_trainmesh_run_sigkilled_and_run_again(mlflow_server, tmp_path):
     """``trainmesh run`` goes on while the tracking server is down and logs what it missed once
     it is back; then the run itself is SIGKILLed, and the same command run again resumes from
     the newest complete checkpoint in the same MLflow run: every step logged, the steps trained
-    twice with equal losses (the exact data position), the run FINISHED."""
+    twice with equal losses (the exact data position), the run FINISHED. (First here: the
+    other tests' Ray head is not started yet and takes no core from this job's rank.)"""
     from trainmesh.checkpoint.manifest import CheckpointStore
 
     server = mlflow_server  # the module's: stopped and started again here
-    steps = 300
+    steps = 200  # (the first run is killed near step 80; the second trains the rest)
     out = tmp_path / "out"
     # unbuffered: what it printed before the SIGKILL is read back
     env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "PYTHONUNBUFFERED": "1"}
@@ -223,6 +148,82 @@ def test_tracking_server_outage_then_trainmesh_run_sigkilled_and_run_again(mlflo
             job.kill()
         if server.proc is None:  # left stopped by a failure: the module's other tests use it
             server.start()
+
+
+@pytest.mark.timeout(400)
+def test_submit_follow_runs_the_tiny_job_and_tracks_it_on_the_server(ray_head, mlflow_server, tmp_path,
+                                                                      capsys, monkeypatch):
+    """The default, relative runtime.output_dir (runs/<name>) lands under the directory the
+    user submitted from, and the submit line says where."""
+    monkeypatch.chdir(tmp_path)
+    rc = main(["submit", TINY, "--address", ray_head.address, "--follow",
+               "--set", "training.steps=12", "--set", "checkpoint.every=6", "--set", "optimizer.warmup_steps=2",
+               "--set", f"tracking.uri={mlflow_server.uri}", "--set", "tracking.experiment=submitted",
+               "--set", "elastic.ready_ranks_per_node=0"])  # (no rank fails: no spare process)
+    out, err = capsys.readouterr()
+    assert rc == 0, (out + err)[-3000:]
+    assert "SUCCEEDED" in out.splitlines()[-1]
+    assert f"outputs under {tmp_path / 'runs' / 'tiny-cpu'} on the cluster's filesystem" in out
+    client, runs = _runs(mlflow_server.uri, "submitted")
+    [run] = runs
+    assert run.info.status == "FINISHED"
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == list(range(1, 13))
+    assert (tmp_path / "runs" / "tiny-cpu" / "summary.json").exists()
+
+
+@pytest.mark.timeout(400)
+def test_jobs_list_status_logs_and_stop(ray_head, tmp_path, capsys):
+    job_id = f"tm-{uuid.uuid4().hex[:8]}"
+    assert main(["submit", TINY, "--address", ray_head.address, "--submission-id", job_id,
+                 "--set", "training.steps=100000", "--set", "tracking.enabled=false",
+                 "--set", "elastic.ready_ranks_per_node=0",  # (no rank fails: no spare process)
+                 "--set", f"runtime.output_dir={tmp_path / 'long'}"]) == 0
+    assert capsys.readouterr().out.startswith(f"submitted {job_id}")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # running, and training: its log shows steps
+        main(["jobs", "logs", job_id, "--address", ray_head.address])
+        if "step" in capsys.readouterr().out:
+            break
+        time.sleep(2)
+    assert main(["jobs", "status", job_id, "--address", ray_head.address]) == 0
+    assert capsys.readouterr().out.startswith(f"{job_id}: RUNNING")
+    assert main(["jobs", "list", "--address", ray_head.address]) == 0
+    lines = capsys.readouterr().out.splitlines()[1:]
+    [mine] = [line for line in lines if line.startswith(job_id)]
+    # By name and spec as typed, with the outputs' place; submit's probe jobs and the
+    # launcher's shell line are not listed.
+    assert mine.split()[1:3] == ["RUNNING", "tiny-cpu"]
+    assert mine.endswith(f"{TINY} --set training.steps=100000 --set tracking.enabled=false "
+                         "--set elastic.ready_ranks_per_node=0 "
+                         f"--set runtime.output_dir={tmp_path / 'long'} ({tmp_path / 'long'})")
+    assert not [line for line in lines if "trainmesh-probe" in line or "/proc/" in line]
+    assert main(["jobs", "stop", job_id, "--address", ray_head.address]) == 0
+    assert capsys.readouterr().out.strip() == f"{job_id}: stopped (STOPPED)"
+    assert main(["jobs", "status", "no-such-job", "--address", ray_head.address]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["no-such-job: no such job on this cluster; see `trainmesh jobs list`"]
+
+
+def test_submit_probes_that_the_cluster_has_this_trainmesh(ray_head, capsys, monkeypatch):
+    """The head runs from a venv that is not on PATH (tests/servers.py): the probe job finds
+    that interpreter; a client of another version is told what to install, nothing runs."""
+    import trainmesh
+
+    monkeypatch.setattr(trainmesh, "__version__", "9.9.9")
+    assert main(["submit", TINY, "--address", ray_head.address]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    from importlib.metadata import version
+
+    assert f"the cluster has trainmesh {version('trainmesh')}, this client 9.9.9" in line
+    assert "pip install trainmesh==9.9.9" in line
+
+
+def test_submit_refuses_a_bad_spec_and_a_dead_address(capsys, tmp_path):
+    assert main(["submit", TINY, "--set", "training.stepz=3", "--address", "http://127.0.0.1:9"]) == 2
+    assert capsys.readouterr().err.startswith("training.stepz: unknown field")
+    assert main(["submit", TINY, "--address", "http://127.0.0.1:9"]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("--address http://127.0.0.1:9: cannot reach a Ray job API there")
 
 
 def _signal(pids: set[int], sig: int) -> None:
