@@ -164,7 +164,7 @@ def test_the_fault_hook_parses_strictly_fires_once_and_only_where_placed(tmp_pat
     assert Progress(rank=1)._faults == []
 
 
-def test_ready_processes_default_to_a_nodes_ranks_on_accelerators_and_one_on_cpus():
+def test_ready_processes_default_to_a_nodes_ranks_on_accelerators_and_one_on_cpu_clusters():
     from trainmesh.cli.loading import load_spec
     from trainmesh.controller.ray_group import ready_pool
     from trainmesh.parallel.layout import Placement
@@ -173,6 +173,7 @@ def test_ready_processes_default_to_a_nodes_ranks_on_accelerators_and_one_on_cpu
     placement = Placement(({"GPU": 4.0}, {"GPU": 4.0}), (0, 0, 0, 0, 1, 1, 1, 1), {"GPU": 1.0})
     assert ready_pool(load_spec(None, []), {}, placement, accelerators=True).per_node == 4
     assert ready_pool(load_spec(None, []), {}, placement, accelerators=False).per_node == 1
+    assert ready_pool(load_spec(None, []), {}, placement, False, nodes=1) is None  # one machine
     spec = load_spec(None, ["elastic.ready_ranks_per_node=3"])
     assert ready_pool(spec, {}, placement, accelerators=True).per_node == 3
     assert ready_pool(load_spec(None, ["elastic.ready_ranks_per_node=0"]), {}, placement, True) is None

@@ -29,16 +29,18 @@ def rank_threads(spec: JobSpec) -> int:
     return max(1, int(spec.runtime.cpus_per_rank))
 
 
-def ready_pool(spec: JobSpec, env: dict[str, str], placement: Placement, accelerators: bool):
+def ready_pool(spec: JobSpec, env: dict[str, str], placement: Placement, accelerators: bool,
+               nodes: int = 2):
     """The job's ready rank processes (``actors/ready.py``), or None when it keeps none:
     ``elastic.ready_ranks_per_node``, by default the most ranks ``placement`` puts on one node
-    where ranks hold ``accelerators``, else 1."""
+    where ranks hold ``accelerators``, else 1 on a cluster of several ``nodes`` and none on one
+    machine (its cores are the ranks', and it has no node to lose)."""
     from trainmesh.actors.ready import ReadyPool
     from trainmesh.actors.worker_group import RANK_CONCURRENCY_GROUPS
 
     n = spec.elastic.ready_ranks_per_node
     if n is None:
-        n = max(Counter(placement.rank_bundle).values()) if accelerators else 1
+        n = max(Counter(placement.rank_bundle).values()) if accelerators else int(nodes > 1)
     return ReadyPool(n, env, rank_threads(spec), RANK_CONCURRENCY_GROUPS) if n else None
 
 

@@ -309,7 +309,8 @@ class ElasticConfig(_Section):
         "take one instead of starting a process. "
         "Default: on accelerator nodes, the ranks the plan puts on one node (a node replaced or "
         "every rank restarted starts no process; each costs ~0.4 GB of host memory and no "
-        "accelerator), on CPU-only clusters 1 (a lost rank process); 0: none")
+        "accelerator), on CPU-only clusters of several nodes 1 (a lost rank process), on one CPU "
+        "machine none (its cores are the ranks'); 0: none")
 
 
 class TrackingConfig(_Section):
