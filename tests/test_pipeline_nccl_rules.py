@@ -96,7 +96,7 @@ def _worker(rank: int, port: int, results) -> None:
     old = _placed_next_to_compute(shape, compute)
     stages = {s: _stage(s, PP * 2) for s in shape.stages_of(rank)}
     p2p = P2PSpec(dist.group.WORLD, [0, 1], (MB, DIM), torch.float32, torch.device("cpu"),
-                  timeout=timedelta(seconds=4), post=NcclRulesP2P(timedelta(seconds=4)))
+                  timeout=timedelta(seconds=2), post=NcclRulesP2P(timedelta(seconds=2)))
     try:
         PipelineExecutor(shape, old[rank], stages, p2p).step(_data())
         results[(rank, "old", "nccl-rules")] = "ran"
