@@ -37,7 +37,7 @@ ARGS = ["model.preset=tiny", "training.global_batch_size=4", "training.microbatc
         "parallelism.dp=1", "parallelism.sequence_parallel=true",
         "schedule.name=interleaved-1f1b", f"training.steps={STEPS}", "checkpoint.every=2",
         "checkpoint.async_save=true", "checkpoint.keep_last=100", "elastic.max_world_size=4",
-        "elastic.max_restarts=20", "elastic.hang_timeout_s=8", "elastic.ready_ranks_per_node=1"]
+        "elastic.max_restarts=20", "elastic.hang_timeout_s=6", "elastic.ready_ranks_per_node=1"]
 
 # (name, fault): rank r (ranks 0-1 are stage 0 on one node, 2-3 stage 1 on another; the
 # survivors of a recovery become ranks 0-1), at the steps it has done (for a step: the steps
