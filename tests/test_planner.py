@@ -447,9 +447,10 @@ def test_a_dense_model_whose_state_fits_each_rank_runs_as_ddp_where_that_is_fast
     """Under ``parallelism: auto`` the planner weighs DDP (shard groups of one replica) beside
     ZeRO-3. On CPU ranks FSDP2 cannot hide its all-gathers and reduce-scatters (no streams)
     while DDP's all-reduce still overlaps backward: the demo's model runs as DDP, and the
-    explanation names both. On 8 H100 a 1b model fits whole and runs as DDP (no parameter
-    gathers, more memory); 8b does not fit and stays ZeRO-3; MoE never runs as DDP. The
-    effective spec carries it to the ranks; a pinned layout stays as pinned."""
+    explanation names both. On 8 H100 the `small` model runs as DDP (no parameter gathers,
+    more memory); `1b` stays ZeRO-3: its 1 GB embedding, whose gradient comes last, is
+    all-reduced after backward; 8b does not fit whole; MoE never runs as DDP. The effective
+    spec carries it to the ranks; a pinned layout stays as pinned."""
     from trainmesh.planning.job_plan import effective_spec
 
     demo = ["model.preset=tiny", "training.global_batch_size=16", "training.microbatch_size=4",
@@ -472,15 +473,22 @@ def test_a_dense_model_whose_state_fits_each_rank_runs_as_ddp_where_that_is_fast
         cost_model._zero3_exposed(spec.model, sharded.candidate, dataclasses.replace(cpu, streams=True), 2, 4, 1.0)
 
     h100 = Topology.uniform(1, 8, "h100")
+    small = load_spec(None, ["model.preset=small", "parallelism=auto", "training.global_batch_size=64",
+                             "training.seq_len=1024"])
+    best = plan(request_for(small), h100).best
+    assert cost_model.runs_ddp(small.model, best.candidate) and best.candidate.dp == 8
+    # whole float32 state, gradients and the weights' bf16 casts autocast keeps for backward
+    n = stage_params.rank_params(small.model, 1, 0, "1f1b").gathered(1, 1)
+    mem = cost_model.rank_memory(small.model, best.candidate, 1024, compute_bytes=2)
+    assert (mem.params, mem.grads, mem.optimizer, mem.gathered) == (4 * n, 4 * n, 8 * n, 2 * n)
+    assert cost_model.rank_memory(small.model, best.candidate, 1024, compute_bytes=4).gathered == 0
     one_b = load_spec(None, ["model.preset=1b", "parallelism=auto", "training.global_batch_size=64",
                              "training.seq_len=2048"])
-    best = plan(request_for(one_b), h100).best
-    assert cost_model.runs_ddp(one_b.model, best.candidate) and best.candidate.dp == 8
-    # whole float32 state, gradients and the weights' bf16 casts autocast keeps for backward
-    n = stage_params.rank_params(one_b.model, 1, 0, "1f1b").gathered(1, 1)
-    mem = cost_model.rank_memory(one_b.model, best.candidate, 2048, compute_bytes=2)
-    assert (mem.params, mem.grads, mem.optimizer, mem.gathered) == (4 * n, 4 * n, 8 * n, 2 * n)
-    assert cost_model.rank_memory(one_b.model, best.candidate, 2048, compute_bytes=4).gathered == 0
+    plans = plan(request_for(one_b), h100).plans
+    ddp = next(p for p in plans if cost_model.runs_ddp(one_b.model, p.candidate))
+    assert not cost_model.runs_ddp(one_b.model, plans[0].candidate)
+    embedding = 4 * one_b.model.vocab_size * one_b.model.dim  # fp32 gradients, ring over 8
+    assert ddp.estimate.dp_exposed_s >= 2 * 7 / 8 * embedding / (h100.device.intra_node_gbps * 1e9)
     eight_b = load_spec(None, ["model.preset=8b", "parallelism=auto", "training.global_batch_size=64",
                                "training.seq_len=4096"])
     assert not any(cost_model.runs_ddp(eight_b.model, p.candidate)
@@ -488,3 +496,15 @@ def test_a_dense_model_whose_state_fits_each_rank_runs_as_ddp_where_that_is_fast
     moe = load_spec(None, ["model.preset=tiny-moe", "parallelism=auto", *demo[1:]])
     plans = plan(request_for(moe), Topology.uniform(1, 4, "cpu")).plans
     assert plans and not any(cost_model.runs_ddp(moe.model, p.candidate) for p in plans)
+    # In-memory snapshots: a DDP rank's hold the whole state. Where they do not fit a node's
+    # host memory and ZeRO-3's do, the job runs ZeRO-3 rather than being refused.
+    from trainmesh.planning.job_plan import plan_for
+
+    snap = load_spec(None, [*demo, "parallelism=auto", "checkpoint.in_memory.every=1"])
+    ddp_gib = 2 * cost_model.snapshot_host_bytes(snap.model, c) / cost_model.GIB  # 2 ranks a node
+    zero_gib = 2 * cost_model.snapshot_host_bytes(snap.model, sharded.candidate) / cost_model.GIB
+    assert zero_gib < ddp_gib
+    tight = plan_for(snap, Topology.uniform(1, 2, "cpu").with_host_memory((zero_gib + ddp_gib) / 2), False)
+    assert tight.result.best.candidate.dp_replicate == 1 and tight.spec.parallelism.dp_replicate == 1
+    roomy = plan_for(snap, Topology.uniform(1, 2, "cpu").with_host_memory(2 * ddp_gib), False)
+    assert roomy.spec.parallelism.dp_replicate == 2

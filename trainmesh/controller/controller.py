@@ -314,7 +314,7 @@ class Controller:
         placement = placement_for(self.eff, self.dims, topo)
         if ready and self._keeps_ready and self.ready is None:
             self.ready = ready_pool(self.spec, self.worker_env, placement, topo.device.name != "cpu",
-                                    len(topo.nodes))
+                                    len(self._topology_fn(self.spec).nodes))  # (spares too)
         elif ready and self.ready is not None:  # (a cold restart goes where they wait)
             self.ready.drop(self.book.dead_nodes | set(draining_nodes()))
         kw = {"ready": self.ready} if ready and self.ready is not None else {}

@@ -50,8 +50,8 @@ Step time (seconds):
     its ring (a hop per participant) and is not hidden (``_zero3_exposed``).
   * DP without sharding (DDP: shard groups of one rank, a dense model without tp, pp or cp):
     the gradients all-reduced once per step in 25 MiB buckets, 2(d-1)/d × bytes, while the
-    last microbatch's backward runs; hidden behind it except the last bucket
-    (``_ddp_exposed``). Memory: every rank holds the whole float32 state; under a narrower
+    last microbatch's backward runs; hidden behind it except the last bucket, the
+    embedding's (``_ddp_exposed``). Memory: every rank holds the whole float32 state; under a narrower
     compute dtype autocast keeps each weight's cast for backward.
 """
 
@@ -422,9 +422,16 @@ def _zero3_exposed(model, c: Candidate, device: DeviceSpec, per_node: int, compu
     return max(0.0, time - hidden) + latency
 
 
+def has_moe_blocks(model) -> bool:
+    """Whether the model has MoE blocks (``moe`` set and not every block kept dense), as the
+    engine finds them in the built model."""
+    moe = getattr(model, "moe", None)
+    return moe is not None and moe.dense_layers < model.n_layers
+
+
 def runs_ddp(model, c: Candidate) -> bool:
     """Whether ``c`` runs as DDP rather than ZeRO-3 (``parallel/dims.replicates``)."""
-    return replicates(c.dp, c.dp_replicate, c.pp, c.tp, c.cp, getattr(model, "moe", None) is not None)
+    return replicates(c.dp, c.dp_replicate, c.pp, c.tp, c.cp, has_moe_blocks(model))
 
 
 def _ddp_exposed(model, c: Candidate, device: DeviceSpec, per_node: int, compute: float) -> float:
@@ -432,14 +439,21 @@ def _ddp_exposed(model, c: Candidate, device: DeviceSpec, per_node: int, compute
     dtype, once per step (the other microbatches accumulate locally), in buckets of
     DDP_BUCKET_BYTES all-reduced while the last microbatch's backward (two thirds of its
     compute) runs, ring cost 2(d-1)/d × bytes / bandwidth and each bucket's latency. All of
-    it hides but the last bucket, on GPUs and CPU ranks alike (gloo's own thread)."""
+    it hides but the last bucket, on GPUs and CPU ranks alike (gloo's own thread) — the
+    embedding's, whose gradient comes last (its lookup is the first op) and which, larger
+    than a bucket, is a bucket of its own."""
     nbytes = c.reduce_bytes * rank_params(model, 1, 0, c.schedule).gathered(1, 1)
     buckets = max(1, math.ceil(nbytes / DDP_BUCKET_BYTES))
     inside = c.dp <= per_node
     bw = device.intra_node_gbps if inside else device.inter_node_gbps
-    total = (2 * (c.dp - 1) / c.dp * nbytes / (bw * 1e9)
-             + buckets * _ring_latency(c.dp, not inside))
-    return max(total - 2 / 3 * compute / c.num_microbatches, total / buckets)
+    latency = _ring_latency(c.dp, not inside)
+
+    def ring(b: float) -> float:
+        return 2 * (c.dp - 1) / c.dp * b / (bw * 1e9)
+
+    last = max(min(nbytes, DDP_BUCKET_BYTES), c.reduce_bytes * model.vocab_size * model.dim)
+    total = ring(nbytes) + buckets * latency
+    return max(total - 2 / 3 * compute / c.num_microbatches, ring(last) + latency)
 
 
 def _kv_dim(model) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from trainmesh.parallel.dims import ParallelDims
@@ -140,6 +141,14 @@ def plan_for(spec: JobSpec, topo: Topology, replan: bool) -> Replan:
     ``auto``: the planner's best for the batch) or, with ``replan``, ``replan_job``'s."""
     if replan or spec.parallelism.auto:
         new = replan_job(spec, topo)
+        fits = [p for p in new.result.plans if snapshot_problem(spec, p.candidate, topo) is None]
+        if fits and fits[0] is not new.result.best:  # the fastest plan whose snapshots fit (a
+            # DDP rank's hold the whole state: dp times a ZeRO-3 rank's)
+            c = fits[0].candidate
+            result = dataclasses.replace(new.result, plans=[*fits, *(
+                p for p in new.result.plans if p not in fits)])
+            new = Replan(ParallelDims(pp=c.pp, dp=c.dp, tp=c.tp, ep=c.ep, cp=c.cp), result,
+                         effective_spec(spec, c), new.changed)
     else:
         dims, result = plan_job(spec, topo)
         new = Replan(dims, result, effective_spec(spec, result.best.candidate))
@@ -150,16 +159,23 @@ def plan_for(spec: JobSpec, topo: Topology, replan: bool) -> Replan:
 def check_snapshot_memory(spec: JobSpec, c: Candidate, topo: Topology) -> None:
     """``checkpoint.in_memory``: a node's ranks' snapshots and their buddies' copies must fit
     in its host memory (known from Ray or ``topology.host_memory_gib``)."""
+    problem = snapshot_problem(spec, c, topo)
+    if problem is not None:
+        raise PlanError(problem)
+
+
+def snapshot_problem(spec: JobSpec, c: Candidate, topo: Topology) -> str | None:
+    """Why ``c``'s in-memory snapshots do not fit a node's host memory, or None."""
     host = topo.host_memory_gib
     if not spec.checkpoint.in_memory.every or host is None:
-        return
+        return None
     per_rank = snapshot_host_bytes(spec.model, c)
     ranks = max(topo.allocate(c.tp, c.world_size))
     need = per_rank * ranks
     if need > host * GIB:
-        raise PlanError(f"checkpoint.in_memory: snapshots need {need / GIB:.1f} GiB of host memory per "
-                        f"node ({per_rank / GIB:.2f} GiB per rank at its peak: its own two snapshots and "
-                        f"one being written, a buddy's two and one arriving, and the host copy, × {ranks} "
-                        f"ranks) but a node has "
-                        f"{host:.1f} GiB; set checkpoint.in_memory.every=0, "
-                        "or spread the model over more ranks (parallelism.dp, pp)")
+        return (f"checkpoint.in_memory: snapshots need {need / GIB:.1f} GiB of host memory per "
+                f"node ({per_rank / GIB:.2f} GiB per rank at its peak: its own two snapshots and "
+                f"one being written, a buddy's two and one arriving, and the host copy, × {ranks} "
+                f"ranks) but a node has {host:.1f} GiB; set checkpoint.in_memory.every=0, "
+                "or spread the model over more ranks (parallelism.dp, pp)")
+    return None

@@ -17,6 +17,7 @@ from trainmesh.planning.cost_model import (
     Candidate,
     Estimate,
     estimate,
+    has_moe_blocks,
     memory_bytes,
     runs_ddp,
     uses_fused_kernels,
@@ -282,7 +283,7 @@ def _replicate_choices(req: PlanRequest, tp: int, dp: int, ep: int, per_node: in
             shard = nodes * per_node // tp
             if shard > 1 and nodes * per_node % tp == 0 and dp % shard == 0 and shard < dp:
                 out.append(dp // shard)
-    if replicates(dp, dp, pp, tp, cp, getattr(req.model, "moe", None) is not None):
+    if replicates(dp, dp, pp, tp, cp, has_moe_blocks(req.model)):
         out.append(dp)
     return out
 
@@ -300,7 +301,7 @@ def _options(req: PlanRequest, tp: int, pp: int, dp: int, vpp: int, schedule: st
         keeps = (bool(fixed["keep_gathered"]),)
     reduce = str(fixed.get("reduce_dtype", "float32"))
     stride = int(fixed.get("recompute_stride", 2))
-    moe = getattr(req.model, "moe", None) is not None
+    moe = has_moe_blocks(req.model)
     modes = ("ring",) if cp == 1 else (str(fixed["cp_mode"]),) if "cp_mode" in fixed else CP_MODES
     for ep in _ep_choices(req, dp, cp):
         for rc in RECOMPUTE:
