@@ -45,10 +45,13 @@ class ReadyPool:
         self._groups = concurrency_groups
         # node: [(actor, ref of its warm-up, ref of its node_info)]
         self._ready: dict[str, list[tuple]] = {}
+        self.accelerators: dict[str, int] = {}  # node: its accelerators, as the last fill knew
 
-    def fill(self, nodes: Iterable[str]) -> None:
+    def fill(self, nodes: Iterable[str], accelerators: dict[str, int] | None = None) -> None:
         """Start processes (without waiting for them) until each of ``nodes`` has ``per_node``
-        ready; those on other nodes (dead, drained, given back) and those that died are ended."""
+        ready; those on other nodes (dead, drained, given back) and those that died are ended.
+        ``accelerators``: each node's, for placements that prefer these nodes."""
+        self.accelerators.update(accelerators or {})
         nodes = set(nodes)
         for node in [n for n in self._ready if n not in nodes]:
             self._end(self._ready.pop(node))
@@ -67,9 +70,10 @@ class ReadyPool:
                 # (node_info: on the control thread, answered while the warm-up runs)
                 have.append((actor, actor.warm.remote(), actor.node_info.remote()))
 
-    def nodes(self) -> set[str]:
-        """The nodes holding ready processes now."""
-        return {node for node, have in self._ready.items() if have}
+    def nodes(self, accelerators: float = 0) -> set[str]:
+        """The nodes holding ready processes now (with at least ``accelerators``, where known)."""
+        return {node for node, have in self._ready.items()
+                if have and self.accelerators.get(node, accelerators) >= accelerators}
 
     def drop(self, nodes) -> None:
         """End the ready processes on ``nodes`` (dead, draining: new ranks must not go there)."""

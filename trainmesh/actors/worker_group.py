@@ -113,7 +113,8 @@ class WorkerGroup:
         self.pgs: list = []  # the first group's, then one per re-form that needed new actors
         self._inflight: list = []  # the refs of the last call on every rank
         world = len(placement.rank_bundle)
-        pg, nodes = self._place(placement.bundles, placement.strategy, self._preferred())
+        pg, nodes = self._place(placement.bundles, placement.strategy,
+                                self._preferred(placement.bundles))
         ranks = list(enumerate(placement.rank_bundle))
         self.workers, self.seats = (list(x) for x in zip(*self._actors(pg, ranks, world), strict=True))
         # each rank's reservation (placement group, bundle) and node: known without asking the
@@ -129,9 +130,12 @@ class WorkerGroup:
         self.procs = [(i["node_id"], i["pid"]) for i in infos]
         return infos
 
-    def _preferred(self, avoid: set[str] = frozenset()) -> list[str]:
-        """The nodes new ranks should go to: those holding ready processes (none: any)."""
-        return sorted(self.ready.nodes() - set(avoid)) if self.ready is not None else []
+    def _preferred(self, bundles, avoid: set[str] = frozenset()) -> list[str]:
+        """The nodes new ranks should go to: those holding ready processes that have the
+        accelerators of the largest of ``bundles`` (none: any node)."""
+        if self.ready is None:
+            return []
+        return sorted(self.ready.nodes(max(b.get("GPU", 0) for b in bundles)) - set(avoid))
 
     def _place(self, bundles, strategy: str, prefer: list[str] = ()) -> tuple[Any, dict[int, str]]:
         """A placement group of ``bundles``, placed; and the node of each bundle. On the
@@ -221,8 +225,8 @@ class WorkerGroup:
             index = {b: i for i, b in enumerate(new_bundles)}
             ranks = [(r, index[placement.rank_bundle[r]]) for r, o in enumerate(assignment) if o is None]
             strategy = placement.strategy if len(new_bundles) > 1 else "PACK"
-            pg, nodes = self._place([placement.bundles[b] for b in new_bundles], strategy,
-                                    self._preferred(avoid | set(old_nodes)))
+            bundles = [placement.bundles[b] for b in new_bundles]
+            pg, nodes = self._place(bundles, strategy, self._preferred(bundles, avoid | set(old_nodes)))
             for (r, b), (actor, seat) in zip(ranks, self._actors(pg, ranks, world), strict=True):
                 new[r] = (actor, (pg, b), nodes[b], seat)
         self.workers, self.slots, self.nodes, self.seats = (

@@ -336,7 +336,7 @@ class Controller:
             gone = self.book.dead_nodes | set(draining_nodes())
             alive = [n for n in self._topology_fn(self.spec).nodes if n.node_id not in gone]
             self.ready.fill(ready_nodes(alive, [n for n in group.nodes if n not in gone],
-                                        self.ready.nodes()))
+                                        self.ready.nodes()), {n.node_id: n.accelerators for n in alive})
         except Exception as err:  # noqa: BLE001 - an optimisation: the job goes on without
             self._notice(f"ready rank processes not started ({str(err)[:200]}); new ranks "
                          "will start their own processes")
