@@ -141,9 +141,10 @@ def plan_for(spec: JobSpec, topo: Topology, replan: bool) -> Replan:
     ``auto``: the planner's best for the batch) or, with ``replan``, ``replan_job``'s."""
     if replan or spec.parallelism.auto:
         new = replan_job(spec, topo)
-        fits = [p for p in new.result.plans if snapshot_problem(spec, p.candidate, topo) is None]
-        if fits and fits[0] is not new.result.best:  # the fastest plan whose snapshots fit (a
-            # DDP rank's hold the whole state: dp times a ZeRO-3 rank's)
+        fits = [] if snapshot_problem(spec, new.result.best.candidate, topo) is None else [
+            p for p in new.result.plans if snapshot_problem(spec, p.candidate, topo) is None]
+        if fits:  # the fastest plan whose snapshots fit (a DDP rank's hold the whole state:
+            # dp times a ZeRO-3 rank's)
             c = fits[0].candidate
             result = dataclasses.replace(new.result, plans=[*fits, *(
                 p for p in new.result.plans if p not in fits)])
