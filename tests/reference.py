@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
+
 import torch
 
 from trainmesh.data.dataset import open_datasets
@@ -9,12 +12,37 @@ from trainmesh.engine.engine import build_model
 from trainmesh.engine.step import build_lr_scheduler, build_optimizer, train_step
 from trainmesh.spec.job import JobSpec
 
+# Runs already made in this process: parity tables ask for the same model, data and optimizer
+# under many meshes and schedules (a run's result depends on no other part of the spec).
+_RUNS: dict[str, tuple] = {}
+
 
 def reference_run(spec: JobSpec, data_dir: str, steps: int, grads_after: int | None = None,
                   prepare=None) -> tuple[list[float], dict[str, torch.Tensor]] | tuple[list[float], dict, dict]:
     """Losses of ``steps`` steps over the whole global batch, and the parameters after them
     (and, with ``grads_after=k``, every gradient as left by step k). ``prepare(model)`` adjusts
-    the built model first (as a parallel test adjusts its ranks' parts)."""
+    the built model first (as a parallel test adjusts its ranks' parts). The same run asked
+    for again (model, training, optimizer and data sections, the dataset's bytes) is answered
+    from the first one's results (copies), unless ``prepare`` is given."""
+    key = None if prepare is not None else _run_key(spec, data_dir, steps, grads_after)
+    if key not in _RUNS:
+        out = _run(spec, data_dir, steps, grads_after, prepare)
+        if key is None:
+            return out
+        _RUNS[key] = out
+    losses, *tensors = _RUNS[key]
+    return (list(losses), *({k: v.clone() for k, v in d.items()} for d in tensors))
+
+
+def _run_key(spec: JobSpec, data_dir: str, steps: int, grads_after: int | None) -> str:
+    digest = hashlib.sha256()
+    for f in sorted(p for p in Path(data_dir).rglob("*") if p.is_file()):
+        digest.update(f.relative_to(data_dir).as_posix().encode() + f.read_bytes())
+    sections = spec.model_dump_json(include={"model", "training", "optimizer", "data"})
+    return f"{sections}|{steps}|{grads_after}|{digest.hexdigest()}"
+
+
+def _run(spec: JobSpec, data_dir: str, steps: int, grads_after: int | None, prepare):
     tr = spec.training
     model = build_model(spec, torch.device("cpu"))
     if spec.training.float8 != "none":  # the same linears as the ranks' (torchao's emulation)

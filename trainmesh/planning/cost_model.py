@@ -13,8 +13,9 @@ the tensors a real rank holds by ``trainmesh run --dry-run`` and the memory-matr
     even at dp = 1 — except for pipeline stages at dp = 1 in float32, which are not wrapped
     (nothing to shard or cast): their gradients are plain fp32 ``.grad``.
   * The peak is the larger of two moments: while microbatches run (gathered copies, their
-    gradients, activations, backward transients) and the step's end (the last
-    reduce-scatter, or AdamW's parameter-sized temporary), on top of parameters and moments.
+    gradients, activations, backward transients) and the step's end (the last reduce-scatter,
+    or the sharded gradients while AdamW's fused step updates in place), on top of parameters
+    and moments.
   * Activations autograd saves, counted from this implementation (torch ops, fused
     attention), per layer and microbatch in units of s·b·h elements of the compute dtype,
     f = ffn_dim / dim: without sequence parallel 6 + (5 + 4f)/t (block input, norm
@@ -281,27 +282,28 @@ def rank_memory(model, c: Candidate, seq_len: int, pp_rank: int = 0, compute_byt
     # A unit's gradients come out of backward in the compute dtype and are cast to the reduce
     # dtype for its reduce-scatter into the fp32 sharded gradients (4 × local). Across
     # microbatches without a reduce-scatter FSDP2 accumulates them unsharded in the reduce
-    # dtype. AdamW's foreach step makes one parameter-sized fp32 temporary.
+    # dtype. AdamW's fused step updates in place: the optimizer step adds nothing beyond
+    # the gradients (the foreach step made one parameter-sized fp32 temporary).
     reduce_unit = (compute_bytes + reduce_bytes) * layer_gathered
     if runs_ddp(model, c):  # DDP: one dtype (float32 weights), gradients viewing its buckets;
         # under a narrower compute dtype autocast keeps each weight's cast for backward
         gathered = compute_bytes * local if compute_bytes < 4 else 0.0
-        grads, end_of_step = 4 * local, 8 * local
+        grads, end_of_step = 4 * local, 4 * local
     elif c.pp > 1 and c.dp * c.cp == 1 and compute_bytes == 4:  # stages not wrapped (nothing to shard
-        gathered, grads, end_of_step = 0.0, 4 * local, 8 * local  # or cast): plain fp32 grads
+        gathered, grads, end_of_step = 0.0, 4 * local, 4 * local  # or cast): plain fp32 grads
     elif c.keep_gathered and c.num_microbatches > 1:
         gathered = compute_bytes * rp.gathered(c.tp, c.ep)
         grads = reduce_bytes * rp.gathered(c.tp, c.ep) + compute_bytes * layer_gathered
-        end_of_step = max(gathered + grads + 4 * local + reduce_unit, 8 * local)
+        end_of_step = gathered + grads + 4 * local + reduce_unit  # the last reduce-scatter
     elif c.keep_gathered:
         gathered = compute_bytes * rp.gathered(c.tp, c.ep)
         grads = 4 * local + reduce_unit
-        end_of_step = 8 * local
+        end_of_step = 4 * local
     else:
         root = rp.gathered(c.tp, c.ep) - (model.n_layers // c.pp) * layer_gathered
         gathered = compute_bytes * (2 * layer_gathered + root)
         grads = 4 * local + reduce_unit
-        end_of_step = 8 * local
+        end_of_step = 4 * local
     tokens = seq_len // c.cp * c.microbatch_size  # a context-parallel rank's part of each sequence
     sbh = tokens * model.dim
     sp = c.sequence_parallel and c.tp > 1
