@@ -159,3 +159,34 @@ def test_float8_training_stays_close_to_full_precision(tmp_path, recipe):
     assert seen["output"] is torch.nn.Linear
     torch.testing.assert_close(torch.tensor(f8), torch.tensor(base), rtol=0.03, atol=0)
     assert f8 != base
+
+
+def test_adamw_is_fused_with_no_decay_on_norms():
+    """One fused in-place AdamW op per group (the foreach step's list ops cost DTensor a
+    sharding decision each on every new mesh: engine/step.build_optimizer), and the groups
+    decay the matrices only; the fused step gives the foreach step's values."""
+    from trainmesh.engine.step import build_optimizer
+
+    spec = load_spec(None, ["model.preset=tiny"])
+    model = Llama(LlamaArgs.from_config(spec.model))
+    model.init_weights(0)
+    opt = build_optimizer(model, spec.optimizer)
+    assert all(g["fused"] and not g["foreach"] for g in opt.param_groups)
+    decay, flat = opt.param_groups
+    assert {p.ndim for p in decay["params"]} == {2} and {p.ndim for p in flat["params"]} == {1}
+    assert decay["weight_decay"] == spec.optimizer.weight_decay and flat["weight_decay"] == 0.0
+    twin = Llama(LlamaArgs.from_config(spec.model))
+    twin.load_state_dict(model.state_dict())
+    ref = torch.optim.AdamW([{"params": g["params"], "weight_decay": g["weight_decay"]} for g in (
+        {"params": [p for p in twin.parameters() if p.ndim >= 2], "weight_decay": decay["weight_decay"]},
+        {"params": [p for p in twin.parameters() if p.ndim < 2], "weight_decay": 0.0})],
+        lr=spec.optimizer.lr, betas=(spec.optimizer.beta1, spec.optimizer.beta2), eps=spec.optimizer.eps,
+        foreach=True)
+    x = torch.randint(0, spec.model.vocab_size, (2, 16))
+    for m, o in ((model, opt), (twin, ref)):
+        for _ in range(2):
+            m(x).float().square().mean().backward()
+            o.step()
+            o.zero_grad()
+    for (name, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
