@@ -24,7 +24,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
 
 # Local iteration: everything that starts no Ray cluster (CI runs `make test`, all of it).
 quick: $(STAMP)
