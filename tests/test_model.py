@@ -190,3 +190,26 @@ def test_adamw_is_fused_with_no_decay_on_norms():
             o.zero_grad()
     for (name, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_a_state_saved_by_the_foreach_step_loads_into_the_fused_one():
+    """torch restores a group's settings from the saved state: a checkpoint of the foreach step
+    (trainmesh before the fused one) must not turn the job back to it."""
+    from trainmesh.engine.step import build_optimizer
+
+    spec = load_spec(None, ["model.preset=tiny"])
+    model = Llama(LlamaArgs.from_config(spec.model))
+    model.init_weights(0)
+    x = torch.randint(0, spec.model.vocab_size, (2, 16))
+    old = torch.optim.AdamW([p for p in model.parameters() if p.ndim >= 2], lr=1e-3, foreach=True)
+    old.add_param_group({"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0})
+    model(x).float().square().mean().backward()
+    old.step()
+    saved = old.state_dict()
+    assert all(g["foreach"] and not g["fused"] for g in saved["param_groups"])
+    opt = build_optimizer(model, spec.optimizer)
+    opt.load_state_dict(saved)
+    assert all(g["fused"] and not g["foreach"] for g in opt.param_groups)
+    assert all(s["step"].item() == 1 for s in opt.state.values())
+    opt.step()  # the fused step runs on the loaded moments
+    assert all(s["step"].item() == 2 for s in opt.state.values())

@@ -45,9 +45,23 @@ def build_optimizer(model: nn.Module, cfg) -> torch.optim.AdamW:
         mesh = p.device_mesh if isinstance(p, DTensor) else None
         groups.setdefault((p.ndim >= 2, mesh), []).append(p)
     order = sorted(groups, key=lambda k: (not k[0], k[1] is not None))  # decay first
-    return torch.optim.AdamW(
+    opt = torch.optim.AdamW(
         [{"params": groups[k], "weight_decay": cfg.weight_decay if k[0] else 0.0} for k in order],
         lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
+    opt.register_load_state_dict_pre_hook(_keep_implementation)
+    return opt
+
+
+def _keep_implementation(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """A loaded state's groups keep this optimizer's step implementation: torch restores every
+    group setting from the saved state, so a checkpoint written with the foreach step would
+    turn the job back to it for good (and on CUDA, its step counts left on the device, cost a
+    host sync per parameter per step). Set before torch places the step counts, which then go
+    where the fused step keeps them."""
+    impl = {k: optimizer.defaults[k] for k in ("fused", "foreach")}
+    for group in state_dict["param_groups"]:
+        group.update(impl)
+    return state_dict
 
 
 def lr_multiplier(step: int, total_steps: int, warmup_steps: int, min_ratio: float) -> float:
