@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 PKG = Path(__file__).resolve().parents[1] / "trainmesh"
 
 # What each subpackage may import (besides itself), with no exemption. The job spec (plain data
@@ -122,6 +124,7 @@ def test_parallel_imports_no_ray():
     assert _fresh_import(mods, "ray") == "[]"
 
 
+@pytest.mark.timed  # (its own time bounds: with the Ray tests under `make test`)
 def test_readme_commands_name_real_subcommands_after_activating_the_makefiles_venv():
     """README's 'Using it' block is typed as written after `make demo`: it activates the venv the
     Makefile installs the `trainmesh` console script into, and every `trainmesh X` is a command."""

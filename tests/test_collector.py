@@ -9,6 +9,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 CHECK = r"""
 import gc, json, weakref
 from trainmesh.actors.collector import FULL_EVERY, Collector, frozen_imports
@@ -54,6 +56,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.timed  # (its own time bounds: with the Ray tests under `make test`)
 def test_imports_are_frozen_and_collections_follow_the_schedule():
     proc = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -105,6 +105,7 @@ def _worker(rank: int, port: int, results) -> None:
     os._exit(0)  # the deadlocked ops are still posted: leave without tearing the group down
 
 
+@pytest.mark.timed  # (its own time bounds: with the Ray tests under `make test`)
 @pytest.mark.timeout(240)
 def test_every_schedule_gives_the_reference_step_under_nccl_rules_and_the_old_placement_hangs():
     with socket.socket() as s:

@@ -153,6 +153,7 @@ def test_parallelism_auto_string():
     assert spec.parallelism.auto
 
 
+@pytest.mark.timed  # (its own time bounds: with the Ray tests under `make test`)
 def test_cli_subprocess_never_tracebacks(tmp_path):
     path = tmp_path / "s.yaml"
     path.write_text(": : :\n\t- [")
@@ -229,6 +230,7 @@ def test_run_refuses_a_directory_it_cannot_create_in_one_line(tmp_path, capsys, 
     assert "--set " in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.timed  # (its own time bounds: with the Ray tests under `make test`)
 def test_run_refuses_an_unreachable_ray_address_in_one_line_at_once(tmp_path, capsys):
     """Nothing listens on the port (one this test held and closed): refused in one line naming
     runtime.ray_address, without ray.init's minutes of retries."""
