@@ -5,6 +5,7 @@ torch."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import gc
 import os
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
     import torch
 
 from trainmesh.actors.collector import Collector, frozen_imports
+from trainmesh.actors.gloo_sockets import GlooSockets
 from trainmesh.actors.progress import Progress
 from trainmesh.parallel.dims import ParallelDims
 from trainmesh.spec.job import JobSpec
@@ -55,6 +57,7 @@ class RankWorker:
         # future of the write in flight.
         self._save_group = None  # a torch.distributed.ProcessGroup
         self._saving: concurrent.futures.Future | None = None
+        self._gloo = GlooSockets()  # the gloo groups' connections, ended by ``abort``
         self._saved_files: dict = {}
         from trainmesh.actors.snapshots import Snapshots
         from trainmesh.checkpoint.memory_fs import MemoryStore
@@ -107,17 +110,19 @@ class RankWorker:
         communicator of this rank — training's and the background save's — so that what this
         rank and its peers are blocked in returns now rather than at the collective timeout.
         NCCL: its documented abort, from another thread, releases a rank blocked in a
-        collective. gloo (measured, torch 2.13): aborting the default group closes its
-        connections and a peer blocked on it raises at once, but a peer blocked on a
-        DeviceMesh/FSDP sub-group is released only by this process's death or the collective
-        timeout, even with every Python reference dropped; the references (model, mesh, save
-        group) are dropped anyway. Afterwards only ``reset`` (or ``shutdown``) is meaningful."""
+        collective. gloo has none (torch 2.13: a peer blocked on a DeviceMesh/FSDP sub-group
+        was released only by this process's death or the collective timeout): its groups'
+        connections are shut down (``actors/gloo_sockets.py``), which ends this rank's blocked
+        call and every peer's call that waits on it, a frozen peer's too. The references (model,
+        mesh, save group) are dropped. Afterwards only ``reset`` (or ``shutdown``) is
+        meaningful."""
         import torch.distributed as dist
 
         if dist.is_initialized():
             from torch.distributed.distributed_c10d import _abort_process_group
 
             _abort_process_group()
+        self._gloo.release()
         self._save_group = None
         self._drop_engine()
 
@@ -146,6 +151,7 @@ class RankWorker:
         self._saving, self._save_group = None, None
         self._drop_engine(collect=False)  # (collected below, with the groups and caches)
         _abandon_process_groups()
+        self._gloo.forget()
         _forget_dtensor_caches()
         self._store = None
         self.rank, self.world_size = rank, world_size
@@ -179,10 +185,11 @@ class RankWorker:
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         if backend == "nccl":  # a failed collective aborts its communicators, not the process
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
-        store = self._store or dist.TCPStore(host, port, self.world_size, is_master=False,
-                                             timeout=timedelta(seconds=timeout_s))
-        dist.init_process_group(backend, store=store, rank=self.rank,
-                                world_size=self.world_size, timeout=timedelta(seconds=timeout_s))
+        with self._gloo.opened() if backend == "gloo" else contextlib.nullcontext():
+            store = self._store or dist.TCPStore(host, port, self.world_size, is_master=False,
+                                                 timeout=timedelta(seconds=timeout_s))
+            dist.init_process_group(backend, store=store, rank=self.rank,
+                                    world_size=self.world_size, timeout=timedelta(seconds=timeout_s))
         return backend
 
     # -- training --------------------------------------------------------------------------
@@ -194,10 +201,12 @@ class RankWorker:
         spec = JobSpec.model_validate_json(spec_json)
         if self.engine is not None:  # a part built before: gone before the new one is built
             self._drop_engine()
-        mesh = Mesh.build(ParallelDims(**dims), self.device.type, self.rank,
-                          moe=spec.model.moe is not None,
-                          dp_replicate=spec.parallelism.dp_replicate)
-        self.engine = Engine(spec, mesh, data_dir, self.device, self._progress.mark)
+        # (the mesh's groups: gloo's on CPU ranks)
+        with self._gloo.opened() if self.device.type == "cpu" else contextlib.nullcontext():
+            mesh = Mesh.build(ParallelDims(**dims), self.device.type, self.rank,
+                              moe=spec.model.moe is not None,
+                              dp_replicate=spec.parallelism.dp_replicate)
+            self.engine = Engine(spec, mesh, data_dir, self.device, self._progress.mark)
         self._collector = Collector(spec.runtime.gc_every)
         return sum(p.numel() for p in self.engine.model.parameters())
 
@@ -243,8 +252,9 @@ class RankWorker:
             self._saved_files = self.engine.save(directory)
         else:
             if self._save_group is None:
-                self._save_group = dist.new_group(backend="gloo",
-                                                  timeout=timedelta(seconds=self._timeout_s))
+                with self._gloo.opened():
+                    self._save_group = dist.new_group(backend="gloo",
+                                                      timeout=timedelta(seconds=self._timeout_s))
             self._saving = self.engine.async_save(directory, self._save_group)
         self._collector.after_call()
         return torch.random.get_rng_state().numpy().tobytes() if self.rank == 0 else None
@@ -389,6 +399,7 @@ class RankWorker:
         self.wait_save(timeout_s=self._timeout_s + 5)
         if dist.is_initialized():
             dist.destroy_process_group()
+        self._gloo.forget()
         self.engine = None
 
 
