@@ -118,11 +118,11 @@ class RankWorker:
         meaningful."""
         import torch.distributed as dist
 
+        self._gloo.release()  # (first: the abort below may destroy a gloo group, closing them)
         if dist.is_initialized():
             from torch.distributed.distributed_c10d import _abort_process_group
 
             _abort_process_group()
-        self._gloo.release()
         self._save_group = None
         self._drop_engine()
 
@@ -150,6 +150,7 @@ class RankWorker:
         self._snapshots.forget(timeout_s=self._timeout_s)  # (a recovery may restore it)
         self._saving, self._save_group = None, None
         self._drop_engine(collect=False)  # (collected below, with the groups and caches)
+        self._gloo.release()  # (a save left behind above, and its peers, leave their collective)
         _abandon_process_groups()
         self._gloo.forget()
         _forget_dtensor_caches()
@@ -201,12 +202,16 @@ class RankWorker:
         spec = JobSpec.model_validate_json(spec_json)
         if self.engine is not None:  # a part built before: gone before the new one is built
             self._drop_engine()
-        # (the mesh's groups: gloo's on CPU ranks)
+        # The groups, formed together while the rank does nothing else (the mesh's: gloo's on
+        # CPU ranks; the background save's: gloo's on any), so that an abort can end their
+        # connections (actors/gloo_sockets.py).
         with self._gloo.opened() if self.device.type == "cpu" else contextlib.nullcontext():
             mesh = Mesh.build(ParallelDims(**dims), self.device.type, self.rank,
                               moe=spec.model.moe is not None,
                               dp_replicate=spec.parallelism.dp_replicate)
-            self.engine = Engine(spec, mesh, data_dir, self.device, self._progress.mark)
+        if spec.checkpoint.async_save and self._save_group is None:
+            self._save_group = self._new_save_group()
+        self.engine = Engine(spec, mesh, data_dir, self.device, self._progress.mark)
         self._collector = Collector(spec.runtime.gc_every)
         return sum(p.numel() for p in self.engine.model.parameters())
 
@@ -242,7 +247,6 @@ class RankWorker:
         background, this rank's shards are copied to host memory before it returns and a
         thread writes them while training goes on (``save_status`` says how that went)."""
         import torch
-        import torch.distributed as dist
 
         self.wait_save()
         self._saved_files = {}
@@ -252,12 +256,17 @@ class RankWorker:
             self._saved_files = self.engine.save(directory)
         else:
             if self._save_group is None:
-                with self._gloo.opened():
-                    self._save_group = dist.new_group(backend="gloo",
-                                                      timeout=timedelta(seconds=self._timeout_s))
+                self._save_group = self._new_save_group()
             self._saving = self.engine.async_save(directory, self._save_group)
         self._collector.after_call()
         return torch.random.get_rng_state().numpy().tobytes() if self.rank == 0 else None
+
+    def _new_save_group(self):
+        """The background save's own gloo group (all ranks together)."""
+        import torch.distributed as dist
+
+        with self._gloo.opened():
+            return dist.new_group(backend="gloo", timeout=timedelta(seconds=self._timeout_s))
 
     def save_status(self) -> str | None:
         """The background save's state: None (none), "running", "done" or "failed: why"."""

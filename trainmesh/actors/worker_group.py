@@ -262,10 +262,11 @@ class WorkerGroup:
 
     def release_stuck(self, wait_s: float, ranks: set[int] | None = None) -> list[int]:
         """After an abort: ranks (of ``ranks``, default all) whose last call has not returned
-        within ``wait_s`` are stuck in a collective that no abort releases (on gloo, one over a
-        sub-group whose peers have left it: it would end only at the collective timeout). They
-        are killed — their processes' end releases whoever still waits on them — and returned;
-        their nodes are fine and their reservations can be refilled (``reform``)."""
+        within ``wait_s`` are stuck in something the abort did not release (a gloo group that
+        connects lazily, a call that is not a collective; an aborted collective returns at
+        once: ``actors/gloo_sockets.py``). They are killed — their processes' end releases
+        whoever still waits on them — and returned; their nodes are fine and their
+        reservations can be refilled (``reform``)."""
         refs = {ref: r for r, ref in enumerate(self._inflight) if ranks is None or r in ranks}
         if not refs:
             return []
