@@ -16,15 +16,21 @@ from trainmesh.controller.checkpointing import RNG_FILE, Checkpointer
 
 
 class _Ranks:
-    def __init__(self, world: int = 2):
-        self.world = world
+    """``deferred``: as real ranks on local storage, a synchronous save reports its files'
+    sizes first and their digests once every rank's status is "done" (the test sets them)."""
+
+    def __init__(self, world: int = 2, deferred: bool = False):
+        self.world, self.deferred = world, deferred
         self.statuses: list[str | None] = [None] * world
 
     def save(self, uri: str, background: bool) -> bytes:
         self.uri = uri
         for r in range(self.world):
             (Path(uri) / f"__{r}_0.distcp").write_bytes(bytes([r]) * 64)
-        self.statuses = ["running"] * self.world if background else [None] * self.world
+        # (what the ranks' digests will say: of the files as written, wherever they are later)
+        self.digests = file_digests(uri, [f"__{r}_0.distcp" for r in range(self.world)])
+        running = background or self.deferred
+        self.statuses = ["running"] * self.world if running else [None] * self.world
         return b"rng-of-rank-0"
 
     def wait_save(self) -> list[str | None]:
@@ -33,8 +39,9 @@ class _Ranks:
     def saved_files(self) -> dict:
         """What real ranks report: each digests the files it wrote (here with a marker, so a
         test sees whether the manifest took the ranks' digests or hashed again)."""
-        digests = file_digests(self.uri, [f"__{r}_0.distcp" for r in range(self.world)])
-        return {k: {**v, "by": "ranks"} for k, v in digests.items()}
+        pending = self.deferred and not all(s == "done" for s in self.statuses)
+        return {k: {**v, "by": "ranks", **({"sha256": None} if pending else {})}
+                for k, v in self.digests.items()}
 
     def bad_files(self, uri: str, files: dict) -> list[str]:
         return sorted(b for share in split_by_size(files, self.world) for b in bad_files(uri, share))
@@ -68,6 +75,54 @@ def test_synchronous_save_is_committed_at_once(tmp_path):
     assert ck.restored(d) == (d, b"rng-of-rank-0")
     [(kind, ev)] = tracker.events
     assert kind == "checkpoint" and ev["background"] is False and ev["steps_during"] == 0
+
+
+def test_a_synchronous_save_counts_at_once_and_its_digests_follow_off_the_step(tmp_path):
+    """The ranks take a synchronous save's digests after its write (``dcp_io.save``): it is
+    published at once with its files' sizes, and their sha256s go into its manifest at the
+    first step at which every rank has them; from then a corruption that keeps the size is
+    caught. The controller hashes only its own file either way."""
+    ck, _, tracker, warnings = _setup(tmp_path)
+    ranks = _Ranks(deferred=True)
+    ck.save(ranks, 2, {}, tracker, background=False)
+    d, meta = ck.latest(ranks)  # counts at once (the ranks check sizes only, for now)
+    assert meta["step"] == 2 and ck.steps == [2]
+    assert {k for k, v in meta["files"].items() if v["sha256"] is None} == {"__0_0.distcp", "__1_0.distcp"}
+    assert meta["files"][RNG_FILE]["sha256"]
+    ranks.statuses = ["done", "running"]
+    ck.poll(ranks, ranks.statuses, tracker)  # a step later, one rank still hashing
+    assert ck.pending is not None and ck.latest()[1]["files"]["__0_0.distcp"]["sha256"] is None
+    ranks.statuses = ["done", "done"]
+    ck.poll(ranks, ranks.statuses, tracker)
+    assert ck.pending is None and not warnings
+    files = ck.latest()[1]["files"]
+    for name, want in file_digests(d, ["__0_0.distcp", "__1_0.distcp"]).items():
+        assert files[name] == {**want, "by": "ranks"}  # the ranks' digests, as the files are
+    assert [k for k, _ in tracker.events] == ["checkpoint", "checkpoint-digests"]
+    assert tracker.events[1][1]["lacking"] == 0 and tracker.events[1][1]["steps_during"] == 2
+    (Path(d) / "__1_0.distcp").write_bytes(b"x" * 64)  # same size: only the digest tells
+    ck.save(ranks, 4, {}, tracker, background=False)
+    ranks.statuses = ["done", "done"]
+    ck.settle(ranks, tracker)  # (as before the next save, at the end, before a resize)
+    assert ck.latest(ranks)[1]["step"] == 4
+    (Path(ck.store.step_dir(4)) / "__0_0.distcp").write_bytes(b"y" * 64)
+    assert ck.latest(ranks) is None and len(warnings) == 2  # both caught: nothing left
+
+
+def test_a_failure_before_a_synchronous_saves_digests_keeps_it_checked_by_size(tmp_path):
+    """A failure while the ranks are still hashing does not cost the checkpoint (a recovery
+    restores it, as it would have before the digests moved off the step): it stays published,
+    its files checked by size — a shard cut short is caught — and its digests never come."""
+    ck, _, tracker, warnings = _setup(tmp_path)
+    ranks = _Ranks(deferred=True)
+    ck.save(ranks, 2, {}, tracker, background=False)
+    ck.save(ranks, 4, {}, tracker, background=False)  # (settles step 2's: its digests never came)
+    assert "step 2" in warnings[0] and "size only" in warnings[0]
+    ck.forget()  # the job failed after step 4's write
+    d, meta = ck.latest(ranks)
+    assert meta["step"] == 4 and meta["files"]["__1_0.distcp"]["sha256"] is None
+    (Path(d) / "__1_0.distcp").write_bytes(b"short")
+    assert ck.latest(ranks)[1]["step"] == 2
 
 
 def test_background_save_counts_only_once_every_rank_is_done(tmp_path):
@@ -151,10 +206,11 @@ def test_files_the_ranks_wrote_elsewhere_are_not_a_checkpoint(tmp_path):
     assert "checkpoint.dir" in warnings[0]
 
 
-def test_a_ranks_digests_are_taken_as_its_files_are_written(tmp_path):
-    """``dcp_io.save`` digests each file while writing it (no re-read): the sizes and sha256s
-    it returns are those of the files on disk, the metadata file included, for a local path
-    and for a URI."""
+def test_a_ranks_digests_are_taken_after_a_local_write_and_as_a_uris_is_written(tmp_path):
+    """``dcp_io.save`` returns once the files are written: on a local path with their sizes
+    only, their sha256s taken afterwards by a thread (the future); on a URI digested while
+    written (no read back). Either way the digests are those of the files on disk, the
+    metadata file included."""
     import torch
 
     from trainmesh.checkpoint import dcp_io
@@ -163,10 +219,15 @@ def test_a_ranks_digests_are_taken_as_its_files_are_written(tmp_path):
     opt = torch.optim.AdamW(model.parameters())
     model(torch.randn(4, 64)).sum().backward()
     opt.step()
-    for where in (str(tmp_path / "plain"), f"file://{tmp_path / 'uri'}"):
-        files = dcp_io.save(where, model, opt)
-        assert ".metadata" in files and any(n.endswith(".distcp") for n in files), files
-        assert files == file_digests(where, list(files)), where
+    local = dcp_io.save(str(tmp_path / "plain"), model, opt)
+    assert ".metadata" in local.sizes and any(n.endswith(".distcp") for n in local.sizes)
+    on_disk = file_digests(str(tmp_path / "plain"), list(local.sizes))
+    assert local.sizes == {n: {**d, "sha256": None} for n, d in on_disk.items()}
+    assert local.digests.result(timeout=30) == on_disk
+    uri = f"file://{tmp_path / 'uri'}"
+    remote = dcp_io.save(uri, model, opt)
+    assert remote.digests.done() and remote.sizes == remote.digests.result()
+    assert remote.sizes == file_digests(uri, list(remote.sizes)) and ".metadata" in remote.sizes
 
 
 def test_checkpoint_tensors_are_written_without_zip_crcs_and_load_back_exactly(tmp_path):

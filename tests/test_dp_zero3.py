@@ -10,7 +10,7 @@ import pytest
 import torch
 from reference import load_checkpoint_params, reference_run
 
-from trainmesh.checkpoint.manifest import CheckpointStore
+from trainmesh.checkpoint.manifest import CheckpointStore, file_digests
 from trainmesh.cli.loading import load_spec
 from trainmesh.controller.launch import run_job
 
@@ -126,3 +126,11 @@ def test_checkpoint_every_auto_chooses_from_measured_costs_and_logs_it_to_mlflow
                         .read_text())
     assert [e["reason"] for e in events if e["kind"] == "checkpoint-cadence"] == [
         c["reason"] for c in choices]
+    # Each synchronous save counted at once; its ranks took their files' digests after the
+    # write, while training went on, and every one reached its manifest.
+    store = CheckpointStore(tmp_path / "checkpoints")
+    for step in saved:
+        files = store.read_manifest(store.step_dir(step))["files"]
+        assert files == file_digests(store.step_dir(step), list(files)), step
+    assert sorted(e["step"] for e in events if e["kind"] == "checkpoint-digests") == saved
+    assert all(e["lacking"] == 0 for e in events if e["kind"] == "checkpoint-digests")

@@ -243,9 +243,11 @@ class RankWorker:
 
     # -- checkpoints -----------------------------------------------------------------------
     def save(self, directory: str, background: bool = False) -> bytes | None:
-        """Collective save; rank 0 returns the RNG state for the manifest's sidecar. In the
-        background, this rank's shards are copied to host memory before it returns and a
-        thread writes them while training goes on (``save_status`` says how that went)."""
+        """Collective save; rank 0 returns the RNG state for the manifest's sidecar. Synchronous:
+        the shards are written when it returns (``saved_files``: their sizes) and a thread
+        takes their digests while training goes on. In the background, this rank's shards are
+        copied to host memory before it returns and a thread writes (and digests) them while
+        training goes on. ``save_status`` says how either went."""
         import torch
 
         self.wait_save()
@@ -253,7 +255,7 @@ class RankWorker:
         self._progress.step = self.engine.step
         self._progress.mark("save")
         if not background:
-            self._saved_files = self.engine.save(directory)
+            self._saved_files, self._saving = self.engine.save(directory)
         else:
             if self._save_group is None:
                 self._save_group = self._new_save_group()
@@ -269,7 +271,8 @@ class RankWorker:
             return dist.new_group(backend="gloo", timeout=timedelta(seconds=self._timeout_s))
 
     def save_status(self) -> str | None:
-        """The background save's state: None (none), "running", "done" or "failed: why"."""
+        """The last save's state: None (none), "running" (a background write, or a synchronous
+        save's digests), "done" or "failed: why"."""
         f = self._saving
         if f is None:
             return None
@@ -281,8 +284,9 @@ class RankWorker:
         return "done" if err is None else f"failed: {err!r}"[:2000]
 
     def saved_files(self) -> dict:
-        """{file: {"size", "sha256"}} of the files this rank wrote in its last finished save,
-        digested here, where they were written."""
+        """{file: {"size", "sha256"}} of the files this rank wrote in its last save, digested
+        here, where they were written (a synchronous save's, until its digests are in: sha256
+        None)."""
         return dict(self._saved_files)
 
     def bad_files(self, directory: str, files: dict) -> list[str]:
@@ -302,8 +306,8 @@ class RankWorker:
             return False
 
     def wait_save(self, timeout_s: float | None = None) -> str | None:
-        """Wait (at most ``timeout_s``) for the background save; returns ``save_status``, and
-        forgets the save once it has ended."""
+        """Wait (at most ``timeout_s``) for the last save (its background write, its digests);
+        returns ``save_status``, and forgets the save once it has ended."""
         if self._saving is not None:
             concurrent.futures.wait([self._saving], timeout=timeout_s)
         status = self.save_status()

@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import io
 import logging
+import os
 import pickle
 import sys
 import threading
@@ -131,9 +132,10 @@ class _Digest:
 
 class _Recording:
     """A DCP writer that remembers the files this rank wrote (its shards; the coordinator's
-    also the metadata file) with their digests, computed as they were written (``_Digest``)."""
+    also the metadata file) with their digests, computed as they were written (``_Digest``),
+    or (``digest=False``) only their names, for a digest taken after the save."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, digest: bool = True, **kwargs):
         super().__init__(*args, **kwargs)
         self.written: list[str] = []
         self.digests: dict[str, dict[str, Any]] = {}  # file name: {"size", "sha256"}
@@ -145,6 +147,10 @@ class _Recording:
             with opened(path, mode) as raw:
                 if "w" not in mode:
                     yield raw
+                    return
+                if not digest:
+                    with without_zip_crc():
+                        yield raw
                     return
                 stream = _Digest(raw)
                 try:
@@ -185,13 +191,16 @@ class _UriWriter(_Recording, FsspecWriter):
     pass
 
 
-def storage_writer(directory: str | Path):
+def storage_writer(directory: str | Path, digest: bool = True):
+    """DCP's writer for ``directory``, recording what this rank writes (``_Recording``); a
+    URI's files are always digested as they are written (reading them back would fetch them
+    again)."""
     d = str(directory)
     if is_uri(d):
         # Memory has nothing to sync, and DCP, finding no file descriptor to fsync, would call
         # os.sync(): every dirty page of the machine flushed at every snapshot.
         return _UriWriter(d, sync_files=not d.startswith(f"{PROTOCOL}://"))
-    return _LocalWriter(d)
+    return _LocalWriter(d, digest=digest)
 
 
 def _reader(directory: str | Path):
@@ -384,12 +393,51 @@ def index_snapshot(store: MemoryStore, directory: str) -> None:
 
 
 
-def save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """Collective: every rank of the job calls it with its own shards. Returns the size and
-    sha256 of each file this rank wrote, digested as it was written (in parallel over the ranks)."""
-    writer = storage_writer(directory)
+_digester = ThreadPoolExecutor(1, thread_name_prefix="trainmesh-digest")  # saves' digests, in turn
+
+
+class Saved(NamedTuple):
+    """What a synchronous ``save`` wrote on this rank: each file's size (``sizes``, as
+    ``{"size", "sha256": None}`` while its digest is being taken), known when it returns, and
+    the future of their digests."""
+    sizes: dict[str, dict[str, Any]]
+    digests: Future
+
+
+def save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> Saved:
+    """Collective: every rank of the job calls it with its own shards; returns once they are
+    written and synced. The sha256 of each file this rank wrote is taken afterwards, off the
+    training's path: a thread reads the files back (from the page cache, just written) while
+    the next steps run. (Hashing them as they are written, as a background save does, cost
+    this process a copy of every byte and slowed the write: 128 MiB, 2 cores: 0.18 s against
+    0.13 s for the write alone.) On a URI they are digested as written (``storage_writer``)."""
+    writer = storage_writer(directory, digest=False)
     dcp.save(rank_state(model, optimizer), storage_writer=writer)
-    return writer.files()
+    if writer.digests:  # (a URI's: taken as written)
+        done: Future = Future()
+        done.set_result(writer.files())
+        return Saved(done.result(), done)
+    # Opened here, read there: the controller publishes the directory under its final name
+    # meanwhile (a rename), and an open file is the same file after it.
+    files = {n: open(Path(directory) / n, "rb") for n in writer.written}  # noqa: SIM115 - closed by _digests
+    sizes = {n: {"size": os.fstat(f.fileno()).st_size, "sha256": None} for n, f in files.items()}
+    return Saved(sizes, _digester.submit(_digests, files))
+
+
+def _digests(files: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """{name: {"size", "sha256"}} of open files, read to their end and closed."""
+    out = {}
+    try:
+        for name, f in files.items():
+            sha, size = hashlib.sha256(), 0
+            while block := f.read(4 << 20):
+                sha.update(block)
+                size += len(block)
+            out[name] = {"size": size, "sha256": sha.hexdigest()}
+    finally:
+        for f in files.values():
+            f.close()
+    return out
 
 
 def rank_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:

@@ -8,6 +8,11 @@ one atomic write, and only then is the directory published under its final name.
 any point leaves every complete checkpoint as it was, and restore skips anything without a
 manifest that matches its files — which also covers object stores, where publishing is a
 copy rather than an atomic rename.
+
+A synchronous save is published as soon as its files are written and synced, with their sizes;
+the ranks take the sha256s afterwards, off the training's path, and ``add_digests`` writes them
+into the manifest (atomically again). Until then (``"sha256": null``) its files are checked by
+size only.
 """
 
 from __future__ import annotations
@@ -82,8 +87,9 @@ class CheckpointStore:
                digests: dict[str, dict[str, Any]] | None = None) -> str:
         """Write the manifest last and atomically, then publish the directory. Returns it.
 
-        ``digests``: {file: {"size", "sha256"}} the ranks computed for the files they wrote;
-        only files no rank reported (the controller's own) are hashed here. A reported file
+        ``digests``: {file: {"size", "sha256"}} the ranks computed for the files they wrote
+        (sha256 None: still being taken, ``add_digests``); only files no rank reported (the
+        controller's own) are hashed here. A reported file
         that is not in the directory means the ranks wrote somewhere else (storage that is not
         shared): :class:`IncompleteCheckpoint`, and nothing is published."""
         self.fs.invalidate_cache(partial)
@@ -97,16 +103,7 @@ class CheckpointStore:
         files = {rel: digests[rel] if digests.get(rel, {}).get("size") == size else
                  {"size": size, "sha256": self._sha256(f"{partial}/{rel}")}
                  for rel, size in have.items()}
-        data = json.dumps({**meta, "files": files}, indent=1, sort_keys=True).encode()
-        if self.local:  # write, fsync, rename: atomic on a POSIX filesystem
-            tmp = f"{partial}/{MANIFEST}.tmp"
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, f"{partial}/{MANIFEST}")
-        else:  # one object PUT: atomic on object stores
-            self.fs.pipe_file(f"{partial}/{MANIFEST}", data)
+        self._write_manifest(partial, {**meta, "files": files})
         final = partial[: -len(_PARTIAL)]
         if self.fs.exists(final):  # the same step saved before (a resumed run): keep that copy
             self.fs.rm(partial, recursive=True)
@@ -115,6 +112,35 @@ class CheckpointStore:
         if self.local:
             _fsync_dir(os.path.dirname(final))
         return final
+
+    def _write_manifest(self, d: str, manifest: dict[str, Any]) -> None:
+        data = json.dumps(manifest, indent=1, sort_keys=True).encode()
+        if self.local:  # write, fsync, rename: atomic on a POSIX filesystem
+            tmp = f"{d}/{MANIFEST}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, f"{d}/{MANIFEST}")
+        else:  # one object PUT: atomic on object stores
+            self.fs.pipe_file(f"{d}/{MANIFEST}", data)
+
+    def add_digests(self, d: str, digests: dict[str, dict[str, Any]]) -> int:
+        """Write into the published checkpoint ``d``'s manifest the sha256s it lacks, from
+        ``digests`` (the ranks', of the files they wrote; a file whose size differs is left
+        without); returns how many it still lacks (0: complete). A checkpoint gone meanwhile
+        (pruned, set aside) is left alone."""
+        try:
+            manifest = json.loads(self.fs.cat_file(f"{d}/{MANIFEST}"))
+        except (OSError, ValueError):
+            return 0
+        files = manifest.get("files", {})
+        for name, want in files.items():
+            got = digests.get(name, {})
+            if want.get("sha256") is None and got.get("sha256") and got.get("size") == want["size"]:
+                want["sha256"] = got["sha256"]
+        self._write_manifest(d, manifest)
+        return sum(v.get("sha256") is None for v in files.values())
 
     def read_manifest(self, d: str, verify: bool = True, hashes: bool = True
                       ) -> dict[str, Any] | None:
@@ -130,8 +156,8 @@ class CheckpointStore:
             return meta
         have = self._payload_files(d)
         for rel, want in meta.get("files", {}).items():
-            if have.get(rel) != want["size"] or (
-                    hashes and self._sha256(f"{d}/{rel}") != want["sha256"]):
+            if have.get(rel) != want["size"] or (hashes and want.get("sha256") is not None
+                                                  and self._sha256(f"{d}/{rel}") != want["sha256"]):
                 log.warning("skipping checkpoint %s: %s is missing or corrupt", self.uri(d), rel)
                 return None
         return meta
@@ -207,13 +233,15 @@ def file_digests(directory: str, names: Iterable[str]) -> dict[str, dict[str, An
 
 def bad_files(directory: str, files: dict[str, dict[str, Any]]) -> list[str]:
     """The names among ``files`` (a share of a manifest) that are missing, or whose size or
-    sha256 differs: what a rank checks, in parallel with the others, before a restore."""
+    sha256 differs (a file without its sha256 yet: its size): what a rank checks, in parallel
+    with the others, before a restore."""
     fs, root = url_to_fs(directory)
     bad = []
     for name, want in sorted(files.items()):
         path = f"{root}/{name}"
         try:
-            ok = int(fs.size(path)) == want["size"] and _sha256(fs, path) == want["sha256"]
+            ok = int(fs.size(path)) == want["size"] and (
+                want["sha256"] is None or _sha256(fs, path) == want["sha256"])
         except (OSError, KeyError):
             ok = False
         if not ok:

@@ -5,6 +5,11 @@ written its part: at once for a synchronous save; for a background one, after th
 at which every rank reports its write done (or when the controller has to wait: before the
 next save, at the end, before a resize). A background save that fails, or that a failure
 interrupts, is dropped and the previous checkpoint stays the newest.
+
+A synchronous save's manifest first holds its files' sizes: the ranks take the sha256s after
+the write, while training goes on, and they are written into the manifest at the first step
+at which every rank reports them (or when the controller has to wait, as above). A failure
+meanwhile leaves that checkpoint published, checked by sizes only.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ class _Pending:
     t0: float  # when the save began
     blocked_s: float = 0.0  # how long training waited for it
     steps_during: int = 0  # training steps run while it was being written
+    committed: str | None = None  # published already (a synchronous save): its digests pending
 
 
 def step_meta(eff: JobSpec, dims, step: int, losses: list[float], recoveries: list[dict],
@@ -92,24 +98,32 @@ class Checkpointer:
 
     def _resolve(self, group, statuses: list[str | None], tracker) -> None:
         if all(s == "done" for s in statuses):
-            self._commit(group, tracker)
+            if self.pending.committed:
+                self._digested(group, tracker)
+            else:
+                self._commit(group, tracker)
         elif failed := [s for s in statuses if s is not None and s.startswith("failed")]:
             self._drop(failed[0], tracker)
 
     def forget(self) -> None:
         """A failure interrupted the job: the save in flight never counts (its partial
-        directory is cleared when that step is saved again)."""
+        directory is cleared when that step is saved again); a synchronous save whose digests
+        were still being taken stays published, checked by sizes only."""
         self.pending = None
 
     def _commit(self, group, tracker) -> None:
-        """The manifest from the digests the ranks computed of what they wrote."""
+        """The manifest from the digests the ranks computed of what they wrote (a synchronous
+        save's: their sizes, the digests to follow, ``_digested``)."""
         p = self.pending
+        files = group.saved_files()
         try:
-            final = self.store.commit(p.partial, p.meta, group.saved_files())
+            final = self.store.commit(p.partial, p.meta, files)
         except IncompleteCheckpoint as err:
             self._drop(f"{err}; set checkpoint.dir to storage every node mounts", tracker)
             return
         self.pending = None
+        if any(v.get("sha256") is None for v in files.values()):
+            self.pending = dataclasses.replace(p, committed=final)
         if p.step not in self.steps:
             self.steps.append(p.step)
         pruned = self.store.prune(self.cfg.keep_last)
@@ -122,8 +136,23 @@ class Checkpointer:
             write_s = time.perf_counter() - p.t0 if p.background else 0.0
             self.on_commit(p.step, p.blocked_s, write_s, tracker)
 
+    def _digested(self, group, tracker) -> None:
+        """A synchronous save's digests, taken by the ranks since, into its manifest."""
+        p, self.pending = self.pending, None
+        lacking = self.store.add_digests(p.committed, group.saved_files())
+        if lacking:
+            self._warn(f"checkpoint of step {p.step}: {lacking} file(s) without a digest; they "
+                       "are checked by size only")
+        tracker.event("checkpoint-digests", step=p.step, lacking=lacking,
+                      total_s=round(time.perf_counter() - p.t0, 4), steps_during=p.steps_during)
+
     def _drop(self, why: str, tracker) -> None:
         p, self.pending = self.pending, None
+        if p.committed:  # published already: it stays, without the digests that failed
+            self._warn(f"checkpoint of step {p.step}: its digests were not taken ({why[:300]}); "
+                       "its files are checked by size only")
+            tracker.event("checkpoint-digests", step=p.step, error=why[-2000:])
+            return
         self._warn(f"checkpoint of step {p.step} was not saved ({why[:300]}); the previous "
                    "one stays the newest")
         tracker.event("checkpoint-failed", step=p.step, error=why[-2000:])

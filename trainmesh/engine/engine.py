@@ -460,7 +460,7 @@ class Engine:
         dist.all_reduce(t, group=group)
         return float(t.item()) / self.mesh.replicas
 
-    def save(self, directory: str) -> dict:
+    def save(self, directory: str) -> dcp_io.Saved:
         return dcp_io.save(directory, self.model, self.optimizer)
 
     def async_save(self, directory: str, group) -> Future:
