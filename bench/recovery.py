@@ -30,13 +30,15 @@ upper bound for storage); the gloo row is against Ray's transfer.
 Part 2: DCP save and load of a state dict of --ckpt-mib MiB (one process) against writing the
 same bytes to one file with a sequential write + fsync, and reading them back; and DCP's async
 save (``checkpoint.async_save``): how long the caller is blocked (the copy to host memory) and
-how long until the write is done.
+how long until the write is done; and trainmesh's synchronous save as a rank and the controller
+run it: how long training is blocked (the write, the checkpoint published with its files'
+sizes) and how long until the rank's digests are in its manifest, beside the path that
+digested each file as it was written.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
@@ -45,7 +47,6 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from unittest import mock
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -274,7 +275,7 @@ def ray_train_recovery(cluster, tmp: Path, delay_s: float) -> dict:
             "steps_lost": max(0, reached - restart["step"]), "mesh": "4 → 4 workers"}
 
 
-def checkpoint_bandwidth(mib: int, tmp: Path, reps: int = 3) -> list[dict]:
+def checkpoint_bandwidth(mib: int, tmp: Path, reps: int = 5) -> list[dict]:
     import torch
     import torch.distributed.checkpoint as dcp
 
@@ -282,17 +283,16 @@ def checkpoint_bandwidth(mib: int, tmp: Path, reps: int = 3) -> list[dict]:
     per = mib * 2**20 // 4 // n_tensors
     state = {f"layer{i}.weight": torch.randn(per) for i in range(n_tensors)}
     nbytes = sum(t.numel() * 4 for t in state.values())
-    from torch.distributed.checkpoint import FileSystemWriter
 
     from trainmesh.checkpoint import dcp_io, memory_fs
     from trainmesh.checkpoint.host_copy import HostCopy
-    from trainmesh.checkpoint.manifest import CheckpointStore, file_digests
+    from trainmesh.checkpoint.manifest import CheckpointStore
 
     store_root = CheckpointStore(tmp / "trainmesh-saves")
     rows: dict[str, list[float]] = {"dcp save": [],
-                                    "trainmesh save: dcp, digests as written, manifest": [],
-                                    "trainmesh save with torch.save's zip CRCs (before 2026-11-26)": [],
-                                    "trainmesh save, digests re-read after (before 2026-11-25)": [],
+                                    "trainmesh save: training blocked (write, published with sizes)": [],
+                                    "trainmesh save: until its digests are in the manifest": [],
+                                    "trainmesh save, digests as written (until 2026-11-26)": [],
                                     "dcp async save: caller blocked": [],
                                      "dcp async save: until written": [],
                                      "plain write + fsync": [], "dcp load": [], "dcp load (pages evicted)": [],
@@ -307,34 +307,33 @@ def checkpoint_bandwidth(mib: int, tmp: Path, reps: int = 3) -> list[dict]:
     staging.copy(state)
     for r in range(reps):
         d = tmp / f"dcp-{r}"
+        os.sync()  # (before each write timed: its fsync flushes its own bytes, not the last op's)
         t0 = time.perf_counter()
         dcp.save(state, checkpoint_id=str(d))
         rows["dcp save"].append(time.perf_counter() - t0)
-        # trainmesh's save path: its writer (digesting as it writes), the manifest committed
+        # trainmesh's synchronous save, as a rank and the controller run it: the write, the
+        # checkpoint published with its files' sizes (training goes on from here), then the
+        # digests taken by the rank's thread and written into the manifest
         partial = store_root.partial_dir(2 * r)
+        os.sync()
+        t0 = time.perf_counter()
+        saved = dcp_io.save_state(partial, state, no_dist=True)
+        final = store_root.commit(partial, {"step": 2 * r}, saved.sizes)
+        rows["trainmesh save: training blocked (write, published with sizes)"].append(
+            time.perf_counter() - t0)
+        assert store_root.add_digests(final, saved.digests.result()) == 0
+        rows["trainmesh save: until its digests are in the manifest"].append(time.perf_counter() - t0)
+        shutil.rmtree(final)
+        # the same, digesting each file as it is written (the path until 2026-11-26)
+        partial = store_root.partial_dir(2 * r + 1)
+        os.sync()
         t0 = time.perf_counter()
         writer = dcp_io.storage_writer(partial)
         dcp.save(state, storage_writer=writer, no_dist=True)
-        store_root.commit(partial, {"step": 2 * r}, writer.files())
-        rows["trainmesh save: dcp, digests as written, manifest"].append(time.perf_counter() - t0)
-        shutil.rmtree(store_root.step_dir(2 * r))
-        with mock.patch.object(dcp_io, "without_zip_crc", contextlib.nullcontext):
-            partial = store_root.partial_dir(2 * r)
-            t0 = time.perf_counter()
-            writer = dcp_io.storage_writer(partial)
-            dcp.save(state, storage_writer=writer, no_dist=True)
-            store_root.commit(partial, {"step": 2 * r}, writer.files())
-            rows["trainmesh save with torch.save's zip CRCs (before 2026-11-26)"].append(
-                time.perf_counter() - t0)
-        partial = store_root.partial_dir(2 * r + 1)
-        t0 = time.perf_counter()
-        writer = FileSystemWriter(partial)
-        dcp.save(state, storage_writer=writer, no_dist=True)
-        names = [p.name for p in Path(partial).iterdir()]
-        store_root.commit(partial, {"step": 2 * r + 1}, file_digests(partial, names))
-        rows["trainmesh save, digests re-read after (before 2026-11-25)"].append(time.perf_counter() - t0)
-        shutil.rmtree(store_root.step_dir(2 * r))
+        store_root.commit(partial, {"step": 2 * r + 1}, writer.files())
+        rows["trainmesh save, digests as written (until 2026-11-26)"].append(time.perf_counter() - t0)
         shutil.rmtree(store_root.step_dir(2 * r + 1))
+        os.sync()
         t0 = time.perf_counter()
         fut = dcp.async_save(state, checkpoint_id=str(tmp / f"dcp-async-{r}"))
         rows["dcp async save: caller blocked"].append(time.perf_counter() - t0)
@@ -350,6 +349,7 @@ def checkpoint_bandwidth(mib: int, tmp: Path, reps: int = 3) -> list[dict]:
         dcp.load(target, checkpoint_id=str(d))
         rows["dcp load (pages evicted)"].append(time.perf_counter() - t0)
         f = tmp / f"plain-{r}.bin"
+        os.sync()
         t0 = time.perf_counter()
         with f.open("wb") as fh:
             for v in state.values():
@@ -394,9 +394,9 @@ def _print_io(ckpt: list[dict], mib: int) -> None:
     print(f"\n| checkpoint op ({mib} MiB) | s | GB/s | speed vs |")
     print("|---|---:|---:|---:|")
     plain = {"dcp save": "plain write + fsync", "dcp async save: caller blocked": "plain write + fsync",
-             "trainmesh save: dcp, digests as written, manifest": "plain write + fsync",
-             "trainmesh save with torch.save's zip CRCs (before 2026-11-26)": "plain write + fsync",
-             "trainmesh save, digests re-read after (before 2026-11-25)": "plain write + fsync",
+             "trainmesh save: training blocked (write, published with sizes)": "plain write + fsync",
+             "trainmesh save: until its digests are in the manifest": "plain write + fsync",
+             "trainmesh save, digests as written (until 2026-11-26)": "plain write + fsync",
              "dcp async save: until written": "plain write + fsync", "dcp load": "plain read",
              "dcp load (pages evicted)": "dcp load",
              "in-memory snapshot: training blocked (staging copy)": "dcp save",
