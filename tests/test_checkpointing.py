@@ -6,6 +6,7 @@ sets it (the real ranks' background saves run in tests/test_dp_zero3.py and test
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -112,17 +113,44 @@ def test_a_synchronous_save_counts_at_once_and_its_digests_follow_off_the_step(t
 def test_a_failure_before_a_synchronous_saves_digests_keeps_it_checked_by_size(tmp_path):
     """A failure while the ranks are still hashing does not cost the checkpoint (a recovery
     restores it, as it would have before the digests moved off the step): it stays published,
-    its files checked by size — a shard cut short is caught — and its digests never come."""
-    ck, _, tracker, warnings = _setup(tmp_path)
+    its files checked by size — a shard cut short is caught — and its digests never come. It
+    does not count towards ``keep_last``: the newest checkpoint with digests stays."""
+    ck, _, tracker, warnings = _setup(tmp_path, "checkpoint.keep_last=1")
     ranks = _Ranks(deferred=True)
     ck.save(ranks, 2, {}, tracker, background=False)
-    ck.save(ranks, 4, {}, tracker, background=False)  # (settles step 2's: its digests never came)
-    assert "step 2" in warnings[0] and "size only" in warnings[0]
-    ck.forget()  # the job failed after step 4's write
+    ranks.statuses = ["done", "done"]
+    ck.poll(ranks, ranks.statuses, tracker)  # step 2's digests in
+    ck.save(ranks, 4, {}, tracker, background=False)
+    ck.forget()  # the job failed after step 4's write, its digests not in
+    assert ck.store.complete_steps() == [2, 4]  # (keep_last=1: step 2 not pruned for it)
     d, meta = ck.latest(ranks)
     assert meta["step"] == 4 and meta["files"]["__1_0.distcp"]["sha256"] is None
     (Path(d) / "__1_0.distcp").write_bytes(b"short")
-    assert ck.latest(ranks)[1]["step"] == 2
+    assert ck.latest(ranks)[1]["step"] == 2  # (a size that differs: passed over at once)
+    ck.save(ranks, 6, {}, tracker, background=False)  # (digests in at the first step after)
+    ck.save(ranks, 8, {}, tracker, background=False)  # (step 6's digests never came)
+    assert "step 6" in warnings[0] and "size only" in warnings[0]
+    ranks.statuses = ["done", "done"]
+    ck.settle(ranks, tracker)
+    assert ck.store.complete_steps() == [8]
+
+
+def test_a_step_saved_again_keeps_its_first_copy_and_none_of_the_new_digests(tmp_path):
+    """A step saved again (a run that does not resume, or one that passed over it) keeps the
+    copy published first (``CheckpointStore.commit``); the new save's digests, taken of files
+    that were never published, are not written into that copy's manifest."""
+    ck, _, tracker, warnings = _setup(tmp_path)
+    ranks = _Ranks(deferred=True)
+    ck.save(ranks, 4, {"first": True}, tracker, background=False)
+    ck.forget()  # its digests never came
+    first = json.loads((Path(ck.store.step_dir(4)) / "manifest.json").read_text())
+    ranks.world = 3  # the new save's files differ from the kept copy's
+    ck.save(ranks, 4, {"first": False}, tracker, background=False)
+    assert ck.pending is None
+    ranks.statuses = ["done"] * 3
+    ck.settle(ranks, tracker)
+    assert json.loads((Path(ck.store.step_dir(4)) / "manifest.json").read_text()) == first
+    assert ck.latest(ranks)[1]["first"] is True and not warnings
 
 
 def test_background_save_counts_only_once_every_rank_is_done(tmp_path):

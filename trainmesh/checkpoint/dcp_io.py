@@ -65,9 +65,11 @@ def without_zip_crc():
     computes no zip CRC32 of its records. ``torch.load`` never checks them (measured, torch
     2.13: a flipped byte in a tensor's data loads silently), so they guarded nothing on the
     way back, and the pass cost more than the write itself (64 MiB to memory: 0.111 s with it,
-    0.044 s without). A storage checkpoint's files are guarded by their sha256, taken as they
-    are written (``_Digest``) and kept in the manifest. (Python's ``zipfile`` and ``unzip -t``
-    reject records with CRC 0: DCP's shard files are not zips to them anyway.)
+    0.044 s without). A storage checkpoint's files are guarded by their sha256, kept in the
+    manifest: taken as they are written (``_Digest``: a background save, a URI) or read back
+    after a synchronous save (``save``; until then, and if a failure comes first, by size).
+    (Python's ``zipfile`` and ``unzip -t`` reject records with CRC 0: DCP's shard files are not
+    zips to them anyway.)
 
     The option is process-wide (torch has no per-call one): counted over the files being
     written from any thread, restored after the last unless someone else changed it
@@ -423,10 +425,15 @@ def save_state(directory: str | Path, state: dict, **dcp_kwargs) -> Saved:
         done.set_result(writer.files())
         return Saved(done.result(), done)
     # Opened here, read there: the controller publishes the directory under its final name
-    # meanwhile (a rename), and an open file is the same file after it.
-    files = {n: open(Path(directory) / n, "rb") for n in writer.written}  # noqa: SIM115 - closed by _digests
-    sizes = {n: {"size": os.fstat(f.fileno()).st_size, "sha256": None} for n, f in files.items()}
-    return Saved(sizes, _digester.submit(_digests, files))
+    # meanwhile (a rename), and an open file is the same file after it (on a local or block
+    # filesystem; on NFS a file the controller removes meanwhile — the same step saved again
+    # — reads as stale, and that save's digests are not taken: the warning says so).
+    with contextlib.ExitStack() as opened:
+        files = {n: opened.enter_context(open(Path(directory) / n, "rb")) for n in writer.written}
+        sizes = {n: {"size": os.fstat(f.fileno()).st_size, "sha256": None} for n, f in files.items()}
+        digests = _digester.submit(_digests, files)
+        opened.pop_all()  # (now the thread's to close)
+    return Saved(sizes, digests)
 
 
 def _digests(files: dict[str, Any]) -> dict[str, dict[str, Any]]:

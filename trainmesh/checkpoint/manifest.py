@@ -104,6 +104,8 @@ class CheckpointStore:
                  {"size": size, "sha256": self._sha256(f"{partial}/{rel}")}
                  for rel, size in have.items()}
         self._write_manifest(partial, {**meta, "files": files})
+        if self.local:  # the files' and the manifest's names durable before the rename publishes them
+            _fsync_dir(partial)
         final = partial[: -len(_PARTIAL)]
         if self.fs.exists(final):  # the same step saved before (a resumed run): keep that copy
             self.fs.rm(partial, recursive=True)
@@ -125,21 +127,23 @@ class CheckpointStore:
         else:  # one object PUT: atomic on object stores
             self.fs.pipe_file(f"{d}/{MANIFEST}", data)
 
-    def add_digests(self, d: str, digests: dict[str, dict[str, Any]]) -> int:
+    def add_digests(self, d: str, digests: dict[str, dict[str, Any]]) -> int | None:
         """Write into the published checkpoint ``d``'s manifest the sha256s it lacks, from
-        ``digests`` (the ranks', of the files they wrote; a file whose size differs is left
-        without); returns how many it still lacks (0: complete). A checkpoint gone meanwhile
-        (pruned, set aside) is left alone."""
+        ``digests`` (the ranks', of the files they wrote for it; a file whose size differs is
+        left without); returns how many it still lacks (0: complete), or None if it is gone
+        (pruned, set aside: left alone)."""
         try:
             manifest = json.loads(self.fs.cat_file(f"{d}/{MANIFEST}"))
         except (OSError, ValueError):
-            return 0
-        files = manifest.get("files", {})
+            return None
+        files, added = manifest.get("files", {}), 0
         for name, want in files.items():
             got = digests.get(name, {})
             if want.get("sha256") is None and got.get("sha256") and got.get("size") == want["size"]:
                 want["sha256"] = got["sha256"]
-        self._write_manifest(d, manifest)
+                added += 1
+        if added:
+            self._write_manifest(d, manifest)
         return sum(v.get("sha256") is None for v in files.values())
 
     def read_manifest(self, d: str, verify: bool = True, hashes: bool = True

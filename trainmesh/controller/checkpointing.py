@@ -8,8 +8,10 @@ interrupts, is dropped and the previous checkpoint stays the newest.
 
 A synchronous save's manifest first holds its files' sizes: the ranks take the sha256s after
 the write, while training goes on, and they are written into the manifest at the first step
-at which every rank reports them (or when the controller has to wait, as above). A failure
-meanwhile leaves that checkpoint published, checked by sizes only.
+at which every rank reports them (or when the controller has to wait, as above: a resize's own
+save included). A failure meanwhile leaves that checkpoint published, checked by sizes only;
+``checkpoint.keep_last`` counts only checkpoints whose digests are in, so an older one that
+has them is not pruned for it.
 """
 
 from __future__ import annotations
@@ -116,17 +118,21 @@ class Checkpointer:
         save's: their sizes, the digests to follow, ``_digested``)."""
         p = self.pending
         files = group.saved_files()
+        existed = self.store.exists(p.step)  # (then ``commit`` keeps that copy, drops this one)
         try:
             final = self.store.commit(p.partial, p.meta, files)
         except IncompleteCheckpoint as err:
             self._drop(f"{err}; set checkpoint.dir to storage every node mounts", tracker)
             return
         self.pending = None
-        if any(v.get("sha256") is None for v in files.values()):
+        lacking = any(v.get("sha256") is None for v in files.values())
+        if lacking and not existed:
             self.pending = dataclasses.replace(p, committed=final)
         if p.step not in self.steps:
             self.steps.append(p.step)
-        pruned = self.store.prune(self.cfg.keep_last)
+        # keep_last counts the checkpoints whose digests are in: one still without them does
+        # not push an older, fully digested one out (``_digested`` prunes)
+        pruned = [] if lacking and not existed else self.store.prune(self.cfg.keep_last)
         tracker.event("checkpoint", step=p.step, path=self.store.uri(final), pruned=pruned,
                       background=p.background, blocked_s=round(p.blocked_s, 4),
                       total_s=round(time.perf_counter() - p.t0, 4), steps_during=p.steps_during)
@@ -139,11 +145,12 @@ class Checkpointer:
     def _digested(self, group, tracker) -> None:
         """A synchronous save's digests, taken by the ranks since, into its manifest."""
         p, self.pending = self.pending, None
-        lacking = self.store.add_digests(p.committed, group.saved_files())
+        lacking = self.store.add_digests(p.committed, group.saved_files())  # (None: gone since)
         if lacking:
             self._warn(f"checkpoint of step {p.step}: {lacking} file(s) without a digest; they "
                        "are checked by size only")
-        tracker.event("checkpoint-digests", step=p.step, lacking=lacking,
+        pruned = self.store.prune(self.cfg.keep_last)
+        tracker.event("checkpoint-digests", step=p.step, lacking=lacking, pruned=pruned,
                       total_s=round(time.perf_counter() - p.t0, 4), steps_during=p.steps_during)
 
     def _drop(self, why: str, tracker) -> None:

@@ -456,6 +456,7 @@ class Controller:
         self._notice(f"preemption notice for rank(s) {notified} after step {s.step}: "
                      "checkpointing, then continuing without their node(s)")
         self._checkpoint(s.group, s.dims, s.step, s.tracker, background=False)
+        self.ckpts.settle(s.group, s.tracker)  # its digests, while every rank is there to give them
         return Stop(PREEMPTION, PREEMPTION, s.step, s.dims.as_dict(), time.monotonic(),
                     f"preemption notice from ranks {notified} at step {s.step}", tuple(notified))
 
@@ -465,7 +466,8 @@ class Controller:
         if due or grow or (s.last and self.spec.checkpoint.save_final):
             self._checkpoint(s.group, s.dims, s.step, s.tracker,
                              background=self.spec.checkpoint.async_save and not (s.last or grow))
-            if grow:  # the resize restores from this checkpoint
+            if grow:  # the resize restores from this checkpoint (its digests in first)
+                self.ckpts.settle(s.group, s.tracker)
                 return Stop(SCALE_UP, SCALE_UP, s.step, s.dims.as_dict(), time.monotonic())
         return None
 
