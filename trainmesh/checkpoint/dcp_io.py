@@ -421,9 +421,9 @@ def save_state(directory: str | Path, state: dict, **dcp_kwargs) -> Saved:
     writer = storage_writer(directory, digest=False)
     dcp.save(state, storage_writer=writer, **dcp_kwargs)
     if writer.digests:  # (a URI's: taken as written)
-        done: Future = Future()
-        done.set_result(writer.files())
-        return Saved(done.result(), done)
+        files, done = writer.files(), Future()
+        done.set_result(files)
+        return Saved(files, done)
     # Opened here, read there: the controller publishes the directory under its final name
     # meanwhile (a rename), and an open file is the same file after it (on a local or block
     # filesystem; on NFS a file the controller removes meanwhile — the same step saved again

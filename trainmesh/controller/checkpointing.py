@@ -9,9 +9,9 @@ interrupts, is dropped and the previous checkpoint stays the newest.
 A synchronous save's manifest first holds its files' sizes: the ranks take the sha256s after
 the write, while training goes on, and they are written into the manifest at the first step
 at which every rank reports them (or when the controller has to wait, as above: a resize's own
-save included). A failure meanwhile leaves that checkpoint published, checked by sizes only;
-``checkpoint.keep_last`` counts only checkpoints whose digests are in, so an older one that
-has them is not pruned for it.
+save included). A failure meanwhile leaves that checkpoint published, checked by sizes only.
+Such a save prunes older checkpoints (``checkpoint.keep_last``) only once its digests are in:
+the newest checkpoint that has them is never pruned for one that does not yet.
 """
 
 from __future__ import annotations
@@ -130,8 +130,8 @@ class Checkpointer:
             self.pending = dataclasses.replace(p, committed=final)
         if p.step not in self.steps:
             self.steps.append(p.step)
-        # keep_last counts the checkpoints whose digests are in: one still without them does
-        # not push an older, fully digested one out (``_digested`` prunes)
+        # one still without its digests does not push an older one that has them out
+        # (``_digested`` prunes)
         pruned = [] if lacking and not existed else self.store.prune(self.cfg.keep_last)
         tracker.event("checkpoint", step=p.step, path=self.store.uri(final), pruned=pruned,
                       background=p.background, blocked_s=round(p.blocked_s, 4),
