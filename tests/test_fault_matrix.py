@@ -260,7 +260,11 @@ def test_every_fault_is_recovered_warm_in_seconds_with_nothing_lost(cluster, tmp
     complete = store.complete_steps()
     assert STEPS in complete and notice["step"] in complete and up["step"] in complete
     for step in complete:  # every file present, its size and sha256 as the manifest says
-        assert store.read_manifest(store.step_dir(step)) is not None, step
+        meta = store.read_manifest(store.step_dir(step))
+        assert meta is not None, step
+        # ... every sha256 there: a synchronous save's digests (taken after its write) reached
+        # its manifest, the notice's and the scale-up's included (waited for before the re-form)
+        assert all(f["sha256"] for f in meta["files"].values()), (step, meta["files"])
 
     # The pipeline's planned grid, and plan against measurement, reach MLflow (every stage's
     # work measured, and planned from the measured costs).
