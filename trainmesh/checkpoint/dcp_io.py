@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from trainmesh.checkpoint.manifest import is_uri
+from trainmesh.checkpoint.manifest import is_uri, read_digest
 from trainmesh.checkpoint.memory_fs import PROTOCOL, MemoryStore, uri
 
 # Optimizer state flattened to one key per parameter and field ("state.layers.0...exp_avg",
@@ -438,18 +438,11 @@ def save_state(directory: str | Path, state: dict, **dcp_kwargs) -> Saved:
 
 def _digests(files: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """{name: {"size", "sha256"}} of open files, read to their end and closed."""
-    out = {}
     try:
-        for name, f in files.items():
-            sha, size = hashlib.sha256(), 0
-            while block := f.read(4 << 20):
-                sha.update(block)
-                size += len(block)
-            out[name] = {"size": size, "sha256": sha.hexdigest()}
+        return {name: read_digest(f) for name, f in files.items()}
     finally:
         for f in files.values():
             f.close()
-    return out
 
 
 def rank_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:

@@ -220,16 +220,22 @@ class IncompleteCheckpoint(RuntimeError):
 
 
 def _sha256(fs, path: str) -> str:
-    h = hashlib.sha256()
     with fs.open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return read_digest(f)["sha256"]
+
+
+def read_digest(f, block: int = 4 << 20) -> dict[str, Any]:
+    """{"size", "sha256"} of an open file, read from where it is to its end."""
+    h, size = hashlib.sha256(), 0
+    while chunk := f.read(block):
+        h.update(chunk)
+        size += len(chunk)
+    return {"size": size, "sha256": h.hexdigest()}
 
 
 def file_digests(directory: str, names: Iterable[str]) -> dict[str, dict[str, Any]]:
-    """{name: {"size", "sha256"}} of files in ``directory`` (a path or URI): what a rank
-    computes for the files it wrote, where it wrote them."""
+    """{name: {"size", "sha256"}} of files in ``directory`` (a path or URI), as a manifest
+    records them."""
     fs, root = url_to_fs(directory)
     return {n: {"size": int(fs.size(f"{root}/{n}")), "sha256": _sha256(fs, f"{root}/{n}")}
             for n in names}
