@@ -4,7 +4,8 @@ saves) that meets every fault the test-only hook (``actors/progress.py``) places
 another. A node is removed (hard) the moment a rank reaches the fault's point, and a fresh node
 joins to stand in for every node the job loses; the job must recover each time without waiting
 for a timeout, keeping survivors, keep every complete checkpoint, and end with the
-uninterrupted run's losses.
+uninterrupted run's losses. A machine that freezes is frozen whole (its ranks, raylet and
+agents stopped), as a kernel hang or a paused host leaves it: nothing there answers.
 
 After the preemption notice the job goes on with the 2 ranks left and grows back when a node
 joins. Also here: Ray's drain notice as the controller reads it. The controller's transitions
@@ -50,8 +51,8 @@ FAULTS = [
     ("reform", "wait@rank=1,step=7,phase=reform"),            # ... and while re-forming
     ("write", "wait@rank=0,step=8,phase=write"),              # ... during a background save
     ("raise", "raise@rank=1,step=10,phase=backward"),         # a rank's step raises
-    ("hang", "hang@rank=2,step=11,phase=forward"),            # a node freezes (SIGSTOP:
-    ("hang-node", "hang@rank=3,step=11,phase=forward"),       # alive to Ray, silent)
+    ("hang", "hang@rank=2,step=11,phase=forward"),            # a machine freezes (its
+    ("hang-node", "hang@rank=3,step=11,phase=forward"),       # ranks, then all of it, SIGSTOP)
     ("kill", "exit@rank=3,step=12,phase=forward"),            # one rank process SIGKILLed
     ("notice", "term@rank=0,step=13,phase=forward"),          # a preemption notice (the
     # job goes on with 2 ranks; a node joins once they have saved, and the job grows back)
@@ -66,12 +67,16 @@ def cluster():
         yield c
 
 
-def _act_on_faults(cluster, markers: dict[str, Path], job: threading.Thread) -> dict[str, float]:
+def _act_on_faults(cluster, markers: dict[str, Path], job: threading.Thread,
+                   frozen: dict) -> dict[str, float]:
     """Until the job ends, act on each fault as it fires (its marker appears): remove the node
     of a rank that waits there (hard, its rank processes killed as the node's end would), and
     bring a fresh node for every node the job loses; before the preemption notice take the
     idle spare away, and bring a node once the job runs on the 2 ranks left (it grows back at
-    a checkpoint). (Ray adds nodes from the main thread only: the job runs in another.)"""
+    a checkpoint); when the second rank of a node hangs, freeze that whole machine, and reset
+    it (remove it) once the job has gone on past it, noting in ``frozen`` the state its ranks
+    and raylet were in then. (Ray adds nodes from the main thread only: the job runs in
+    another.)"""
     acted: dict[str, float] = {}
     while job.is_alive():
         if "notice" in acted and "grown" not in acted and sum(
@@ -82,6 +87,8 @@ def _act_on_faults(cluster, markers: dict[str, Path], job: threading.Thread) -> 
         for name, path in markers.items():
             if name in acted or not path.exists() or not path.read_text():
                 continue
+            if name == "hang-node" and "hang" not in acted:
+                continue  # (the node's other rank first)
             where = json.loads(path.read_text())
             kind = dict(FAULTS)[name].split("@")[0]
             if kind in DROPS_NODE and name != "hang-node":  # the stand-in first: registered
@@ -89,14 +96,52 @@ def _act_on_faults(cluster, markers: dict[str, Path], job: threading.Thread) -> 
                 cluster.add_node(num_cpus=1, num_gpus=2)
             if kind == "wait":
                 remove_node_hard(cluster, where["node"])
+            if name == "hang-node":  # the machine freezes, not only its ranks
+                frozen["node"] = where["node"]
+                frozen["pids"] = [where["pid"], json.loads(markers["hang"].read_text())["pid"],
+                                  _freeze_node(cluster, where["node"])]
             if name == "kill":  # (recovered in place) the spare goes: at the notice the job
-                # has no node to move to and shrinks to 2 ranks
+                # has no node to move to and shrinks to 2 ranks; the frozen machine is reset
+                # (the job has recovered from it: its survivors reached this step)
+                frozen["at_kill"] = {pid: _state(pid) for pid in frozen["pids"]}
+                remove_node_hard(cluster, frozen["node"])
                 for node in list(cluster.worker_nodes):
                     if not rank_pids_under(node.all_processes["raylet"][0].process.pid):
                         cluster.remove_node(node)
             acted[name] = time.time()
         time.sleep(0.1)
     return acted
+
+
+def _freeze_node(cluster, node_id: str) -> int:
+    """Stop (SIGSTOP) every process of a simulated node, as a frozen machine (a kernel hang, a
+    host paused) would leave it: its raylet and agents too, so that nothing on it answers — no
+    task can run there (the job's kill of its hung ranks cannot) and Ray's health check times
+    out instead of being refused. ``remove_node_hard`` ends it (SIGKILL works on stopped
+    processes). Returns its raylet's pid."""
+    import os
+    import signal
+
+    from servers import descendants
+
+    [node] = [n for n in cluster.worker_nodes if n.node_id == node_id]
+    raylet = node.all_processes["raylet"][0].process.pid
+    pids = {raylet, *descendants(raylet)}
+    pids |= {info.process.pid for infos in node.all_processes.values() for info in infos}
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGSTOP)
+        except ProcessLookupError:
+            pass
+    return raylet
+
+
+def _state(pid: int) -> str:
+    """A process's state letter (``T``: stopped; ``gone`` once it has ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"
 
 
 @pytest.mark.timeout(300)
@@ -183,7 +228,8 @@ def test_every_fault_is_recovered_warm_in_seconds_with_nothing_lost(cluster, tmp
     env = ";".join(f"{fault},marker={markers[name]}" for name, fault in FAULTS)
     spec = load_spec(None, [*ARGS, f"runtime.output_dir={tmp_path / 'out'}"])
     thread, box = job_in_background(spec, {FAULT_ENV: env})
-    acted = _act_on_faults(cluster, markers, thread)
+    frozen: dict = {}
+    acted = _act_on_faults(cluster, markers, thread, frozen)
     assert "error" not in box, box.get("error")
     assert sorted(acted) == sorted([*markers, "grown"]), "faults that never fired"
     s = box["summary"]
@@ -226,12 +272,16 @@ def test_every_fault_is_recovered_warm_in_seconds_with_nothing_lost(cluster, tmp
     # killed as stuck and refilled (actors/gloo_sockets.py; before, two were, 7 s against 2.4).
     (raised,) = [r for r in recs if "InjectedFault" in r["cause"]]
     assert not raised["processes"]["ready"] and not raised["processes"]["started"], raised
-    # The frozen node's ranks are found by the watcher long before the 120 s timeout (the
-    # recovery may also count a survivor's error that the abort caused) and SIGKILLed from
-    # their node at once: Ray's own kill of a frozen process waits its raylet's 5 s kill
-    # timeout, meanwhile the survivors stay blocked on its sockets, and they were killed as
-    # stuck (a cold restart). Now the survivors keep their processes (warm, above).
+    # A frozen machine (its ranks, raylet and agents stopped): its ranks are found by the
+    # watcher long before the 120 s timeout (the recovery may also count a survivor's error
+    # that the abort caused). Nothing on that machine runs, so the job's kill of its ranks
+    # (a task there) cannot, and Ray's health check waits out its timeouts; the survivors'
+    # aborts end their gloo connections to the silent peers (actors/gloo_sockets.py), and they
+    # keep their processes (warm, above). Before those releases they stayed blocked on its
+    # sockets and were killed as stuck: a cold restart.
     assert any("HangDetected" in r["cause"] for r in recs), [r["cause"] for r in recs]
+    # ... still frozen when the job had gone on to the kill's step (nothing on it had run)
+    assert set(frozen["at_kill"].values()) == {"T"}, frozen
     frozen = {json.loads(markers[n].read_text())["pid"] for n in ("hang", "hang-node")}
     kept = [(set(a), set(b)) for a, b in zip(s["rank_pids"], s["rank_pids"][1:], strict=False)
             if frozen <= set(a)]
