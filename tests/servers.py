@@ -244,12 +244,14 @@ def remove_node_hard(cluster, node_id: str) -> None:
 
     [node] = [n for n in cluster.worker_nodes if n.node_id == node_id]
     doomed = descendants(node.all_processes["raylet"][0].process.pid)
-    cluster.remove_node(node, allow_graceful=False)
-    for pid in doomed:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    try:
+        cluster.remove_node(node, allow_graceful=False)
+    finally:  # (also when that fails: none is left behind, stopped or spinning)
+        for pid in doomed:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def job_in_background(spec, environ: dict[str, str]):

@@ -91,20 +91,26 @@ def _act_on_faults(cluster, markers: dict[str, Path], job: threading.Thread,
                 continue  # (the node's other rank first)
             where = json.loads(path.read_text())
             kind = dict(FAULTS)[name].split("@")[0]
-            if kind in DROPS_NODE and name != "hang-node":  # the stand-in first: registered
-                # before the job re-plans (one for the frozen node)
+            if name == "hang-node":  # the machine freezes, not only its ranks (first: the
+                # stand-in's start below may take seconds)
+                other = json.loads(markers["hang"].read_text())
+                assert other["node"] == where["node"], (other, where)
+                frozen.update(node=where["node"], at=time.time(), pids=[
+                    where["pid"], other["pid"], *_freeze_node(cluster, where["node"])])
+            if kind in DROPS_NODE and name != "hang":  # the stand-in first: registered
+                # before the job re-plans (for the frozen machine: once it is frozen)
                 cluster.add_node(num_cpus=1, num_gpus=2)
             if kind == "wait":
                 remove_node_hard(cluster, where["node"])
-            if name == "hang-node":  # the machine freezes, not only its ranks
-                frozen["node"] = where["node"]
-                frozen["pids"] = [where["pid"], json.loads(markers["hang"].read_text())["pid"],
-                                  _freeze_node(cluster, where["node"])]
             if name == "kill":  # (recovered in place) the spare goes: at the notice the job
                 # has no node to move to and shrinks to 2 ranks; the frozen machine is reset
                 # (the job has recovered from it: its survivors reached this step)
+                assert "pids" in frozen, "the machine never froze"
                 frozen["at_kill"] = {pid: _state(pid) for pid in frozen["pids"]}
+                frozen["ray_alive_at_kill"] = any(n["Alive"] for n in ray.nodes()
+                                                  if n["NodeID"] == frozen["node"])
                 remove_node_hard(cluster, frozen["node"])
+                frozen["reset"] = True
                 for node in list(cluster.worker_nodes):
                     if not rank_pids_under(node.all_processes["raylet"][0].process.pid):
                         cluster.remove_node(node)
@@ -113,12 +119,14 @@ def _act_on_faults(cluster, markers: dict[str, Path], job: threading.Thread,
     return acted
 
 
-def _freeze_node(cluster, node_id: str) -> int:
+def _freeze_node(cluster, node_id: str) -> list[int]:
     """Stop (SIGSTOP) every process of a simulated node, as a frozen machine (a kernel hang, a
-    host paused) would leave it: its raylet and agents too, so that nothing on it answers — no
-    task can run there (the job's kill of its hung ranks cannot) and Ray's health check times
-    out instead of being refused. ``remove_node_hard`` ends it (SIGKILL works on stopped
-    processes). Returns its raylet's pid."""
+    host paused) would leave it: its raylet first (it starts no process after), then its
+    agents, idle workers and ready processes (its children) until none is left running —
+    nothing there acts, no task can run there (the job's kill of its hung ranks cannot), and
+    Ray's health checks of it time out instead of being refused. (This machine's kernel still
+    answers for its sockets: a real frozen host's would not.) ``remove_node_hard`` ends it
+    (SIGKILL works on stopped processes). Returns their pids, the raylet's first."""
     import os
     import signal
 
@@ -126,14 +134,17 @@ def _freeze_node(cluster, node_id: str) -> int:
 
     [node] = [n for n in cluster.worker_nodes if n.node_id == node_id]
     raylet = node.all_processes["raylet"][0].process.pid
-    pids = {raylet, *descendants(raylet)}
-    pids |= {info.process.pid for infos in node.all_processes.values() for info in infos}
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGSTOP)
-        except ProcessLookupError:
-            pass
-    return raylet
+    stopped: list[int] = []
+    todo = [raylet]
+    while todo:
+        for pid in todo:
+            try:
+                os.kill(pid, signal.SIGSTOP)
+                stopped.append(pid)
+            except ProcessLookupError:
+                pass
+        todo = sorted(descendants(raylet) - set(stopped))
+    return stopped
 
 
 def _state(pid: int) -> str:
@@ -232,7 +243,7 @@ def test_every_fault_is_recovered_warm_in_seconds_with_nothing_lost(cluster, tmp
     try:
         acted = _act_on_faults(cluster, markers, thread, frozen)
     finally:  # a job that ended before the machine was reset: its stopped processes go too
-        if "node" in frozen and "at_kill" not in frozen:
+        if "node" in frozen and "reset" not in frozen:
             remove_node_hard(cluster, frozen["node"])
     assert "error" not in box, box.get("error")
     assert sorted(acted) == sorted([*markers, "grown"]), "faults that never fired"
@@ -279,25 +290,29 @@ def test_every_fault_is_recovered_warm_in_seconds_with_nothing_lost(cluster, tmp
     # A frozen machine (its ranks, raylet and agents stopped): its ranks are found by the
     # watcher long before the 120 s timeout (the recovery may also count a survivor's error
     # that the abort caused). Nothing on that machine runs, so the job's kill of its ranks
-    # (a task there) cannot, and Ray's health check waits out its timeouts; the survivors'
-    # aborts end their gloo connections to the silent peers (actors/gloo_sockets.py), and they
-    # keep their processes (warm, above). Before those releases they stayed blocked on its
-    # sockets and were killed as stuck: a cold restart.
+    # (a task there) cannot, and Ray calls it dead only once its health checks have timed out
+    # (here ~30 s, often after the job has gone on past it); the survivors' aborts end their
+    # gloo connections to the silent peers (actors/gloo_sockets.py), and they keep their
+    # processes (warm, above). Before those releases they stayed blocked on its sockets and
+    # were killed as stuck: a cold restart.
     assert any("HangDetected" in r["cause"] for r in recs), [r["cause"] for r in recs]
-    # ... still frozen when the job had gone on to the kill's step (nothing on it had run)
-    assert set(frozen["at_kill"].values()) == {"T"}, frozen
-    frozen = {json.loads(markers[n].read_text())["pid"] for n in ("hang", "hang-node")}
-    kept = [(set(a), set(b)) for a, b in zip(s["rank_pids"], s["rank_pids"][1:], strict=False)
-            if frozen <= set(a)]
-    assert len(kept[-1][0] - kept[-1][1]) == 2 and not frozen & kept[-1][1], kept
-    assert len(recs) >= 8
-    # One rank process SIGKILLed, its node fine: the node is kept (a new actor takes the place),
-    # as a node is given up only when none of its ranks answers.
+    # ... frozen whole before the hang was found, and still frozen, every process of it,
+    # when the job had gone on to the kill's step (nothing on it had run)
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(s["tracking_uri"])
     events = json.loads(Path(client.download_artifacts(s["mlflow_run_id"], "events.json",
                                                        str(tmp_path))).read_text())
+    hung = next(e for e in events if e["kind"] == "failure" and "HangDetected" in e["cause"])
+    assert frozen["at"] < hung["time"], (frozen, hung)
+    assert len(frozen["pids"]) >= 5 and set(frozen["at_kill"].values()) == {"T"}, frozen
+    hung_pids = set(frozen["pids"][:2])
+    kept = [(set(a), set(b)) for a, b in zip(s["rank_pids"], s["rank_pids"][1:], strict=False)
+            if hung_pids <= set(a)]
+    assert len(kept[-1][0] - kept[-1][1]) == 2 and not hung_pids & kept[-1][1], kept
+    assert len(recs) >= 8
+    # One rank process SIGKILLed, its node fine: the node is kept (a new actor takes the place),
+    # as a node is given up only when none of its ranks answers.
     killed = json.loads(markers["kill"].read_text())
     after_kill = next(e for e in events if e["kind"] == "failure" and e["time"] > acted["kill"])
     assert killed["node"] not in after_kill["dead_nodes"], after_kill

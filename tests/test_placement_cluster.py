@@ -18,28 +18,58 @@ from trainmesh.planning.topology import Topology, topology_from_ray
 pytestmark = pytest.mark.cluster  # every test here starts Ray
 
 
-def _nodes_seen_by_ranks(dims: ParallelDims) -> list[str]:
-    spec = load_spec(None, [f"parallelism.tp={dims.tp}", f"parallelism.pp={dims.pp}",
-                            f"parallelism.dp={dims.dp}"])
+@pytest.mark.timeout(300)
+def test_tp_groups_and_stages_stay_inside_a_node(gpu_cluster):
+    """Each TP group and each stage on one node, as the ranks see it. Then, on the same
+    actors: a process-group formation whose rank 0 cannot answer (frozen: its store is never
+    made) fails at its bound instead of blocking the job."""
+    import signal
+    import time
+
+    from ray.exceptions import GetTimeoutError
+
+    dims = ParallelDims(pp=2, dp=2, tp=2)
+    spec = load_spec(None, ["parallelism.tp=2", "parallelism.pp=2", "parallelism.dp=2"])
     topo = topology_from_ray()
     assert topo.per_node == 4 and topo.world_size == 8
     group = WorkerGroup(placement_for(spec, dims, topo), {}, ready_timeout_s=60)
     try:
-        return [info["node_id"] for info in group.call("node_info", timeout_s=120)]
+        infos = group.call("node_info", timeout_s=120)
+        nodes = [info["node_id"] for info in infos]
+        for tp in dims.groups(Axis.TP):
+            assert len({nodes[r] for r in tp}) == 1, tp
+        for stage in range(dims.pp):
+            ranks = [r for r in range(dims.world_size) if dims.coords(r)[Axis.PP] == stage]
+            assert len({nodes[r] for r in ranks}) == 1
+        assert len(set(nodes)) == 2  # one node per stage, two nodes
+
+        os.kill(infos[0]["pid"], signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(GetTimeoutError):
+            group.setup_process_group("cpu", timeout_s=2.0, margin_s=1.0)
+        assert time.monotonic() - t0 < 30
     finally:
+        os.kill(infos[0]["pid"], signal.SIGKILL)
         group.shutdown()
 
 
-@pytest.mark.timeout(300)
-def test_tp_groups_and_stages_stay_inside_a_node(gpu_cluster):
-    dims = ParallelDims(pp=2, dp=2, tp=2)
-    nodes = _nodes_seen_by_ranks(dims)
-    for group in dims.groups(Axis.TP):
-        assert len({nodes[r] for r in group}) == 1, group
-    for stage in range(dims.pp):
-        ranks = [r for r in range(dims.world_size) if dims.coords(r)[Axis.PP] == stage]
-        assert len({nodes[r] for r in ranks}) == 1
-    assert len(set(nodes)) == 2  # one node per stage, two nodes
+@pytest.mark.timeout(120)
+def test_a_placement_kept_off_dead_nodes_lands_on_the_others(gpu_cluster):
+    """Where no preferred node can hold new ranks' bundles, a re-form places them anywhere
+    but on the job's dead nodes (``avoid``): Ray still counts a frozen machine alive, its
+    accelerators free, until its health checks time out. Each node in turn is the only one
+    not avoided, and the bundle lands there."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    from trainmesh.actors.worker_group import place
+
+    alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    assert len(alive) == 3  # the head and 2 nodes
+    for target in sorted(alive):
+        pg, where = place([{"CPU": 0.01}], "PACK", timeout_s=30, avoid=alive - {target})
+        remove_placement_group(pg)
+        assert where == {0: target}
 
 
 def test_dp_peers_span_nodes():

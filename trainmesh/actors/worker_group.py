@@ -26,6 +26,9 @@ RANK_CONCURRENCY_GROUPS = {"control": 1, "memory": 1}
 # How long a placement waits for the nodes holding ready processes before it takes any node
 # (placing where resources are free takes milliseconds; longer, the preferred nodes lack them).
 PREFER_S = 2.0
+# How much longer than the collective timeout a formation waits for every rank to join: a new
+# rank process starts first (imports, an accelerator context).
+JOIN_MARGIN_S = 60.0
 
 
 def gather(refs: list, timeout_s: float | None, poll_s: float = 0.5) -> list:
@@ -97,6 +100,32 @@ def kill_processes(by_node: dict[str, list[int]], timeout_s: float = 2.0) -> Non
     ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
 
 
+def place(bundles, strategy: str, timeout_s: float, prefer: list[str] = (),
+          avoid: set[str] = frozenset()) -> tuple[Any, dict[int, str]]:
+    """A placement group of ``bundles``, placed within ``timeout_s``; and the node of each
+    bundle. On the ``prefer`` nodes (Ray's ``ray.io/node-id`` label) where they can hold the
+    bundles within PREFER_S, else wherever Ray finds room but on the ``avoid`` nodes (a job's
+    dead ones: Ray may still count a machine that froze as alive, its accelerators free)."""
+    if prefer and len(prefer) >= (len(bundles) if strategy == "STRICT_SPREAD" else 1):
+        only = [{"ray.io/node-id": f"in({','.join(prefer)})"}] * len(bundles)
+        pg = placement_group(list(bundles), strategy=strategy, bundle_label_selector=only)
+        ready, _ = ray.wait([pg.ready()], timeout=min(PREFER_S, timeout_s))
+        if ready:
+            return pg, placement_group_table(pg)["bundles_to_node_id"]
+        remove_placement_group(pg)
+    kw = {"bundle_label_selector": [{"ray.io/node-id": f"!in({','.join(sorted(avoid))})"}]
+          * len(bundles)} if avoid else {}
+    pg = placement_group(list(bundles), strategy=strategy, **kw)
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    if not ready:
+        remove_placement_group(pg)
+        raise PlacementTimeout(
+            f"placement group {list(bundles)} ({strategy}) was not placed within "
+            f"{timeout_s:.0f} s: the cluster lacks the resources; lower the "
+            "parallel degrees or add nodes")
+    return pg, placement_group_table(pg)["bundles_to_node_id"]
+
+
 class WorkerGroup:
     """Starts one actor per rank and calls methods on all of them together. It owns the rank
     actors' lives: they are created here (``__init__``, ``reform``), re-formed here (``reform``)
@@ -137,28 +166,12 @@ class WorkerGroup:
             return []
         return sorted(self.ready.nodes(max(b.get("GPU", 0) for b in bundles)) - set(avoid))
 
-    def _place(self, bundles, strategy: str, prefer: list[str] = ()) -> tuple[Any, dict[int, str]]:
-        """A placement group of ``bundles``, placed; and the node of each bundle. On the
-        ``prefer`` nodes (Ray's ``ray.io/node-id`` label) where they can hold the bundles
-        within PREFER_S, else wherever Ray finds room."""
-        if prefer and len(prefer) >= (len(bundles) if strategy == "STRICT_SPREAD" else 1):
-            only = [{"ray.io/node-id": f"in({','.join(prefer)})"}] * len(bundles)
-            pg = placement_group(list(bundles), strategy=strategy, bundle_label_selector=only)
-            ready, _ = ray.wait([pg.ready()], timeout=min(PREFER_S, self._ready_timeout_s))
-            if ready:
-                self.pgs.append(pg)
-                return pg, placement_group_table(pg)["bundles_to_node_id"]
-            remove_placement_group(pg)
-        pg = placement_group(list(bundles), strategy=strategy)
-        ready, _ = ray.wait([pg.ready()], timeout=self._ready_timeout_s)
-        if not ready:
-            remove_placement_group(pg)
-            raise PlacementTimeout(
-                f"placement group {list(bundles)} ({strategy}) was not placed within "
-                f"{self._ready_timeout_s:.0f} s: the cluster lacks the resources; lower the "
-                "parallel degrees or add nodes")
+    def _place(self, bundles, strategy: str, prefer: list[str] = (),
+               avoid: set[str] = frozenset()) -> tuple[Any, dict[int, str]]:
+        """``place``, the placement group kept with this group's."""
+        pg, nodes = place(bundles, strategy, self._ready_timeout_s, prefer, avoid)
         self.pgs.append(pg)
-        return pg, placement_group_table(pg)["bundles_to_node_id"]
+        return pg, nodes
 
     def _actors(self, pg, ranks: list[tuple[int, int]], world: int) -> list[tuple]:
         """An actor for each (rank, bundle index of ``pg``), with its seat: a ready process on
@@ -226,7 +239,8 @@ class WorkerGroup:
             ranks = [(r, index[placement.rank_bundle[r]]) for r, o in enumerate(assignment) if o is None]
             strategy = placement.strategy if len(new_bundles) > 1 else "PACK"
             bundles = [placement.bundles[b] for b in new_bundles]
-            pg, nodes = self._place(bundles, strategy, self._preferred(bundles, avoid | set(old_nodes)))
+            pg, nodes = self._place(bundles, strategy, self._preferred(bundles, avoid | set(old_nodes)),
+                                    avoid)
             for (r, b), (actor, seat) in zip(ranks, self._actors(pg, ranks, world), strict=True):
                 new[r] = (actor, (pg, b), nodes[b], seat)
         self.workers, self.slots, self.nodes, self.seats = (
@@ -361,9 +375,15 @@ class WorkerGroup:
         only once Ray gives up on it, ~2 s here)."""
         return [w.abort.remote() for w in self.workers]
 
-    def setup_process_group(self, device: str, timeout_s: float) -> str:
-        host, port = ray.get(self.workers[0].create_store.remote(timeout_s))
-        backends = self.call("init_process_group", host, port, device, timeout_s)
+    def setup_process_group(self, device: str, timeout_s: float, margin_s: float = JOIN_MARGIN_S) -> str:
+        """Every rank joins one default group (rank 0 hosts its store). Bounded: a rank that
+        cannot answer (frozen, or on a machine that froze, which Ray has not called dead yet)
+        fails the formation after ``timeout_s`` and ``margin_s`` (``GetTimeoutError``, which
+        the controller recovers from) instead of blocking it; a live rank's own join gives up
+        at ``timeout_s``."""
+        bound_s = timeout_s + margin_s
+        host, port = ray.get(self.workers[0].create_store.remote(timeout_s), timeout=bound_s)
+        backends = self.call("init_process_group", host, port, device, timeout_s, timeout_s=bound_s)
         return backends[0]
 
     def end(self, ranks, frozen: bool = False) -> None:
