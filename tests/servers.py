@@ -200,7 +200,8 @@ class RayHead:
         tree = set(self._pids())
         for pid in list(tree):
             tree |= descendants(pid)
-        for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 1.0)):
+        for sig, wait in ((signal.SIGTERM, 1.0), (signal.SIGKILL, 1.0)):  # (a test's head:
+            # nothing of it is kept, so what has not left after a second is killed)
             pids = sorted((tree & set(process_parents())) | set(self._pids()))
             for pid in pids:
                 try:
