@@ -122,15 +122,21 @@ def test_hung_ranks_are_the_silent_ones_or_those_behind_when_nothing_moves():
     assert stalled(a, every, quiet_s=6) == []  # a long phase, not yet a hang
     assert stalled(a, {0, 1, 3}, quiet_s=4) == [0, 1, 3]  # a collective stuck with no culprit
     assert stalled(a, set(), quiet_s=4) == []  # every rank returned meanwhile
+    # a restore, a build, a save (one long phase, progress not counted): only silence counts
+    assert stalled(a, every, quiet_s=4, silent_only=True) == []
+    assert stalled([*a[:3], None], every, quiet_s=4, silent_only=True) == [3]
 
 
 def test_hang_bound_from_recent_steps_with_a_floor_or_the_spec():
-    from trainmesh.controller.ray_group import HANG_FLOOR_S, hang_bound_s
+    from trainmesh.controller.ray_group import HANG_FLOOR_S, hang_bound_s, liveness_bound_s
 
     assert hang_bound_s(ElasticConfig(), [1.0, 2.0]) is None  # too few steps measured
     assert hang_bound_s(ElasticConfig(), [1.0, 2.0, 3.0]) == HANG_FLOOR_S
     assert hang_bound_s(ElasticConfig(), [10.0, 20.0, 30.0]) == 200.0
     assert hang_bound_s(ElasticConfig(hang_timeout_s=4), []) == 4
+    # outside a timed step, a rank may stay silent for the spec's bound or the floor
+    assert liveness_bound_s(ElasticConfig()) == HANG_FLOOR_S
+    assert liveness_bound_s(ElasticConfig(hang_timeout_s=4)) == 4
 
 
 def test_the_fault_hook_parses_strictly_fires_once_and_only_where_placed(tmp_path, monkeypatch):

@@ -207,25 +207,41 @@ def test_a_node_lost_from_an_ep4_cp2_moe_job_replans_to_ep2_with_the_same_losses
 
 
 @pytest.mark.timeout(300)
-def test_a_cold_restart_takes_the_ready_rank_processes(cluster, tmp_path):
+def test_a_cold_restart_takes_ready_processes_and_a_freeze_while_restoring_is_found(cluster, tmp_path):
     """``elastic.ready_ranks_per_node``: with 2 ready processes kept on every node (the job's
-    2 ranks, a tp pair, share one), a rank process killed under ``elastic.warm_recovery:
-    false`` restarts every rank cold, and both new ranks are processes that were ready on that
-    node before the failure (none is started); the job ends with the single process's losses.
-    (A refill taking one: the matrix below.)"""
+    2 ranks, a tp pair, share one) and on a spare, a rank process killed under
+    ``elastic.warm_recovery: false`` restarts every rank cold in processes that were ready on
+    that node (none is started). Then a freeze during that recovery: the new rank 1 freezes
+    (SIGSTOP) in the restore, its peer waiting on it in the restore's collectives. A restore is
+    watched as a step is, by silence alone (it reads for as long as the checkpoint takes; a
+    frozen process never answers its control path): the rank is found ~1.5 hang bounds after
+    it froze — not at the restore's own bound (2 × the collective timeout) nor at its peer's
+    collective timeout — its node is given up, and the job restarts cold in the spare's ready
+    processes and ends with the single process's losses. (A refill taking one: the matrix
+    below.)"""
     from servers import MEMORY_ARGS, assert_reference_losses, run_losing_nodes
 
+    timeout_s = 60  # the collective timeout (the restore's own bound: twice that)
     s = run_losing_nodes(cluster, tmp_path, [
         *MEMORY_ARGS, "parallelism.pp=1", "parallelism.tp=2", "parallelism.dp=1",
         "training.steps=5", "checkpoint.every=2", "elastic.warm_recovery=false",
-        "elastic.ready_ranks_per_node=2", "elastic.max_world_size=2"],
-        ["exit@rank=1,step=3,phase=forward"], remove=False)
+        "elastic.ready_ranks_per_node=2", "elastic.max_world_size=2", "elastic.hang_timeout_s=6",
+        f"runtime.collective_timeout_s={timeout_s}"],
+        ["exit@rank=1,step=3,phase=forward", "hang@rank=1,phase=restore"], remove=False)
     assert s["status"] == "FINISHED" and s["steps_done"] == 5
-    [rec] = s["recoveries"]
+    [rec] = s["recoveries"]  # (the freeze struck while recovering: the same recovery)
+    assert rec["cause"].endswith(", then HangDetected"), rec
+    frozen = json.loads((tmp_path / "fired-1").read_text())
+    frozen_at = (tmp_path / "fired-1").stat().st_mtime  # (its marker, written as it froze)
+    found_after_s = rec["failed_at"] + rec["phases"]["interrupted_s"] - frozen_at
+    assert 0 < found_after_s < timeout_s / 2, (found_after_s, rec)
+    assert frozen["node"] not in s["rank_to_node"], (frozen, s["rank_to_node"])
+    # both restarts took ready processes: the killed rank's node's, then the spare's
     procs = rec["processes"]
     assert rec["mode"] == "cold" and (procs["ready"], procs["started"]) == ([0, 1], []), rec
-    before, after = (set(p) for p in s["rank_pids"][-2:])
-    assert not before & after and after == set(procs["ready_pids"]), (before, after, rec)
+    first, frozen_pids, last = (set(p) for p in s["rank_pids"][-3:])
+    assert frozen["pid"] in frozen_pids and len(first | frozen_pids | last) == 6, s["rank_pids"]
+    assert last == set(procs["ready_pids"]), (last, rec)
     assert_reference_losses(s, tmp_path)
 
 

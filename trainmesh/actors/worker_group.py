@@ -49,14 +49,17 @@ def gather(refs: list, timeout_s: float | None, poll_s: float = 0.5) -> list:
     return results
 
 
-def stalled(now: list[dict | None], running: set[int], quiet_s: float) -> list[int]:
+def stalled(now: list[dict | None], running: set[int], quiet_s: float,
+            silent_only: bool = False) -> list[int]:
     """Which of the ``running`` ranks are hung, from a look at their progress
     (``RankWorker.progress``; None: the rank has not answered its control path for ``quiet_s``,
     as a frozen process cannot): the silent ones; else, once every one of them has been in its phase for
     ``quiet_s`` or more (nobody moves: the others are waiting for someone in a collective), the
-    ones furthest behind; else none (someone still works: a slow step is not a hung one)."""
+    ones furthest behind; else none (someone still works: a slow step is not a hung one).
+    ``silent_only``: the silent ones alone — for calls whose progress is not counted (a build,
+    a restore, a save: one long phase, however long its reads take)."""
     silent = sorted(r for r in running if now[r] is None)
-    if silent:
+    if silent or silent_only:
         return silent
     if not running or any(now[r]["idle_s"] < quiet_s for r in running):
         return []
@@ -313,20 +316,18 @@ class WorkerGroup:
         refs = self._inflight = [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
         return gather(refs, timeout_s)
 
-    def call_each(self, method: str, args: list[tuple], timeout_s: float | None = None) -> list:
-        """Call ``method`` on every rank with that rank's own arguments; results in rank order."""
-        refs = self._inflight = [getattr(w, method).remote(*a)
-                                 for w, a in zip(self.workers, args, strict=True)]
-        return gather(refs, timeout_s)
-
     def call_watched(self, method: str, *args: Any, timeout_s: float, hang_after_s: float | None,
-                     poll_s: float = 1.0) -> list:
-        """``call``, watching for hung ranks once ``hang_after_s`` has passed: every ``poll_s``
-        each rank still in the call is asked for its progress out of band (``stalled``: a rank
-        counts as hung once nobody has moved for half the bound, at least two polls); hung
-        ranks' nodes — every actor in a hung rank's bundle — are killed and ``HangDetected``
-        raised, well before the collective timeout would end the call."""
-        refs = self._inflight = [getattr(w, method).remote(*args) for w in self.workers]
+                     poll_s: float = 1.0, silent_only: bool = False,
+                     each: list[tuple] | None = None) -> list:
+        """``call`` (with ``each``: every rank's own arguments, in rank order), watching for
+        hung ranks once ``hang_after_s`` has passed: every ``poll_s`` each rank still in the
+        call is asked for its progress out of band (``stalled``: a rank counts as hung once
+        nobody has moved for half the bound, at least two polls; with ``silent_only``, once it
+        has not answered for that long); hung ranks' nodes — every actor in a hung rank's
+        bundle — are killed and ``HangDetected`` raised, well before the collective timeout
+        would end the call."""
+        refs = self._inflight = [getattr(w, method).remote(*a) for w, a in zip(
+            self.workers, each if each is not None else [args] * len(self.workers), strict=True)]
         if hang_after_s is None:
             return gather(refs, timeout_s)
         t0 = time.monotonic()
@@ -346,17 +347,18 @@ class WorkerGroup:
             seen.update({r: (t, look) for r, look in enumerate(looks) if look is not None})
             now = [_aged(seen.get(r), t, first, quiet_s) for r in range(len(refs))]
             running = {r for r, ref in enumerate(refs) if not ray.wait([ref], timeout=0)[0]}
-            hung = stalled(now, running, quiet_s)
+            hung = stalled(now, running, quiet_s, silent_only)
             if hung:
                 break
         nodes = {self.placement.rank_bundle[r] for r in hung}
         doomed = [r for r, b in enumerate(self.placement.rank_bundle) if b in nodes]
         self.end(doomed, frozen=True)
         where = {r: now[r] for r in hung}
+        what = (f"did not answer for {quiet_s:.3g} s" if silent_only else
+                f"made no progress for {time.monotonic() - t0:.0f} s")
         raise HangDetected(
-            f"rank(s) {hung} made no progress for {time.monotonic() - t0:.0f} s in {method} "
-            f"(hang bound {hang_after_s:.3g} s; last seen: {where}); their node(s)' ranks "
-            f"{doomed} were killed", hung)
+            f"rank(s) {hung} {what} in {method} (hang bound {hang_after_s:.3g} s; last seen: "
+            f"{where}); their node(s)' ranks {doomed} were killed", hung)
 
     def _progress(self, timeout_s: float) -> list[dict | None]:
         refs = [w.progress.remote() for w in self.workers]

@@ -62,6 +62,14 @@ def hang_bound_s(cfg: ElasticConfig, recent_steps: list[float]) -> float | None:
     return max(HANG_FLOOR_S, HANG_STEPS * statistics.median(recent_steps))
 
 
+def liveness_bound_s(cfg: ElasticConfig) -> float:
+    """How long a rank may go without answering its control path in a call whose progress
+    is not counted (a build, a restore, a save, an evaluation, the steps before any was timed)
+    before it counts as hung: ``elastic.hang_timeout_s`` when set, else HANG_FLOOR_S — a frozen
+    process never answers, a busy one answers at once however long its call takes."""
+    return cfg.hang_timeout_s if cfg.hang_timeout_s is not None else HANG_FLOOR_S
+
+
 ANSWER_S = 0.5  # after a failure, how long a live rank may take to answer whether it lives
 
 
@@ -192,20 +200,21 @@ class RayWorkerGroup:
 
     def build(self, spec_json: str, dims: ParallelDims, data_dir: str) -> None:
         d = {"pp": dims.pp, "dp": dims.dp, "tp": dims.tp, "ep": dims.ep, "cp": dims.cp}
-        self.group.call("build", spec_json, d, data_dir, timeout_s=self.timeout + 120)
+        self._watched("build", spec_json, d, data_dir, timeout_s=self.timeout + 120)
 
     def train_step(self, measure_activations: bool = False) -> list[dict]:
         """One step on every rank, watched for hung ranks past ``hang_bound_s``."""
         t0 = time.monotonic()
-        out = self.group.call_watched("train_step", measure_activations,
-                                      timeout_s=self.timeout * 2,
-                                      hang_after_s=hang_bound_s(self.spec.elastic, self._steps))
+        bound = hang_bound_s(self.spec.elastic, self._steps)
+        out = (self.group.call_watched("train_step", measure_activations, timeout_s=self.timeout * 2,
+                                       hang_after_s=bound) if bound is not None else
+               self._watched("train_step", measure_activations, timeout_s=self.timeout * 2))
         self._steps = [*self._steps[-19:], time.monotonic() - t0]
         return out
 
     def evaluate(self, batches: int) -> float:
         """The held-out loss (every rank computes it; all hold the same value)."""
-        return self.group.call("evaluate", batches, timeout_s=self.timeout * 2)[0]
+        return self._watched("evaluate", batches, timeout_s=self.timeout * 2)[0]
 
     def reset_peak_memory(self) -> None:
         self.group.call("reset_peak_memory", timeout_s=self.timeout)
@@ -216,11 +225,11 @@ class RayWorkerGroup:
     def save(self, directory: str, background: bool = False) -> bytes | None:
         """Collective save (in the background: returns once every rank has its shards in
         host memory); rank 0's RNG state."""
-        return self.group.call("save", directory, background, timeout_s=self.timeout * 2)[0]
+        return self._watched("save", directory, background, timeout_s=self.timeout * 2)[0]
 
     def wait_save(self) -> list[str | None]:
         """Every rank's background save, waited for: "done", "failed: ..." or None."""
-        return self.group.call("wait_save", self.timeout * 2, timeout_s=self.timeout * 3)
+        return self._watched("wait_save", self.timeout * 2, timeout_s=self.timeout * 3)
 
     def saved_files(self) -> dict:
         """{file: {"size", "sha256"}} over every rank's last finished save."""
@@ -234,8 +243,7 @@ class RayWorkerGroup:
 
         shares = split_by_size(files, self.group.world_size)
         args = [(directory, share) for share in shares]
-        return sorted(f for bad in self.group.call_each("bad_files", args,
-                                                        timeout_s=self.timeout * 4)
+        return sorted(f for bad in self._watched("bad_files", each=args, timeout_s=self.timeout * 4)
                       for f in bad)
 
     def readable_on_every_node(self, path: str, token: str) -> dict[str, bool]:
@@ -249,13 +257,13 @@ class RayWorkerGroup:
         return {n: ray.get(ref, timeout=self.timeout) for n, ref in refs.items()}
 
     def load(self, directory: str, step: int, rng: bytes | None) -> None:
-        self.group.call("load", directory, step, rng, timeout_s=self.timeout * 2)
+        self._watched("load", directory, step, rng, timeout_s=self.timeout * 2)
 
     def memory_snapshot(self, directory: str, buddies: list[int | None], wait: bool = False) -> list[dict]:
         """In-memory snapshot on every rank; rank r's copy goes to rank ``buddies[r]``."""
         w = self.group.workers
         args = [(directory, None if b is None else w[b], wait) for b in buddies]
-        return self.group.call_each("memory_snapshot", args, timeout_s=self.timeout * 2)
+        return self._watched("memory_snapshot", each=args, timeout_s=self.timeout * 2)
 
     def memory_inventory(self) -> list[dict[str, list[str]]]:
         """Per rank: snapshot directory → the files it holds (its own and its replicas)."""
@@ -264,8 +272,8 @@ class RayWorkerGroup:
     def memory_load(self, directory: str, holders: dict[str, int], step: int, rng: bytes | None) -> None:
         """Collective restore from snapshot ``directory``; ``holders``: file → rank holding it."""
         w = self.group.workers
-        self.group.call("memory_load", directory, {f: w[r] for f, r in holders.items()}, step, rng,
-                        timeout_s=self.timeout * 2)
+        self._watched("memory_load", directory, {f: w[r] for f, r in holders.items()}, step, rng,
+                      timeout_s=self.timeout * 2)
 
     def save_to(self, directory: str) -> None:
         """A raw collective save (no manifest): for inspection and tests."""
@@ -293,6 +301,14 @@ class RayWorkerGroup:
 
     def shutdown(self) -> None:
         self.group.shutdown()
+
+    def _watched(self, method: str, *args, timeout_s: float, each: list[tuple] | None = None) -> list:
+        """A collective call other than a timed step, watched for ranks that stop answering
+        (``liveness_bound_s``): a rank frozen in a restore or a save is found in seconds, not
+        at the call's bound (minutes: a multiple of the collective timeout)."""
+        return self.group.call_watched(method, *args, timeout_s=timeout_s, each=each,
+                                       hang_after_s=liveness_bound_s(self.spec.elastic),
+                                       silent_only=True)
 
 
 def live_topology(spec: JobSpec) -> Topology:
