@@ -134,9 +134,10 @@ def test_hang_bound_from_recent_steps_with_a_floor_or_the_spec():
     assert hang_bound_s(ElasticConfig(), [1.0, 2.0, 3.0]) == HANG_FLOOR_S
     assert hang_bound_s(ElasticConfig(), [10.0, 20.0, 30.0]) == 200.0
     assert hang_bound_s(ElasticConfig(hang_timeout_s=4), []) == 4
-    # outside a timed step, a rank may stay silent for the spec's bound or the floor
-    assert liveness_bound_s(ElasticConfig()) == HANG_FLOOR_S
-    assert liveness_bound_s(ElasticConfig(hang_timeout_s=4)) == 4
+    # outside a timed step, silence: the spec's bound or the floor, found before peers time out
+    assert liveness_bound_s(ElasticConfig(), 120) == HANG_FLOOR_S
+    assert liveness_bound_s(ElasticConfig(hang_timeout_s=4), 120) == 4
+    assert liveness_bound_s(ElasticConfig(), 60) == 30
 
 
 def test_the_fault_hook_parses_strictly_fires_once_and_only_where_placed(tmp_path, monkeypatch):

@@ -125,3 +125,28 @@ def test_restore_under_another_plan_is_bit_identical(rank_pool, source_checkpoin
     finally:
         rank_pool.release(g)
     _assert_same_state(_flat(tmp_path / "again", tmp_path, "again"), want)
+
+
+def test_ranks_that_answer_are_not_hung_however_long_a_restore_takes(rank_pool, tmp_path):
+    """Outside a timed step only silence counts (``elastic.hang_timeout_s``; a frozen rank in a
+    restore: the fault matrix): ranks in one long call — asleep here, as a restore waiting on
+    its storage is — answer their control path and are not hung, 3.5× past a 1 s bound. Judged
+    as a step is, they would be (every rank in one phase for half the bound, nobody moving)."""
+    import sys
+
+    import ray
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    dims = ParallelDims(dp=2)
+    group = rank_pool.group_for(_spec(dims, ["elastic.hang_timeout_s=1"], tmp_path), dims)
+    try:
+        assert group.execute(_asleep, 3.5) == [3.5, 3.5]
+    finally:
+        rank_pool.release(group)
+
+
+def _asleep(engine, seconds: float) -> float:
+    import time
+
+    time.sleep(seconds)
+    return seconds

@@ -69,11 +69,12 @@ def stalled(now: list[dict | None], running: set[int], quiet_s: float,
     return sorted(r for r in running if key(now[r]) == least)
 
 
-def _aged(seen: tuple[float, dict] | None, t: float, first: float, quiet_s: float) -> dict | None:
-    """A rank's last answer as of ``t`` (its phase older by the time since), or None once it has
-    been silent for ``quiet_s`` (a busy process may miss one look; a frozen one misses them all)."""
-    since = seen[0] if seen else first
-    if t - since >= quiet_s:
+def _look(seen: tuple[float, dict] | None, asked_at: float | None, t: float,
+          quiet_s: float) -> dict | None:
+    """A rank's last answer as of ``t`` (its phase older by the time since), or None while a
+    question put to it ``quiet_s`` or more ago is unanswered (a busy process answers late, and
+    a late answer counts; a frozen one never answers)."""
+    if asked_at is not None and t - asked_at >= quiet_s:
         return None
     if seen is None:
         return {"step": -1, "counts": {}, "idle_s": 0.0}  # not heard from yet: not judged
@@ -321,11 +322,14 @@ class WorkerGroup:
                      each: list[tuple] | None = None) -> list:
         """``call`` (with ``each``: every rank's own arguments, in rank order), watching for
         hung ranks once ``hang_after_s`` has passed: every ``poll_s`` each rank still in the
-        call is asked for its progress out of band (``stalled``: a rank counts as hung once
-        nobody has moved for half the bound, at least two polls; with ``silent_only``, once it
-        has not answered for that long); hung ranks' nodes — every actor in a hung rank's
-        bundle — are killed and ``HangDetected`` raised, well before the collective timeout
-        would end the call."""
+        call that has no question pending is asked for its progress out of band (``stalled``:
+        a rank counts as hung once nobody has moved for half the bound, at least two polls, or
+        once a question put to it that long ago is unanswered — with ``silent_only``, only
+        then; an answer that comes late still counts, so a busy rank, or a watcher that was
+        itself held up, is not mistaken for a frozen one); hung ranks' nodes — every actor in
+        a hung rank's bundle — are killed and ``HangDetected`` raised, well before the
+        collective timeout would end the call."""
+        assert each is None or not args, "the same arguments for every rank, or each its own"
         refs = self._inflight = [getattr(w, method).remote(*a) for w, a in zip(
             self.workers, each if each is not None else [args] * len(self.workers), strict=True)]
         if hang_after_s is None:
@@ -336,40 +340,44 @@ class WorkerGroup:
         except GetTimeoutError:
             pass
         quiet_s = max(2 * poll_s, hang_after_s / 2)
-        first, seen = time.monotonic(), {}  # rank: (when it last answered, what it said)
+        seen: dict[int, tuple[float, dict]] = {}  # rank: (when its answer came, what it said)
+        asked: dict[int, tuple[Any, float]] = {}  # rank: (its unanswered question, when asked)
         while True:
             try:  # a rank's failure first: it is the cause, those waiting on it are not hung
                 return gather(refs, poll_s)
             except GetTimeoutError:
                 if time.monotonic() - t0 > timeout_s:
                     raise
-            looks, t = self._progress(poll_s), time.monotonic()
-            seen.update({r: (t, look) for r, look in enumerate(looks) if look is not None})
-            now = [_aged(seen.get(r), t, first, quiet_s) for r in range(len(refs))]
-            running = {r for r, ref in enumerate(refs) if not ray.wait([ref], timeout=0)[0]}
+            finished = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
+            running = {r for r, ref in enumerate(refs) if ref not in finished}
+            t = time.monotonic()
+            asked.update({r: (self.workers[r].progress.remote(), t) for r in running - set(asked)})
+            questions = {ref: r for r, (ref, _) in asked.items()}
+            answered = ray.wait(list(questions), num_returns=len(questions),
+                                timeout=poll_s)[0] if questions else []
+            t = time.monotonic()
+            for ref in answered:
+                r = questions[ref]
+                del asked[r]
+                try:
+                    seen[r] = (t, ray.get(ref))
+                except ray.exceptions.RayError:
+                    pass  # (a dead rank: its call fails, and the next gather raises that)
+            now = [_look(seen.get(r), asked[r][1] if r in asked else None, t, quiet_s)
+                   for r in range(len(refs))]
             hung = stalled(now, running, quiet_s, silent_only)
             if hung:
                 break
         nodes = {self.placement.rank_bundle[r] for r in hung}
         doomed = [r for r, b in enumerate(self.placement.rank_bundle) if b in nodes]
         self.end(doomed, frozen=True)
-        where = {r: now[r] for r in hung}
-        what = (f"did not answer for {quiet_s:.3g} s" if silent_only else
-                f"made no progress for {time.monotonic() - t0:.0f} s")
+        if silent_only:
+            what = f"did not answer for {min(t - asked[r][1] for r in hung):.0f} s or more"
+        else:
+            what = f"made no progress for {time.monotonic() - t0:.0f} s"
         raise HangDetected(
             f"rank(s) {hung} {what} in {method} (hang bound {hang_after_s:.3g} s; last seen: "
-            f"{where}); their node(s)' ranks {doomed} were killed", hung)
-
-    def _progress(self, timeout_s: float) -> list[dict | None]:
-        refs = [w.progress.remote() for w in self.workers]
-        done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        out: list[dict | None] = []
-        for ref in refs:
-            try:
-                out.append(ray.get(ref) if ref in done else None)
-            except ray.exceptions.RayError:
-                out.append(None)
-        return out
+            f"{ {r: now[r] for r in hung} }); their node(s)' ranks {doomed} were killed", hung)
 
     def abort(self) -> list:
         """Every rank aborts its communicators at once, out of band (``RankWorker.abort``).

@@ -62,12 +62,15 @@ def hang_bound_s(cfg: ElasticConfig, recent_steps: list[float]) -> float | None:
     return max(HANG_FLOOR_S, HANG_STEPS * statistics.median(recent_steps))
 
 
-def liveness_bound_s(cfg: ElasticConfig) -> float:
-    """How long a rank may go without answering its control path in a call whose progress
-    is not counted (a build, a restore, a save, an evaluation, the steps before any was timed)
-    before it counts as hung: ``elastic.hang_timeout_s`` when set, else HANG_FLOOR_S — a frozen
-    process never answers, a busy one answers at once however long its call takes."""
-    return cfg.hang_timeout_s if cfg.hang_timeout_s is not None else HANG_FLOOR_S
+def liveness_bound_s(cfg: ElasticConfig, collective_timeout_s: float) -> float:
+    """The hang bound of a call whose progress is not counted (a build, a restore, a save, an
+    evaluation; the first MEASURED steps when ``elastic.hang_timeout_s`` is unset), where only
+    silence counts (``WorkerGroup.call_watched``, ``silent_only``: a frozen process never
+    answers its control path, a busy one answers however long its call takes):
+    ``elastic.hang_timeout_s`` when set, else HANG_FLOOR_S — at most half the collective timeout,
+    so that a frozen rank is found (~1.5 bounds) before its peers' collectives time out."""
+    bound = cfg.hang_timeout_s if cfg.hang_timeout_s is not None else HANG_FLOOR_S
+    return min(bound, collective_timeout_s / 2)
 
 
 ANSWER_S = 0.5  # after a failure, how long a live rank may take to answer whether it lives
@@ -293,7 +296,7 @@ class RayWorkerGroup:
 
     def execute(self, fn, *args) -> list:
         """``fn(engine, *args)`` on every rank at once (collective if ``fn`` is)."""
-        return self.group.call("execute", fn, *args, timeout_s=self.timeout)
+        return self._watched("execute", fn, *args, timeout_s=self.timeout)
 
     def parameter_meshes(self) -> list[dict[str, tuple[str, ...]]]:
         """Per rank: each parameter's mesh dimensions (how the layout split it)."""
@@ -307,7 +310,7 @@ class RayWorkerGroup:
         (``liveness_bound_s``): a rank frozen in a restore or a save is found in seconds, not
         at the call's bound (minutes: a multiple of the collective timeout)."""
         return self.group.call_watched(method, *args, timeout_s=timeout_s, each=each,
-                                       hang_after_s=liveness_bound_s(self.spec.elastic),
+                                       hang_after_s=liveness_bound_s(self.spec.elastic, self.timeout),
                                        silent_only=True)
 
 

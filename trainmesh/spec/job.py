@@ -295,7 +295,9 @@ class ElasticConfig(_Section):
     hang_timeout_s: float | None = Field(
         None, gt=0, description="a step running longer than this has its stalled ranks (silent, "
         "or furthest behind while none moves) treated as hung: their nodes are dropped and the "
-        "job recovers; default: 10 × the median of recent steps, at least 60 s")
+        "job recovers; default: 10 × the median of recent steps, at least 60 s. In a build, a "
+        "restore, a save or an evaluation (one long phase), a rank silent for half of this "
+        "(default 60 s; at most half the collective timeout) once it has passed is hung")
     mtbf_node_hours: float = Field(
         6300.0, gt=0, description="mean hours between interruptions of one node, for "
         "checkpoint.every: auto; default from Llama 3's 419 in 54 days on 2,048 8-GPU nodes")
