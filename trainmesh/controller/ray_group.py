@@ -206,7 +206,8 @@ class RayWorkerGroup:
         self._watched("build", spec_json, d, data_dir, timeout_s=self.timeout + 120)
 
     def train_step(self, measure_activations: bool = False) -> list[dict]:
-        """One step on every rank, watched for hung ranks past ``hang_bound_s``."""
+        """One step on every rank, watched for hung ranks past ``hang_bound_s`` (by silence
+        alone, ``liveness_bound_s``, until that has steps to go by)."""
         t0 = time.monotonic()
         bound = hang_bound_s(self.spec.elastic, self._steps)
         out = (self.group.call_watched("train_step", measure_activations, timeout_s=self.timeout * 2,
