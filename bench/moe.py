@@ -75,6 +75,9 @@ class _Timed:
     def sum_over_tokens(self, counts):
         return counts
 
+    def keep_within_capacity(self, flat, weights, top_k, capacity):
+        return self.inner.keep_within_capacity(flat, weights, top_k, capacity)
+
 
 def _measure(args, ep: int, rank: int) -> dict:
     import torch

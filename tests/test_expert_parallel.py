@@ -32,6 +32,12 @@ CASES = {  # largest meshes first: the rank pool then only shrinks
         "model.moe.bias_update_rate=0.01"]),
     "pp2-ep2-dp2-aux-loss": (ParallelDims(pp=2, dp=2, ep=2), ["model.moe.aux_loss_coef=0.1"]),
     "ep4-dp4": (ParallelDims(dp=4, ep=4), []),
+    # Dropping by capacity over a microbatch whose tokens 4 ranks split (2 context-parallel
+    # chunks each, their halves over tp): each expert keeps what it keeps in one process
+    # (ties by place in the microbatch: top-1 weights are all 1). Experts over the cp ranks.
+    "ep2-cp2-tp2-sp-capacity": (ParallelDims(cp=2, tp=2, ep=2), [
+        "parallelism.sequence_parallel=true", "model.moe.capacity_factor=0.5",
+        "model.moe.top_k=1", "model.moe.aux_loss_coef=0.1"]),
     # 2 experts: one per ep rank, fewer than its 2 replicas, so ZeRO-3 splits each expert's
     # rows rather than handing one replica the whole expert and the other padding.
     "ep2-dp4-2-experts-bias-shared-capacity": (ParallelDims(dp=4, ep=2), [
@@ -53,7 +59,7 @@ def test_expert_parallel_matches_single_process(rank_pool, tmp_path, case):
     dims, extra = CASES[case]
     spec = load_spec(None, [*BASE, f"parallelism.tp={dims.tp}", f"parallelism.dp={dims.dp}",
                             f"parallelism.pp={dims.pp}", f"parallelism.ep={dims.ep}",
-                            f"runtime.output_dir={tmp_path}", *extra])
+                            f"parallelism.cp={dims.cp}", f"runtime.output_dir={tmp_path}", *extra])
     data_dir = str(ensure_tiny_corpus(tmp_path / "data"))
     group = rank_pool.group_for(spec, dims)
     try:
@@ -64,7 +70,7 @@ def test_expert_parallel_matches_single_process(rank_pool, tmp_path, case):
                 if ".experts." in name:
                     assert dims_here == ("edp", "ep"), (name, dims_here)
                 else:
-                    assert dims_here[0] == "dp", (name, dims_here)
+                    assert dims_here[0] == ("dp_cp" if dims.cp > 1 else "dp"), (name, dims_here)
         # ... and evenly: every rank holds the same share of each expert weight.
         cloudpickle.register_pickle_by_value(sys.modules[__name__])
         held: dict[str, set[int]] = {}
@@ -72,12 +78,15 @@ def test_expert_parallel_matches_single_process(rank_pool, tmp_path, case):
             for name, n in sizes.items():
                 held.setdefault(name, set()).add(n)
         assert held and all(len(n) == 1 for n in held.values()), held
-        losses = [group.train_step()[0]["loss"]]
+        first = group.train_step()[0]
+        losses, dropped = [first["loss"]], sum(b["dropped"] for b in first["experts"].values())
         grads = group.full_grads()
         losses += [group.train_step()[0]["loss"] for _ in range(2)]
         params = group.full_state()
     finally:
         rank_pool.release(group)
+    if spec.model.moe.capacity_factor is not None:
+        assert dropped > 0  # (what was dropped, over the whole step)
     ref_losses, ref_params, ref_grads = reference_run(spec, data_dir, steps=3, grads_after=1)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     _close(grads, ref_grads)

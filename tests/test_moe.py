@@ -173,8 +173,6 @@ def test_parameter_count_is_exact_and_flops_count_the_active_experts(extra):
     (["model.preset=tiny", "parallelism.dp=2", "parallelism.ep=2"], "parallelism.ep", "model.moe"),
     (["model.preset=tiny-moe", "parallelism.dp=6", "parallelism.ep=3",
       "training.global_batch_size=12"], "parallelism.ep", "[1, 2]"),
-    (["model.preset=tiny-moe", "parallelism.tp=2", "model.moe.capacity_factor=1.0"],
-     "model.moe.capacity_factor", "dropless"),
     (["model.preset=tiny-moe", "model.moe.top_k=9"], "model.moe", "at most"),
 ])
 def test_bad_expert_layouts_are_refused_naming_the_field_and_fix(args, field, fix):

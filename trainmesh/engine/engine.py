@@ -255,7 +255,7 @@ class Engine:
             self.loss_context = loss_parallel
         experts = None
         if is_moe(self.model):
-            apply_expert_parallel(self.model, mesh)
+            apply_expert_parallel(self.model, mesh, tr.seq_len)
             if mesh.dims.ep > 1:
                 experts = ExpertSharding(mesh["edp"], expert_divide_factor(mesh))
         apply_activation_checkpointing(self.model, spec.activation_checkpoint.mode,

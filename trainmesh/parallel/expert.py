@@ -31,17 +31,22 @@ from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor, Shard
 
-from trainmesh.models.moe.moe import MoE, balance_experts, moe_layers
+from trainmesh.models.moe.moe import MoE, balance_experts, keep_within_capacity, moe_layers
+from trainmesh.parallel.context import local_positions
+from trainmesh.parallel.dims import Axis
 from trainmesh.parallel.mesh import Mesh
 
 
 class AllToAllDispatch:
     """Dispatch over an EP group (the seam ``MoE.dispatch``); ``token_group``: the ranks
-    that split a microbatch's tokens (tensor parallel), or None."""
+    that split a microbatch's tokens (tensor and context parallel), or None; ``positions``:
+    where this rank's tokens sit in a sequence of ``seq_len`` (its share, in its order)."""
 
     def __init__(self, ep_group: dist.ProcessGroup | None, ep: int, experts: int,
-                 token_group: dist.ProcessGroup | None):
+                 token_group: dist.ProcessGroup | None, positions: torch.Tensor | None = None,
+                 seq_len: int = 0):
         self.ep_group, self.ep, self.experts, self.token_group = ep_group, ep, experts, token_group
+        self.positions, self.seq_len = positions, seq_len
 
     def dispatch(self, x_sorted: torch.Tensor, counts: torch.Tensor):
         if self.ep == 1:
@@ -72,6 +77,34 @@ class AllToAllDispatch:
             dist.all_reduce(counts, group=self.token_group)
         return counts
 
+    def keep_within_capacity(self, flat: torch.Tensor, weights: torch.Tensor, top_k: int,
+                             capacity: Callable[[int], int | None]) -> torch.Tensor:
+        """Decided over the whole microbatch, as one process decides it: every rank of the token
+        group gathers all of its assignments (expert, weight, place in the microbatch: one
+        all-gather per MoE block and microbatch, 24 bytes an assignment) and keeps its own by
+        the same rule."""
+        if self.token_group is None:
+            return keep_within_capacity(flat, weights, capacity(flat.numel() // top_k))
+        tokens = flat.numel() // top_k
+        positions = self.positions.to(flat.device)
+        if tokens % positions.numel():
+            raise ValueError(f"an MoE block under capacity got {tokens} tokens, not whole "
+                             f"sequences of its {positions.numel()} positions")
+        batch = torch.arange(tokens // positions.numel(), device=flat.device)
+        token = (batch[:, None] * self.seq_len + positions[None, :]).reshape(-1)
+        place = (token[:, None] * top_k + torch.arange(top_k, device=flat.device)).reshape(-1)
+        mine = torch.stack([flat.double(), weights.double(), place.double()])  # exact in float64
+        parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.token_group))]
+        dist.all_gather(parts, mine, group=self.token_group)
+        every = torch.cat(parts, 1)
+        at = torch.argsort(every[2])  # the microbatch's (batch, token, choice) order
+        if every.shape[1] != tokens // positions.numel() * self.seq_len * top_k:
+            raise ValueError(f"the token group holds {every.shape[1] // top_k} tokens, not "
+                             f"whole sequences of {self.seq_len}")
+        keep = keep_within_capacity(every[0, at].long(), every[1, at],
+                                    capacity(every.shape[1] // top_k))
+        return keep[place]
+
 
 def _source_major_to_expert_major(counts_SE: torch.Tensor, total: int) -> torch.Tensor:
     """Row indices that reorder blocks laid out (source, expert) into (expert, source);
@@ -85,14 +118,16 @@ def _source_major_to_expert_major(counts_SE: torch.Tensor, total: int) -> torch.
     return block_start + offset_in_block
 
 
-def apply_expert_parallel(model: nn.Module, mesh: Mesh) -> nn.Module:
+def apply_expert_parallel(model: nn.Module, mesh: Mesh, seq_len: int) -> nn.Module:
     """Split every MoE block's experts over "ep" (on the meta device, before ZeRO-3) and give
-    each block the all-to-all dispatcher; under tp, the tp group splits its tokens."""
+    each block the all-to-all dispatcher; under tp and cp, the tp × cp ranks split its tokens
+    (sequences of ``seq_len``)."""
     ep, tp, cp = mesh.dims.ep, mesh.dims.tp, mesh.dims.cp
     # The ranks that split a microbatch's tokens: its tensor- and context-parallel ranks.
-    token_group = None
+    token_group = positions = None
     if cp > 1 or tp > 1:
         token_group = mesh["cp_tp" if cp > 1 and tp > 1 else "cp" if cp > 1 else "tp"].get_group()
+        positions = token_positions(seq_len, mesh.coord(Axis.CP), cp, mesh.coord(Axis.TP), tp)
     for _, moe in moe_layers(model):
         # Each context-parallel rank's loss is the mean over its share of a sequence, cp× its
         # part of the whole: its part of the balancing loss weighs the same (ZeRO-3 averages
@@ -106,8 +141,16 @@ def apply_expert_parallel(model: nn.Module, mesh: Mesh) -> nn.Module:
                 setattr(moe.experts, name, nn.Parameter(DTensor.from_local(
                     local, mesh["ep"], [Shard(0)], run_check=False)))
         moe.dispatch = AllToAllDispatch(mesh["ep"].get_group() if ep > 1 else None, ep,
-                                        moe.args.experts, token_group)
+                                        moe.args.experts, token_group, positions, seq_len)
     return model
+
+
+def token_positions(seq_len: int, cp_rank: int, cp: int, tp_rank: int, tp: int) -> torch.Tensor:
+    """Where the tokens an MoE block takes on this rank sit in their sequence: context
+    parallel's chunks of it (``parallel/context.py``), then tensor parallel's contiguous
+    share of those (the block's input is sharded on the sequence over tp)."""
+    held = local_positions(seq_len, cp_rank, cp) if cp > 1 else torch.arange(seq_len)
+    return held.chunk(tp)[tp_rank].clone()
 
 
 def expert_divide_factor(mesh: Mesh) -> float:

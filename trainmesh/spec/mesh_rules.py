@@ -174,11 +174,6 @@ def runnable_problems(m: ModelShape, tp: int, pp: int, sequence_parallel: bool =
     if m.tie_embeddings and tp > 1:
         out.append(Problem("model.tie_embeddings", f"tp={tp}: the tied head is not "
                            "tensor-parallel here", "set it to false when parallelism.tp > 1", TIED))
-    moe = getattr(m, "moe", None)
-    if moe is not None and moe.capacity_factor is not None and tp > 1:
-        out.append(Problem("model.moe.capacity_factor", f"tp={tp}: dropping by capacity over a "
-                           "microbatch split across tensor-parallel ranks is not built",
-                           "leave it null (dropless) or use tp=1"))
     if sequence_parallel and tp == 1:
         out.append(Problem("parallelism.sequence_parallel", "needs tensor parallel (tp > 1)",
                            "set it to false or raise parallelism.tp"))

@@ -69,6 +69,12 @@ class Dispatch(Protocol):
     def sum_over_tokens(self, counts: torch.Tensor) -> torch.Tensor:
         """``counts`` summed over the ranks that split one microbatch's tokens (in place)."""
 
+    def keep_within_capacity(self, flat: torch.Tensor, weights: torch.Tensor, top_k: int,
+                             capacity: Callable[[int], int | None]) -> torch.Tensor:
+        """Which of this rank's assignments (``flat``: expert ids in (batch, token, choice)
+        order; ``weights``: theirs) the experts keep, decided over the whole microbatch, of
+        which ``capacity(tokens)`` is each expert's share (``keep_within_capacity``)."""
+
 
 class LocalDispatch:
     """Every expert on this rank: nothing moves (and nothing waits for the host)."""
@@ -81,6 +87,22 @@ class LocalDispatch:
 
     def sum_over_tokens(self, counts):
         return counts
+
+    def keep_within_capacity(self, flat, weights, top_k, capacity):
+        return keep_within_capacity(flat, weights, capacity(flat.numel() // top_k))
+
+
+def keep_within_capacity(flat: torch.Tensor, weights: torch.Tensor, capacity: int) -> torch.Tensor:
+    """A mask over assignments (expert ids ``flat`` and ``weights``, in the microbatch's
+    (batch, token, choice) order): each expert keeps at most ``capacity``, the highest weights
+    first, ties to the earlier assignment."""
+    counts = torch.bincount(flat)
+    by_weight = torch.argsort(weights, descending=True, stable=True)
+    order = by_weight[torch.argsort(flat[by_weight], stable=True)]  # by expert, then weight
+    starts = torch.cumsum(counts, 0) - counts
+    rank_in_expert = torch.arange(order.numel(), device=flat.device) - starts[flat[order]]
+    keep = torch.zeros_like(flat, dtype=torch.bool)
+    return keep.index_fill_(0, order[rank_in_expert < capacity], True)
 
 
 class GroupedExperts(nn.Module):
@@ -195,17 +217,14 @@ class MoE(nn.Module):
         scores, idx, weights = self.route(x)
         flat = idx.reshape(-1)  # assignment j = token j // k, its (j % k)-th choice
         counts = torch.bincount(flat, minlength=a.experts)
-        capacity = a.capacity(n)
-        if capacity is None:
-            order = torch.argsort(flat, stable=True)
-            kept = counts
-        else:  # within each expert, the highest weights first (ties: the earlier assignment)
-            by_weight = torch.argsort(weights.detach().reshape(-1), descending=True, stable=True)
-            order = by_weight[torch.argsort(flat[by_weight], stable=True)]
-            starts = torch.cumsum(counts, 0) - counts
-            rank_in_expert = torch.arange(order.numel(), device=x.device) - starts[flat[order]]
-            order = order[rank_in_expert < capacity]
-            kept = counts.clamp(max=capacity)
+        order = torch.argsort(flat, stable=True)
+        kept = counts
+        capped = a.capacity_factor is not None
+        if capped:  # what each expert keeps, decided over the whole microbatch
+            keep = self.dispatch.keep_within_capacity(flat, weights.detach().reshape(-1), k,
+                                                      a.capacity)
+            order = order[keep[order]]
+            kept = torch.bincount(flat[keep], minlength=a.experts)
         local, local_counts, state = self.dispatch.dispatch(x[order // k], kept)
         y_sorted = self.dispatch.combine(self.experts(local, local_counts), state)
         per_assignment = x.new_zeros(n * k, shape[-1]).index_copy(0, order, y_sorted)
@@ -224,7 +243,7 @@ class MoE(nn.Module):
         if first_run and self.loss_scale:  # a padding microbatch (weight 0) counts nothing
             with torch.no_grad():
                 self.routed += counts
-                if capacity is not None:
+                if capped:
                     self.dropped += (counts - kept).sum()
         return y.view(shape)
 
