@@ -75,8 +75,8 @@ class _Timed:
     def sum_over_tokens(self, counts):
         return counts
 
-    def keep_within_capacity(self, flat, weights, top_k, capacity):
-        return self.inner.keep_within_capacity(flat, weights, top_k, capacity)
+    def keep_within_capacity(self, flat, weights, args):
+        return self.inner.keep_within_capacity(flat, weights, args)
 
 
 def _measure(args, ep: int, rank: int) -> dict:

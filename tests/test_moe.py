@@ -190,3 +190,36 @@ def test_bad_expert_layouts_are_refused_naming_the_field_and_fix(args, field, fi
 def test_a_replan_keeps_the_largest_ep_that_still_divides():
     spec = load_spec(None, ["model.preset=tiny-moe", "parallelism.dp=4", "parallelism.ep=4"])
     assert [expert_parallel_degree(spec, dp) for dp in (4, 3, 2, 6, 8)] == [4, 1, 2, 2, 4]
+
+
+@pytest.mark.parametrize("cp, tp", [(2, 2), (1, 2), (2, 1), (4, 2)])
+def test_capacity_over_ranks_that_split_a_microbatch_is_decided_as_one_process_decides(cp, tp):
+    """Each rank of a tp × cp token group holds its chunks of every sequence (context parallel's,
+    as the data is read), then its tp share of them; from the group's gathered assignments
+    (here the other ranks' parts, in any order) each keeps exactly what one process keeps of
+    the whole microbatch at those places — weights tied in tenths, so places break ties."""
+    from trainmesh.models.moe.moe import keep_within_capacity
+    from trainmesh.parallel.context import shard_sequence
+    from trainmesh.parallel.expert import assignment_places, keep_over_token_group, token_positions
+
+    args = MoEArgs(experts=4, top_k=2, expert_ffn_dim=8, capacity_factor=0.5)
+    batch, seq_len, k = 2, 16, args.top_k
+    g = torch.Generator().manual_seed(0)
+    flat = torch.randint(0, args.experts, (batch * seq_len * k,), generator=g)
+    weights = torch.rand(batch * seq_len * k, generator=g).mul(10).round().div(10)
+    whole = keep_within_capacity(flat, weights, args.capacity(batch * seq_len), args.experts)
+    assert 0 < int((~whole).sum()) < whole.numel()
+    ranks = [(c, t) for c in range(cp) for t in range(tp)]
+    places, parts = {}, {}
+    for c, t in ranks:
+        positions = token_positions(seq_len, c, cp, t, tp)
+        held = shard_sequence(torch.arange(seq_len)[None], c, cp)[0] if cp > 1 else torch.arange(seq_len)
+        assert torch.equal(positions, held.chunk(tp)[t])  # where the data path puts its tokens
+        places[c, t] = assignment_places(positions, seq_len, batch * positions.numel(), k)
+        parts[c, t] = torch.stack([flat[places[c, t]].double(), weights[places[c, t]].double(),
+                                   places[c, t].double()])
+    assert sorted(torch.cat(list(places.values())).tolist()) == list(range(flat.numel()))
+    for r in ranks:
+        kept = keep_over_token_group(flat[places[r]], weights[places[r]], places[r], args,
+                                     lambda mine: torch.cat([parts[q] for q in reversed(ranks)], 1))
+        assert torch.equal(kept, whole[places[r]]), r

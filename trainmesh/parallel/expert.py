@@ -12,13 +12,17 @@ Under tensor parallel the MoE block takes its tensor-parallel rank's share of th
 (an MoE block is not split over tp: ``tp`` is folded into its token domain, as in Megatron
 Core's "MoE parallel folding" with expert TP 1). Its parameters then see a part of the
 tokens on each tp rank, and their gradients are summed over tp once per step
-(``models/llama/parallelize.py: sum_partial_grads_over_tp``).
+(``models/llama/parallelize.py: sum_partial_grads_over_tp``). Under context parallel a rank
+holds its chunks of each sequence; the tp × cp ranks together hold a microbatch's tokens (the
+token group). With ``capacity_factor`` what each expert keeps is decided over the whole
+microbatch, as one process decides it: the token group all-gathers its assignments first.
 
 Communication follows NCCL's rules: every rank of an EP group makes the same collectives in
-the same order (per MoE block and microbatch: one all-to-all of the per-expert counts, then
-one of the tokens, and one back; the counts' arrival is the block's one host sync, since the
-token all-to-all needs its split sizes on the host); a rank that routes nothing to a peer
-sends it zero rows, never skips the call.
+the same order (per MoE block and microbatch: under capacity the token group's all-gather of
+the assignments, then one all-to-all of the per-expert counts, then one of the tokens, and one
+back; the counts' arrival is the block's host sync, since the token all-to-all needs its split
+sizes on the host — under capacity, selecting the kept assignments is another); a rank that
+routes nothing to a peer sends it zero rows, never skips the call.
 """
 
 from __future__ import annotations
@@ -31,7 +35,13 @@ from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor, Shard
 
-from trainmesh.models.moe.moe import MoE, balance_experts, keep_within_capacity, moe_layers
+from trainmesh.models.moe.moe import (
+    MoE,
+    MoEArgs,
+    balance_experts,
+    keep_within_capacity,
+    moe_layers,
+)
 from trainmesh.parallel.context import local_positions
 from trainmesh.parallel.dims import Axis
 from trainmesh.parallel.mesh import Mesh
@@ -45,6 +55,9 @@ class AllToAllDispatch:
     def __init__(self, ep_group: dist.ProcessGroup | None, ep: int, experts: int,
                  token_group: dist.ProcessGroup | None, positions: torch.Tensor | None = None,
                  seq_len: int = 0):
+        if token_group is not None and (positions is None or seq_len <= 0):
+            raise ValueError("a dispatch whose tokens a group splits needs their positions and "
+                             "the sequence length")
         self.ep_group, self.ep, self.experts, self.token_group = ep_group, ep, experts, token_group
         self.positions, self.seq_len = positions, seq_len
 
@@ -77,33 +90,59 @@ class AllToAllDispatch:
             dist.all_reduce(counts, group=self.token_group)
         return counts
 
-    def keep_within_capacity(self, flat: torch.Tensor, weights: torch.Tensor, top_k: int,
-                             capacity: Callable[[int], int | None]) -> torch.Tensor:
-        """Decided over the whole microbatch, as one process decides it: every rank of the token
-        group gathers all of its assignments (expert, weight, place in the microbatch: one
-        all-gather per MoE block and microbatch, 24 bytes an assignment) and keeps its own by
-        the same rule."""
+    def keep_within_capacity(self, flat: torch.Tensor, weights: torch.Tensor, args: MoEArgs
+                             ) -> torch.Tensor:
+        """Decided over the whole microbatch, as one process decides it: the ranks of the token
+        group all-gather its assignments (``keep_over_token_group``; 24 bytes an assignment,
+        once per MoE block and microbatch and again where a block is recomputed)."""
         if self.token_group is None:
-            return keep_within_capacity(flat, weights, capacity(flat.numel() // top_k))
-        tokens = flat.numel() // top_k
-        positions = self.positions.to(flat.device)
-        if tokens % positions.numel():
-            raise ValueError(f"an MoE block under capacity got {tokens} tokens, not whole "
-                             f"sequences of its {positions.numel()} positions")
-        batch = torch.arange(tokens // positions.numel(), device=flat.device)
-        token = (batch[:, None] * self.seq_len + positions[None, :]).reshape(-1)
-        place = (token[:, None] * top_k + torch.arange(top_k, device=flat.device)).reshape(-1)
-        mine = torch.stack([flat.double(), weights.double(), place.double()])  # exact in float64
-        parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.token_group))]
-        dist.all_gather(parts, mine, group=self.token_group)
-        every = torch.cat(parts, 1)
-        at = torch.argsort(every[2])  # the microbatch's (batch, token, choice) order
-        if every.shape[1] != tokens // positions.numel() * self.seq_len * top_k:
-            raise ValueError(f"the token group holds {every.shape[1] // top_k} tokens, not "
-                             f"whole sequences of {self.seq_len}")
-        keep = keep_within_capacity(every[0, at].long(), every[1, at],
-                                    capacity(every.shape[1] // top_k))
-        return keep[place]
+            return keep_within_capacity(flat, weights, args.capacity(flat.numel() // args.top_k),
+                                        args.experts)
+        place = assignment_places(self._positions_on(flat.device), self.seq_len,
+                                  flat.numel() // args.top_k, args.top_k)
+
+        def gather(mine: torch.Tensor) -> torch.Tensor:
+            parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.token_group))]
+            dist.all_gather(parts, mine, group=self.token_group)
+            return torch.cat(parts, 1)
+
+        return keep_over_token_group(flat, weights, place, args, gather)
+
+    def _positions_on(self, device: torch.device) -> torch.Tensor:
+        if self.positions.device != device:  # once: not a copy (a host sync) per block
+            self.positions = self.positions.to(device)
+        return self.positions
+
+
+def assignment_places(positions: torch.Tensor, seq_len: int, tokens: int, top_k: int) -> torch.Tensor:
+    """Where a rank's assignments (its ``tokens`` in (batch, token) order, ``top_k`` each) sit
+    in the microbatch's (batch, token, choice) order, its tokens being at ``positions`` of each
+    sequence of ``seq_len``."""
+    if tokens % positions.numel():
+        raise ValueError(f"an MoE block under capacity got {tokens} tokens, not whole "
+                         f"sequences of its {positions.numel()} positions")
+    batch = torch.arange(tokens // positions.numel(), device=positions.device)
+    token = (batch[:, None] * seq_len + positions[None, :]).reshape(-1)
+    return (token[:, None] * top_k + torch.arange(top_k, device=positions.device)).reshape(-1)
+
+
+def keep_over_token_group(flat: torch.Tensor, weights: torch.Tensor, place: torch.Tensor,
+                          args: MoEArgs, gather: Callable[[torch.Tensor], torch.Tensor]
+                          ) -> torch.Tensor:
+    """This rank's share of the whole microbatch's capacity decision: ``gather`` (an all-gather
+    over the ranks that split the microbatch's tokens) gives every rank all of its assignments
+    — expert, weight and place, exact in float64 — which are put back in the microbatch's order
+    and decided by one process's rule; each rank keeps its own (``flat``, ``weights`` at
+    ``place``)."""
+    every = gather(torch.stack([flat.double(), weights.double(), place.double()]))
+    total = every.shape[1]
+    if total % args.top_k:
+        raise ValueError(f"the ranks splitting a microbatch hold {total} assignments, not "
+                         f"whole tokens of {args.top_k}")
+    at = torch.argsort(every[2])  # the microbatch's (batch, token, choice) order: 0, 1, …
+    keep = keep_within_capacity(every[0, at].long(), every[1, at],
+                                args.capacity(total // args.top_k), args.experts)
+    return keep[place]
 
 
 def _source_major_to_expert_major(counts_SE: torch.Tensor, total: int) -> torch.Tensor:

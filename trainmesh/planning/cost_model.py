@@ -243,7 +243,7 @@ def activation_units(model, tp: int, sequence_parallel: bool, recompute: str,
     mlp = (3 if _runs(fused, "swiglu") else 4) * f
     moe = getattr(model, "moe", None)
     if moe is not None:  # the MoE block: its tp rank's share of the tokens, as the MLP's
-        mlp = moe_activation_units(model, ep)
+        mlp = moe_activation_units(model, ep, tp)
     if sequence_parallel and tp > 1:
         return 2 + (2 * norm + attn + mlp) / tp
     return 2 + 2 * norm + (attn + mlp) / tp
@@ -252,19 +252,22 @@ def activation_units(model, tp: int, sequence_parallel: bool, recompute: str,
 # Dropless routing gives no bound on an expert's tokens: memory is planned for the busiest rank
 # receiving this multiple of its even share (an untrained router routes unevenly; the
 # "dropless MoE runs out of memory early in training" failure). With capacity_factor set, the
-# capacity is the bound.
+# capacity is the bound: it caps an expert over a whole microbatch, whose tokens tp ranks split
+# (each tp rank's EP group computes its own share), so one tp rank's share may hold all of it.
 MOE_IMBALANCE = 2.0
 
 
-def moe_activation_units(model, ep: int = 1) -> float:
+def moe_activation_units(model, ep: int = 1, tp: int = 1) -> float:
     """An MoE block's saved activations per token, in units of h elements: each of the top-k
     copies of the token (the gathered input, its expert's gate, up, silu(gate) and w2 input,
     and the expert's output), plus the shared expert's SwiGLU. With expert parallel a rank
-    computes what its experts receive: planned at the imbalance bound (or the capacity);
-    without, every copy is its own whatever the routing."""
+    computes what its experts receive: planned at the imbalance bound (or the capacity, which
+    under tp is a whole microbatch's: up to tp × capacity_factor of a rank's share, and never
+    more than every token of the share: experts / top_k); without, every copy is its own
+    whatever the routing."""
     moe = model.moe
-    bound = 1.0 if ep == 1 else (moe.capacity_factor if moe.capacity_factor is not None
-                                 else MOE_IMBALANCE)
+    bound = 1.0 if ep == 1 else (min(moe.capacity_factor * tp, moe.experts / moe.top_k)
+                                 if moe.capacity_factor is not None else MOE_IMBALANCE)
     routed = moe.top_k * bound * (2 + 4 * moe.expert_ffn_dim / model.dim)
     return routed + 4 * moe.shared_experts * moe.expert_ffn_dim / model.dim
 

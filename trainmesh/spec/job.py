@@ -72,10 +72,10 @@ class MoEConfig(_Section):
     dense_layers: int = Field(0, ge=0, description="leading blocks that keep the dense MLP")
     capacity_factor: float | None = Field(
         None, gt=0, description="null: dropless; a number: each expert takes at most "
-        "capacity_factor × tokens × top_k / experts tokens of a microbatch, dropping those "
-        "with the lowest routing weights (ties: the later token; counted and logged), decided "
-        "over the whole microbatch on any mesh (tensor and context parallel ranks that split "
-        "its tokens all-gather its assignments)")
+        "ceil(capacity_factor × tokens × top_k / experts) assignments of a microbatch, dropping "
+        "those with the lowest routing weights (ties: the later token; counted and logged), "
+        "decided over the whole microbatch on any mesh (tensor and context parallel ranks that "
+        "split its tokens all-gather its assignments)")
 
     @model_validator(mode="after")
     def _fits(self) -> MoEConfig:

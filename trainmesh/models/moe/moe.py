@@ -69,11 +69,11 @@ class Dispatch(Protocol):
     def sum_over_tokens(self, counts: torch.Tensor) -> torch.Tensor:
         """``counts`` summed over the ranks that split one microbatch's tokens (in place)."""
 
-    def keep_within_capacity(self, flat: torch.Tensor, weights: torch.Tensor, top_k: int,
-                             capacity: Callable[[int], int | None]) -> torch.Tensor:
+    def keep_within_capacity(self, flat: torch.Tensor, weights: torch.Tensor, args: MoEArgs
+                             ) -> torch.Tensor:
         """Which of this rank's assignments (``flat``: expert ids in (batch, token, choice)
         order; ``weights``: theirs) the experts keep, decided over the whole microbatch, of
-        which ``capacity(tokens)`` is each expert's share (``keep_within_capacity``)."""
+        which ``args.capacity(tokens)`` is each expert's share (``keep_within_capacity``)."""
 
 
 class LocalDispatch:
@@ -88,21 +88,23 @@ class LocalDispatch:
     def sum_over_tokens(self, counts):
         return counts
 
-    def keep_within_capacity(self, flat, weights, top_k, capacity):
-        return keep_within_capacity(flat, weights, capacity(flat.numel() // top_k))
+    def keep_within_capacity(self, flat, weights, args):
+        return keep_within_capacity(flat, weights, args.capacity(flat.numel() // args.top_k),
+                                    args.experts)
 
 
-def keep_within_capacity(flat: torch.Tensor, weights: torch.Tensor, capacity: int) -> torch.Tensor:
-    """A mask over assignments (expert ids ``flat`` and ``weights``, in the microbatch's
-    (batch, token, choice) order): each expert keeps at most ``capacity``, the highest weights
-    first, ties to the earlier assignment."""
-    counts = torch.bincount(flat)
+def keep_within_capacity(flat: torch.Tensor, weights: torch.Tensor, capacity: int,
+                         experts: int) -> torch.Tensor:
+    """A mask over assignments (expert ids ``flat`` of ``experts`` and ``weights``, in the
+    microbatch's (batch, token, choice) order): each expert keeps at most ``capacity``, the
+    highest weights first, ties to the earlier assignment. (No host sync.)"""
+    counts = torch.zeros(experts, dtype=torch.int64, device=flat.device).index_add_(
+        0, flat, torch.ones_like(flat))
     by_weight = torch.argsort(weights, descending=True, stable=True)
     order = by_weight[torch.argsort(flat[by_weight], stable=True)]  # by expert, then weight
     starts = torch.cumsum(counts, 0) - counts
     rank_in_expert = torch.arange(order.numel(), device=flat.device) - starts[flat[order]]
-    keep = torch.zeros_like(flat, dtype=torch.bool)
-    return keep.index_fill_(0, order[rank_in_expert < capacity], True)
+    return torch.zeros_like(flat, dtype=torch.bool).scatter_(0, order, rank_in_expert < capacity)
 
 
 class GroupedExperts(nn.Module):
@@ -221,10 +223,9 @@ class MoE(nn.Module):
         kept = counts
         capped = a.capacity_factor is not None
         if capped:  # what each expert keeps, decided over the whole microbatch
-            keep = self.dispatch.keep_within_capacity(flat, weights.detach().reshape(-1), k,
-                                                      a.capacity)
+            keep = self.dispatch.keep_within_capacity(flat, weights.detach().reshape(-1), a)
             order = order[keep[order]]
-            kept = torch.bincount(flat[keep], minlength=a.experts)
+            kept = torch.zeros_like(counts).index_add_(0, flat, keep.to(counts.dtype))
         local, local_counts, state = self.dispatch.dispatch(x[order // k], kept)
         y_sorted = self.dispatch.combine(self.experts(local, local_counts), state)
         per_assignment = x.new_zeros(n * k, shape[-1]).index_copy(0, order, y_sorted)
