@@ -134,3 +134,22 @@ def test_checkpoint_every_auto_chooses_from_measured_costs_and_logs_it_to_mlflow
         assert files == file_digests(store.step_dir(step), list(files)), step
     assert sorted(e["step"] for e in events if e["kind"] == "checkpoint-digests") == saved
     assert all(e["lacking"] == 0 for e in events if e["kind"] == "checkpoint-digests")
+
+
+def test_a_run_naming_another_cluster_than_the_one_connected_is_refused(ray_local, tmp_path, capsys):
+    """A program connected to one Ray cluster (its own ray.init) that runs a job whose spec
+    names another address is refused naming the field, before anything starts, rather than
+    trained on the cluster it happens to be connected to; naming that cluster is accepted."""
+    from trainmesh.cli.main import main
+    from trainmesh.controller.launch import _other_cluster
+
+    assert main(["run", "jobs/tiny-cpu.yaml", "--set", "runtime.ray_address=127.0.0.1:9",
+                 "--set", f"runtime.output_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    here = ray_local.get_runtime_context().gcs_address
+    assert err.startswith(f"runtime.ray_address: this process is connected to the Ray cluster at "
+                          f"{here}, not '127.0.0.1:9'") and "ray.shutdown()" in err, err
+    assert not list(tmp_path.glob("**/summary.json"))
+    port = here.rpartition(":")[2]
+    assert _other_cluster(f"localhost:{port}", here) is None  # the same cluster, named so
+    assert _other_cluster("local", here) is None and _other_cluster("auto", here) is None

@@ -77,7 +77,12 @@ def ray_session(spec: JobSpec) -> Iterator[bool]:
     """Yields True when the cluster is on this machine. Shuts down only what it started."""
     import ray
 
-    if ray.is_initialized():
+    if ray.is_initialized():  # a program that called ray.init: its cluster, if the spec agrees
+        elsewhere = _other_cluster(spec.runtime.ray_address, ray.get_runtime_context().gcs_address)
+        if elsewhere:
+            raise SpecError([Problem("runtime.ray_address", elsewhere, "call ray.shutdown() "
+                                     "before running the job, or set runtime.ray_address to "
+                                     "local (the cluster this process is connected to)")])
         yield spec.runtime.ray_address == LOCAL
         return
     quiet_ray_start_notices()
@@ -105,6 +110,23 @@ def ray_session(spec: JobSpec) -> Iterator[bool]:
         yield spec.runtime.ray_address == LOCAL
     finally:
         ray.shutdown()
+
+
+def _other_cluster(address: str, connected: str) -> str | None:
+    """Why a spec's ``host:port`` address is not the cluster this process is connected to
+    (its GCS at ``connected``), or None (the same one, or local/auto/ray://: this one)."""
+    import socket
+
+    host, sep, port = address.rpartition(":")
+    if address in (LOCAL, "auto") or "://" in address or not sep or not port.isdigit():
+        return None
+    c_host, _, c_port = connected.rpartition(":")
+    try:
+        same = (socket.gethostbyname(host), int(port)) == (socket.gethostbyname(c_host), int(c_port))
+    except (OSError, ValueError):
+        same = False
+    return None if same else (f"this process is connected to the Ray cluster at {connected}, "
+                              f"not {address!r}")
 
 
 def _unreachable(address: str, timeout_s: float = 5.0) -> str | None:

@@ -349,7 +349,10 @@ class RuntimeConfig(_Section):
     """Where and how the job runs."""
 
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    ray_address: str = Field("local", description="'local' starts a Ray on this machine")
+    ray_address: str = Field("local", description="'local' starts a Ray on this machine; "
+                             "host:port, auto or ray://… joins a running cluster. A program "
+                             "already connected to Ray (its own ray.init) runs there, and a "
+                             "host:port naming another cluster is refused")
     output_dir: str | None = Field(None, description="default: runs/<job name>")
     collective_timeout_s: float = Field(120.0, gt=0)
     cpus_per_rank: float = Field(1.0, gt=0)
