@@ -198,7 +198,7 @@ def test_capacity_over_ranks_that_split_a_microbatch_is_decided_as_one_process_d
     as the data is read), then its tp share of them; from the group's gathered assignments
     (here the other ranks' parts, in any order) each keeps exactly what one process keeps of
     the whole microbatch at those places — weights tied in tenths, so places break ties."""
-    from trainmesh.models.moe.moe import keep_within_capacity
+    from trainmesh.models.moe.moe import capacity_keys, keep_within_capacity
     from trainmesh.parallel.context import shard_sequence
     from trainmesh.parallel.expert import assignment_places, keep_over_token_group, token_positions
 
@@ -207,19 +207,24 @@ def test_capacity_over_ranks_that_split_a_microbatch_is_decided_as_one_process_d
     g = torch.Generator().manual_seed(0)
     flat = torch.randint(0, args.experts, (batch * seq_len * k,), generator=g)
     weights = torch.rand(batch * seq_len * k, generator=g).mul(10).round().div(10)
-    whole = keep_within_capacity(flat, weights, args.capacity(batch * seq_len), args.experts)
+    capacity = args.capacity(batch * seq_len)
+    whole = keep_within_capacity(flat, weights, capacity, args.experts)
     assert 0 < int((~whole).sum()) < whole.numel()
+    for e in range(args.experts):  # the rule itself, by Python's sort
+        mine = sorted((-weights[j].item(), j) for j in range(flat.numel()) if flat[j] == e)
+        assert {j for _, j in mine[:capacity]} == {j for j in range(flat.numel()) if flat[j] == e and whole[j]}
     ranks = [(c, t) for c in range(cp) for t in range(tp)]
-    places, parts = {}, {}
+    places = {}
     for c, t in ranks:
         positions = token_positions(seq_len, c, cp, t, tp)
         held = shard_sequence(torch.arange(seq_len)[None], c, cp)[0] if cp > 1 else torch.arange(seq_len)
         assert torch.equal(positions, held.chunk(tp)[t])  # where the data path puts its tokens
         places[c, t] = assignment_places(positions, seq_len, batch * positions.numel(), k)
-        parts[c, t] = torch.stack([flat[places[c, t]].double(), weights[places[c, t]].double(),
-                                   places[c, t].double()])
     assert sorted(torch.cat(list(places.values())).tolist()) == list(range(flat.numel()))
+    gathered = list(reversed(ranks))  # the all-gather's order: any
+    every_place = torch.cat([places[q] for q in gathered])
+    every_key = torch.cat([capacity_keys(flat[places[q]], weights[places[q]]) for q in gathered])
     for r in ranks:
-        kept = keep_over_token_group(flat[places[r]], weights[places[r]], places[r], args,
-                                     lambda mine: torch.cat([parts[q] for q in reversed(ranks)], 1))
+        kept = keep_over_token_group(flat[places[r]], weights[places[r]], places[r], every_place,
+                                     args, lambda mine: every_key)
         assert torch.equal(kept, whole[places[r]]), r

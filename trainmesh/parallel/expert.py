@@ -39,6 +39,8 @@ from trainmesh.models.moe.moe import (
     MoE,
     MoEArgs,
     balance_experts,
+    capacity_keys,
+    keep_by_keys,
     keep_within_capacity,
     moe_layers,
 )
@@ -60,6 +62,7 @@ class AllToAllDispatch:
                              "the sequence length")
         self.ep_group, self.ep, self.experts, self.token_group = ep_group, ep, experts, token_group
         self.positions, self.seq_len = positions, seq_len
+        self._placed: tuple | None = None  # ((tokens, top_k, device), place, every rank's places)
 
     def dispatch(self, x_sorted: torch.Tensor, counts: torch.Tensor):
         if self.ep == 1:
@@ -93,25 +96,31 @@ class AllToAllDispatch:
     def keep_within_capacity(self, flat: torch.Tensor, weights: torch.Tensor, args: MoEArgs
                              ) -> torch.Tensor:
         """Decided over the whole microbatch, as one process decides it: the ranks of the token
-        group all-gather its assignments (``keep_over_token_group``; 24 bytes an assignment,
-        once per MoE block and microbatch and again where a block is recomputed)."""
+        group all-gather its assignments (``keep_over_token_group``: 8 bytes an assignment, once
+        per MoE block and microbatch and again where a block is recomputed; their places in
+        the microbatch once per shape)."""
         if self.token_group is None:
             return keep_within_capacity(flat, weights, args.capacity(flat.numel() // args.top_k),
                                         args.experts)
-        place = assignment_places(self._positions_on(flat.device), self.seq_len,
-                                  flat.numel() // args.top_k, args.top_k)
+        place, every_place = self._places(flat.numel() // args.top_k, args.top_k, flat.device)
+        return keep_over_token_group(flat, weights, place, every_place, args, self._gather)
 
-        def gather(mine: torch.Tensor) -> torch.Tensor:
-            parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.token_group))]
-            dist.all_gather(parts, mine, group=self.token_group)
-            return torch.cat(parts, 1)
+    def _gather(self, mine: torch.Tensor) -> torch.Tensor:
+        """Every token-group rank's ``mine``, in group-rank order, end to end."""
+        parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.token_group))]
+        dist.all_gather(parts, mine, group=self.token_group)
+        return torch.cat(parts)
 
-        return keep_over_token_group(flat, weights, place, args, gather)
-
-    def _positions_on(self, device: torch.device) -> torch.Tensor:
-        if self.positions.device != device:  # once: not a copy (a host sync) per block
-            self.positions = self.positions.to(device)
-        return self.positions
+    def _places(self, tokens: int, top_k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's assignments' places in the microbatch, and every rank's in the gather's
+        order: gathered once per shape (every rank of the group meets the same shapes in the
+        same order: they split the same microbatches)."""
+        if self._placed is None or self._placed[0] != (tokens, top_k, device):
+            if self.positions.device != device:  # once: not a copy (a host sync) per block
+                self.positions = self.positions.to(device)
+            place = assignment_places(self.positions, self.seq_len, tokens, top_k)
+            self._placed = ((tokens, top_k, device), place, self._gather(place))
+        return self._placed[1], self._placed[2]
 
 
 def assignment_places(positions: torch.Tensor, seq_len: int, tokens: int, top_k: int) -> torch.Tensor:
@@ -127,22 +136,20 @@ def assignment_places(positions: torch.Tensor, seq_len: int, tokens: int, top_k:
 
 
 def keep_over_token_group(flat: torch.Tensor, weights: torch.Tensor, place: torch.Tensor,
-                          args: MoEArgs, gather: Callable[[torch.Tensor], torch.Tensor]
-                          ) -> torch.Tensor:
+                          every_place: torch.Tensor, args: MoEArgs,
+                          gather: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """This rank's share of the whole microbatch's capacity decision: ``gather`` (an all-gather
     over the ranks that split the microbatch's tokens) gives every rank all of its assignments
-    — expert, weight and place, exact in float64 — which are put back in the microbatch's order
-    and decided by one process's rule; each rank keeps its own (``flat``, ``weights`` at
-    ``place``)."""
-    every = gather(torch.stack([flat.double(), weights.double(), place.double()]))
-    total = every.shape[1]
-    if total % args.top_k:
+    as ``capacity_keys`` (expert and weight in one int64), which ``every_place`` (their places,
+    in the gather's order) puts back in the microbatch's order for one process's rule; each
+    rank keeps its own (``flat``, ``weights`` at ``place``)."""
+    every = gather(capacity_keys(flat, weights))
+    total = every.numel()
+    if total != every_place.numel() or total % args.top_k:
         raise ValueError(f"the ranks splitting a microbatch hold {total} assignments, not "
-                         f"whole tokens of {args.top_k}")
-    at = torch.argsort(every[2])  # the microbatch's (batch, token, choice) order: 0, 1, …
-    keep = keep_within_capacity(every[0, at].long(), every[1, at],
-                                args.capacity(total // args.top_k), args.experts)
-    return keep[place]
+                         f"the {every_place.numel()} placed of whole tokens of {args.top_k}")
+    keys = torch.empty_like(every).index_copy_(0, every_place, every)  # the microbatch's order
+    return keep_by_keys(keys, args.capacity(total // args.top_k), args.experts)[place]
 
 
 def _source_major_to_expert_major(counts_SE: torch.Tensor, total: int) -> torch.Tensor:

@@ -98,13 +98,27 @@ def keep_within_capacity(flat: torch.Tensor, weights: torch.Tensor, capacity: in
     """A mask over assignments (expert ids ``flat`` of ``experts`` and ``weights``, in the
     microbatch's (batch, token, choice) order): each expert keeps at most ``capacity``, the
     highest weights first, ties to the earlier assignment. (No host sync.)"""
-    counts = torch.zeros(experts, dtype=torch.int64, device=flat.device).index_add_(
-        0, flat, torch.ones_like(flat))
-    by_weight = torch.argsort(weights, descending=True, stable=True)
-    order = by_weight[torch.argsort(flat[by_weight], stable=True)]  # by expert, then weight
+    return keep_by_keys(capacity_keys(flat, weights), capacity, experts)
+
+
+def capacity_keys(flat: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """One int64 per assignment that sorts by expert, then by weight, highest first: the
+    expert id above the 31 bits of the weight's float32 pattern (router weights are ≥ 0, whose
+    patterns order as the numbers do), inverted."""
+    bits = weights.float().contiguous().view(torch.int32).long()
+    return flat.long() * 2**31 + (2**31 - 1 - bits)
+
+
+def keep_by_keys(keys: torch.Tensor, capacity: int, experts: int) -> torch.Tensor:
+    """``keep_within_capacity`` on ``capacity_keys`` in the microbatch's order: one stable
+    sort (ties by that order)."""
+    order = torch.argsort(keys, stable=True)
+    expert = keys // 2**31
+    counts = torch.zeros(experts, dtype=torch.int64, device=keys.device).index_add_(
+        0, expert, torch.ones_like(expert))
     starts = torch.cumsum(counts, 0) - counts
-    rank_in_expert = torch.arange(order.numel(), device=flat.device) - starts[flat[order]]
-    return torch.zeros_like(flat, dtype=torch.bool).scatter_(0, order, rank_in_expert < capacity)
+    rank_in_expert = torch.arange(order.numel(), device=keys.device) - starts[expert[order]]
+    return torch.zeros_like(keys, dtype=torch.bool).scatter_(0, order, rank_in_expert < capacity)
 
 
 class GroupedExperts(nn.Module):
