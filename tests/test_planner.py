@@ -355,6 +355,29 @@ def test_moe_plans_choose_ep_and_price_the_all_to_all():
     assert by_ep[8].memory_per_rank_gib < by_ep[2].memory_per_rank_gib
 
 
+def test_moe_capacity_under_tp_is_priced_and_planned_for_a_whole_microbatch():
+    """Capacity decided over the whole microbatch: its tp ranks' all-gather of the assignments
+    is in the MoE exchanges' time (none at tp 1), and experts' activations are planned for one
+    tp rank's share holding the whole capacity (tp × capacity_factor, at most experts / top_k)."""
+    def ep_comm(tp: int, capacity: str) -> float:
+        spec = load_spec(None, ["model.preset=mixtral-8x7b", "training.seq_len=4096",
+                                f"model.moe.capacity_factor={capacity}"])
+        return cost_model.estimate(spec.model, cost_model.Candidate(
+            tp, 4, 8, 1, "1f1b", 1, 32, "full", True, True, "float32", 2), 4096,
+            device_spec("h100"), 8, 2).ep_comm_s
+
+    gather = ep_comm(2, "1.25") - ep_comm(2, "null")
+    # 4096 tokens × top-2 × 8 bytes, half from the peer, forward and its recompute, over the
+    # 32 blocks / pp 4 and 32 microbatches, at the node's links
+    expected = 2 * 4096 * 2 * 8 / 2 / (device_spec("h100").intra_node_gbps * 1e9) * 8 * 32
+    assert gather == pytest.approx(expected) and ep_comm(1, "1.25") == ep_comm(1, "null")
+    moe = load_spec(None, ["model.preset=mixtral-8x7b", "model.moe.capacity_factor=0.5"]).model
+    units = {tp: cost_model.moe_activation_units(moe, ep=2, tp=tp) for tp in (1, 2, 8, 16)}
+    routed = moe.moe.top_k * (2 + 4 * moe.moe.expert_ffn_dim / moe.dim)
+    assert units[1] == pytest.approx(0.5 * routed) and units[2] == pytest.approx(1.0 * routed)
+    assert units[8] == units[16] == pytest.approx(moe.moe.experts / moe.moe.top_k * routed)
+
+
 def test_a_replan_after_a_node_loss_keeps_the_largest_ep_that_still_divides():
     from trainmesh.planning.job_plan import plan_for
 

@@ -544,6 +544,15 @@ def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: in
         bw = device.intra_node_gbps if c.ep * c.tp <= per_node else device.inter_node_gbps
         calls = 4 + 2 * c.recomputed(model.n_layers // c.pp)
         ep_comm = calls * per_a2a / (bw * 1e9) * moe_layers * c.num_microbatches
+    if moe is not None and moe.capacity_factor is not None and c.tp * c.cp > 1:
+        # Capacity decided over the whole microbatch: its tp × cp ranks all-gather its
+        # assignments (8 bytes each) per MoE block and microbatch, again under recompute.
+        moe_layers = sum(1 for i in range(model.n_layers) if i >= moe.dense_layers) / c.pp
+        g = c.tp * c.cp
+        gathered = seq_len * c.microbatch_size * moe.top_k * 8 * (g - 1) / g
+        bw = device.intra_node_gbps if g <= per_node else device.inter_node_gbps
+        calls = 1 + c.recomputed(model.n_layers // c.pp)
+        ep_comm += calls * gathered / (bw * 1e9) * moe_layers * c.num_microbatches
     dp_exposed = 0.0
     if c.dp * c.cp > 1:
         dp_exposed = (_ddp_exposed(model, c, device, per_node, compute) if runs_ddp(model, c)
