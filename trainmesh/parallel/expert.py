@@ -41,7 +41,7 @@ from trainmesh.models.moe.moe import (
     balance_experts,
     capacity_keys,
     keep_by_keys,
-    keep_within_capacity,
+    keep_whole_microbatch,
     moe_layers,
 )
 from trainmesh.parallel.context import local_positions
@@ -100,8 +100,7 @@ class AllToAllDispatch:
         per MoE block and microbatch and again where a block is recomputed; their places in
         the microbatch once per shape)."""
         if self.token_group is None:
-            return keep_within_capacity(flat, weights, args.capacity(flat.numel() // args.top_k),
-                                        args.experts)
+            return keep_whole_microbatch(flat, weights, args)
         place, every_place = self._places(flat.numel() // args.top_k, args.top_k, flat.device)
         return keep_over_token_group(flat, weights, place, every_place, args, self._gather)
 

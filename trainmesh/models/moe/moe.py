@@ -89,8 +89,13 @@ class LocalDispatch:
         return counts
 
     def keep_within_capacity(self, flat, weights, args):
-        return keep_within_capacity(flat, weights, args.capacity(flat.numel() // args.top_k),
-                                    args.experts)
+        return keep_whole_microbatch(flat, weights, args)
+
+
+def keep_whole_microbatch(flat: torch.Tensor, weights: torch.Tensor, args: MoEArgs) -> torch.Tensor:
+    """``keep_within_capacity`` where this rank holds the whole microbatch."""
+    return keep_within_capacity(flat, weights, args.capacity(flat.numel() // args.top_k),
+                                args.experts)
 
 
 def keep_within_capacity(flat: torch.Tensor, weights: torch.Tensor, capacity: int,
