@@ -148,7 +148,25 @@ def kernel_table(device: str, smoke: bool, dtype_name: str) -> list[dict]:
 LARGER = ["model.preset=8b", "model.n_layers=8"]  # Llama 3 8B's layers, 8 of them: ~2.8B params
 
 
-def step_table(device: str, smoke: bool, steps: int, larger: bool = False) -> list[dict]:
+DEFAULT_VARIANTS = ("torch", "triton", "auto", "torch+compile", "auto+compile")
+CUDA_VARIANTS = ("auto+compile+tensorwise", "auto+compile+rowwise")  # float8 only emulated off CUDA
+LARGER_VARIANTS = ("torch", "auto", "auto+compile", "auto+compile+tensorwise")
+
+
+def parse_variant(text: str) -> tuple[str, bool, str]:
+    """``kernels[+compile][+tensorwise|+rowwise]`` -> (model.kernels, model.compile, training.float8)."""
+    kernels, *rest = text.strip().split("+")
+    unknown = set(rest) - {"compile", "tensorwise", "rowwise"}
+    if kernels not in ("torch", "triton", "auto") or unknown or ("tensorwise" in rest and "rowwise" in rest):
+        raise SystemExit(f"--variants: {text!r} is not kernels[+compile][+tensorwise|+rowwise] "
+                         "with kernels one of torch, triton, auto")
+    float8 = "tensorwise" if "tensorwise" in rest else "rowwise" if "rowwise" in rest else "none"
+    return kernels, "compile" in rest, float8
+
+
+def step_table(device: str, smoke: bool, steps: int, larger: bool = False,
+               variants: list[str] | None = None, microbatch: int = 2,
+               global_batch: int = 8) -> list[dict]:
     import torch
     import torch.distributed as dist
 
@@ -174,15 +192,12 @@ def step_table(device: str, smoke: bool, steps: int, larger: bool = False) -> li
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         data_dir = str(ensure_tiny_corpus(os.path.join(tmp, "data")))
-        variants = [("torch", False, "none"), ("triton", False, "none"), ("auto", False, "none"),
-                    ("torch", True, "none"), ("auto", True, "none")]
-        if device == "cuda":  # float8 (torchao) is only emulated off CUDA: nothing to time
-            variants += [("auto", True, "tensorwise"), ("auto", True, "rowwise")]
-        if larger:
-            variants = [("torch", False, "none"), ("auto", False, "none"), ("auto", True, "none"),
-                        ("auto", True, "tensorwise")]
-        for kernels, compiled, float8 in variants:
-            spec = load_spec(None, [*shape, "training.global_batch_size=8", "training.microbatch_size=2",
+        if variants is None:
+            variants = list(LARGER_VARIANTS if larger else
+                            DEFAULT_VARIANTS + (CUDA_VARIANTS if device == "cuda" else ()))
+        for kernels, compiled, float8 in map(parse_variant, variants):
+            spec = load_spec(None, [*shape, f"training.global_batch_size={global_batch}",
+                                    f"training.microbatch_size={microbatch}",
                                     f"training.steps={steps + 1}", "optimizer.warmup_steps=1",
                                     f"model.kernels={kernels}", f"model.compile={compiled}",
                                     f"training.float8={float8}",
@@ -296,11 +311,29 @@ def measured_entry(rows: list[dict], device: str) -> str:
             f"{compiled!r}),\n")
 
 
+def print_steps(steps: list[dict], larger: bool, smoke: bool, microbatch: int, global_batch: int) -> None:
+    name = " ".join(LARGER) if larger else "model.preset=" + ("tiny" if smoke else "1b")
+    print(f"\n{name}, seq 2048, global batch {global_batch}, microbatch {microbatch}:\n")
+    print("| model.kernels | step s | tokens/s | TFLOP/s | MFU | peak GiB | first loss | loss |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    base = steps[0]["step_s"]
+    for r in steps:
+        print(f"| {r['kernels']} | {r['step_s']:.3f} ({base / r['step_s']:.2f}×) | "
+              f"{r['tokens_s']:.0f} | {r['tflops']:.1f} | {r['mfu']:.1%} | "
+              f"{_fmt(r['peak_gib'], '.1f')} | {r['first_loss']:.4f} | {r['loss']:.4f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, interpreted")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--variants", help="only the step table, for these comma-separated variants, "
+                    "each kernels[+compile][+tensorwise|+rowwise] (e.g. auto,torch+compile+tensorwise)")
+    ap.add_argument("--model", choices=["1b", "8b8"], default="1b",
+                    help="with --variants: the 1b preset or the 8B-shaped model (8 of Llama 3 8B's layers)")
+    ap.add_argument("--microbatch", type=int, default=2, help="with --variants: training.microbatch_size")
+    ap.add_argument("--global-batch", type=int, default=8, help="with --variants: training.global_batch_size")
     ap.add_argument("--lce-sweep", action="store_true",
                     help="only the fused linear + cross-entropy sweep (shapes, dtypes, tunings)")
     args = ap.parse_args()
@@ -317,6 +350,12 @@ def main() -> None:
     if args.lce_sweep:
         print("\n".join(lce_sweep(device, args.smoke)))
         return
+    if args.variants:
+        larger = args.model == "8b8"
+        steps = step_table(device, args.smoke, 2 if args.smoke else args.steps, larger,
+                           args.variants.split(","), args.microbatch, args.global_batch)
+        print_steps(steps, larger, args.smoke, args.microbatch, args.global_batch)
+        return
     rows = kernel_table(device, args.smoke, "float32" if args.smoke else args.dtype)
     print("| kernel | impl | ms | GB/s | of copy | speed-up vs eager | peak MiB |")
     print("|---|---|---:|---:|---:|---:|---:|")
@@ -325,16 +364,8 @@ def main() -> None:
               f"{_fmt(r['of_copy'], '.2f')} | {r['vs_eager']:.2f} | {_fmt(r['peak_mib'], '.0f')} |")
     print(measured_entry(rows, device))
     for larger in (False, True) if not args.smoke else (False,):
-        steps = step_table(device, args.smoke, 2 if args.smoke else args.steps, larger)
-        name = " ".join(LARGER) if larger else "model.preset=" + ("tiny" if args.smoke else "1b")
-        print(f"\n{name}, seq 2048, global batch 8, microbatch 2:\n")
-        print("| model.kernels | step s | tokens/s | TFLOP/s | MFU | peak GiB | first loss | loss |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|")
-        base = steps[0]["step_s"]
-        for r in steps:
-            print(f"| {r['kernels']} | {r['step_s']:.3f} ({base / r['step_s']:.2f}×) | "
-                  f"{r['tokens_s']:.0f} | {r['tflops']:.1f} | {r['mfu']:.1%} | "
-                  f"{_fmt(r['peak_gib'], '.1f')} | {r['first_loss']:.4f} | {r['loss']:.4f} |")
+        print_steps(step_table(device, args.smoke, 2 if args.smoke else args.steps, larger),
+                    larger, args.smoke, 2, 8)
     import torch.distributed as dist
 
     dist.destroy_process_group()
