@@ -74,3 +74,32 @@ def linear_cross_entropy_case(rows_shape, dim, vocab, dtype=torch.float32, devic
     check(fused,
           lambda a, b: ref.linear_cross_entropy(a.flatten(0, -2), b, y.flatten()), h, w, dtype=dtype,
           out_dtype=torch.float32)  # the loss is float32 whatever the inputs
+
+
+def _block_ops(ops, x, w, cos, sin, g, u):
+    """What a transformer block asks of the kernels: RMSNorm over the heads' width, RoPE on its
+    heads, SwiGLU."""
+    B, T, H, D = x.shape
+    h = ops.rms_norm(x.flatten(2), w, 1e-5).view(B, T, H, D)
+    return ops.rope(h, cos[:T], sin[:T]).square().sum() + ops.swiglu(g, u).square().sum()
+
+
+def compiled_over_shapes_case(device="cpu", backend="inductor", dtype=torch.float32):
+    """The kernels inside one torch.compile'd function, called with a second and third head
+    count and sequence length (dynamic shapes, as a mesh re-formed in the same process brings):
+    each call's value and gradients equal the eager references'. Traced by dynamo, the launches
+    once met a symbolic head count in their ``num_warps`` and CUDA could not compile them."""
+    k = kernel_set("triton")
+    compiled = torch.compile(lambda *a: _block_ops(k, *a), backend=backend, dynamic=True)
+    for i, (h, t, d) in enumerate([(2, 8, 16), (3, 5, 16), (4, 8, 8)]):
+        x, w = rand(2, t, h, d, dtype=dtype, device=device, seed=i), rand(h * d, dtype=dtype, device=device)
+        cos, sin = (rand(8, d // 2, dtype=dtype, device=device, seed=s) for s in (10, 11))
+        g, u = (rand(t, 24, dtype=dtype, device=device, seed=s) for s in (12, 13))
+        leaves = [a.requires_grad_() for a in (x, w, g, u)]
+        want = _block_ops(ref, x, w, cos, sin, g, u)
+        want_grads = torch.autograd.grad(want, leaves)
+        got = compiled(x, w, cos, sin, g, u)
+        got_grads = torch.autograd.grad(got, leaves)
+        torch.testing.assert_close(got, want, **TOL[dtype])
+        for a, b in zip(got_grads, want_grads, strict=True):
+            torch.testing.assert_close(a, b, **TOL[dtype])

@@ -7,7 +7,14 @@ import os
 
 import pytest
 import torch
-from kernel_cases import linear_cross_entropy_case, rms_norm_case, rope_case, swiglu_case
+from kernel_cases import (
+    compiled_over_shapes_case,
+    linear_cross_entropy_case,
+    rand,
+    rms_norm_case,
+    rope_case,
+    swiglu_case,
+)
 
 from trainmesh.kernels import kernel_set, resolve
 from trainmesh.kernels import reference as ref
@@ -111,6 +118,29 @@ def test_rope_backward_is_in_place_on_a_contiguous_gradient():
     # The buffer handed to rope's backward now holds the rotated gradient, not the incoming one.
     torch.testing.assert_close(seen[0], x.grad, rtol=0, atol=0)
     assert not torch.allclose(seen[0], grad)
+
+
+def test_each_launch_is_a_custom_op_whose_fake_matches_it():
+    """Under torch.compile every in-block launch is a ``trainmesh::`` op (the graph calls it
+    with real tensors); torch's opcheck holds its schema and its fake (shapes, dtypes, strides,
+    no aliasing) to the real launch, with static and dynamic shapes."""
+    import importlib
+
+    rms, glu, rot = (importlib.import_module(f"trainmesh.kernels.{m}") for m in ("rms_norm", "swiglu", "rope"))
+    x2, w, g, u = rand(6, 16), rand(16, seed=1), rand(5, 7, seed=2), rand(5, 7, seed=3)
+    _, rstd = rms._forward(x2, w, 1e-5)
+    x, cos, sin = rand(2, 3, 2, 8, seed=4), rand(3, 4, seed=5), rand(3, 4, seed=6)
+    cases = {rms._forward: (x2, w, 1e-5), rms._backward: (rand(6, 16, seed=7), x2, w, rstd),
+             glu._forward: (g, u), glu._backward: (rand(5, 7, seed=8), g, u),
+             rot._rotate: (x, cos, sin, torch.empty_like(x), -1.0)}
+    for launch, args in cases.items():
+        assert launch.op._qualname.startswith("trainmesh::")
+        torch.library.opcheck(launch.op, args,
+                              test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_kernels_compiled_over_changing_head_counts_and_lengths_equal_eager():
+    compiled_over_shapes_case(backend="aot_eager")  # dynamo, fakes and autograd; inductor on a GPU
 
 
 def test_kernel_selection():

@@ -12,7 +12,13 @@ import os
 
 import pytest
 import torch
-from kernel_cases import linear_cross_entropy_case, rms_norm_case, rope_case, swiglu_case
+from kernel_cases import (
+    compiled_over_shapes_case,
+    linear_cross_entropy_case,
+    rms_norm_case,
+    rope_case,
+    swiglu_case,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -53,3 +59,10 @@ def test_linear_cross_entropy_tunings(factor, accumulate):
     # a path only CUDA has.
     linear_cross_entropy_case((4, 1024), 4096, 128_256, torch.bfloat16, "cuda", factor=factor,
                               accumulate=accumulate)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernels_compiled_over_changing_head_counts_and_lengths(dtype):
+    # Before the launches were ops, dynamo handed a symbolic head count to rope's num_warps:
+    # "'SymNodeVariable' object has no attribute 'value'" (the kit, 2026-11-27).
+    compiled_over_shapes_case("cuda", "inductor", dtype)

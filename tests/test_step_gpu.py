@@ -29,7 +29,7 @@ def test_forward_time_is_the_devices_time(tmp_path):
     try:
         spec = load_spec(None, ["model.preset=tiny", "training.seq_len=32", "training.steps=3",
                                 "training.global_batch_size=4", "training.microbatch_size=2",
-                                "tracking.enabled=false", "runtime.device=cuda",
+                                "optimizer.warmup_steps=1", "tracking.enabled=false", "runtime.device=cuda",
                                 f"runtime.output_dir={tmp_path}"])
         engine = Engine(spec, Mesh.build(ParallelDims(), "cuda", 0),
                         str(ensure_tiny_corpus(tmp_path / "data")), torch.device("cuda", 0))

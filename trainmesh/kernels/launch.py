@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
@@ -35,3 +36,27 @@ def row_programs(n_rows: int, device: torch.device) -> int:
     if device.type == "cuda":
         return max(1, min(n_rows, _sm_count(device.index or 0)))
     return max(1, min(n_rows, 4))
+
+
+def opaque_when_compiled(name: str, fake: Callable,
+                         mutates: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
+    """A kernel's launch as ``torch.ops.trainmesh.<name>`` under torch.compile, a plain call in
+    eager. The compiled graph calls the op with real tensors, so the launch's block sizes and
+    warps come from concrete shapes: traced by dynamo, a dimension it made dynamic (a second
+    head count or sequence length in one process, as a re-formed mesh brings) reached the
+    launch's ``num_warps`` as a symbol, and CUDA could not compile the block. ``fake`` gives
+    the outputs' shapes and dtypes. The launch returns new tensors (no views of its inputs) or
+    writes only the arguments named in ``mutates`` and returns None, as a custom op does."""
+
+    def register(launch: Callable) -> Callable:
+        op = torch.library.custom_op(f"trainmesh::{name}", launch, mutates_args=mutates)
+        op.register_fake(fake)
+
+        @functools.wraps(launch)
+        def call(*args):
+            return op(*args) if torch.compiler.is_compiling() else launch(*args)
+
+        call.op = op  # for torch.library.opcheck
+        return call
+
+    return register

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from trainmesh.kernels.launch import as_rows, plain, row_programs
+from trainmesh.kernels.launch import as_rows, opaque_when_compiled, plain, row_programs
 
 
 @triton.jit
@@ -56,17 +56,47 @@ def _rms_norm_bwd(DY, X, W, RSTD, DX, DW_PARTIAL, stride_dy, stride_x, stride_dx
     tl.store(DW_PARTIAL + pid * D + cols, dw, mask=mask)
 
 
+def _normed_like(x2: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(x2), x2.new_empty(x2.shape[0], dtype=torch.float32)
+
+
+@opaque_when_compiled("rms_norm_fwd", _normed_like)
+def _forward(x2: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, D) -> y and each row's 1/rms (float32)."""
+    n_rows, d = x2.shape
+    y = torch.empty_like(x2)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x2.device)
+    _rms_norm_fwd[(n_rows,)](x2, weight, y, rstd, x2.stride(0), y.stride(0), d, eps,
+                             BLOCK_D=triton.next_power_of_2(d))
+    return y, rstd
+
+
+def _grads_like(dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor,
+                rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(x2), torch.empty_like(weight)
+
+
+@opaque_when_compiled("rms_norm_bwd", _grads_like)
+def _backward(dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor,
+              rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """dx (rows, D) and dw (D,) in the weight's dtype, summed over the programs' partials."""
+    n_rows, d = x2.shape
+    programs = row_programs(n_rows, x2.device)
+    per = triton.cdiv(n_rows, programs)
+    dx = torch.empty_like(x2)
+    dw_partial = torch.empty(programs, d, dtype=torch.float32, device=x2.device)
+    _rms_norm_bwd[(programs,)](dy2, x2, weight, rstd, dx, dw_partial, dy2.stride(0),
+                               x2.stride(0), dx.stride(0), n_rows, d, per,
+                               BLOCK_D=triton.next_power_of_2(d))
+    return dx, dw_partial.sum(0).to(weight.dtype)
+
+
 class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x2, shape = as_rows(x)
         weight = plain(weight)
-        n_rows, d = x2.shape
-        y = torch.empty_like(x2)
-        rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-        block = triton.next_power_of_2(d)
-        _rms_norm_fwd[(n_rows,)](x2, weight, y, rstd, x2.stride(0), y.stride(0), d, eps,
-                                 BLOCK_D=block)
+        y, rstd = _forward(x2, weight, eps)
         ctx.save_for_backward(x2, weight, rstd)
         ctx.shape = shape
         return y.view(shape)
@@ -75,15 +105,8 @@ class RMSNormFunction(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):
         x2, weight, rstd = ctx.saved_tensors
         dy2, _ = as_rows(dy)  # (waits on a collective's result too)
-        n_rows, d = x2.shape
-        programs = row_programs(n_rows, x2.device)
-        per = triton.cdiv(n_rows, programs)
-        dx = torch.empty_like(x2)
-        dw_partial = torch.empty(programs, d, dtype=torch.float32, device=x2.device)
-        _rms_norm_bwd[(programs,)](dy2, x2, weight, rstd, dx, dw_partial, dy2.stride(0),
-                                   x2.stride(0), dx.stride(0), n_rows, d, per,
-                                   BLOCK_D=triton.next_power_of_2(d))
-        return dx.view(ctx.shape), dw_partial.sum(0).to(weight.dtype), None
+        dx, dw = _backward(dy2, x2, weight, rstd)
+        return dx.view(ctx.shape), dw, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from trainmesh.kernels.launch import plain
+from trainmesh.kernels.launch import opaque_when_compiled, plain
 
 
 @triton.jit
@@ -38,13 +38,17 @@ def _rope(X, COS, SIN, Y, T, H, HALF, stride_row, SIGN: tl.constexpr, BLOCK_H: t
     tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
 
 
-def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor,
-            sign: float) -> torch.Tensor:
+def _nothing(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor, sign: float) -> None:
+    return None
+
+
+@opaque_when_compiled("rope_", _nothing, mutates=("out",))
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor, sign: float) -> None:
+    """out = x (contiguous, (B, T, H, D)) rotated by (cos, sin · sign); ``out`` may be ``x``."""
     B, T, H, D = x.shape
     block_h, block_p = triton.next_power_of_2(H), triton.next_power_of_2(D // 2)
     _rope[(B * T,)](x, cos, sin, out, T, H, D // 2, H * D, SIGN=sign, BLOCK_H=block_h,
                     BLOCK_P=block_p, num_warps=max(1, min(8, block_h * block_p // 256)))
-    return out
 
 
 class RopeFunction(torch.autograd.Function):
@@ -57,14 +61,17 @@ class RopeFunction(torch.autograd.Function):
         x = plain(x_BTHD).contiguous()
         cos, sin = cos_TD2.contiguous(), sin_TD2.contiguous()
         ctx.save_for_backward(cos, sin)
-        return _launch(x, cos, sin, torch.empty_like(x), 1.0)
+        out = torch.empty_like(x)
+        _rotate(x, cos, sin, out, 1.0)
+        return out
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         cos, sin = ctx.saved_tensors
         dy = plain(dy)
         dy = dy if dy.is_contiguous() else dy.contiguous()
-        return _launch(dy, cos, sin, dy, -1.0), None, None
+        _rotate(dy, cos, sin, dy, -1.0)
+        return dy, None, None
 
 
 def rope(x_BTHD: torch.Tensor, cos_TD2: torch.Tensor, sin_TD2: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from trainmesh.kernels.launch import plain
+from trainmesh.kernels.launch import opaque_when_compiled, plain
 
 BLOCK = 1024
 
@@ -41,26 +41,43 @@ def _swiglu_bwd(DY, G, U, DG, DU, n, BLOCK: tl.constexpr):
     tl.store(DU + offs, (dy * silu).to(DU.dtype.element_ty), mask=mask)
 
 
+def _gated_like(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(g)
+
+
+@opaque_when_compiled("swiglu_fwd", _gated_like)
+def _forward(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    y = torch.empty_like(g)
+    n = g.numel()
+    _swiglu_fwd[(triton.cdiv(n, BLOCK),)](g, u, y, n, BLOCK=BLOCK)
+    return y
+
+
+def _grads_like(dy: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(g), torch.empty_like(u)
+
+
+@opaque_when_compiled("swiglu_bwd", _grads_like)
+def _backward(dy: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    dg, du = torch.empty_like(g), torch.empty_like(u)
+    n = g.numel()
+    _swiglu_bwd[(triton.cdiv(n, BLOCK),)](dy, g, u, dg, du, n, BLOCK=BLOCK)
+    return dg, du
+
+
 class SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if gate.shape != up.shape:
             raise ValueError(f"swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
         g, u = plain(gate).contiguous(), plain(up).contiguous()
-        y = torch.empty_like(g)
-        n = g.numel()
-        _swiglu_fwd[(triton.cdiv(n, BLOCK),)](g, u, y, n, BLOCK=BLOCK)
         ctx.save_for_backward(g, u)
-        return y
+        return _forward(g, u)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         g, u = ctx.saved_tensors
-        dy = plain(dy).contiguous()
-        dg, du = torch.empty_like(g), torch.empty_like(u)
-        n = g.numel()
-        _swiglu_bwd[(triton.cdiv(n, BLOCK),)](dy, g, u, dg, du, n, BLOCK=BLOCK)
-        return dg, du
+        return _backward(plain(dy).contiguous(), g, u)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
