@@ -161,6 +161,22 @@ def test_float8_training_stays_close_to_full_precision(tmp_path, recipe):
     assert f8 != base
 
 
+def test_float8_is_refused_where_it_cannot_run_or_runs_slower_than_bf16():
+    """Each refusal names the setting to change: tensor parallel, a GPU older than compute
+    capability 8.9, or a GPU run without model.compile (the kit measured float8 uncompiled at
+    0.48× bf16). CPU runs torchao's emulation, compiled or not (the tests above)."""
+    from trainmesh.models.llama.parallelize import float8_problems
+
+    assert float8_problems("none", "cuda", 2, (8, 0), compiled=False) == []
+    assert float8_problems("tensorwise", "cuda", 1, (9, 0), compiled=True) == []
+    assert float8_problems("rowwise", "cpu", 1, None, compiled=False) == []
+    for args, fix in [(("tensorwise", "cuda", 2, (9, 0), True), "parallelism.tp=1"),
+                      (("rowwise", "cuda", 1, (8, 0), True), "compute capability 8.9"),
+                      (("tensorwise", "cuda", 1, (9, 0), False), "set model.compile=true")]:
+        (problem,) = float8_problems(*args)
+        assert fix in problem and "training.float8=none" in problem
+
+
 def test_adamw_is_fused_with_no_decay_on_norms():
     """One fused in-place AdamW op per group (the foreach step's list ops cost DTensor a
     sharding decision each on every new mesh: engine/step.build_optimizer), and the groups

@@ -239,7 +239,8 @@ class Engine:
                                 is_moe(self.model))
         if tr.float8 != "none":  # before TP and ZeRO-3: the linears they wrap are float8's
             cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-            broken = float8_problems(tr.float8, device.type, mesh.size(Axis.TP), cap)
+            broken = float8_problems(tr.float8, device.type, mesh.size(Axis.TP), cap,
+                                     compiled=spec.model.compile)
             if broken:
                 raise ValueError(broken[0])
             apply_float8(self.model, tr.float8, device.type,
