@@ -85,21 +85,24 @@ def _block_ops(ops, x, w, cos, sin, g, u):
 
 
 def compiled_over_shapes_case(device="cpu", backend="inductor", dtype=torch.float32):
-    """The kernels inside one torch.compile'd function, called with a second and third head
-    count and sequence length (dynamic shapes, as a mesh re-formed in the same process brings):
-    each call's value and gradients equal the eager references'. Traced by dynamo, the launches
-    once met a symbolic head count in their ``num_warps`` and CUDA could not compile them."""
+    """The kernels inside one torch.compile'd function (one graph: fullgraph), called with a
+    second and third head count and sequence length (dynamic shapes, as a mesh re-formed in the
+    same process brings): each call's value and gradients equal the float32 references' on the
+    same values. Traced by dynamo, the launches once met a symbolic head count in their
+    ``num_warps`` and CUDA could not compile them."""
     k = kernel_set("triton")
-    compiled = torch.compile(lambda *a: _block_ops(k, *a), backend=backend, dynamic=True)
+    compiled = torch.compile(lambda *a: _block_ops(k, *a), backend=backend, dynamic=True, fullgraph=True)
     for i, (h, t, d) in enumerate([(2, 8, 16), (3, 5, 16), (4, 8, 8)]):
         x, w = rand(2, t, h, d, dtype=dtype, device=device, seed=i), rand(h * d, dtype=dtype, device=device)
         cos, sin = (rand(8, d // 2, dtype=dtype, device=device, seed=s) for s in (10, 11))
         g, u = (rand(t, 24, dtype=dtype, device=device, seed=s) for s in (12, 13))
-        leaves = [a.requires_grad_() for a in (x, w, g, u)]
-        want = _block_ops(ref, x, w, cos, sin, g, u)
-        want_grads = torch.autograd.grad(want, leaves)
-        got = compiled(x, w, cos, sin, g, u)
-        got_grads = torch.autograd.grad(got, leaves)
-        torch.testing.assert_close(got, want, **TOL[dtype])
+        inputs = [x, w, cos, sin, g, u]
+        wide = [a.float() for a in inputs]
+        leaves = [[a[j].requires_grad_() for j in (0, 1, 4, 5)] for a in (inputs, wide)]  # not cos, sin
+        want = _block_ops(ref, *wide)
+        want_grads = torch.autograd.grad(want, leaves[1])
+        got = compiled(*inputs)
+        got_grads = torch.autograd.grad(got, leaves[0])
+        torch.testing.assert_close(got.float(), want, **TOL[dtype])
         for a, b in zip(got_grads, want_grads, strict=True):
-            torch.testing.assert_close(a, b, **TOL[dtype])
+            torch.testing.assert_close(a.float(), b, **TOL[dtype])

@@ -332,8 +332,11 @@ def test_every_fault_is_recovered_warm_in_seconds_with_nothing_lost(cluster, tmp
     killed = json.loads(markers["kill"].read_text())
     after_kill = next(e for e in events if e["kind"] == "failure" and e["time"] > acted["kill"])
     assert killed["node"] not in after_kill["dead_nodes"], after_kill
-    # ... and the new actor is a ready process of that node's (elastic.ready_ranks_per_node)
-    (refill,) = [r for r in recs if abs(r["failed_at"] - after_kill["time"]) < 5]
+    # ... and the new actor is a ready process of that node's (elastic.ready_ranks_per_node).
+    # Its recovery is the one nearest the failure: the notice's, a step later, can fall within
+    # seconds of it (on 2026-11-27 two recoveries were less than 5 s from it).
+    refill = min(recs, key=lambda r: abs(r["failed_at"] - after_kill["time"]))
+    assert abs(refill["failed_at"] - after_kill["time"]) < 5, (after_kill, recs)
     assert refill["mode"] == "warm" and refill["processes"]["ready"], refill
 
     # Same samples in the same order as the uninterrupted run (the single-process model).

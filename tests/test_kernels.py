@@ -130,17 +130,32 @@ def test_each_launch_is_a_custom_op_whose_fake_matches_it():
     x2, w, g, u = rand(6, 16), rand(16, seed=1), rand(5, 7, seed=2), rand(5, 7, seed=3)
     _, rstd = rms._forward(x2, w, 1e-5)
     x, cos, sin = rand(2, 3, 2, 8, seed=4), rand(3, 4, seed=5), rand(3, 4, seed=6)
-    cases = {rms._forward: (x2, w, 1e-5), rms._backward: (rand(6, 16, seed=7), x2, w, rstd),
-             glu._forward: (g, u), glu._backward: (rand(5, 7, seed=8), g, u),
-             rot._rotate: (x, cos, sin, torch.empty_like(x), -1.0)}
-    for launch, args in cases.items():
+    strided = rand(6, 20, seed=9)[:, :16]  # rows 20 apart, as as_rows allows
+    _, strided_rstd = rms._forward(strided, w, 1e-5)
+    cases = [(rms._forward, (x2, w, 1e-5)), (rms._forward, (strided, w, 1e-5)),
+             (rms._backward, (rand(6, 16, seed=7), x2, w, rstd)),
+             (rms._backward, (rand(6, 20, seed=7)[:, :16], strided, w, strided_rstd)),
+             (glu._forward, (g, u)), (glu._backward, (rand(5, 7, seed=8), g, u)),
+             (rot._rotate, (x, cos, sin, torch.empty_like(x), 1.0)),
+             (rot._rotate, (x, cos, sin, x, -1.0))]  # backward: in place on the gradient
+    for launch, args in cases:
         assert launch.op._qualname.startswith("trainmesh::")
         torch.library.opcheck(launch.op, args,
                               test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
 def test_kernels_compiled_over_changing_head_counts_and_lengths_equal_eager():
-    compiled_over_shapes_case(backend="aot_eager")  # dynamo, fakes and autograd; inductor on a GPU
+    """Dynamo, the fakes and AOT autograd (inductor in the GPU tests): one graph per direction
+    in which every launch is its op, and the results equal the references'."""
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+
+    backend = AotEagerAndRecordGraphs()
+    compiled_over_shapes_case(backend=backend)
+    forward, backward = ("\n".join(g.code for g in gs) for gs in (backend.fw_graphs, backend.bw_graphs))
+    for op in ("rms_norm_fwd", "rope_rotate", "swiglu_fwd"):
+        assert f"torch.ops.trainmesh.{op}" in forward, op
+    for op in ("rms_norm_bwd", "rope_rotate", "swiglu_bwd"):
+        assert f"torch.ops.trainmesh.{op}" in backward, op
 
 
 def test_kernel_selection():

@@ -49,7 +49,11 @@ def opaque_when_compiled(name: str, fake: Callable,
     writes only the arguments named in ``mutates`` and returns None, as a custom op does."""
 
     def register(launch: Callable) -> Callable:
-        op = torch.library.custom_op(f"trainmesh::{name}", launch, mutates_args=mutates)
+        # Inductor hands the op its inputs with the strides eager would (the launches index
+        # rows and flat buffers by them)
+        exact = getattr(torch.Tag, "needs_exact_strides", None)
+        op = torch.library.custom_op(f"trainmesh::{name}", launch, mutates_args=mutates,
+                                     tags=(exact,) if exact is not None else ())
         op.register_fake(fake)
 
         @functools.wraps(launch)

@@ -42,7 +42,7 @@ def _nothing(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.T
     return None
 
 
-@opaque_when_compiled("rope_", _nothing, mutates=("out",))
+@opaque_when_compiled("rope_rotate", _nothing, mutates=("out",))
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor, sign: float) -> None:
     """out = x (contiguous, (B, T, H, D)) rotated by (cos, sin · sign); ``out`` may be ``x``."""
     B, T, H, D = x.shape
