@@ -40,7 +40,6 @@ BAD_SPECS = [
     ("model: {preset: tiny-moe}\nparallelism: {dp: 2, cp: 4, ep: 2}", "parallelism.ep"),
     ("data: {document_mask: true}\nparallelism: {pp: 2}", "data.document_mask"),
     ("parallelism: {cp: 2, cp_mode: ulysses}", "parallelism.cp_mode"),
-    ("model: {compile: true}\nparallelism: {tp: 2}", "model.compile"),
     ("training: {float8: tensorwise}\nparallelism: {tp: 2}", "training.float8"),
     ("training: {float8: mxfp8}", "training.float8"),
     ("training: {seq_len: 1}", "training.seq_len"),

@@ -299,10 +299,6 @@ class Controller:
         if result.best.idle and (replan or self.spec.parallelism.auto):  # pinned: as asked
             self._notice(f"plan: {self.dims.world_size} of {topo.world_size} accelerators used, "
                          f"{result.best.idle} left idle as spares")
-        if (not replan and topo.device.name != "cpu" and self.spec.training.float8 != "none"
-                and not self.spec.model.compile):
-            self._notice("training.float8 without model.compile: torchao's float8 casts run as "
-                         "separate kernels, usually slower than bf16; set model.compile=true")
         self.book.mark("planned")
         return topo
 

@@ -262,10 +262,6 @@ class Engine:
         apply_activation_checkpointing(self.model, spec.activation_checkpoint.mode,
                                        spec.activation_checkpoint.stride)
         if spec.model.compile:
-            if mesh.size(Axis.TP) > 1:
-                raise ValueError("model.compile beside tensor parallel is not built (torch "
-                                 "2.13's compiler fails on the TP plan's DTensor blocks); set "
-                                 "model.compile=false or parallelism.tp=1")
             apply_compile(self.model, pp > 1 and splits_backward(spec.schedule.name))
         self.executor = self.eval_executor = None
         # A split backward (zero-bubble schedules) keeps each stage gathered through the step:

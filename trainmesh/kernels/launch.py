@@ -15,6 +15,17 @@ def plain(t: torch.Tensor) -> torch.Tensor:
     return t.wait() if isinstance(t, AsyncCollectiveTensor) else t
 
 
+def waited(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with a collective's pending result waited for, keeping its autograd history
+    (``plain`` drops it: for kernels' own inputs). A compiled region handed the wrapper as an
+    input gave its producer no gradient (the embedding's, under tensor parallel)."""
+    if not isinstance(t, AsyncCollectiveTensor):
+        return t
+    from torch.distributed._functional_collectives import wait_tensor
+
+    return wait_tensor(t)
+
+
 def as_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Size]:
     """``x`` as a (rows, last dim) matrix with unit stride on the last dim, and its shape."""
     x = plain(x)

@@ -30,7 +30,7 @@ def request_for(spec: JobSpec) -> PlanRequest:
                      recompute_stride=spec.activation_checkpoint.stride)
     if spec.data.document_mask:
         fixed["document_mask"] = True
-    if spec.model.compile or tr.float8 != "none":  # neither is built beside tensor parallel
+    if tr.float8 != "none":  # not built beside tensor parallel
         fixed["tp"] = 1
     if par.keep_gathered is not None:
         fixed["keep_gathered"] = par.keep_gathered

@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from trainmesh.kernels import KernelSet, kernel_set, resolve
+from trainmesh.kernels.launch import waited
 from trainmesh.models.llama import model_math
 from trainmesh.models.llama.init import fill_normal_
 from trainmesh.models.moe.moe import MoE, MoEArgs
@@ -249,7 +250,7 @@ def decoder_forward(parts: nn.Module, layers, h: torch.Tensor,
     if parts.tok_embeddings is not None:
         context = getattr(parts, "context", None)
         docs = context.document_ids(h) if context is not None else None
-        h = parts.tok_embeddings(h)
+        h = waited(parts.tok_embeddings(h))  # (a compiled block needs a plain input)
     for layer in layers:
         h = layer(h, parts.rope_cos, parts.rope_sin, docs)
     if parts.norm is None:
