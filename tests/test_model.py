@@ -165,7 +165,7 @@ def test_float8_is_refused_where_it_cannot_run_or_runs_slower_than_bf16():
     """Each refusal names the setting to change: tensor parallel, a GPU older than compute
     capability 8.9, or a GPU run without model.compile (the kit measured float8 uncompiled at
     0.48× bf16). CPU runs torchao's emulation, compiled or not (the tests above)."""
-    from trainmesh.models.llama.parallelize import float8_problems
+    from trainmesh.spec.mesh_rules import float8_problems
 
     assert float8_problems("none", "cuda", 2, (8, 0), compiled=False) == []
     assert float8_problems("tensorwise", "cuda", 1, (9, 0), compiled=True) == []

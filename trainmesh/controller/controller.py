@@ -61,6 +61,7 @@ from trainmesh.planning.failure_costs import predicted_save
 from trainmesh.planning.job_plan import PlanError, plan_for
 from trainmesh.planning.topology import Topology
 from trainmesh.spec.job import JobSpec
+from trainmesh.spec.mesh_rules import float8_problems
 from trainmesh.tracking.mlflow_tracker import open_tracker
 
 # What a recovery handles: a rank's actor died, a rank's step raised (a peer's death surfaces
@@ -296,6 +297,11 @@ class Controller:
         self.peak_tflops = topo.device.peak_tflops
         self.device, self.candidate = topo.device, result.best.candidate
         self.plan_row = result.best.as_row()
+        # Refused before any rank starts (the ranks check again, knowing their GPU's capability)
+        broken = float8_problems(self.spec.training.float8, "cpu" if topo.device.name == "cpu" else "cuda",
+                                 self.dims.tp, None, compiled=self.spec.model.compile)
+        if broken:
+            raise JobFailed(broken[0])
         if result.best.idle and (replan or self.spec.parallelism.auto):  # pinned: as asked
             self._notice(f"plan: {self.dims.world_size} of {topo.world_size} accelerators used, "
                          f"{result.best.idle} left idle as spares")

@@ -37,7 +37,6 @@ from trainmesh.models.llama.parallelize import (
     apply_context_parallel,
     apply_float8,
     apply_tensor_parallel,
-    float8_problems,
     sum_partial_grads_over_tp,
     tp_partial_params,
 )
@@ -65,7 +64,7 @@ from trainmesh.parallel.zero import (
     apply_zero3,
 )
 from trainmesh.spec.job import JobSpec
-from trainmesh.spec.mesh_rules import microbatches_per_replica
+from trainmesh.spec.mesh_rules import float8_problems, microbatches_per_replica
 
 
 class _StepClock:

@@ -157,24 +157,3 @@ def apply_float8(model: nn.Module, recipe: str, device_type: str,
                 and module.in_features % 16 == 0 and module.out_features % 16 == 0)
 
     return convert_to_float8_training(model, config=config, module_filter_fn=chosen)
-
-
-def float8_problems(recipe: str, device_type: str, tp: int, capability: tuple[int, int] | None,
-                    compiled: bool = True):
-    """Why ``training.float8`` cannot run here, or should not (empty when it can): on a GPU
-    without torch.compile the scaling and casts run as separate kernels, and the float8 step
-    took 2.1× bf16's (8 of Llama 3 8B's layers, H200, 2026-11-27)."""
-    if recipe == "none":
-        return []
-    if tp > 1:
-        return [f"training.float8={recipe} beside tensor parallel (tp={tp}) is not built; set "
-                "training.float8=none or parallelism.tp=1"]
-    if device_type == "cuda" and capability is not None and capability < (8, 9):
-        return [f"training.float8={recipe} needs a GPU of compute capability 8.9 or more (H100, "
-                f"L40S, B200); this one is {capability[0]}.{capability[1]}: set "
-                "training.float8=none"]
-    if device_type == "cuda" and not compiled:
-        return [f"training.float8={recipe} without model.compile runs at about half bf16's speed "
-                "(torchao's scaling and casts fuse only under torch.compile): set "
-                "model.compile=true, or training.float8=none"]
-    return []
