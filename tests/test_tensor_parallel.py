@@ -80,10 +80,11 @@ CASES = {  # largest meshes first: the rank pool then only shrinks
     "tp2-sp": (ParallelDims(tp=2), ["parallelism.sequence_parallel=true"]),
     "tp2-sp-full-ac": (ParallelDims(tp=2), ["parallelism.sequence_parallel=true",
                                             "activation_checkpoint.mode=full"]),
-    # torch.compile per block over the TP plan's DTensor blocks: the embedding's output reaches
-    # the first compiled block waited for (a pending all-reduce's wrapper as a graph input left
-    # the embedding without a gradient: every other gradient then off by the clip's scale)
-    "tp2-compile": (ParallelDims(tp=2), ["model.compile=true"]),
+    # torch.compile per block over the TP plan's DTensor blocks (sequence parallel, as a large
+    # job runs TP): the embedding's output reaches the first compiled block waited for (a
+    # pending reduce-scatter's wrapper as a graph input left the embedding without a gradient,
+    # every other gradient then off by the clip's scale; plain TP's all-reduce alike)
+    "tp2-sp-compile": (ParallelDims(tp=2), ["parallelism.sequence_parallel=true", "model.compile=true"]),
     # float8 linears (torchao, emulated on CPU), ZeRO-3 gathering the weights in float8 with
     # scales from the whole weight
     "dp2-float8-tensorwise": (ParallelDims(dp=2), ["training.float8=tensorwise"]),
