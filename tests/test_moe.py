@@ -112,6 +112,39 @@ def test_the_bias_moves_towards_balance_after_each_step_and_only_chooses():
     assert int(moe.routed.sum()) == 0  # counters reset for the next step
 
 
+def test_a_compiled_block_trains_the_router_with_its_balancing_loss_at_each_microbatchs_share():
+    """torch.compile of the block (graph breaks at the dispatch): the balancing loss's gradient
+    reaches the router at each microbatch's share — 1, 0.25, then 0 for a padding microbatch,
+    which counts nothing — as in eager. Compiled, the share once became a constant of the
+    first graph, or a symbol dynamo could not carry, and a graph break before the injection
+    left the block's output a graph input handed back unchanged: the router got no balancing
+    gradient at all."""
+    import copy
+
+    eager = _moe(aux_loss_coef=0.5)
+    compiled = copy.deepcopy(eager)
+    compiled.compile(backend="aot_eager")
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(5))
+    upstream = torch.linspace(-1, 1, x.numel()).view_as(x)
+    by_share = {}
+    for share in (1.0, 0.25, 0.0):
+        grads = []
+        for moe in (eager, compiled):
+            moe.zero_grad()
+            moe.reset_counters()
+            moe.loss_scale = share
+            (moe(x) * upstream).sum().backward()
+            grads.append((moe.router.weight.grad.clone(), moe.routed.clone(), moe.aux_total.clone()))
+        (want, want_routed, want_aux), (got, got_routed, got_aux) = grads
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+        assert torch.equal(got_routed, want_routed) and torch.equal(got_aux, want_aux), share
+        assert (int(want_routed.sum()) == 0) == (share == 0)
+        by_share[share] = want
+    # ... and the balancing loss's part was there to lose: without it the share does not matter
+    assert not torch.allclose(by_share[1.0], by_share[0.0], rtol=1e-3)
+    assert not torch.allclose(by_share[0.25], by_share[0.0], rtol=1e-3)
+
+
 def test_the_balancing_loss_trains_the_router_as_if_added_to_the_loss():
     """Its gradient is injected in backward (so it works on any pipeline stage); it must equal
     adding coef × E/k × Σ f·P, times the microbatch's share, to the loss."""

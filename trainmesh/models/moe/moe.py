@@ -170,16 +170,19 @@ class _AddAuxLoss(torch.autograd.Function):
     """Returns ``x`` unchanged; in backward, gives ``aux`` the gradient ``scale`` (the
     microbatch's share of the step's loss), as if ``aux * scale`` had been added to the loss.
     So the balancing loss trains the router wherever the block sits, pipeline stages included,
-    without travelling to the loss."""
+    without travelling to the loss. ``scale`` is a tensor (the block's ``scale`` buffer): a
+    Python float here was baked into a compiled block's backward, or made a symbol dynamo
+    could not carry, once it changed between microbatches."""
 
     @staticmethod
     def forward(ctx, x, aux, scale):
-        ctx.scale = scale
+        ctx.save_for_backward(scale)
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, torch.full((), ctx.scale, dtype=torch.float32, device=grad.device), None
+        (scale,) = ctx.saved_tensors
+        return grad, scale.to(torch.float32), None
 
 
 class MoE(nn.Module):
@@ -203,13 +206,26 @@ class MoE(nn.Module):
                              persistent=False)
         self.register_buffer("aux_total", torch.zeros((), dtype=torch.float64), persistent=False)
         self.register_buffer("dropped", torch.zeros((), dtype=torch.int64), persistent=False)
+        # The microbatch's share of the step's loss (0: a padding microbatch), as a tensor that
+        # compiled blocks read as an input (``loss_scale`` sets it)
+        self.register_buffer("scale", torch.ones(()), persistent=False)
+        self._loss_scale = 1.0
         self.dispatch: Dispatch = LocalDispatch()
-        self.loss_scale = 1.0  # set per microbatch: its share of the step's loss (0: padding)
         self.aux_share = 1.0  # context parallel: cp (each rank's loss is cp× its part)
+
+    @property
+    def loss_scale(self) -> float:
+        return self._loss_scale
+
+    @loss_scale.setter
+    def loss_scale(self, value: float) -> None:
+        self._loss_scale = float(value)
+        self.scale.fill_(self._loss_scale)
 
     def reset_buffers(self) -> None:
         """Zero the bias and counters (after a meta-device build they hold garbage)."""
         self.expert_bias.zero_()
+        self.scale.fill_(self._loss_scale)
         self.reset_counters()
 
     def reset_counters(self) -> None:
@@ -254,17 +270,21 @@ class MoE(nn.Module):
         if not torch.is_grad_enabled():  # evaluation: no balancing, nothing counted
             return y.view(shape)
         # Activation checkpointing runs the forward again inside backward: count once.
-        first_run = torch._C._current_graph_task_id() == -1
+        # Compiled, the recomputation replays no buffer update; and asking breaks the graph,
+        # leaving y an input of the next one, handed back unchanged by _AddAuxLoss: autograd
+        # then skipped the injection, and the router got no balancing gradient.
+        first_run = torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1
         if a.balance == "aux_loss" and a.aux_loss_coef > 0:
             aux = self._aux_loss(scores, counts) * self.aux_share
-            y = _AddAuxLoss.apply(y, aux, self.loss_scale)
+            y = _AddAuxLoss.apply(y, aux, self.scale)
             if first_run:
-                self.aux_total += aux.detach().double() * self.loss_scale
-        if first_run and self.loss_scale:  # a padding microbatch (weight 0) counts nothing
+                self.aux_total += aux.detach().double() * self.scale.double()
+        if first_run:  # a padding microbatch (weight 0) counts nothing
             with torch.no_grad():
-                self.routed += counts
+                counted = (self.scale != 0).to(counts.dtype)
+                self.routed += counts * counted
                 if capped:
-                    self.dropped += (counts - kept).sum()
+                    self.dropped += (counts - kept).sum() * counted
         return y.view(shape)
 
     def _aux_loss(self, scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
