@@ -176,7 +176,8 @@ class _AddAuxLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, aux, scale):
-        ctx.save_for_backward(scale)
+        # (a copy: a pipeline sets the next microbatch's share before this one's backward)
+        ctx.save_for_backward(scale.clone())
         return x
 
     @staticmethod
