@@ -6,7 +6,7 @@ import functools
 from collections.abc import Callable
 
 import torch
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed._functional_collectives import AsyncCollectiveTensor, wait_tensor
 
 
 def plain(t: torch.Tensor) -> torch.Tensor:
@@ -19,11 +19,7 @@ def waited(t: torch.Tensor) -> torch.Tensor:
     """``t`` with a collective's pending result waited for, keeping its autograd history
     (``plain`` drops it: for kernels' own inputs). A compiled region handed the wrapper as an
     input gave its producer no gradient (the embedding's, under tensor parallel)."""
-    if not isinstance(t, AsyncCollectiveTensor):
-        return t
-    from torch.distributed._functional_collectives import wait_tensor
-
-    return wait_tensor(t)
+    return wait_tensor(t) if isinstance(t, AsyncCollectiveTensor) else t
 
 
 def as_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Size]:
