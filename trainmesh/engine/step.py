@@ -104,8 +104,14 @@ def grad_norm_and_clip(params: Sequence[torch.Tensor], max_norm: float,
     total = float(squares.sqrt())
     coef = max_norm / (total + 1e-6)  # the same coefficient as torch's clip_grad_norm_
     if max_norm > 0 and coef < 1.0:
-        for grads in by_mesh.values():
-            torch._foreach_mul_(grads, coef)
+        # A scalar scales every placement alike (a shard, a replica, a partial sum), so the
+        # local tensors are scaled in place, without DTensor's dispatch: its first call for a
+        # list works out a sharding for every element (~0.35 s of a core per rank and mesh on
+        # the CPU ranks here, paid again after every re-form) and each later one dispatches
+        # the whole list in Python.
+        with torch.no_grad():
+            torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g
+                                 for grads in by_mesh.values() for g in grads], coef)
     return total
 
 
