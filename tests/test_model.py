@@ -229,3 +229,60 @@ def test_a_state_saved_by_the_foreach_step_loads_into_the_fused_one():
     assert all(s["step"].item() == 1 for s in opt.state.values())
     opt.step()  # the fused step runs on the loaded moments
     assert all(s["step"].item() == 2 for s in opt.state.values())
+
+
+def test_adamw_steps_each_dtensor_shard_as_dtensor_would():
+    """The optimizer (engine/step.ShardwiseAdamW) steps a DTensor parameter's local shard
+    where its gradient and moments have its layout: after two steps the parameters and moments
+    equal torch's fused AdamW stepping the same DTensors, and the moments are DTensors laid out
+    as their parameters (checkpoints reshard them). A gradient still partial takes DTensor's
+    own step (which reduces it first). One process on torch's fake process group: a 2 × 2 mesh
+    whose collectives do nothing (neither step needs one for these layouts)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from trainmesh.engine.step import ShardwiseAdamW
+
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        # (layout, this rank's shard of an (8, 6) tensor)
+        layouts = [([Shard(0), Shard(0)], (2, 6)), ([Shard(0), Shard(1)], (4, 3)),
+                   ([Shard(0), Replicate()], (4, 6)), ([Replicate(), Replicate()], (8, 6))]
+        gen = torch.Generator().manual_seed(0)
+        start = [torch.randn(shape, generator=gen) for _, shape in layouts]
+        grads = [[torch.randn(shape, generator=gen) for _, shape in layouts] for _ in range(2)]
+
+        def dtensor(local, placements):
+            return DTensor.from_local(local.clone(), mesh, placements, run_check=False,
+                                      shape=torch.Size((8, 6)), stride=(6, 1))
+
+        def run(cls):
+            params = [torch.nn.Parameter(dtensor(v, pl)) for v, (pl, _) in zip(start, layouts, strict=True)]
+            opt = cls([{"params": params[:2], "weight_decay": 0.1},
+                       {"params": params[2:], "weight_decay": 0.0}], lr=1e-2, fused=True)
+            for step in grads:
+                for p, g, (pl, _) in zip(params, step, layouts, strict=True):
+                    p.grad = dtensor(g, pl)
+                opt.step()
+            return params, opt
+
+        (got, opt), (want, ref) = run(ShardwiseAdamW), run(torch.optim.AdamW)
+        for p, q in zip(got, want, strict=True):
+            assert torch.equal(p.to_local(), q.to_local())
+            for k in ("exp_avg", "exp_avg_sq"):
+                m = opt.state[p][k]
+                assert isinstance(m, DTensor) and m.placements == p.placements, k
+                assert torch.equal(m.to_local(), ref.state[q][k].to_local()), k
+            assert opt.state[p]["step"].item() == 2
+        assert len(opt.state) == len(got)  # nothing left keyed by a shard
+        assert opt._local_views() is not None
+        got[3].grad = DTensor.from_local(torch.ones(8, 6), mesh, [Partial(), Replicate()], run_check=False)
+        assert opt._local_views() is None  # DTensor's own step, which reduces the gradient first
+        opt.step()
+        assert len(opt.state) == len(got)
+    finally:
+        dist.destroy_process_group()
