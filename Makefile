@@ -44,6 +44,7 @@ bench-smoke: $(STAMP)
 	$(BIN)/python bench/moe.py --tokens 256 --dim 64 --expert-ffn 64 --reps 2
 	$(BIN)/python bench/data_parallel.py --preset tiny --steps 1 --seq-len 32
 	$(BIN)/python bench/context_parallel.py --preset tiny --steps 1 --seq-len 256
+	$(BIN)/python bench/first_step.py --layers 2 --repeat 1
 
 # On a machine with a CUDA GPU and trainmesh importable (no venv is made: use the GPU's torch).
 gpu-check:
