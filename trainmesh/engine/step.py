@@ -57,9 +57,9 @@ class ShardwiseAdamW(torch.optim.AdamW):
     where a parameter, its gradient and its moments have one layout (the same mesh, each mesh
     dimension Shard or Replicate), stepping the local tensors is the step DTensor takes, without
     DTensor's dispatch of the lists — whose first call for a list of tensors works out a
-    sharding for every element: on a 2 × 2 mesh ~0.1 s of a core for 30 parameters and ~2 s
-    for 291 (an 8B model's), paid by every rank before its first step after a build or a
-    re-form (a recovery's first step). Any other layout (a gradient still partial) takes
+    sharding for every element: on a 2 × 2 mesh 0.05 s of a core for 21 parameters and 0.9 s
+    for 291 (an 8B model's count; ``bench/first_step.py``), paid by every rank before its first
+    step after a build or a re-form (a recovery's first step). Any other layout (a gradient still partial) takes
     DTensor's own step. The moments stay DTensors (checkpoints reshard them)."""
 
     @torch.no_grad()
