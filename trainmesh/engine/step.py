@@ -87,7 +87,7 @@ class ShardwiseAdamW(torch.optim.AdamW):
                 old = self.state[p]
                 for k, v in state.items():  # moments made at this step: laid out as p
                     if k not in old:
-                        old[k] = v if v.ndim == 0 and p.ndim != 0 else DTensor.from_local(
+                        old[k] = v if not _elementwise(v, p) else DTensor.from_local(
                             v, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                             stride=p.stride())
 
@@ -103,7 +103,7 @@ class ShardwiseAdamW(torch.optim.AdamW):
                     local.append((p, p))
                     continue
                 tensors = [t for t in (p.grad, *self.state.get(p, {}).values())
-                           if t is not None and (t.ndim > 0 or p.ndim == 0)]
+                           if t is not None and _elementwise(t, p)]
                 if any(pl.is_partial() for pl in p.placements) or not all(
                         isinstance(t, DTensor) and t.device_mesh == p.device_mesh
                         and t.placements == p.placements for t in tensors):
@@ -111,6 +111,12 @@ class ShardwiseAdamW(torch.optim.AdamW):
                 local.append((p, p.to_local()))
             views.append(local)
         return views
+
+
+def _elementwise(t: torch.Tensor, p: torch.Tensor) -> bool:
+    """Whether ``t`` (a gradient or a state entry of ``p``) is one value per element of ``p``,
+    not the step counter (a scalar)."""
+    return t.ndim > 0 or p.ndim == 0
 
 
 def _keep_implementation(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
