@@ -78,18 +78,22 @@ def linear_cross_entropy_case(rows_shape, dim, vocab, dtype=torch.float32, devic
 
 def _block_ops(ops, x, w, cos, sin, g, u):
     """What a transformer block asks of the kernels: RMSNorm over the heads' width, RoPE on its
-    heads, SwiGLU."""
+    heads, SwiGLU; the scalar summed in float32 (the gradients reaching the kernels, twice their
+    outputs, stay exact in any dtype)."""
     B, T, H, D = x.shape
     h = ops.rms_norm(x.flatten(2), w, 1e-5).view(B, T, H, D)
-    return ops.rope(h, cos[:T], sin[:T]).square().sum() + ops.swiglu(g, u).square().sum()
+    return ops.rope(h, cos[:T], sin[:T]).float().square().sum() + ops.swiglu(g, u).float().square().sum()
 
 
 def compiled_over_shapes_case(device="cpu", backend="inductor", dtype=torch.float32):
     """The kernels inside one torch.compile'd function (one graph: fullgraph), called with a
     second and third head count and sequence length (dynamic shapes, as a mesh re-formed in the
-    same process brings): each call's value and gradients equal the float32 references' on the
-    same values. Traced by dynamo, the launches once met a symbolic head count in their
-    ``num_warps`` and CUDA could not compile them."""
+    same process brings): each call's value and gradients equal the same kernels' run eagerly
+    on the same inputs, and the float32 references' on the same values (within the dtype's
+    rounding, measured against the largest value: in bf16 RMSNorm's backward subtracts two
+    terms of the size of the largest gradients, so a small element carries their rounding,
+    4.7% of itself on an H100, 2026-11-27). Traced by dynamo, the launches once met a symbolic
+    head count in their ``num_warps`` and CUDA could not compile them."""
     k = kernel_set("triton")
     compiled = torch.compile(lambda *a: _block_ops(k, *a), backend=backend, dynamic=True, fullgraph=True)
     for i, (h, t, d) in enumerate([(2, 8, 16), (3, 5, 16), (4, 8, 8)]):
@@ -101,8 +105,11 @@ def compiled_over_shapes_case(device="cpu", backend="inductor", dtype=torch.floa
         leaves = [[a[j].requires_grad_() for j in (0, 1, 4, 5)] for a in (inputs, wide)]  # not cos, sin
         want = _block_ops(ref, *wide)
         want_grads = torch.autograd.grad(want, leaves[1])
+        eager = _block_ops(k, *inputs)
+        eager_grads = torch.autograd.grad(eager, leaves[0])
         got = compiled(*inputs)
         got_grads = torch.autograd.grad(got, leaves[0])
         torch.testing.assert_close(got.float(), want, **TOL[dtype])
-        for a, b in zip(got_grads, want_grads, strict=True):
-            torch.testing.assert_close(a.float(), b, **TOL[dtype])
+        for a, e, b in zip(got_grads, eager_grads, want_grads, strict=True):
+            torch.testing.assert_close(a, e, **TOL[dtype])
+            assert (a.float() - b).abs().max() <= TOL[dtype]["rtol"] * b.abs().max(), (a, b)
