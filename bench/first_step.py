@@ -10,8 +10,10 @@ for a Llama-shaped parameter list: per layer 4 column-parallel and 3 row-paralle
 2 norm weights, laid out as FSDP2 on dp with TP on tp lays them out, plus the embedding,
 output and final norm.
 
-Rows: AdamW's step (torch's fused AdamW on the DTensors; trainmesh's ``ShardwiseAdamW``) and
-the gradient clip's scaling (``_foreach_mul_`` on the DTensors; on their local shards, as
+Rows: AdamW's step (torch's fused AdamW on the DTensors; trainmesh's ``ShardwiseAdamW``), the
+gradient norm (torch's ``get_total_norm`` on the DTensors; ``engine/step.shard_squares`` on
+their local shards, one all-reduce per sharded mesh dim) and the clip's scaling
+(``_foreach_mul_`` on the DTensors; on their local shards, as
 ``engine/step.grad_norm_and_clip`` does), each at its first call and its later ones (median).
 
     .venv/bin/python bench/first_step.py [--layers 2,8,32] [--mesh 2x2] [--repeat 5]
@@ -29,7 +31,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from trainmesh.engine.step import ShardwiseAdamW
+from trainmesh.engine.step import ShardwiseAdamW, shard_squares
 
 DIM = 64  # the tensors' size hardly matters: the cost is per element of the list
 
@@ -69,6 +71,14 @@ def optimizer_step(cls, params: list[torch.nn.Parameter]):
     return opt.step
 
 
+def norm_dtensor(grads):
+    return lambda: torch.nn.utils.get_total_norm(grads, foreach=True).full_tensor()
+
+
+def norm_local(grads):
+    return lambda: shard_squares(grads).sqrt()
+
+
 def clip_dtensor(grads):
     return lambda: torch._foreach_mul_(grads, 0.999)
 
@@ -91,6 +101,7 @@ def main() -> None:
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     print(f"mesh dp {dp} x tp {tp}, torch {torch.__version__}; first call / later calls (median of {args.repeat})")
     print(f"{'layers':>6} {'params':>6} | {'AdamW on DTensors':>20} {'ShardwiseAdamW':>20} {'first x':>8} | "
+          f"{'norm on DTensors':>20} {'norm on shards':>20} {'first x':>8} | "
           f"{'clip on DTensors':>20} {'clip on shards':>20} {'first x':>8}")
     from trainmesh.actors.rank_worker import _forget_dtensor_caches
 
@@ -98,6 +109,8 @@ def main() -> None:
         row = []
         for make in (lambda ps: optimizer_step(torch.optim.AdamW, ps),
                      lambda ps: optimizer_step(ShardwiseAdamW, ps),
+                     lambda ps: norm_dtensor([p.grad for p in ps]),
+                     lambda ps: norm_local([p.grad for p in ps]),
                      lambda ps: clip_dtensor([p.grad for p in ps]),
                      lambda ps: clip_local([p.grad for p in ps])):
             _forget_dtensor_caches()  # as a re-form leaves them
@@ -109,7 +122,8 @@ def main() -> None:
         n = len(parameters(mesh, layers))
         cells = [f"{first * 1e3:>9.0f} / {later * 1e3:>5.1f} ms" for first, later in row]
         print(f"{layers:>6} {n:>6} | {cells[0]} {cells[1]} {row[0][0] / row[1][0]:>7.1f}x | "
-              f"{cells[2]} {cells[3]} {row[2][0] / row[3][0]:>7.1f}x")
+              f"{cells[2]} {cells[3]} {row[2][0] / row[3][0]:>7.1f}x | "
+              f"{cells[4]} {cells[5]} {row[4][0] / row[5][0]:>7.1f}x")
     dist.destroy_process_group()
 
 
