@@ -82,3 +82,10 @@ class RankPool:
             self._take_parked(self.group.group.world_size + len(self.parked))  # all of them
             self.group.shutdown()
             self.group = None
+
+
+def next_generation(group) -> int:
+    """A snapshot generation above every one the group's processes hold. The pool's processes
+    keep other modules' in-memory snapshots, and each keeps its newest two by name (generation,
+    then step): a snapshot named below them is dropped as it is taken."""
+    return 1 + max((int(d.split("-")[0]) for inv in group.memory_inventory() for d in inv), default=-1)

@@ -5,6 +5,7 @@ model's prediction for each rank. The same 4 rank actors are re-formed for every
 from __future__ import annotations
 
 import pytest
+from rank_pool import next_generation
 
 from trainmesh.cli.loading import load_spec
 from trainmesh.controller.dry_run import memory_rows
@@ -51,8 +52,8 @@ def test_planned_memory_matches_what_ranks_hold(rank_pool, tmp_path):
         spec = load_spec(None, [*BASE, *extra, f"runtime.output_dir={tmp_path}",
                                 "checkpoint.in_memory.every=1"])
 
-        def snapshot(group, reports, i=i) -> None:  # a snapshot older than later modules'
-            snaps = group.memory_snapshot(f"0000-{i:08d}", [None] * 4, wait=True)
+        def snapshot(group, reports, i=i) -> None:  # (named above what the processes hold)
+            snaps = group.memory_snapshot(f"{next_generation(group):04d}-{i:08d}", [None] * 4, wait=True)
             for r, snap in zip(reports, snaps, strict=True):
                 r["snapshot"], r["staged"] = snap["files_bytes"], snap["bytes"]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from rank_pool import next_generation
 from test_tensor_parallel import BASE
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -13,7 +14,6 @@ from trainmesh.parallel.dims import ParallelDims
 
 SOURCE = (ParallelDims(pp=2, tp=2), ["parallelism.vpp=2", "schedule.name=interleaved-1f1b",
                                      "parallelism.sequence_parallel=true"])
-SNAPSHOT = "0001-00000002"
 TARGETS = {
     "dp4": (ParallelDims(dp=4), []),
     "hsdp-2x2": (ParallelDims(dp=4), ["parallelism.dp_replicate=2"]),  # FSDP2's HSDP mesh
@@ -57,15 +57,18 @@ def source_checkpoint(rank_pool, tmp_path_factory):
         # A snapshot is the rank's alone (no collective, even from its background thread): one
         # rank takes one while the others take none.
         import ray
-        alone = ray.get(g.group.workers[0].memory_snapshot.remote("0001-00000001", None, True), timeout=30)
+        gen = next_generation(g)  # (named above what the processes hold)
+        alone = ray.get(g.group.workers[0].memory_snapshot.remote(f"{gen:04d}-00000001", None, True),
+                        timeout=30)
         assert alone["files_bytes"] > alone["bytes"] > 0
         # The same state as an in-memory snapshot, each rank's copy handed to the rank two
         # further on (as if ranks 0-1 and 2-3 were two nodes).
-        snap = g.memory_snapshot(SNAPSHOT, [2, 3, 0, 1], wait=True)
+        snapshot = f"{gen:04d}-00000002"
+        snap = g.memory_snapshot(snapshot, [2, 3, 0, 1], wait=True)
         assert all(r["blocked_s"] > 0 and r["bytes"] > 0 for r in snap)
     finally:
         rank_pool.release(g)
-    return tmp / "ckpt", data_dir, _flat(tmp / "ckpt", tmp, "src")
+    return tmp / "ckpt", data_dir, _flat(tmp / "ckpt", tmp, "src"), snapshot
 
 
 def _assert_same_state(got: dict, want: dict) -> None:
@@ -87,14 +90,14 @@ def test_restore_from_peers_memory_onto_another_plan_is_bit_identical(rank_pool,
     import itertools
     import time
 
-    _, data_dir, want = source_checkpoint
+    _, data_dir, want, snapshot = source_checkpoint
     dims, extra = TARGETS["tp2-dp2"]
     spec = _spec(dims, extra, tmp_path)
     g = _group(rank_pool, spec, dims, data_dir)
     try:
         deadline = time.monotonic() + 30
         while True:  # the copies travel in the background: wait until they have arrived
-            held = [set(h.get(SNAPSHOT, [])) for h in g.memory_inventory()]
+            held = [set(h.get(snapshot, [])) for h in g.memory_inventory()]
             files = set().union(*held)
             pair = next((p for p in itertools.combinations(range(4), 2)
                          if held[p[0]] | held[p[1]] == files and len(files) == 8), None)
@@ -104,7 +107,7 @@ def test_restore_from_peers_memory_onto_another_plan_is_bit_identical(rank_pool,
         assert pair, held  # 4 ranks: shards and metadata; two survivors covering all of them
         assert all(held[r] != files for r in pair)  # neither alone: the copies are needed
         holders = {f: next(r for r in pair if f in held[r]) for f in files}
-        g.memory_load(SNAPSHOT, holders, 2, None)
+        g.memory_load(snapshot, holders, 2, None)
         g.save_to(str(tmp_path / "again"))
     finally:
         rank_pool.release(g)
@@ -115,7 +118,7 @@ def test_restore_from_peers_memory_onto_another_plan_is_bit_identical(rank_pool,
 @pytest.mark.parametrize("target", list(TARGETS))
 def test_restore_under_another_plan_is_bit_identical(rank_pool, source_checkpoint, tmp_path,
                                                      target):
-    ckpt, data_dir, want = source_checkpoint
+    ckpt, data_dir, want, _ = source_checkpoint
     dims, extra = TARGETS[target]
     spec = _spec(dims, extra, tmp_path)
     g = _group(rank_pool, spec, dims, data_dir)
