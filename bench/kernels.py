@@ -210,11 +210,14 @@ def step_table(device: str, smoke: bool, steps: int, larger: bool = False,
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
+            busy = []  # the driver's share of time a kernel ran (NVML, where it says), per step
             for _ in range(steps):
                 stats = engine.train_step()
+                busy.append((stats.breakdown or {}).get("gpu_utilization"))
             if device == "cuda":
                 torch.cuda.synchronize()
             dt = (time.perf_counter() - t0) / steps
+            busy = [b for b in busy if b is not None]
             tokens_s = stats.tokens / dt
             flops = engine.model.args.flops_per_token(spec.training.seq_len) * tokens_s
             label = kernels + (" + compile" if compiled else "") + (
@@ -223,6 +226,7 @@ def step_table(device: str, smoke: bool, steps: int, larger: bool = False,
                          "tokens_s": tokens_s,
                          "tflops": flops / 1e12, "mfu": flops / (peak * 1e12),
                          "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
+                         "gpu_busy": statistics.median(busy) if busy else None,
                          "first_loss": first.loss, "loss": stats.loss})
             del engine, stats, first
             gc.collect()  # the engine holds reference cycles: free it before the next one
@@ -316,12 +320,14 @@ def measured_entry(rows: list[dict], device: str) -> str:
 def print_steps(steps: list[dict], larger: bool, smoke: bool, microbatch: int, global_batch: int) -> None:
     name = " ".join(LARGER) if larger else "model.preset=" + ("tiny" if smoke else "1b")
     print(f"\n{name}, seq 2048, global batch {global_batch}, microbatch {microbatch}:\n")
-    print("| model.kernels | step s | tokens/s | TFLOP/s | MFU | peak GiB | first loss | loss |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    # GPU busy: the driver's utilisation (a kernel running, % of its last sample period),
+    # median over the timed steps; well under 100 where the host's launches bound the step
+    print("| model.kernels | step s | tokens/s | TFLOP/s | MFU | GPU busy % | peak GiB | first loss | loss |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     base = steps[0]["step_s"]
     for r in steps:
         print(f"| {r['kernels']} | {r['step_s']:.3f} ({base / r['step_s']:.2f}×) | "
-              f"{r['tokens_s']:.0f} | {r['tflops']:.1f} | {r['mfu']:.1%} | "
+              f"{r['tokens_s']:.0f} | {r['tflops']:.1f} | {r['mfu']:.1%} | {_fmt(r['gpu_busy'], '.0f')} | "
               f"{_fmt(r['peak_gib'], '.1f')} | {r['first_loss']:.4f} | {r['loss']:.4f} |")
 
 
@@ -367,8 +373,12 @@ def main() -> None:
     print(measured_entry(rows, device))
     # The 8B-shaped model at microbatch 4 (8k tokens a matmul, as a real 8B run has): float8's
     # gain grows with the matmuls (1.16x bf16 at microbatch 2, 1.25x at 4; H200, 2026-11-27).
-    for larger, mb, gb in ((False, 2, 8), (True, 4, 16)) if not args.smoke else ((False, 2, 8),):
-        print_steps(step_table(device, args.smoke, 2 if args.smoke else args.steps, larger,
+    # `1b` at microbatch 4 too: at 2 its eager step varied 0.33-0.42 s between runs on an H100
+    # (2026-11-27), 0.28 s at 4 (half the launches per token): the GPU busy column tells.
+    tables = ((False, 2, 8, None), (False, 4, 8, ["auto", "torch+compile", "auto+compile"]),
+              (True, 4, 16, None))
+    for larger, mb, gb, variants in tables if not args.smoke else ((False, 2, 8, None),):
+        print_steps(step_table(device, args.smoke, 2 if args.smoke else args.steps, larger, variants,
                                microbatch=mb, global_batch=gb), larger, args.smoke, mb, gb)
     import torch.distributed as dist
 
