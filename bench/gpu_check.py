@@ -13,8 +13,8 @@ off keeps the parts it finished). Parts in the order they run (``--parts`` picks
    (and the kernel_choice.MEASURED entry for this GPU); step time, tokens/s, MFU and each
    variant's first and last loss and the GPU's busy share (the driver's utilisation: under
    100% where the host's launches bound the step) for `1b` (model.kernels torch / triton /
-   auto, with compile, with float8 tensorwise and rowwise; at microbatch 4 too) and an
-   8B-shaped model (Llama 3 8B's layers, 8 of them, microbatch 4).
+   auto, with compile, with float8 tensorwise and rowwise; at microbatch 4 against torch +
+   compile too) and an 8B-shaped model (Llama 3 8B's layers, 8 of them, microbatch 4).
 4. attention: context parallel's attention block with its log-sum-exp at a long sequence (one
    rank of cp 16 at 131K tokens: a 4,096-query chunk against an 8,192-key block,
    Llama-3.1-8B's heads, bf16): the path a rank runs on CUDA in bf16 (the fused flash kernel

@@ -375,7 +375,7 @@ def main() -> None:
     # gain grows with the matmuls (1.16x bf16 at microbatch 2, 1.25x at 4; H200, 2026-11-27).
     # `1b` at microbatch 4 too: at 2 its eager step varied 0.33-0.42 s between runs on an H100
     # (2026-11-27), 0.28 s at 4 (half the launches per token): the GPU busy column tells.
-    tables = ((False, 2, 8, None), (False, 4, 8, ["auto", "torch+compile", "auto+compile"]),
+    tables = ((False, 2, 8, None), (False, 4, 8, ["torch+compile", "auto", "auto+compile"]),
               (True, 4, 16, None))
     for larger, mb, gb, variants in tables if not args.smoke else ((False, 2, 8, None),):
         print_steps(step_table(device, args.smoke, 2 if args.smoke else args.steps, larger, variants,

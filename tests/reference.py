@@ -15,6 +15,8 @@ from trainmesh.spec.job import JobSpec
 # Runs already made in this process: parity tables ask for the same model, data and optimizer
 # under many meshes and schedules (a run's result depends on no other part of the spec).
 _RUNS: dict[str, tuple] = {}
+# ... and each run's gradient norms per step (before clipping), under the same keys
+_NORMS: dict[str, list[float]] = {}
 
 
 def reference_run(spec: JobSpec, data_dir: str, steps: int, grads_after: int | None = None,
@@ -26,12 +28,19 @@ def reference_run(spec: JobSpec, data_dir: str, steps: int, grads_after: int | N
     from the first one's results (copies), unless ``prepare`` is given."""
     key = None if prepare is not None else _run_key(spec, data_dir, steps, grads_after)
     if key not in _RUNS:
-        out = _run(spec, data_dir, steps, grads_after, prepare)
+        out, norms = _run(spec, data_dir, steps, grads_after, prepare)
         if key is None:
             return out
-        _RUNS[key] = out
+        _RUNS[key], _NORMS[key] = out, norms
     losses, *tensors = _RUNS[key]
     return (list(losses), *({k: v.clone() for k, v in d.items()} for d in tensors))
+
+
+def reference_grad_norms(spec: JobSpec, data_dir: str, steps: int,
+                         grads_after: int | None = None) -> list[float]:
+    """The global gradient norm (before clipping) of each of ``reference_run``'s steps."""
+    reference_run(spec, data_dir, steps, grads_after)
+    return list(_NORMS[_run_key(spec, data_dir, steps, grads_after)])
 
 
 def _run_key(spec: JobSpec, data_dir: str, steps: int, grads_after: int | None) -> str:
@@ -59,14 +68,16 @@ def _run(spec: JobSpec, data_dir: str, steps: int, grads_after: int | None, prep
         prepare(model)
     opt = build_optimizer(model, spec.optimizer)
     sched = build_lr_scheduler(opt, spec.optimizer, tr.steps)
-    losses, grads = [], {}
+    losses, grads, norms = [], {}, []
     for step in range(steps):
         mbs = data.microbatches(tr.seed, step, tr.global_batch_size, 0, 1, tr.microbatch_size)
-        losses.append(train_step(model, opt, sched, mbs, spec.optimizer.grad_clip).loss)
+        stats = train_step(model, opt, sched, mbs, spec.optimizer.grad_clip)
+        losses.append(stats.loss)
+        norms.append(stats.grad_norm)
         if grads_after == step + 1:
             grads = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
     params = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return (losses, params) if grads_after is None else (losses, params, grads)
+    return ((losses, params) if grads_after is None else (losses, params, grads)), norms
 
 
 def load_checkpoint_params(spec: JobSpec, directory: str) -> dict[str, torch.Tensor]:

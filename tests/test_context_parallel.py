@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import reference_run
-from test_tensor_parallel import BASE, _close, _parallel_run, resumed_elsewhere
+from reference import reference_grad_norms, reference_run
+from test_tensor_parallel import BASE, _close, _parallel_run, _same_norm, resumed_elsewhere
 
 from trainmesh.cli.loading import load_spec
 from trainmesh.data.dataset import open_datasets
@@ -58,8 +58,9 @@ def test_context_parallel_matches_single_process(rank_pool, tmp_path, case):
                             f"runtime.output_dir={tmp_path}", *extra])
     data_dir = str(ensure_tiny_corpus(tmp_path / "data"))
     # two steps: the gradients of the first, the parameters after the second's update
-    losses, grads, params = _parallel_run(rank_pool, spec, dims, data_dir, steps=2)
+    losses, grads, params, norms = _parallel_run(rank_pool, spec, dims, data_dir, steps=2)
     ref_losses, ref_params, ref_grads = reference_run(spec, data_dir, steps=2, grads_after=1)
+    _same_norm(norms, reference_grad_norms(spec, data_dir, steps=2, grads_after=1))
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     _close(grads, ref_grads)
     _close(params, ref_params, rtol=1e-5, atol=5e-5)  # after AdamW: see test_tensor_parallel

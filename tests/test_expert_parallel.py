@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 from ray import cloudpickle  # the ranks cannot import this test module: functions go by value
-from reference import reference_run
-from test_tensor_parallel import _close
+from reference import reference_grad_norms, reference_run
+from test_tensor_parallel import _close, _same_norm
 
 from trainmesh.cli.loading import load_spec
 from trainmesh.data.shards import ensure_tiny_corpus
@@ -91,6 +91,8 @@ def test_expert_parallel_matches_single_process(rank_pool, tmp_path, case):
         assert dropped > 0  # (what was dropped, over the whole step)
     ref_losses, ref_params, ref_grads = reference_run(spec, data_dir, steps=3, grads_after=1)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    # experts on their own mesh (edp × ep), the rest on dp: one norm over both
+    _same_norm([[r["grad_norm"] for r in first]], reference_grad_norms(spec, data_dir, steps=3, grads_after=1))
     _close(grads, ref_grads)
     _close(params, ref_params, rtol=1e-5, atol=5e-5)
     if spec.model.moe.balance == "bias":  # the bias moved, and equally on every mesh

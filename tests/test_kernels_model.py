@@ -53,8 +53,8 @@ def test_parallel_run_on_triton_kernels_matches_the_torch_reference(rank_pool, t
     degrees = [f"parallelism.pp={dims.pp}", f"parallelism.tp={dims.tp}", f"parallelism.dp={dims.dp}",
                *extra]
     data_dir = str(ensure_tiny_corpus(tmp_path / "data"))
-    losses, grads, params = _parallel_run(rank_pool, _spec(tmp_path, "triton", degrees), dims,
-                                          data_dir, steps=1, env={"TRITON_INTERPRET": "1"})
+    losses, grads, params, _ = _parallel_run(rank_pool, _spec(tmp_path, "triton", degrees), dims,
+                                             data_dir, steps=1, env={"TRITON_INTERPRET": "1"})
     ref_losses, ref_params, ref_grads = reference_run(_spec(tmp_path, "torch"), data_dir, steps=1,
                                                       grads_after=1)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import reference_run
-from test_tensor_parallel import BASE, UNEVEN, _close, _parallel_run
+from reference import reference_grad_norms, reference_run
+from test_tensor_parallel import BASE, UNEVEN, _close, _parallel_run, _same_norm
 
 from trainmesh.cli.loading import load_spec
 from trainmesh.data.shards import ensure_tiny_corpus
@@ -60,8 +60,9 @@ def test_pipeline_matches_single_process(rank_pool, tmp_path, case):
     spec = load_spec(None, [*BASE, f"parallelism.pp={dims.pp}", f"parallelism.tp={dims.tp}",
                             f"parallelism.dp={dims.dp}", f"runtime.output_dir={tmp_path}", *extra])
     data_dir = str(ensure_tiny_corpus(tmp_path / "data"))
-    losses, grads, params = _parallel_run(rank_pool, spec, dims, data_dir)
+    losses, grads, params, norms = _parallel_run(rank_pool, spec, dims, data_dir)
     ref_losses, ref_params, ref_grads = reference_run(spec, data_dir, steps=3, grads_after=1)
+    _same_norm(norms, reference_grad_norms(spec, data_dir, steps=3, grads_after=1))
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     _close(grads, ref_grads)
     _close(params, ref_params, rtol=1e-5, atol=5e-5)  # after AdamW: see test_tensor_parallel

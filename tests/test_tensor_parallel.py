@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import load_checkpoint_params, reference_run
+from reference import load_checkpoint_params, reference_grad_norms, reference_run
 
 from trainmesh.cli.loading import load_spec
 from trainmesh.controller.launch import run_job
@@ -22,6 +22,8 @@ ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
 
 def _parallel_run(pool, spec, dims: ParallelDims, data_dir: str, steps: int = 3,
                   env: dict | None = None):
+    """``steps`` steps on the pool's ranks: rank 0's losses, the full gradients after the first
+    step, the full state after the last, and every rank's gradient norm per step."""
     group = pool.group_for(spec, dims, env)
     try:
         group.build(spec.model_dump_json(), dims, data_dir)
@@ -32,14 +34,23 @@ def _parallel_run(pool, spec, dims: ParallelDims, data_dir: str, steps: int = 3,
             shard = "dp_shard_cp" if dims.cp > 1 else "dp_shard"  # (shards span the cp ring)
             assert {m[0:2] for rank in group.parameter_meshes() for m in rank.values()} == {
                 ("dp_replicate", shard)}
-        losses, grads = [], None
+        losses, grads, norms = [], None, []
         for i in range(steps):
-            losses.append(group.train_step()[0]["loss"])
+            stats = group.train_step()
+            losses.append(stats[0]["loss"])
+            norms.append([r["grad_norm"] for r in stats])
             if i == 0:
                 grads = group.full_grads()
-        return losses, grads, group.full_state()
+        return losses, grads, group.full_state(), norms
     finally:
         pool.release(group)
+
+
+def _same_norm(norms: list[list[float]], ref_norms: list[float]) -> None:
+    """The global gradient norm (before clipping: what the clip scales by), taken by every rank
+    from its shards, is the single process's at the first step (the later ones follow updates
+    that reassociated sums move in their last bits)."""
+    assert norms[0] == pytest.approx([ref_norms[0]] * len(norms[0]), rel=1e-6), (norms[0], ref_norms[0])
 
 
 def _close(got: dict, want: dict, rtol=1e-5, atol=1e-6):
@@ -105,8 +116,9 @@ def test_parallel_matches_single_process(rank_pool, tmp_path, case):
     spec = load_spec(None, [*BASE, f"parallelism.tp={dims.tp}", f"parallelism.dp={dims.dp}",
                             f"runtime.output_dir={tmp_path}", *extra])
     data_dir = str(ensure_tiny_corpus(tmp_path / "data"))
-    losses, grads, params = _parallel_run(rank_pool, spec, dims, data_dir)
+    losses, grads, params, norms = _parallel_run(rank_pool, spec, dims, data_dir)
     ref_losses, ref_params, ref_grads = reference_run(spec, data_dir, steps=3, grads_after=1)
+    _same_norm(norms, reference_grad_norms(spec, data_dir, steps=3, grads_after=1))
     # float8: a weight that differs from the single process's in its last fp32 bit (the
     # gradients' reduction order) may round to another float8 value; the step after shows it
     # (seen: 2e-5 on the third loss, tensorwise). Full precision: 1e-5.
@@ -132,7 +144,7 @@ def test_ddp_in_bf16_computes_under_autocast_over_float32_weights(rank_pool, tmp
     spec = load_spec(None, [*BASE, "parallelism.dp=2", "parallelism.dp_replicate=2",
                             "training.dtype=bfloat16", f"runtime.output_dir={tmp_path}"])
     data_dir = str(ensure_tiny_corpus(tmp_path / "data"))
-    losses, _, params = _parallel_run(rank_pool, spec, ParallelDims(dp=2), data_dir)
+    losses, _, params, _ = _parallel_run(rank_pool, spec, ParallelDims(dp=2), data_dir)
     fp32 = spec.model_copy(update={"training": spec.training.model_copy(
         update={"dtype": "float32"})})
     ref_losses, _ = reference_run(fp32, data_dir, steps=3)
@@ -148,7 +160,7 @@ def test_ddp_reduces_in_bf16_when_asked(rank_pool, tmp_path):
     spec = load_spec(None, [*BASE, NO_CLIP, "parallelism.dp=2", "parallelism.dp_replicate=2",
                             "parallelism.reduce_dtype=bfloat16", f"runtime.output_dir={tmp_path}"])
     data_dir = str(ensure_tiny_corpus(tmp_path / "data"))
-    losses, grads, _ = _parallel_run(rank_pool, spec, ParallelDims(dp=2), data_dir)
+    losses, grads, _, _ = _parallel_run(rank_pool, spec, ParallelDims(dp=2), data_dir)
     ref_losses, _, ref_grads = reference_run(spec, data_dir, steps=3, grads_after=1)
     assert losses[0] == pytest.approx(ref_losses[0], rel=1e-6)  # the forward is float32's
     for k, g in grads.items():

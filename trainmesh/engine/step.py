@@ -151,33 +151,32 @@ def shard_squares(grads: Sequence[DTensor]) -> torch.Tensor | None:
     is not its pieces' norms: DTensor's own norm reduces it first).
 
     A gradient sharded over some of the mesh's dims has its square summed over those dims, and
-    one replicated over a dim is counted once there: each local shard's square is taken in one
-    list op on plain tensors, added up per set of sharded dims, and then one all-reduce per
-    sharded mesh dim sums the sets that dim splits. DTensor's norm of the same list works out a
-    sharding for every element at its first call (~0.3 s of a core for 291 parameters on a
-    2 × 2 mesh, ``bench/first_step.py``), paid again by every rank after a build or a re-form."""
+    one replicated over a dim is counted once there: each local shard's norm is taken in one
+    list op on plain tensors, the squares added up per set of sharded dims, and then one
+    all-reduce per sharded mesh dim sums the sets that dim splits (no host sync on the way).
+    DTensor's norm of the same list works out a sharding for every element at its first call
+    (~0.2 s of a core for 291 parameters on a 2 × 2 mesh, ``bench/first_step.py``), paid again
+    by every rank after a build or a re-form."""
     mesh = grads[0].device_mesh
-    sets: list[int] = []  # per gradient: the mesh dims it is sharded over, as a bit set
-    for g in grads:
+    groups: dict[int, list[int]] = {}  # mesh dims sharded over (a bit set): those gradients
+    for i, g in enumerate(grads):
         if any(p.is_partial() for p in g.placements):
             return None
         # (FSDP2 over a TP-sharded dim lays a strided shard, which is no Shard: not replicated
         # is what says the dim holds different pieces)
-        sets.append(sum(1 << d for d, p in enumerate(g.placements) if not p.is_replicate()))
-    present = sorted(set(sets))
+        groups.setdefault(sum(1 << d for d, p in enumerate(g.placements) if not p.is_replicate()),
+                          []).append(i)
     norms = torch._foreach_norm([g.to_local() for g in grads])
-    device = norms[0].device
-    index = torch.tensor([present.index(s) for s in sets], device=device)
-    squares = torch.zeros(len(present), dtype=torch.float64, device=device).index_add_(
-        0, index, torch.stack(norms).double() ** 2)
+    # each set's local sum, in a fixed order (no atomics: the same bits on every run)
+    sums = {s: torch.stack([norms[i] for i in members]).double().square().sum()
+            for s, members in groups.items()}
     for dim in range(mesh.ndim):  # (the same sets on every rank: the same parameters)
-        split = [bool(s >> dim & 1) for s in present]
-        if any(split):
-            split = torch.tensor(split, device=device)
-            summed = torch.where(split, squares, 0.0)
+        split = [s for s in sums if s >> dim & 1]
+        if split and mesh.size(dim) > 1:
+            summed = torch.stack([sums[s] for s in split])
             dist.all_reduce(summed, group=mesh.get_group(dim))
-            squares = torch.where(split, summed, squares)
-    return squares.sum()
+            sums.update(zip(split, summed.unbind(), strict=True))
+    return torch.stack(list(sums.values())).sum()
 
 
 def grad_norm_and_clip(params: Sequence[torch.Tensor], max_norm: float,
