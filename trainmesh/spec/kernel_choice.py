@@ -51,9 +51,10 @@ class Measurement:
 
 
 MEASURED: dict[str, Measurement] = {
-    # bench/RESULTS.md, "GPU check kit, 2026-11-27": same shapes, the rewritten RoPE and fused
-    # loss (2026-11-23, before them: the loss at 0.32× eager, RoPE 1.34×). Against
-    # torch.compile SwiGLU ties; the loss is judged against eager (it runs after the blocks).
+    # bench/RESULTS.md, "GPU check kit on an H100, 2026-11-27": same shapes, with the rewritten
+    # RoPE and fused loss (the entry before them, 2026-11-23: the loss at 0.32× eager, RoPE
+    # 1.34×). Against torch.compile SwiGLU ties; the loss is judged against eager (it runs
+    # after the compiled blocks).
     "h100": Measurement("2026-11-27", "one NVIDIA H100 80GB HBM3",
                         {"rms_norm": 4.07, "swiglu": 1.74, "rope": 4.94,
                          "linear_cross_entropy": 1.54},
