@@ -191,18 +191,17 @@ def grad_norm_and_clip(params: Sequence[torch.Tensor], max_norm: float,
     for p in params:
         key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
         by_mesh.setdefault(key, []).append(p.grad)
-    squares = torch.zeros((), dtype=torch.float64)
+    device = params[0].device if params else torch.device("cpu")
+    parts = [torch.zeros((), dtype=torch.float64, device=device)]
     for mesh, grads in by_mesh.items():
         part = shard_squares(grads) if mesh is not None else None
         if part is None:
             norm = torch.nn.utils.get_total_norm(grads, foreach=True)
             part = (norm.full_tensor() if isinstance(norm, DTensor) else norm).double() ** 2
-        squares += part.detach().cpu()
+        parts.append(part.detach())
+    squares = torch.stack(parts).sum()  # on the device: one host sync, below
     if across is not None:
-        device = params[0].device if params else torch.device("cpu")
-        squares = squares.to(device)
         dist.all_reduce(squares, group=across)
-        squares = squares.cpu()
     total = float(squares.sqrt())
     coef = max_norm / (total + 1e-6)  # the same coefficient as torch's clip_grad_norm_
     if max_norm > 0 and coef < 1.0:
