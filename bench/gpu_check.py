@@ -30,6 +30,10 @@ off keeps the parts it finished). Parts in the order they run (``--parts`` picks
    hooks), for both ZeRO-3 policies and both kernel sets; its tensors' peak (torch's max
    allocated) and the activations autograd saved are set beside the cost model's prediction.
    A 1-rank mesh: NCCL runs, but no collective crosses a device.
+7. microbatch: `1b` at microbatch 1, 2, 4 and 8 of one global batch of 16, `auto` eager and
+   with compile: what a microbatch's size costs on a GPU beside the same tokens' FLOPs (the
+   host's launches per microbatch, the kernels' efficiency at a size), the measurement behind
+   the cost model's per-microbatch host time.
 """
 
 from __future__ import annotations
@@ -99,6 +103,20 @@ def lce_sweep() -> list[str]:
         return [f"bench/kernels.py --lce-sweep failed (exit {rc}, {dt:.0f} s):", "", "```",
                 *out.strip().splitlines()[-30:], "```"]
     return [f"bench/kernels.py --lce-sweep ({dt:.0f} s):", "", *tables]
+
+
+def microbatch_sweep() -> list[str]:
+    """1b's step at each microbatch size of one global batch (see the module docstring, 7)."""
+    lines: list[str] = []
+    for mbs in (1, 2, 4, 8):
+        rc, out, dt = _run([sys.executable, "bench/kernels.py", "--steps", "3", "--variants",
+                            "auto,auto+compile", "--microbatch", str(mbs), "--global-batch", "16"],
+                           150, {"TRITON_INTERPRET": "0"})
+        if rc != 0:
+            return lines + [f"microbatch {mbs} failed (exit {rc}, {dt:.0f} s):", "", "```",
+                            *out.strip().splitlines()[-30:], "```"]
+        lines += [ln for ln in out.splitlines() if ln.startswith(("|", "model.")) or not ln.strip()]
+    return lines
 
 
 def memory_check() -> list[str]:
@@ -269,8 +287,9 @@ def attention_lse() -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--append", metavar="FILE", help="append the section to FILE (RESULTS.md)")
-    ap.add_argument("--parts", default="tests,lce,kernels,attention,moe,memory",
-                    help="comma-separated subset of tests, lce, kernels, attention, moe, memory")
+    ap.add_argument("--parts", default="tests,lce,kernels,attention,moe,memory,microbatch",
+                    help="comma-separated subset of tests, lce, kernels, attention, moe, memory, "
+                         "microbatch")
     args = ap.parse_args()
     import torch
 
@@ -296,7 +315,8 @@ def main() -> None:
                         memory_check),
              "moe": ("MoE experts: grouped GEMM vs the per-expert loop", moe_gemm),
              "attention": ("Context parallel's attention block with its log-sum-exp",
-                           attention_lse)}
+                           attention_lse),
+             "microbatch": ("1b's step by microbatch size (global batch 16)", microbatch_sweep)}
     for title, part in (parts[p] for p in args.parts.split(",")):
         out += [f"### {title}", ""]
         try:
