@@ -1,6 +1,7 @@
-"""The GPU check kit: what only a GPU can show, in one command, about 5 minutes on one H200
-(measured 2026-11-26), written to bench/RESULTS.md as a dated section part by part (a run cut
-off keeps the parts it finished). Parts in the order they run (``--parts`` picks some):
+"""The GPU check kit: what only a GPU can show, in one command, about 9 minutes on one H200
+(561 s, 2026-11-27; the kernels part is half of it), written to bench/RESULTS.md as a dated
+section part by part (a run cut off keeps the parts it finished). Parts in the order they run
+(``--parts`` picks some):
 
     make gpu-check            # = python3 bench/gpu_check.py --append bench/RESULTS.md
 
@@ -30,10 +31,10 @@ off keeps the parts it finished). Parts in the order they run (``--parts`` picks
    hooks), for both ZeRO-3 policies and both kernel sets; its tensors' peak (torch's max
    allocated) and the activations autograd saved are set beside the cost model's prediction.
    A 1-rank mesh: NCCL runs, but no collective crosses a device.
-7. microbatch: `1b` at microbatch 1, 2, 4 and 8 of one global batch of 16, `auto` eager and
-   with compile: what a microbatch's size costs on a GPU beside the same tokens' FLOPs (the
-   host's launches per microbatch, the kernels' efficiency at a size), the measurement behind
-   the cost model's per-microbatch host time.
+7. microbatch (asked for by name, ``--parts microbatch``, about 100 s on an H200): `1b` with
+   `auto`, eager, at microbatch 1, 2, 4 and 8 of a global batch of 16, and 2 and 4 of 8: the
+   step time and the GPU's busy share the cost model's per-microbatch device and host terms
+   are fitted to (``planning/devices.py``; ``bench/planner.py`` sets them side by side).
 """
 
 from __future__ import annotations
@@ -106,15 +107,15 @@ def lce_sweep() -> list[str]:
 
 
 def microbatch_sweep() -> list[str]:
-    """1b's step at each microbatch size of one global batch (see the module docstring, 7)."""
+    """1b's step by microbatch size (see the module docstring, 7)."""
     lines: list[str] = []
-    for mbs in (1, 2, 4, 8):
-        rc, out, dt = _run([sys.executable, "bench/kernels.py", "--steps", "3", "--variants",
-                            "auto,auto+compile", "--microbatch", str(mbs), "--global-batch", "16"],
-                           150, {"TRITON_INTERPRET": "0"})
+    for batch, mbs in ((16, 1), (16, 2), (16, 4), (16, 8), (8, 2), (8, 4)):
+        rc, out, dt = _run([sys.executable, "bench/kernels.py", "--steps", "3", "--variants", "auto",
+                            "--microbatch", str(mbs), "--global-batch", str(batch)],
+                           120, {"TRITON_INTERPRET": "0"})
         if rc != 0:
-            return lines + [f"microbatch {mbs} failed (exit {rc}, {dt:.0f} s):", "", "```",
-                            *out.strip().splitlines()[-30:], "```"]
+            return lines + [f"global batch {batch}, microbatch {mbs} failed (exit {rc}, {dt:.0f} s):",
+                            "", "```", *out.strip().splitlines()[-30:], "```"]
         lines += [ln for ln in out.splitlines() if ln.startswith(("|", "model.")) or not ln.strip()]
     return lines
 
@@ -287,7 +288,7 @@ def attention_lse() -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--append", metavar="FILE", help="append the section to FILE (RESULTS.md)")
-    ap.add_argument("--parts", default="tests,lce,kernels,attention,moe,memory,microbatch",
+    ap.add_argument("--parts", default="tests,lce,kernels,attention,moe,memory",
                     help="comma-separated subset of tests, lce, kernels, attention, moe, memory, "
                          "microbatch")
     args = ap.parse_args()
@@ -316,7 +317,7 @@ def main() -> None:
              "moe": ("MoE experts: grouped GEMM vs the per-expert loop", moe_gemm),
              "attention": ("Context parallel's attention block with its log-sum-exp",
                            attention_lse),
-             "microbatch": ("1b's step by microbatch size (global batch 16)", microbatch_sweep)}
+             "microbatch": ("1b's step by microbatch size", microbatch_sweep)}
     for title, part in (parts[p] for p in args.parts.split(",")):
         out += [f"### {title}", ""]
         try:

@@ -1,15 +1,41 @@
-"""Planning time from 8 to 16,384 accelerators (target: under 1 s at 16,384).
+"""Planning time from 8 to 16,384 accelerators (target: under 1 s at 16,384); the cost
+model's step time by microbatch size beside what a GPU measured.
 
     .venv/bin/python bench/planner.py
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from trainmesh.cli.loading import load_spec
+from trainmesh.planning.cost_model import Candidate, estimate
+from trainmesh.planning.devices import device_spec
 from trainmesh.planning.planner import PlanRequest, plan
 from trainmesh.planning.topology import Topology
+
+# `1b`, seq 2048, bf16, model.kernels=auto, eager, one H200: step seconds by (global batch,
+# microbatch size) (`bench/kernels.py --variants auto --microbatch M --global-batch B`;
+# bench/RESULTS.md, "Microbatch size on a GPU", 2026-11-27), and the GPU's busy share.
+H200_1B_STEP_S = {(16, 1): (0.968, 71), (16, 2): (0.568, 100), (16, 4): (0.528, 100),
+                  (16, 8): (0.492, 100), (8, 2): (0.370, 72), (8, 4): (0.272, 100)}
+
+
+def microbatch_table() -> None:
+    model = load_spec(None, ["model.preset=1b"]).model
+    h200 = device_spec("h200")
+    print("\n1b on one H200, seq 2048: step s, the cost model beside the GPU")
+    print(f"{'batch':>5} {'microbatch':>10} {'predicted':>10} {'measured':>9} {'ratio':>6} "
+          f"{'host-bound':>11} {'busy % pred':>11} {'GPU busy %':>10}")
+    for (batch, mbs), (measured, busy) in H200_1B_STEP_S.items():
+        c = Candidate(1, 1, 1, 1, "1f1b", mbs, batch // mbs, "none")
+        e = estimate(model, c, 2048, h200, 1, compute_bytes=2, fused=True)
+        device_s = (e.compute_s if not e.host_bound else
+                    estimate(model, c, 2048, dataclasses.replace(h200, host_dispatch_s=0.0, host_step_s=0.0),
+                             1, compute_bytes=2, fused=True).compute_s)
+        print(f"{batch:>5} {mbs:>10} {e.step_time_s:>10.3f} {measured:>9.3f} {e.step_time_s / measured:>6.2f} "
+              f"{'yes' if e.host_bound else 'no':>11} {100 * device_s / e.step_time_s:>11.0f} {busy:>10}")
 
 
 def main() -> None:
@@ -26,6 +52,7 @@ def main() -> None:
             c = result.best.candidate
             best = f"({c.tp}, {c.pp}, {c.dp}, {c.vpp})"
         print(f"{gpus:>7} {gpus // 8:>6} {dt:>8.3f} {len(result.plans):>9} {len(result.rejected):>9}  {best}")
+    microbatch_table()
 
 
 if __name__ == "__main__":

@@ -531,3 +531,48 @@ def test_a_dense_model_whose_state_fits_each_rank_runs_as_ddp_where_that_is_fast
     assert tight.result.best.candidate.dp_replicate == 1 and tight.spec.parallelism.dp_replicate == 1
     roomy = plan_for(snap, Topology.uniform(1, 2, "cpu").with_host_memory(2 * ddp_gib), False)
     assert roomy.spec.parallelism.dp_replicate == 2
+
+
+def test_small_microbatches_pay_the_hosts_launches_and_the_devices_fixed_costs():
+    """On a GPU each microbatch pays a fixed device cost per block and waits for the host to
+    issue the block's work where that is longer: `1b` on one H200 at a global batch of 16 is
+    planned at microbatch 8 (measured fastest there, bench/RESULTS.md), not at the smallest
+    (the least memory, which the planner took when every size cost the same); microbatch 1 is
+    host-bound and the explanation says what the choice weighed. Where the larger sizes do not
+    fit (an A100 40GB without recomputation), the largest that fits. A CPU rank's host is its
+    device: its per-op costs sit inside its throughput, and its plans stay as they were."""
+    spec = load_spec(None, ["model.preset=1b", "training.seq_len=2048", "training.dtype=bfloat16",
+                            "training.global_batch_size=16", "parallelism=auto"])
+    result = plan(request_for(spec), Topology.uniform(1, 1, "h200"))
+    best = result.best.candidate
+    assert (best.microbatch_size, best.num_microbatches) == (8, 2)
+    by_size = {p.candidate.microbatch_size: p.estimate for p in result.plans
+               if dataclasses.replace(p.candidate, microbatch_size=8, num_microbatches=2) == best}
+    assert sorted(by_size) == [1, 2, 4, 8]
+    times = [by_size[m].step_time_s for m in (1, 2, 4, 8)]
+    assert times == sorted(times, reverse=True)
+    assert by_size[1].host_bound and not by_size[8].host_bound
+    h200 = device_spec("h200")
+    assert by_size[1].compute_s == pytest.approx(16 * 16 * h200.host_dispatch_s + h200.host_step_s)
+    text = explain(result)
+    assert "Microbatch 8 rather than 1" in text and "longer at microbatch 1" in text
+
+    pinned = load_spec(None, ["model.preset=1b", "training.seq_len=2048", "training.dtype=bfloat16",
+                              "training.global_batch_size=16", "training.microbatch_size=1"])
+    one = plan(request_for(pinned), Topology.uniform(1, 1, "h200"))
+    assert one.best.estimate.host_bound and "The host issuing its blocks' work bounds the step" in explain(one)
+
+    a100 = Topology.uniform(1, 1, "a100-40gb")
+    no_recompute = load_spec(None, ["model.preset=1b", "training.seq_len=2048", "training.dtype=bfloat16",
+                                    "training.global_batch_size=16", "parallelism=auto",
+                                    "activation_checkpoint.mode=none"])
+    req = request_for(no_recompute)
+    req.fixed["recompute"] = "none"
+    fits = plan(req, a100)
+    sizes = {p.candidate.microbatch_size for p in fits.plans}
+    assert 8 not in sizes and fits.best.candidate.microbatch_size == max(sizes) > 1
+
+    cpu = load_spec(None, ["model.preset=tiny", "training.global_batch_size=16", "training.seq_len=64",
+                           "parallelism=auto"])
+    cpu_plans = plan(request_for(cpu), Topology.uniform(1, 1, "cpu")).plans
+    assert len({round(p.estimate.compute_s, 12) for p in cpu_plans if p.candidate.recompute == "none"}) == 1

@@ -33,9 +33,13 @@ the tensors a real rank holds by ``trainmesh run --dry-run`` and the memory-matr
     rank process with torch and Ray loaded).
 
 Step time (seconds):
-  * compute = training FLOPs of the global batch / (world × peak × efficiency), × 4/3 with full
-    recomputation (one more forward); stretched by the pipeline bubble: the ideal time covers
-    m microbatches, the schedule takes m + (p-1)/v of them.
+  * compute = training FLOPs of the global batch / (world × peak × efficiency) plus a fixed
+    device cost per block and microbatch (kernels' launch latency and tails), × 4/3 with full
+    recomputation (one more forward); or, where longer, the host's time to issue that work
+    (per block and microbatch, and per step for the step's own work): a GPU left
+    waiting for its host by small microbatches (the figures are the device's, measured;
+    ``DeviceSpec``); stretched by the pipeline bubble: the ideal time covers m microbatches,
+    the schedule takes m + (p-1)/v of them.
   * TP: 4 all-reduces (or all-gather + reduce-scatter pairs under SP, same volume) of the
     layer's activations per layer per microbatch (2 forward, 2 backward), ring cost
     2(t-1)/t × bytes / intra-node bandwidth. Assumed not overlapped with compute.
@@ -158,6 +162,7 @@ class Estimate:
     dp_exposed_s: float
     ep_comm_s: float = 0.0  # MoE token all-to-alls (dispatch and combine, forward and backward)
     cp_comm_s: float = 0.0  # context parallel's key/value traffic not hidden behind attention
+    host_bound: bool = False  # the host issuing the blocks' work takes longer than the device runs it
 
 
 def bubble_fraction(schedule: str, pp: int, vpp: int, m: int) -> float:
@@ -519,11 +524,15 @@ def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: in
     tokens = (c.dp * c.num_microbatches - c.padding) * c.microbatch_size * seq_len
     flops = flops_per_token(model, seq_len) * tokens
     computed = flops * c.dp * c.num_microbatches / (c.dp * c.num_microbatches - c.padding)
-    ideal = computed / (c.world_size * device.peak_tflops * 1e12 * MATMUL_EFFICIENCY)
-    ideal *= 1.0 + c.recomputed(model.n_layers // c.pp) / 3.0  # one more forward per recomputed block
-    bubble = bubble_fraction(c.schedule, c.pp, c.vpp, c.num_microbatches)
-    compute = ideal / (1.0 - bubble)
     h, layers = model.dim, model.n_layers // c.pp
+    ideal = computed / (c.world_size * device.peak_tflops * 1e12 * MATMUL_EFFICIENCY)
+    again = 1.0 + c.recomputed(layers) / 3.0  # one more forward per recomputed block
+    # Per block and microbatch the device's fixed cost and the host issuing the work; per
+    # step the host's work outside the microbatches.
+    device_s = (ideal + layers * c.num_microbatches * device.kernel_overhead_s) * again
+    host_s = layers * c.num_microbatches * device.host_dispatch_s * again + device.host_step_s
+    bubble = bubble_fraction(c.schedule, c.pp, c.vpp, c.num_microbatches)
+    compute = max(device_s, host_s) / (1.0 - bubble)
     act_bytes = compute_bytes * seq_len // c.cp * c.microbatch_size * h
     tp_comm = 0.0
     if c.tp > 1:
@@ -566,4 +575,4 @@ def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: in
         step_time_s=step, tokens_per_s=tokens / step, tflops_per_gpu=achieved / 1e12,
         mfu=achieved / (device.peak_tflops * 1e12), bubble_fraction=bubble, compute_s=compute,
         tp_comm_s=tp_comm, pp_comm_s=pp_comm, dp_exposed_s=dp_exposed, ep_comm_s=ep_comm,
-        cp_comm_s=cp_comm)
+        cp_comm_s=cp_comm, host_bound=host_s > device_s)

@@ -22,6 +22,7 @@ from trainmesh.planning.cost_model import (
     runs_ddp,
     uses_fused_kernels,
 )
+from trainmesh.planning.devices import DeviceSpec
 from trainmesh.planning.stage_params import memoized
 from trainmesh.planning.topology import Topology
 from trainmesh.spec.mesh_rules import (
@@ -91,6 +92,7 @@ class PlanResult:
     plans: list[RankedPlan]  # best first
     rejected: list[Rejection]
     model: Any = None  # the model config planned for
+    device: DeviceSpec | None = None  # the accelerator planned for
 
     @property
     def best(self) -> RankedPlan:
@@ -372,7 +374,32 @@ def _plan(req: PlanRequest, topo: Topology, long: bool | None) -> PlanResult:
     # cost model has no fixed per-step costs, so for small models it would otherwise trade
     # accelerators the user gave the job for a prediction it cannot make precisely.
     ranked.sort(key=lambda p: (p.idle, -p.estimate.tokens_per_s, p.estimate.memory_per_rank_gib))
-    return PlanResult(ranked, rejected, req.model)
+    return PlanResult(ranked, rejected, req.model, topo.device)
+
+
+def _microbatch_choice(result: PlanResult, best: RankedPlan, device: DeviceSpec) -> list[str]:
+    """Why this microbatch size: the same plan at the smallest size that was weighed, its
+    time (each microbatch pays a fixed device cost per block, and the host's issuing of the
+    block's work where that is longer) and memory."""
+    c, e = best.candidate, best.estimate
+    line = ([f"The host issuing its blocks' work bounds the step ({device.host_dispatch_s * 1e3:.3g} "
+             "ms per block and microbatch, longer than the device runs it): larger microbatches "
+             "would keep the device busy."] if e.host_bound else [])
+    same = [p for p in result.plans if p.candidate.microbatch_size < c.microbatch_size
+            and dataclasses.replace(p.candidate, microbatch_size=c.microbatch_size,
+                                    num_microbatches=c.num_microbatches, padding=c.padding) == c]
+    if not same or device.host_dispatch_s == device.kernel_overhead_s == 0:
+        return line
+    alt = min(same, key=lambda p: p.candidate.microbatch_size)
+    a, ae = alt.candidate, alt.estimate
+    return line + [
+        f"Microbatch {c.microbatch_size} rather than {a.microbatch_size}: each microbatch pays the "
+        f"device's fixed costs per block ({device.kernel_overhead_s * 1e3:.2g} ms) or, where "
+        f"longer, the host's time to issue the block ({device.host_dispatch_s * 1e3:.2g} ms"
+        + (f"; longer at microbatch {a.microbatch_size}" if ae.host_bound else "")
+        + f"); {a.num_microbatches} microbatches of {a.microbatch_size} would take "
+        f"{ae.step_time_s / e.step_time_s - 1:.1%} longer and hold "
+        f"{e.memory_per_rank_gib - ae.memory_per_rank_gib:.1f} GiB less per rank."]
 
 
 def _sharding_choice(result: PlanResult, best: RankedPlan) -> list[str]:
@@ -434,6 +461,7 @@ def explain(result: PlanResult) -> str:
                      f"activations are 1/{c.cp} of a whole sequence's, and "
                      f"{e.cp_comm_s:.3g} s of the step is {c.cp_mode} key/value traffic that "
                      "the attention does not hide.")
+    parts += _microbatch_choice(result, best, result.device) if result.device else []
     parts += _sharding_choice(result, best)
     degrees = (c.tp, c.pp, c.dp, c.vpp, c.cp)
     others = [p for p in result.plans if (p.candidate.tp, p.candidate.pp, p.candidate.dp,
