@@ -371,8 +371,9 @@ def _plan(req: PlanRequest, topo: Topology, long: bool | None) -> PlanResult:
                        fused)
         ranked.append(RankedPlan(c, est, topo.world_size - c.world_size, node_ranks))
     # Every accelerator that can be used is used (fewest idle first), then the fastest: the
-    # cost model has no fixed per-step costs, so for small models it would otherwise trade
-    # accelerators the user gave the job for a prediction it cannot make precisely.
+    # cost model's fixed per-step costs are one host figure, so for small models it would
+    # otherwise trade accelerators the user gave the job for a prediction it cannot make
+    # precisely.
     ranked.sort(key=lambda p: (p.idle, -p.estimate.tokens_per_s, p.estimate.memory_per_rank_gib))
     return PlanResult(ranked, rejected, req.model, topo.device)
 
