@@ -552,8 +552,8 @@ def test_small_microbatches_pay_the_hosts_launches_and_the_devices_fixed_costs()
     times = [by_size[m].step_time_s for m in (1, 2, 4, 8)]
     assert times == sorted(times, reverse=True)
     assert by_size[1].host_bound and not by_size[8].host_bound
-    h200 = device_spec("h200")
-    assert by_size[1].compute_s == pytest.approx(16 * 16 * h200.host_dispatch_s + h200.host_step_s)
+    blocks = spec.model.n_layers * 16  # microbatch 1: 16 of them, each through every block
+    assert by_size[1].compute_s == pytest.approx(blocks * device_spec("h200").host_dispatch_s)
     text = explain(result)
     assert "Microbatch 8 rather than 1" in text and "longer at microbatch 1" in text
 
@@ -561,6 +561,7 @@ def test_small_microbatches_pay_the_hosts_launches_and_the_devices_fixed_costs()
                               "training.global_batch_size=16", "training.microbatch_size=1"])
     one = plan(request_for(pinned), Topology.uniform(1, 1, "h200"))
     assert one.best.estimate.host_bound and "The host issuing its blocks' work bounds the step" in explain(one)
+    assert "the GPU waits for its host" in explain(one)
 
     a100 = Topology.uniform(1, 1, "a100-40gb")
     no_recompute = load_spec(None, ["model.preset=1b", "training.seq_len=2048", "training.dtype=bfloat16",
@@ -574,5 +575,11 @@ def test_small_microbatches_pay_the_hosts_launches_and_the_devices_fixed_costs()
 
     cpu = load_spec(None, ["model.preset=tiny", "training.global_batch_size=16", "training.seq_len=64",
                            "parallelism=auto"])
-    cpu_plans = plan(request_for(cpu), Topology.uniform(1, 1, "cpu")).plans
-    assert len({round(p.estimate.compute_s, 12) for p in cpu_plans if p.candidate.recompute == "none"}) == 1
+    cpu_plans = [p for p in plan(request_for(cpu), Topology.uniform(1, 1, "cpu")).plans
+                 if p.candidate.recompute == "none"]
+    flops = cost_model.flops_per_token(cpu.model, 64) * 16 * 64
+    assert {p.candidate.microbatch_size for p in cpu_plans} == {1, 2, 4, 8}
+    for p in cpu_plans:  # the FLOPs alone, at every microbatch size
+        assert p.estimate.compute_s == pytest.approx(
+            flops / (device_spec("cpu").peak_tflops * 1e12 * cost_model.MATMUL_EFFICIENCY))
+        assert not p.estimate.host_bound

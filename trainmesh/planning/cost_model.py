@@ -36,10 +36,12 @@ Step time (seconds):
   * compute = training FLOPs of the global batch / (world × peak × efficiency) plus a fixed
     device cost per block and microbatch (kernels' launch latency and tails), × 4/3 with full
     recomputation (one more forward); or, where longer, the host's time to issue that work
-    (per block and microbatch, and per step for the step's own work): a GPU left
-    waiting for its host by small microbatches (the figures are the device's, measured;
-    ``DeviceSpec``); stretched by the pipeline bubble: the ideal time covers m microbatches,
-    the schedule takes m + (p-1)/v of them.
+    (per block and microbatch): a GPU left waiting for its host by small microbatches (the
+    figures are ``DeviceSpec``'s, fitted on an H200 and assumed for the other GPUs; zero on a
+    CPU rank, whose host is its device); stretched by the pipeline bubble: the ideal time
+    covers m microbatches, the schedule takes m + (p-1)/v of them. Not modelled: an MoE
+    block's host sync (its dispatch reads the expert counts), where host and device add
+    rather than overlap; communication a host-bound step could hide in the device's idle time.
   * TP: 4 all-reduces (or all-gather + reduce-scatter pairs under SP, same volume) of the
     layer's activations per layer per microbatch (2 forward, 2 backward), ring cost
     2(t-1)/t × bytes / intra-node bandwidth. Assumed not overlapped with compute.
@@ -527,10 +529,9 @@ def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: in
     h, layers = model.dim, model.n_layers // c.pp
     ideal = computed / (c.world_size * device.peak_tflops * 1e12 * MATMUL_EFFICIENCY)
     again = 1.0 + c.recomputed(layers) / 3.0  # one more forward per recomputed block
-    # Per block and microbatch the device's fixed cost and the host issuing the work; per
-    # step the host's work outside the microbatches.
+    # Per block and microbatch: the device's fixed cost, and the host issuing the work.
     device_s = (ideal + layers * c.num_microbatches * device.kernel_overhead_s) * again
-    host_s = layers * c.num_microbatches * device.host_dispatch_s * again + device.host_step_s
+    host_s = layers * c.num_microbatches * device.host_dispatch_s * again
     bubble = bubble_fraction(c.schedule, c.pp, c.vpp, c.num_microbatches)
     compute = max(device_s, host_s) / (1.0 - bubble)
     act_bytes = compute_bytes * seq_len // c.cp * c.microbatch_size * h

@@ -21,17 +21,15 @@ class DeviceSpec:
     streams: bool = True
     # Per block and microbatch, forward and backward: the device's fixed cost (each kernel's
     # launch latency and tail, the small ops that never fill it) and the host's time to issue
-    # the block's work (Python, autograd, FSDP2's hooks); per step, the host's time outside the
-    # microbatches (the optimizer, the gradient norm, the step's bookkeeping: one figure, its
-    # parts not yet profiled). A step takes the larger of the device's time and the host's, so
-    # small microbatches leave a GPU waiting for its host. Fitted to `1b` eager on an H200
-    # (bench/RESULTS.md, "Microbatch size on a GPU", 2026-11-27: 16 blocks, microbatch 1, 2, 4
-    # and 8 of 16 sequences of 2048, and 2 and 4 of 8); the other GPUs assume the H200's
-    # figures (the host is a host; launch latencies are close). Under model.compile the host
-    # issues fewer calls: not measured apart yet, so these bound it.
+    # the block's work (Python, autograd, FSDP2's hooks). A microbatch takes the larger of the
+    # two, so small microbatches leave a GPU waiting for its host. Fitted to `1b` eager on an
+    # H200 (bench/RESULTS.md, "Microbatch size on a GPU", 2026-11-27: 16 blocks, microbatch 1,
+    # 2, 4 and 8 of 16 sequences of 2048; bench/planner.py sets the model beside runs it was
+    # not fitted to); the other GPUs assume the H200's figures (the host is a host; launch
+    # latencies are close). Under model.compile the host issues fewer calls: not measured
+    # apart yet, so the host figure bounds it.
     kernel_overhead_s: float = 0.78e-3
-    host_dispatch_s: float = 3.1e-3
-    host_step_s: float = 0.17
+    host_dispatch_s: float = 3.8e-3
 
 
 DEVICES: dict[str, DeviceSpec] = {
@@ -44,7 +42,7 @@ DEVICES: dict[str, DeviceSpec] = {
     # One CPU rank (one core's share): a nominal fp32 figure so MFU has a denominator.
     # Its host is its device: per-op costs sit inside the nominal throughput.
     "cpu": DeviceSpec("cpu", 8, 0.1, 5.0, 1.0, framework_gib=0.65, streams=False,
-                      kernel_overhead_s=0.0, host_dispatch_s=0.0, host_step_s=0.0),
+                      kernel_overhead_s=0.0, host_dispatch_s=0.0),
 }
 
 

@@ -371,9 +371,8 @@ def _plan(req: PlanRequest, topo: Topology, long: bool | None) -> PlanResult:
                        fused)
         ranked.append(RankedPlan(c, est, topo.world_size - c.world_size, node_ranks))
     # Every accelerator that can be used is used (fewest idle first), then the fastest: the
-    # cost model's fixed per-step costs are one host figure, so for small models it would
-    # otherwise trade accelerators the user gave the job for a prediction it cannot make
-    # precisely.
+    # cost model has no fixed per-step costs, so for small models it would otherwise trade
+    # accelerators the user gave the job for a prediction it cannot make precisely.
     ranked.sort(key=lambda p: (p.idle, -p.estimate.tokens_per_s, p.estimate.memory_per_rank_gib))
     return PlanResult(ranked, rejected, req.model, topo.device)
 
@@ -383,9 +382,9 @@ def _microbatch_choice(result: PlanResult, best: RankedPlan, device: DeviceSpec)
     time (each microbatch pays a fixed device cost per block, and the host's issuing of the
     block's work where that is longer) and memory."""
     c, e = best.candidate, best.estimate
-    line = ([f"The host issuing its blocks' work bounds the step ({device.host_dispatch_s * 1e3:.3g} "
-             "ms per block and microbatch, longer than the device runs it): larger microbatches "
-             "would keep the device busy."] if e.host_bound else [])
+    line = ([f"The host issuing its blocks' work bounds the step ({device.host_dispatch_s * 1e3:.2g} "
+             f"ms per block and microbatch, longer than the device runs one of {c.microbatch_size}):"
+             " the GPU waits for its host."] if e.host_bound else [])
     same = [p for p in result.plans if p.candidate.microbatch_size < c.microbatch_size
             and dataclasses.replace(p.candidate, microbatch_size=c.microbatch_size,
                                     num_microbatches=c.num_microbatches, padding=c.padding) == c]
@@ -399,7 +398,7 @@ def _microbatch_choice(result: PlanResult, best: RankedPlan, device: DeviceSpec)
         f"longer, the host's time to issue the block ({device.host_dispatch_s * 1e3:.2g} ms"
         + (f"; longer at microbatch {a.microbatch_size}" if ae.host_bound else "")
         + f"); {a.num_microbatches} microbatches of {a.microbatch_size} would take "
-        f"{ae.step_time_s / e.step_time_s - 1:.1%} longer and hold "
+        f"{ae.step_time_s / e.step_time_s:.2f}× as long and hold "
         f"{e.memory_per_rank_gib - ae.memory_per_rank_gib:.1f} GiB less per rank."]
 
 
