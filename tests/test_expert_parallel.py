@@ -21,6 +21,11 @@ BASE = ["model.preset=tiny-moe", "training.global_batch_size=8", "training.micro
         "runtime.device=cpu", "runtime.collective_timeout_s=60", "training.steps=3"]
 
 CASES = {  # largest meshes first: the rank pool then only shrinks
+    # Hybrid sharding beside expert parallel: two shard groups of 4 replicas, each holding two
+    # EP groups of 2; an expert split over ep, sharded over the other replica of its shard
+    # group and replicated across the groups (gradients all-reduced over them).
+    "ep2-dp8-hsdp2": (ParallelDims(dp=8, ep=2), ["parallelism.dp_replicate=2",
+                                                 "model.moe.aux_loss_coef=0.1"]),
     # Qwen3's attention too: heads wider than dim / n_heads, per-head q/k norms (whole on each
     # tp rank, each rank's gradient from its heads only: summed over tp like the MoE block's).
     "ep2-tp2-dp2-sp-qk-norm": (ParallelDims(tp=2, dp=2, ep=2), [
@@ -66,10 +71,16 @@ def test_expert_parallel_matches_single_process(rank_pool, tmp_path, case):
     try:
         group.build(spec.model_dump_json(), dims, data_dir)
         # The experts are split over "ep" (and ZeRO-3 over "edp"); the rest over all of "dp".
+        # Hybrid sharding: the experts over ("dp_replicate", "edp_shard"), the rest over
+        # ("dp_replicate", "dp_shard").
+        hybrid = spec.parallelism.dp_replicate > 1
         for rank_meshes in group.parameter_meshes():
             for name, dims_here in rank_meshes.items():
                 if ".experts." in name:
-                    assert dims_here == ("edp", "ep"), (name, dims_here)
+                    want = ("dp_replicate", "edp_shard", "ep") if hybrid else ("edp", "ep")
+                    assert dims_here == want, (name, dims_here)
+                elif hybrid:
+                    assert dims_here[:2] == ("dp_replicate", "dp_shard"), (name, dims_here)
                 else:
                     assert dims_here[0] == ("dp_cp" if dims.cp > 1 else "dp"), (name, dims_here)
         # ... and evenly: every rank holds the same share of each expert weight.
@@ -102,8 +113,9 @@ def test_expert_parallel_matches_single_process(rank_pool, tmp_path, case):
 
 @pytest.mark.timeout(300)
 def test_a_checkpoint_at_ep4_restores_at_ep2_and_goes_on_with_the_same_losses(rank_pool, tmp_path):
-    """A job at ep4 × dp4 loses half its ranks: its checkpoint (experts, their AdamW moments,
-    the balancing bias) restores bit-identically at ep2 × dp2, and the next step's loss is the
+    """A job at ep4 × dp4 restarts at ep2 × dp4 under hybrid sharding (two shard groups of 2
+    replicas, one EP group each): its checkpoint (experts, their AdamW moments, the balancing
+    bias) restores bit-identically, saves back the same, and the next step's loss is the
     single process's."""
     from test_reshard_restore import _assert_same_state, _flat
 
@@ -119,8 +131,8 @@ def test_a_checkpoint_at_ep4_restores_at_ep2_and_goes_on_with_the_same_losses(ra
         group.save_to(str(tmp_path / "ep4"))
     finally:
         rank_pool.release(group)
-    after = ParallelDims(dp=2, ep=2)
-    spec = load_spec(None, [*args, "parallelism.dp=2", "parallelism.ep=2"])
+    after = ParallelDims(dp=4, ep=2)
+    spec = load_spec(None, [*args, "parallelism.dp=4", "parallelism.ep=2", "parallelism.dp_replicate=2"])
     group = rank_pool.group_for(spec, after)
     try:
         group.build(spec.model_dump_json(), after, data_dir)

@@ -583,3 +583,28 @@ def test_small_microbatches_pay_the_hosts_launches_and_the_devices_fixed_costs()
         assert p.estimate.compute_s == pytest.approx(
             flops / (device_spec("cpu").peak_tflops * 1e12 * cost_model.MATMUL_EFFICIENCY))
         assert not p.estimate.host_bound
+
+
+def test_an_moe_model_at_scale_is_planned_with_hybrid_sharding_beside_expert_parallel():
+    """Mixtral 8x7B on 1,024 H100: shard groups that hold whole expert-parallel groups,
+    all-reduced across the replica groups, are predicted faster than ZeRO-3 over every replica
+    with the same experts split; a re-plan of a pinned hybrid layout keeps each shard group
+    whole EP groups (the largest dp_replicate up to the pinned one that does)."""
+    from trainmesh.planning.job_plan import plan_for, request_for
+
+    spec = load_spec(None, ["model.preset=mixtral-8x7b", "training.seq_len=4096",
+                            "training.global_batch_size=2048", "parallelism=auto"])
+    result = plan(request_for(spec), Topology.uniform(128, 8, "h100"))
+    c = result.best.candidate
+    assert c.ep > 1 and c.dp_replicate > 1 and c.dp_shard % c.ep == 0 and c.cp == 1
+    flat = next(p for p in result.plans if p.candidate == dataclasses.replace(c, dp_replicate=1))
+    assert flat.estimate.dp_exposed_s > result.best.estimate.dp_exposed_s
+    assert f"It runs hybrid sharding {c.dp_replicate}×{c.dp_shard}" in explain(result)
+
+    pinned = load_spec(None, ["model.preset=tiny-moe", "parallelism.dp=8", "parallelism.ep=2",
+                              "parallelism.dp_replicate=4", "training.global_batch_size=12",
+                              "training.microbatch_size=1", "training.seq_len=32"])
+    new = plan_for(pinned, Topology.uniform(1, 6, "cpu"), replan=True)  # dp 6: groups of 3 or 6
+    par = new.spec.parallelism
+    assert (par.dp // par.dp_replicate) % par.ep == 0 and par.dp_replicate <= 4
+    assert (par.dp, par.ep, par.dp_replicate) == (6, 2, 3)

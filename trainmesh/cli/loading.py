@@ -297,7 +297,7 @@ def consistency_problems(spec: JobSpec) -> list[Problem]:
                                                                      else (par.dp, par.pp)))
     if not par.auto:
         out += shape_problems(m, par.tp, par.pp, par.vpp, par.dp * par.cp, par.ep)
-        out += hsdp_problems(par.dp, par.dp_replicate, par.ep)
+        out += hsdp_problems(par.dp, par.dp_replicate, par.ep, par.cp)
         out += cp_problems(tr.seq_len, par.cp, par.tp, par.ep, par.pp,
                            par.sequence_parallel or m.moe is not None, spec.data.document_mask)
         need(tr.float8 == "none" or par.tp == 1, "training.float8",

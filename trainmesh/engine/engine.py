@@ -257,7 +257,7 @@ class Engine:
         if is_moe(self.model):
             apply_expert_parallel(self.model, mesh, tr.seq_len)
             if mesh.dims.ep > 1:
-                experts = ExpertSharding(mesh["edp"], expert_divide_factor(mesh))
+                experts = ExpertSharding(mesh.expert_mesh, expert_divide_factor(mesh))
         apply_activation_checkpointing(self.model, spec.activation_checkpoint.mode,
                                        spec.activation_checkpoint.stride)
         if spec.model.compile:

@@ -1,13 +1,14 @@
 """The device mesh one rank trains on: a DeviceMesh over ("pp", "dp", "tp"), with context
 parallel ("pp", "dp", "cp", "tp"), with expert parallel ("pp", "edp", "ep", "tp") (with cp:
 ("pp", "edp", "ep_dp", "cp", "tp"), "ep" = ("ep_dp", "cp")), or with hybrid sharding
-("pp", "dp_replicate", "dp_shard"[, "cp"], "tp"), plus its dims. "dp" is every data-parallel
-replica (flattened where it is split); "ep" is one expert-parallel group, "edp" the replicas of
-one expert; "dp_cp" every rank that holds the same parameters of a stage (the replicas and
-their context-parallel peers), over which gradients reduce; ZeRO-3 shards over ``zero_mesh``:
-"dp" (cp = 1) or "dp_cp", or for hybrid sharding the 2-D ("dp_replicate", "dp_shard"[_cp]),
-FSDP2's HSDP. "dp_tp" is every rank of a pipeline stage (the ranks that split an MoE block's
-tokens).
+("pp", "dp_replicate", "dp_shard"[, "cp"], "tp") (beside expert parallel ("pp",
+"dp_replicate", "edp_shard", "ep", "tp"), "dp_shard" = ("edp_shard", "ep")), plus its dims.
+"dp" is every data-parallel replica (flattened where it is split); "ep" is one expert-parallel
+group, "edp" the replicas of one expert; "dp_cp" every rank that holds the same parameters of
+a stage (the replicas and their context-parallel peers), over which gradients reduce; ZeRO-3
+shards over ``zero_mesh``: "dp" (cp = 1) or "dp_cp", or for hybrid sharding the 2-D
+("dp_replicate", "dp_shard"[_cp]), FSDP2's HSDP, and the experts over ``expert_mesh``. "dp_tp"
+is every rank of a pipeline stage (the ranks that split an MoE block's tokens).
 
 Passed explicitly to everything that needs a group; there are no module-level groups.
 """
@@ -39,10 +40,11 @@ class Mesh:
         shard fastest, so a shard group is consecutive replicas (the nearest ranks)."""
         cp = (dims.cp,) if dims.cp > 1 else ()
         cpn = ("cp",) if cp else ()
+        if dp_replicate > 1 and dims.ep > 1:
+            return cls._hybrid_expert(dims, device_type, rank, dp_replicate)
         if dp_replicate > 1:
-            if dims.ep > 1 or dims.dp % dp_replicate:
-                raise ValueError(f"dp_replicate={dp_replicate} needs ep=1 and to divide "
-                                 f"dp={dims.dp}")
+            if dims.dp % dp_replicate:
+                raise ValueError(f"dp_replicate={dp_replicate} must divide dp={dims.dp}")
             dm = init_device_mesh(device_type, (dims.pp, dp_replicate, dims.dp // dp_replicate,
                                                 *cp, dims.tp),
                                   mesh_dim_names=("pp", "dp_replicate", "dp_shard", *cpn, "tp"))
@@ -82,6 +84,33 @@ class Mesh:
         if dims.tp > 1:
             dm["cp", "tp"]._flatten("cp_tp")
         return cls(dims=dims, device_mesh=dm, rank=rank)
+
+    @classmethod
+    def _hybrid_expert(cls, dims: ParallelDims, device_type: str, rank: int,
+                       dp_replicate: int) -> Mesh:
+        """Hybrid sharding beside expert parallel: ("pp", "dp_replicate", "edp_shard", "ep",
+        "tp"), each shard group of dp / dp_replicate replicas holding whole EP groups (ep
+        divides it), so an expert is split over "ep", sharded over "edp_shard" (the rest of
+        its shard group) and replicated over "dp_replicate"; "dp_shard" = ("edp_shard", "ep")
+        is the other parameters' shard group."""
+        shard = dims.dp // dp_replicate
+        if dims.dp % dp_replicate or shard % dims.ep or dims.cp > 1:
+            raise ValueError(f"dp_replicate={dp_replicate} beside ep={dims.ep} needs dp={dims.dp} "
+                             "/ dp_replicate to be a multiple of ep, and cp=1")
+        dm = init_device_mesh(device_type, (dims.pp, dp_replicate, shard // dims.ep, dims.ep, dims.tp),
+                              mesh_dim_names=("pp", "dp_replicate", "edp_shard", "ep", "tp"))
+        dm["edp_shard", "ep"]._flatten("dp_shard")
+        dm["dp_replicate", "edp_shard", "ep"]._flatten("dp")
+        dm["dp_replicate", "edp_shard", "ep", "tp"]._flatten("dp_tp")
+        return cls(dims=dims, device_mesh=dm, rank=rank, dp_replicate=dp_replicate)
+
+    @property
+    def expert_mesh(self) -> DeviceMesh:
+        """What ZeRO-3 shards the experts over (each already split over "ep"): "edp", the
+        replicas of each expert, or under hybrid sharding ("dp_replicate", "edp_shard")."""
+        if self.dp_replicate > 1:
+            return self.device_mesh["dp_replicate", "edp_shard"]
+        return self.device_mesh["edp"]
 
     @property
     def zero_mesh(self) -> DeviceMesh:

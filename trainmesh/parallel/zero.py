@@ -137,11 +137,12 @@ def apply_zero3(model: nn.Module, dp_mesh: DeviceMesh, policy: ZeroPolicy,
         routed = getattr(block.feed_forward, "experts", None)
         if experts is not None and routed is not None:
             fully_shard(routed, mesh=experts.mesh, reshard_after_forward=not policy.keep_gathered,
-                        mp_policy=mp, shard_placement_fn=_expert_dim(experts.mesh.size()))
+                        mp_policy=mp,
+                        shard_placement_fn=_expert_dim(experts.mesh.size(experts.mesh.ndim - 1)))
             routed.set_gradient_divide_factor(experts.divide_factor)
             # gloo has no PREMUL_SUM: sum, then divide. Not on a group of one, where FSDP
             # divides while copying and would divide again after (torch 2.13).
-            if experts.mesh.size() > 1 and dist.get_backend(experts.mesh.get_group()) == "gloo":
+            if experts.mesh.size() > 1 and dist.get_backend(experts.mesh.get_group(0)) == "gloo":
                 routed.set_force_sum_reduction_for_comms(True)
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=not policy.keep_gathered,
                     mp_policy=mp, shard_placement_fn=_expert_dim(shards))

@@ -273,17 +273,23 @@ def _replicate_choices(req: PlanRequest, tp: int, dp: int, ep: int, per_node: in
     groups of one node or of 8 nodes (whole nodes of the largest size: consecutive replicas
     share them; on mixed node sizes a group may straddle nodes) of at least 2 replicas; and,
     for a dense model without tp, pp or cp, groups of one replica (dp: DDP, every rank holding
-    the whole state, the fastest data parallel where that fits)."""
+    the whole state, the fastest data parallel where that fits). Beside expert parallel a
+    shard group holds whole EP groups (ep divides it), without context parallel."""
     if "dp_replicate" in req.fixed:
         return [int(req.fixed["dp_replicate"])]
+
+    def whole_ep_groups(r: int) -> bool:
+        return ep == 1 or (cp == 1 and (dp // r) % ep == 0)
+
     if "max_dp_replicate" in req.fixed:  # a re-plan of a pinned layout
-        top = int(req.fixed["max_dp_replicate"]) if ep == 1 else 1
-        return [max(r for r in range(1, top + 1) if dp % r == 0)]
+        top = int(req.fixed["max_dp_replicate"])
+        return [max(r for r in range(1, top + 1) if dp % r == 0 and whole_ep_groups(r))]
     out = [1]
-    if ep == 1 and dp * tp > 8 * per_node:
+    if dp * tp > 8 * per_node:
         for nodes in (1, 8):
             shard = nodes * per_node // tp
-            if shard > 1 and nodes * per_node % tp == 0 and dp % shard == 0 and shard < dp:
+            if (shard > 1 and nodes * per_node % tp == 0 and dp % shard == 0 and shard < dp
+                    and whole_ep_groups(dp // shard)):
                 out.append(dp // shard)
     if replicates(dp, dp, pp, tp, cp, has_moe_blocks(req.model)):
         out.append(dp)
