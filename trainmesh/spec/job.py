@@ -185,7 +185,8 @@ class ParallelismConfig(_Section):
         1, ge=1, description="hybrid sharding (HSDP): ZeRO-3 inside groups of dp / dp_replicate "
         "replicas, gradients all-reduced across the dp_replicate groups (divides dp; 1: ZeRO-3 "
         "over all of dp; = dp: no sharding, DDP's all-reduce overlapped with backward, for a "
-        "dense model without tp, pp or cp whose whole state fits each rank)")
+        "dense model without tp, pp or cp whose whole state fits each rank; beside ep > 1 each "
+        "group's replicas a multiple of ep, without cp)")
     vpp: int = Field(1, ge=1, description="virtual pipeline chunks per stage (interleaving)")
     ep: int = Field(1, ge=1, description="expert-parallel degree: each group of ep data-parallel "
                     "ranks splits the experts among them (needs model.moe; divides dp)")
