@@ -26,6 +26,9 @@ CASES = {  # largest meshes first: the rank pool then only shrinks
     # group and replicated across the groups (gradients all-reduced over them).
     "ep2-dp8-hsdp2": (ParallelDims(dp=8, ep=2), ["parallelism.dp_replicate=2",
                                                  "model.moe.aux_loss_coef=0.1"]),
+    # ... and with context parallel: EP groups of one replica's ring (ep = cp = 2), two shard
+    # groups of 2 replicas; the other parameters sharded over ("dp_shard", "cp").
+    "ep2-cp2-dp4-hsdp2": (ParallelDims(dp=4, cp=2, ep=2), ["parallelism.dp_replicate=2"]),
     # Qwen3's attention too: heads wider than dim / n_heads, per-head q/k norms (whole on each
     # tp rank, each rank's gradient from its heads only: summed over tp like the MoE block's).
     "ep2-tp2-dp2-sp-qk-norm": (ParallelDims(tp=2, dp=2, ep=2), [
@@ -72,7 +75,7 @@ def test_expert_parallel_matches_single_process(rank_pool, tmp_path, case):
         group.build(spec.model_dump_json(), dims, data_dir)
         # The experts are split over "ep" (and ZeRO-3 over "edp"); the rest over all of "dp".
         # Hybrid sharding: the experts over ("dp_replicate", "edp_shard"), the rest over
-        # ("dp_replicate", "dp_shard").
+        # ("dp_replicate", "dp_shard"[_cp]).
         hybrid = spec.parallelism.dp_replicate > 1
         for rank_meshes in group.parameter_meshes():
             for name, dims_here in rank_meshes.items():
@@ -80,7 +83,8 @@ def test_expert_parallel_matches_single_process(rank_pool, tmp_path, case):
                     want = ("dp_replicate", "edp_shard", "ep") if hybrid else ("edp", "ep")
                     assert dims_here == want, (name, dims_here)
                 elif hybrid:
-                    assert dims_here[:2] == ("dp_replicate", "dp_shard"), (name, dims_here)
+                    shard = "dp_shard_cp" if dims.cp > 1 else "dp_shard"
+                    assert dims_here[:2] == ("dp_replicate", shard), (name, dims_here)
                 else:
                     assert dims_here[0] == ("dp_cp" if dims.cp > 1 else "dp"), (name, dims_here)
         # ... and evenly: every rank holds the same share of each expert weight.

@@ -27,11 +27,11 @@ BAD_SPECS = [
     # a share of 1 microbatch cannot fill 2 pipeline stages
     ("training: {global_batch_size: 8, microbatch_size: 2}\nparallelism: {dp: 4, pp: 2}",
      "parallelism.dp"),
-    # beside expert parallel each shard group holds whole EP groups, without context parallel
+    # beside expert parallel each shard group holds whole EP groups (of ep / cp replicas)
     ("model: {preset: tiny-moe}\nparallelism: {dp: 4, ep: 4, dp_replicate: 2}",
      "parallelism.dp_replicate"),
-    ("model: {preset: tiny-moe}\ntraining: {seq_len: 64}\nparallelism: {dp: 4, cp: 2, ep: 2, "
-     "dp_replicate: 2}", "parallelism.dp_replicate"),
+    ("model: {preset: tiny-moe}\ntraining: {seq_len: 64}\nparallelism: {dp: 4, cp: 2, ep: 4, "
+     "dp_replicate: 4}", "parallelism.dp_replicate"),
     # dp need not divide the batch's microbatches, but may not exceed them
     ("training: {global_batch_size: 8, microbatch_size: 2}\nparallelism: {dp: 5}",
      "parallelism.dp"),

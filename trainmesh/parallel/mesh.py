@@ -2,7 +2,8 @@
 parallel ("pp", "dp", "cp", "tp"), with expert parallel ("pp", "edp", "ep", "tp") (with cp:
 ("pp", "edp", "ep_dp", "cp", "tp"), "ep" = ("ep_dp", "cp")), or with hybrid sharding
 ("pp", "dp_replicate", "dp_shard"[, "cp"], "tp") (beside expert parallel ("pp",
-"dp_replicate", "edp_shard", "ep", "tp"), "dp_shard" = ("edp_shard", "ep")), plus its dims.
+"dp_replicate", "edp_shard", "ep"[_dp, "cp"], "tp"), "dp_shard" = ("edp_shard", "ep"[_dp])),
+plus its dims.
 "dp" is every data-parallel replica (flattened where it is split); "ep" is one expert-parallel
 group, "edp" the replicas of one expert; "dp_cp" every rank that holds the same parameters of
 a stage (the replicas and their context-parallel peers), over which gradients reduce; ZeRO-3
@@ -89,19 +90,33 @@ class Mesh:
     def _hybrid_expert(cls, dims: ParallelDims, device_type: str, rank: int,
                        dp_replicate: int) -> Mesh:
         """Hybrid sharding beside expert parallel: ("pp", "dp_replicate", "edp_shard", "ep",
-        "tp"), each shard group of dp / dp_replicate replicas holding whole EP groups (ep
-        divides it), so an expert is split over "ep", sharded over "edp_shard" (the rest of
-        its shard group) and replicated over "dp_replicate"; "dp_shard" = ("edp_shard", "ep")
-        is the other parameters' shard group."""
-        shard = dims.dp // dp_replicate
-        if dims.dp % dp_replicate or shard % dims.ep or dims.cp > 1:
+        "tp"), each shard group of dp / dp_replicate replicas holding whole EP groups, so an
+        expert is split over "ep", sharded over "edp_shard" (the rest of its shard group) and
+        replicated over "dp_replicate"; "dp_shard" = ("edp_shard", "ep") is the other
+        parameters' shard group. With context parallel an EP group is k = ep / cp replicas'
+        whole rings: ("pp", "dp_replicate", "edp_shard", "ep_dp", "cp", "tp"), "ep" =
+        ("ep_dp", "cp"), and the other parameters shard over "dp_shard_cp"."""
+        k, cp, shard = dims.ep // dims.cp, dims.cp, dims.dp // dp_replicate
+        if dims.dp % dp_replicate or shard % k:
             raise ValueError(f"dp_replicate={dp_replicate} beside ep={dims.ep} needs dp={dims.dp} "
-                             "/ dp_replicate to be a multiple of ep, and cp=1")
-        dm = init_device_mesh(device_type, (dims.pp, dp_replicate, shard // dims.ep, dims.ep, dims.tp),
-                              mesh_dim_names=("pp", "dp_replicate", "edp_shard", "ep", "tp"))
-        dm["edp_shard", "ep"]._flatten("dp_shard")
-        dm["dp_replicate", "edp_shard", "ep"]._flatten("dp")
-        dm["dp_replicate", "edp_shard", "ep", "tp"]._flatten("dp_tp")
+                             f"/ dp_replicate to be a multiple of ep / cp = {k}")
+        if cp == 1:
+            dm = init_device_mesh(device_type, (dims.pp, dp_replicate, shard // k, k, dims.tp),
+                                  mesh_dim_names=("pp", "dp_replicate", "edp_shard", "ep", "tp"))
+            dm["edp_shard", "ep"]._flatten("dp_shard")
+            dm["dp_replicate", "edp_shard", "ep"]._flatten("dp")
+            dm["dp_replicate", "edp_shard", "ep", "tp"]._flatten("dp_tp")
+            return cls(dims=dims, device_mesh=dm, rank=rank, dp_replicate=dp_replicate)
+        dm = init_device_mesh(device_type, (dims.pp, dp_replicate, shard // k, k, cp, dims.tp),
+                              mesh_dim_names=("pp", "dp_replicate", "edp_shard", "ep_dp", "cp", "tp"))
+        dm["ep_dp", "cp"]._flatten("ep")
+        dm["edp_shard", "ep_dp"]._flatten("dp_shard")
+        dm["edp_shard", "ep_dp", "cp"]._flatten("dp_shard_cp")
+        dm["dp_replicate", "edp_shard", "ep_dp"]._flatten("dp")
+        dm["dp_replicate", "edp_shard", "ep_dp", "cp"]._flatten("dp_cp")
+        dm["dp_replicate", "edp_shard", "ep_dp", "cp", "tp"]._flatten("dp_tp")
+        if dims.tp > 1:
+            dm["cp", "tp"]._flatten("cp_tp")
         return cls(dims=dims, device_mesh=dm, rank=rank, dp_replicate=dp_replicate)
 
     @property

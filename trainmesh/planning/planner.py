@@ -274,12 +274,12 @@ def _replicate_choices(req: PlanRequest, tp: int, dp: int, ep: int, per_node: in
     share them; on mixed node sizes a group may straddle nodes) of at least 2 replicas; and,
     for a dense model without tp, pp or cp, groups of one replica (dp: DDP, every rank holding
     the whole state, the fastest data parallel where that fits). Beside expert parallel a
-    shard group holds whole EP groups (ep divides it), without context parallel."""
+    shard group holds whole EP groups (of ep / cp replicas)."""
     if "dp_replicate" in req.fixed:
         return [int(req.fixed["dp_replicate"])]
 
-    def whole_ep_groups(r: int) -> bool:
-        return ep == 1 or (cp == 1 and (dp // r) % ep == 0)
+    def whole_ep_groups(r: int) -> bool:  # an EP group: ep / cp replicas' whole rings
+        return ep == 1 or (dp // r) % (ep // cp) == 0
 
     if "max_dp_replicate" in req.fixed:  # a re-plan of a pinned layout
         top = int(req.fixed["max_dp_replicate"])

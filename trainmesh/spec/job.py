@@ -186,7 +186,7 @@ class ParallelismConfig(_Section):
         "replicas, gradients all-reduced across the dp_replicate groups (divides dp; 1: ZeRO-3 "
         "over all of dp; = dp: no sharding, DDP's all-reduce overlapped with backward, for a "
         "dense model without tp, pp or cp whose whole state fits each rank; beside ep > 1 each "
-        "group's replicas a multiple of ep, without cp)")
+        "group's replicas a multiple of ep / cp)")
     vpp: int = Field(1, ge=1, description="virtual pipeline chunks per stage (interleaving)")
     ep: int = Field(1, ge=1, description="expert-parallel degree: each group of ep data-parallel "
                     "ranks splits the experts among them (needs model.moe; divides dp)")

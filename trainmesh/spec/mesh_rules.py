@@ -121,23 +121,20 @@ def dp_problems(global_batch: int, microbatch_size: int, dp: int, pp: int = 1) -
 
 def hsdp_problems(dp: int, dp_replicate: int, ep: int = 1, cp: int = 1) -> list[Problem]:
     """Hybrid sharding splits dp into dp_replicate groups of dp / dp_replicate shards; beside
-    expert parallel each shard group holds whole EP groups (without context parallel)."""
+    expert parallel each shard group holds whole EP groups (ep / cp replicas each)."""
     if dp_replicate == 1:
         return []
     if dp % dp_replicate:
         return [Problem("parallelism.dp_replicate", f"dp_replicate={dp_replicate} does not "
                         f"divide dp={dp}", f"use one of "
                         f"{[d for d in range(1, dp + 1) if dp % d == 0]}", DIVISIBILITY)]
-    if ep > 1 and cp > 1:
-        return [Problem("parallelism.dp_replicate", f"hybrid sharding beside expert parallel "
-                        f"(ep={ep}) with context parallel (cp={cp}) is not built",
-                        "set parallelism.dp_replicate=1, or ep=1, or cp=1")]
-    if ep > 1 and (dp // dp_replicate) % ep:
+    group = ep // cp if ep % cp == 0 else ep  # replicas per EP group (whole cp rings)
+    if ep > 1 and (dp // dp_replicate) % group:
         return [Problem("parallelism.dp_replicate", f"dp_replicate={dp_replicate} leaves shard "
                         f"groups of {dp // dp_replicate} replicas, which must hold whole "
-                        f"expert-parallel groups of ep={ep}",
-                        f"use a dp_replicate that leaves a multiple of {ep} replicas per group: "
-                        f"{[d for d in range(1, dp + 1) if dp % d == 0 and (dp // d) % ep == 0]}",
+                        f"expert-parallel groups of {group} replica(s) (ep={ep}, cp={cp})",
+                        f"use a dp_replicate that leaves a multiple of {group} replicas per group: "
+                        f"{[d for d in range(1, dp + 1) if dp % d == 0 and (dp // d) % group == 0]}",
                         DIVISIBILITY)]
     return []
 
