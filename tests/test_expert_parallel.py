@@ -27,8 +27,10 @@ CASES = {  # largest meshes first: the rank pool then only shrinks
     "ep2-dp8-hsdp2": (ParallelDims(dp=8, ep=2), ["parallelism.dp_replicate=2",
                                                  "model.moe.aux_loss_coef=0.1"]),
     # ... and with context parallel: EP groups of one replica's ring (ep = cp = 2), two shard
-    # groups of 2 replicas; the other parameters sharded over ("dp_shard", "cp").
-    "ep2-cp2-dp4-hsdp2": (ParallelDims(dp=4, cp=2, ep=2), ["parallelism.dp_replicate=2"]),
+    # groups of 2 replicas; the other parameters sharded over ("dp_shard", "cp"); reduced
+    # every microbatch, all-reduced across the groups at the last.
+    "ep2-cp2-dp4-hsdp2-regather": (ParallelDims(dp=4, cp=2, ep=2), [
+        "parallelism.dp_replicate=2", "parallelism.keep_gathered=false"]),
     # Qwen3's attention too: heads wider than dim / n_heads, per-head q/k norms (whole on each
     # tp rank, each rank's gradient from its heads only: summed over tp like the MoE block's).
     "ep2-tp2-dp2-sp-qk-norm": (ParallelDims(tp=2, dp=2, ep=2), [
@@ -40,6 +42,10 @@ CASES = {  # largest meshes first: the rank pool then only shrinks
         "model.moe.bias_update_rate=0.01"]),
     "pp2-ep2-dp2-aux-loss": (ParallelDims(pp=2, dp=2, ep=2), ["model.moe.aux_loss_coef=0.1"]),
     "ep4-dp4": (ParallelDims(dp=4, ep=4), []),
+    # a shard group that is one EP group: each expert's reduce-scatter a group of one rank,
+    # its gradients all-reduced across the two groups only
+    "ep2-dp4-hsdp2-one-ep-group-per-shard-group": (ParallelDims(dp=4, ep=2), [
+        "parallelism.dp_replicate=2"]),
     # Dropping by capacity over microbatches (2 sequences) whose tokens 4 ranks split (2
     # context-parallel chunks each, their halves over tp): each expert keeps what it keeps in
     # one process (the decision alone, tied weights included: test_moe.py). Experts over the
@@ -117,9 +123,10 @@ def test_expert_parallel_matches_single_process(rank_pool, tmp_path, case):
 
 @pytest.mark.timeout(300)
 def test_a_checkpoint_at_ep4_restores_at_ep2_and_goes_on_with_the_same_losses(rank_pool, tmp_path):
-    """A job at ep4 × dp4 restarts at ep2 × dp4 under hybrid sharding (two shard groups of 2
-    replicas, one EP group each): its checkpoint (experts, their AdamW moments, the balancing
-    bias) restores bit-identically, saves back the same, and the next step's loss is the
+    """A job at ep4 × dp4 restarts at ep2 × dp8 under hybrid sharding (two shard groups of 4
+    replicas, two EP groups each: experts replicated across the groups and sharded inside
+    them), or loses half its ranks (ep2 × dp2): its checkpoint (experts, their AdamW moments, the balancing bias)
+    restores bit-identically on either, saves back the same, and the next step's loss is the
     single process's."""
     from test_reshard_restore import _assert_same_state, _flat
 
@@ -135,21 +142,24 @@ def test_a_checkpoint_at_ep4_restores_at_ep2_and_goes_on_with_the_same_losses(ra
         group.save_to(str(tmp_path / "ep4"))
     finally:
         rank_pool.release(group)
-    after = ParallelDims(dp=4, ep=2)
-    spec = load_spec(None, [*args, "parallelism.dp=4", "parallelism.ep=2", "parallelism.dp_replicate=2"])
-    group = rank_pool.group_for(spec, after)
-    try:
-        group.build(spec.model_dump_json(), after, data_dir)
-        group.load(str(tmp_path / "ep4"), 2, None)
-        group.save_to(str(tmp_path / "ep2"))
-        losses.append(group.train_step()[0]["loss"])
-    finally:
-        rank_pool.release(group)
     saved = _flat(tmp_path / "ep4", tmp_path, "ep4")
     assert any(k.endswith("expert_bias") and v.abs().sum() > 0 for k, v in saved["model"].items())
-    _assert_same_state(_flat(tmp_path / "ep2", tmp_path, "ep2"), saved)
+    for after, replicate in ((ParallelDims(dp=8, ep=2), 2), (ParallelDims(dp=2, ep=2), 1)):
+        spec = load_spec(None, [*args, f"parallelism.dp={after.dp}", "parallelism.ep=2",
+                                f"parallelism.dp_replicate={replicate}"])
+        name = f"dp{after.dp}-hsdp{replicate}"
+        group = rank_pool.group_for(spec, after)
+        try:
+            group.build(spec.model_dump_json(), after, data_dir)
+            group.load(str(tmp_path / "ep4"), 2, None)
+            group.save_to(str(tmp_path / name))
+            losses.append(group.train_step()[0]["loss"])
+        finally:
+            rank_pool.release(group)
+        _assert_same_state(_flat(tmp_path / name, tmp_path, name), saved)
     ref_losses, _ = reference_run(spec, data_dir, steps=3)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses[:3] + ref_losses[2:]),
+                               rtol=1e-5, atol=0)
 
 
 def _expert_shard_sizes(engine) -> dict[str, int]:

@@ -608,3 +608,9 @@ def test_an_moe_model_at_scale_is_planned_with_hybrid_sharding_beside_expert_par
     par = new.spec.parallelism
     assert (par.dp // par.dp_replicate) % par.ep == 0 and par.dp_replicate <= 4
     assert (par.dp, par.ep, par.dp_replicate) == (6, 2, 3)
+    # pinned 2: groups of 3 replicas would split an EP group; the largest below that does not
+    two = load_spec(None, ["model.preset=tiny-moe", "parallelism.dp=8", "parallelism.ep=2",
+                           "parallelism.dp_replicate=2", "training.global_batch_size=12",
+                           "training.microbatch_size=1", "training.seq_len=32"])
+    par = plan_for(two, Topology.uniform(1, 6, "cpu"), replan=True).spec.parallelism
+    assert (par.dp, par.ep, par.dp_replicate) == (6, 2, 1)

@@ -199,7 +199,8 @@ def token_positions(seq_len: int, cp_rank: int, cp: int, tp_rank: int, tp: int) 
 
 
 def expert_divide_factor(mesh: Mesh) -> float:
-    """What ZeRO-3 over "edp" divides expert gradients by: every data-parallel replica's
+    """What ZeRO-3 over the experts' replicas ("edp", or ("dp_replicate", "edp_shard") under
+    hybrid sharding) divides expert gradients by: every data-parallel replica's
     (and context-parallel rank's) tokens reached them through the all-to-all, so the mean is
     over dp × cp, not edp."""
     return float(mesh.replicas)

@@ -2,8 +2,8 @@
 parallel ("pp", "dp", "cp", "tp"), with expert parallel ("pp", "edp", "ep", "tp") (with cp:
 ("pp", "edp", "ep_dp", "cp", "tp"), "ep" = ("ep_dp", "cp")), or with hybrid sharding
 ("pp", "dp_replicate", "dp_shard"[, "cp"], "tp") (beside expert parallel ("pp",
-"dp_replicate", "edp_shard", "ep"[_dp, "cp"], "tp"), "dp_shard" = ("edp_shard", "ep"[_dp])),
-plus its dims.
+"dp_replicate", "edp_shard", "ep"[_dp, "cp"], "tp"), "dp_shard"[_cp] = ("edp_shard",
+"ep"[_dp, "cp"])), plus its dims.
 "dp" is every data-parallel replica (flattened where it is split); "ep" is one expert-parallel
 group, "edp" the replicas of one expert; "dp_cp" every rank that holds the same parameters of
 a stage (the replicas and their context-parallel peers), over which gradients reduce; ZeRO-3
@@ -95,7 +95,8 @@ class Mesh:
         replicated over "dp_replicate"; "dp_shard" = ("edp_shard", "ep") is the other
         parameters' shard group. With context parallel an EP group is k = ep / cp replicas'
         whole rings: ("pp", "dp_replicate", "edp_shard", "ep_dp", "cp", "tp"), "ep" =
-        ("ep_dp", "cp"), and the other parameters shard over "dp_shard_cp"."""
+        ("ep_dp", "cp"), and the other parameters shard over "dp_shard_cp" = ("edp_shard",
+        "ep_dp", "cp")."""
         k, cp, shard = dims.ep // dims.cp, dims.cp, dims.dp // dp_replicate
         if dims.dp % dp_replicate or shard % k:
             raise ValueError(f"dp_replicate={dp_replicate} beside ep={dims.ep} needs dp={dims.dp} "
@@ -110,7 +111,6 @@ class Mesh:
         dm = init_device_mesh(device_type, (dims.pp, dp_replicate, shard // k, k, cp, dims.tp),
                               mesh_dim_names=("pp", "dp_replicate", "edp_shard", "ep_dp", "cp", "tp"))
         dm["ep_dp", "cp"]._flatten("ep")
-        dm["edp_shard", "ep_dp"]._flatten("dp_shard")
         dm["edp_shard", "ep_dp", "cp"]._flatten("dp_shard_cp")
         dm["dp_replicate", "edp_shard", "ep_dp"]._flatten("dp")
         dm["dp_replicate", "edp_shard", "ep_dp", "cp"]._flatten("dp_cp")
@@ -150,7 +150,8 @@ class Mesh:
 
     def __getitem__(self, axis: Axis | str) -> DeviceMesh:
         """The 1-D mesh of ``axis`` through this rank: pp, dp, cp, tp, or ep, edp, dp_cp, dp_tp,
-        or dp_replicate, dp_shard (hybrid sharding)."""
+        or dp_replicate, dp_shard (hybrid sharding; beside expert parallel edp_shard, and no
+        edp: ``expert_mesh``)."""
         return self.device_mesh[axis.value if isinstance(axis, Axis) else axis]
 
     def coord(self, axis: Axis | str) -> int:

@@ -103,8 +103,9 @@ def _bf16_all_reduce(group, bucket):  # (DDP checks a hook's annotations as obje
 
 @dataclass(frozen=True)
 class ExpertSharding:
-    """Expert parallel's experts: ZeRO-3 over ``mesh`` (the replicas of each expert, "edp"),
-    gradients divided by ``divide_factor`` (every data-parallel replica's tokens reached them)."""
+    """Expert parallel's experts: ZeRO-3 over ``mesh`` (the replicas of each expert: "edp", or
+    under hybrid sharding ("dp_replicate", "edp_shard")), gradients divided by
+    ``divide_factor`` (every data-parallel replica's tokens reached them)."""
 
     mesh: DeviceMesh
     divide_factor: float
@@ -140,9 +141,11 @@ def apply_zero3(model: nn.Module, dp_mesh: DeviceMesh, policy: ZeroPolicy,
                         mp_policy=mp,
                         shard_placement_fn=_expert_dim(experts.mesh.size(experts.mesh.ndim - 1)))
             routed.set_gradient_divide_factor(experts.divide_factor)
-            # gloo has no PREMUL_SUM: sum, then divide. Not on a group of one, where FSDP
-            # divides while copying and would divide again after (torch 2.13).
-            if experts.mesh.size() > 1 and dist.get_backend(experts.mesh.get_group(0)) == "gloo":
+            # gloo has no PREMUL_SUM: sum, then divide. Not where the reduce-scatter's group
+            # is one rank (hybrid sharding too), where FSDP divides while copying and would
+            # divide again after (torch 2.13).
+            if (experts.mesh.size(experts.mesh.ndim - 1) > 1
+                    and dist.get_backend(experts.mesh.get_group(0)) == "gloo"):
                 routed.set_force_sum_reduction_for_comms(True)
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=not policy.keep_gathered,
                     mp_policy=mp, shard_placement_fn=_expert_dim(shards))

@@ -409,28 +409,40 @@ def _zero3_exposed(model, c: Candidate, device: DeviceSpec, per_node: int, compu
     dp / dp_replicate replicas under hybrid sharding): parameters all-gathered and gradients
     reduce-scattered, ring cost (s-1)/s × bytes / bandwidth; under hybrid sharding the
     reduce-scatters' accumulated output (1/s of the gradients) is then all-reduced across the
-    dp_replicate groups once per step, 2(r-1)/r × bytes. A group within a node uses intra-node
-    bandwidth. Overlapped with compute except what exceeds half of it; each collective's
-    latency (one hop per other participant of its ring) is paid per FSDP unit, not hidden."""
-    params = rank_params(model, c.pp, 0, c.schedule).gathered(c.tp, c.ep)
+    dp_replicate groups once per step, 2(r-1)/r × bytes. Under expert parallel the experts
+    gather and reduce over their own ring, s / ep (one FSDP unit per MoE block). A group within
+    a node uses intra-node bandwidth. Overlapped with compute except what exceeds half of it;
+    each collective's latency (one hop per other participant of its ring) is paid per FSDP
+    unit, not hidden."""
+    rp = rank_params(model, c.pp, 0, c.schedule)
     s, r = c.zero_shards, c.dp_replicate
+    # Under expert parallel the experts (split over ep) are FSDP units of their own, one per
+    # MoE block, sharded over the rest of the shard group: s / ep ranks.
+    experts = rp.experts / c.ep if c.ep > 1 else 0.0
+    dense, se = rp.gathered(c.tp, c.ep) - experts, max(1, s // c.ep)
+    moe_units = sum(1 for i in range(model.n_layers) if i >= model.moe.dense_layers) / c.pp \
+        if experts else 0.0
     shard_inside = s * c.tp <= per_node
     gathers = 1 if c.keep_gathered else 2 * c.num_microbatches
     reduces = 1 if c.keep_gathered else c.num_microbatches
+    per_element = gathers * compute_bytes + reduces * c.reduce_bytes
     units = model.n_layers // c.pp + 1
     time, latency = 0.0, 0.0
     hidden = 0.5 * compute if device.streams else 0.0
+    bw = device.intra_node_gbps if shard_inside else device.inter_node_gbps
     if s > 1:
-        bw = device.intra_node_gbps if shard_inside else device.inter_node_gbps
-        moved = (gathers * compute_bytes + reduces * c.reduce_bytes) * params
-        time += moved * (s - 1) / s / (bw * 1e9)
+        time += per_element * dense * (s - 1) / s / (bw * 1e9)
         latency += (gathers + reduces) * units * _ring_latency(s, not shard_inside)
+    if se > 1 and experts:
+        time += per_element * experts * (se - 1) / se / (bw * 1e9)
+        latency += (gathers + reduces) * moe_units * _ring_latency(se, not shard_inside)
     if r > 1:
         whole_inside = c.dp * c.cp * c.tp <= per_node
         bw = device.intra_node_gbps if whole_inside else device.inter_node_gbps
-        # once per step: re-gathering reduce-scatters every microbatch, all-reduces at the last
-        time += 2 * (r - 1) / r * c.reduce_bytes * params / s / (bw * 1e9)
-        latency += units * 2 * _ring_latency(r, not whole_inside)
+        # once per step: re-gathering reduce-scatters every microbatch, all-reduces at the
+        # last; what each rank holds after its reduce-scatters (experts: 1/se of its ep part)
+        time += 2 * (r - 1) / r * c.reduce_bytes * rp.local(c.tp, s) / (bw * 1e9)
+        latency += (units + moe_units) * 2 * _ring_latency(r, not whole_inside)
     return max(0.0, time - hidden) + latency
 
 
