@@ -586,19 +586,21 @@ def test_small_microbatches_pay_the_hosts_launches_and_the_devices_fixed_costs()
 
 
 def test_an_moe_model_at_scale_is_planned_with_hybrid_sharding_beside_expert_parallel():
-    """Mixtral 8x7B on 1,024 H100: shard groups that hold whole expert-parallel groups,
+    """Mixtral 8x22B on 8,192 H100: shard groups that hold whole expert-parallel groups,
     all-reduced across the replica groups, are predicted faster than ZeRO-3 over every replica
-    with the same experts split; a re-plan of a pinned hybrid layout keeps each shard group
-    whole EP groups (the largest dp_replicate up to the pinned one that does)."""
+    with the same experts split (rings of thousands pay a hop each); a re-plan of a pinned
+    hybrid layout keeps each shard group whole EP groups (the largest dp_replicate up to the
+    pinned one that does)."""
     from trainmesh.planning.job_plan import plan_for, request_for
 
-    spec = load_spec(None, ["model.preset=mixtral-8x7b", "training.seq_len=4096",
-                            "training.global_batch_size=2048", "parallelism=auto"])
-    result = plan(request_for(spec), Topology.uniform(128, 8, "h100"))
+    spec = load_spec(None, ["model.preset=mixtral-8x22b", "training.seq_len=4096",
+                            "training.global_batch_size=8192", "parallelism=auto"])
+    result = plan(request_for(spec), Topology.uniform(1024, 8, "h100"))
     c = result.best.candidate
     assert c.ep > 1 and c.dp_replicate > 1 and c.dp_shard % c.ep == 0 and c.cp == 1
     flat = next(p for p in result.plans if p.candidate == dataclasses.replace(c, dp_replicate=1))
     assert flat.estimate.dp_exposed_s > result.best.estimate.dp_exposed_s
+    assert result.best.estimate.tokens_per_s > 1.05 * flat.estimate.tokens_per_s
     assert f"It runs hybrid sharding {c.dp_replicate}×{c.dp_shard}" in explain(result)
 
     pinned = load_spec(None, ["model.preset=tiny-moe", "parallelism.dp=8", "parallelism.ep=2",
