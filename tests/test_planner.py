@@ -616,3 +616,14 @@ def test_an_moe_model_at_scale_is_planned_with_hybrid_sharding_beside_expert_par
                            "training.microbatch_size=1", "training.seq_len=32"])
     par = plan_for(two, Topology.uniform(1, 6, "cpu"), replan=True).spec.parallelism
     assert (par.dp, par.ep, par.dp_replicate) == (6, 2, 1)
+
+
+def test_hybrid_shard_groups_under_context_parallel_are_whole_nodes():
+    """A replica of a stage is tp × cp ranks: hybrid sharding's shard groups span one node or
+    8 (dp_shard × cp × tp ranks), as they do without context parallel."""
+    from trainmesh.planning.job_plan import request_for
+
+    spec = load_spec("jobs/llama-8b-128k.yaml", ["parallelism=auto", "training.global_batch_size=128"])
+    plans = plan(request_for(spec), Topology.uniform(32, 8, "h100")).plans
+    hybrid = [p.candidate for p in plans if p.candidate.cp > 1 and p.candidate.dp_replicate > 1]
+    assert hybrid and {c.dp_shard * c.cp * c.tp for c in hybrid} <= {8, 64}

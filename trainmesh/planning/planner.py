@@ -285,10 +285,11 @@ def _replicate_choices(req: PlanRequest, tp: int, dp: int, ep: int, per_node: in
         top = int(req.fixed["max_dp_replicate"])
         return [max(r for r in range(1, top + 1) if dp % r == 0 and whole_ep_groups(r))]
     out = [1]
-    if dp * tp > 8 * per_node:
+    ranks = tp * cp  # of one replica in a stage: a shard group spans dp_shard of them
+    if dp * ranks > 8 * per_node:
         for nodes in (1, 8):
-            shard = nodes * per_node // tp
-            if (shard > 1 and nodes * per_node % tp == 0 and dp % shard == 0 and shard < dp
+            shard = nodes * per_node // ranks
+            if (shard > 1 and nodes * per_node % ranks == 0 and dp % shard == 0 and shard < dp
                     and whole_ep_groups(dp // shard)):
                 out.append(dp // shard)
     if replicates(dp, dp, pp, tp, cp, has_moe_blocks(req.model)):
