@@ -5,6 +5,9 @@ section part by part (a run cut off keeps the parts it finished). Parts in the o
 
     make gpu-check            # = python3 bench/gpu_check.py --append bench/RESULTS.md
 
+Where one command may run 10 minutes at most, split it: ``--parts tests,lce,kernels``, then
+``--parts attention,moe,memory`` (and ``microbatch`` when calibrating the cost model).
+
 1. tests: the GPU test modules (Triton kernels compiled for real against the torch
    references; the step's breakdown on CUDA events).
 2. lce: the fused linear + cross-entropy against eager and torch.compile at several shapes and
@@ -35,6 +38,8 @@ section part by part (a run cut off keeps the parts it finished). Parts in the o
    `auto`, eager, at microbatch 1, 2, 4 and 8 of a global batch of 16, and 2 and 4 of 8: the
    step time and the GPU's busy share the cost model's per-microbatch device and host terms
    are fitted to (``planning/devices.py``; ``bench/planner.py`` sets them side by side).
+   ``--parts microbatch-compile``: the same with `model.compile` (each size compiles anew: a
+   few minutes), what a compiled step's host figure would be fitted to (not measured yet).
 """
 
 from __future__ import annotations
@@ -106,13 +111,13 @@ def lce_sweep() -> list[str]:
     return [f"bench/kernels.py --lce-sweep ({dt:.0f} s):", "", *tables]
 
 
-def microbatch_sweep() -> list[str]:
+def microbatch_sweep(variant: str = "auto") -> list[str]:
     """1b's step by microbatch size (see the module docstring, 7)."""
     lines: list[str] = []
     for batch, mbs in ((16, 1), (16, 2), (16, 4), (16, 8), (8, 2), (8, 4)):
-        rc, out, dt = _run([sys.executable, "bench/kernels.py", "--steps", "3", "--variants", "auto",
+        rc, out, dt = _run([sys.executable, "bench/kernels.py", "--steps", "3", "--variants", variant,
                             "--microbatch", str(mbs), "--global-batch", str(batch)],
-                           120, {"TRITON_INTERPRET": "0"})
+                           180, {"TRITON_INTERPRET": "0"})
         if rc != 0:
             return lines + [f"global batch {batch}, microbatch {mbs} failed (exit {rc}, {dt:.0f} s):",
                             "", "```", *out.strip().splitlines()[-30:], "```"]
@@ -290,7 +295,7 @@ def main() -> None:
     ap.add_argument("--append", metavar="FILE", help="append the section to FILE (RESULTS.md)")
     ap.add_argument("--parts", default="tests,lce,kernels,attention,moe,memory",
                     help="comma-separated subset of tests, lce, kernels, attention, moe, memory, "
-                         "microbatch")
+                         "microbatch, microbatch-compile")
     args = ap.parse_args()
     import torch
 
@@ -317,7 +322,9 @@ def main() -> None:
              "moe": ("MoE experts: grouped GEMM vs the per-expert loop", moe_gemm),
              "attention": ("Context parallel's attention block with its log-sum-exp",
                            attention_lse),
-             "microbatch": ("1b's step by microbatch size", microbatch_sweep)}
+             "microbatch": ("1b's step by microbatch size", microbatch_sweep),
+             "microbatch-compile": ("1b's step by microbatch size, model.compile",
+                                    lambda: microbatch_sweep("auto+compile"))}
     for title, part in (parts[p] for p in args.parts.split(",")):
         out += [f"### {title}", ""]
         try:
