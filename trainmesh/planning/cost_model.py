@@ -318,16 +318,16 @@ def rank_memory(model, c: Candidate, seq_len: int, pp_rank: int = 0, compute_byt
     sbh = tokens * model.dim
     sp = c.sequence_parallel and c.tp > 1
     f = c.recomputed(model.n_layers // c.pp)
-    units = ((1 - f) * activation_units(model, c.tp, sp, "none", fused_head, c.ep, c.cp)
-             + f * activation_units(model, c.tp, sp, "full", fused_head, c.ep, c.cp))
+    kept = activation_units(model, c.tp, sp, "none", fused_head, c.ep, c.cp)
+    units = (1 - f) * kept + f * activation_units(model, c.tp, sp, "full", fused_head, c.ep, c.cp) \
+        if f > 0 else kept
     per_layer = units * sbh * compute_bytes
     layers_per_chunk = model.n_layers // (c.pp * c.vpp)
     chunks = in_flight_chunks(c.schedule, c.pp, c.vpp, c.num_microbatches, pp_rank)
     acts = per_layer * layers_per_chunk * chunks
     transient = 0.0
     if f > 0:  # one block's activations exist while it is recomputed
-        transient += (activation_units(model, c.tp, sp, "none", fused_head, c.ep, c.cp) * sbh
-                      * compute_bytes)
+        transient += kept * sbh * compute_bytes
     transient += cp_transient_bytes(model, c, seq_len, compute_bytes)
     if holds_head(c.schedule, c.pp, pp_rank):
         norm = 1 if _runs(fused_head, "rms_norm") else 2
