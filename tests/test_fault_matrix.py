@@ -207,6 +207,34 @@ def test_a_node_lost_from_an_ep4_cp2_moe_job_replans_to_ep2_with_the_same_losses
 
 
 @pytest.mark.timeout(300)
+def test_a_node_lost_from_a_hybrid_sharded_moe_job_replans_and_ends_with_the_same_losses(cluster, tmp_path):
+    """Hybrid sharding beside expert parallel through a real node loss: dp 4 as 2 shard groups
+    of one EP group each (ep 2, 4 ranks, 2 per node, no spare) loses the node of ranks 2-3
+    mid-backward; the survivors' dp 2 cannot split into groups of whole EP groups, so the
+    re-plan keeps ep 2 without hybrid sharding, restores from the survivors' memory, and the
+    job ends with the single process's losses."""
+    from servers import MEMORY_ARGS, assert_reference_losses, run_losing_nodes
+
+    while len(cluster.worker_nodes) > 2:  # no spare: the job must shrink
+        cluster.remove_node(next(iter(cluster.worker_nodes)))
+    s = run_losing_nodes(cluster, tmp_path, [
+        *MEMORY_ARGS, "model.preset=tiny-moe", "model.moe.aux_loss_coef=0.1", "parallelism.dp=4",
+        "parallelism.ep=2", "parallelism.dp_replicate=2", "training.steps=3",
+        "checkpoint.every=3", "elastic.max_world_size=4"],
+        ["wait@rank=2,step=2,phase=backward", "wait@rank=3,step=2,phase=backward"])
+    while len(cluster.worker_nodes) < 3:
+        cluster.add_node(num_cpus=1, num_gpus=2)
+    assert s["status"] == "FINISHED" and s["steps_done"] == 3
+    [rec] = s["recoveries"]
+    assert rec["restored_from"] == "memory" and rec["steps_lost"] == 0, rec
+    assert (rec["old_mesh"]["dp"], rec["old_mesh"]["ep"]) == (4, 2), rec
+    assert (rec["new_mesh"]["dp"], rec["new_mesh"]["ep"]) == (2, 2), rec
+    assert s["plan"]["dp_replicate"] == 1, s["plan"]  # the re-plan's (the job's: 2)
+    assert_reference_losses(s, tmp_path)
+    cluster.wait_for_nodes()
+
+
+@pytest.mark.timeout(300)
 def test_a_cold_restart_takes_ready_processes_and_a_freeze_while_restoring_is_found(cluster, tmp_path):
     """``elastic.ready_ranks_per_node``: with 2 ready processes kept on every node (the job's
     2 ranks, a tp pair, share one) and on a spare, a rank process killed under
