@@ -13,6 +13,7 @@ with a fake worker group (cold restarts, too few accelerators left): test_contro
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -177,6 +178,19 @@ def test_a_node_lost_with_its_buddy_falls_back_to_storage(cluster, tmp_path):
     cluster.wait_for_nodes()
 
 
+@contextlib.contextmanager
+def _no_spare(cluster):
+    """The cluster's 2 job nodes only (a lost node cannot be replaced), its 3 worker nodes back
+    after, whatever the test found."""
+    while len(cluster.worker_nodes) > 2:
+        cluster.remove_node(next(iter(cluster.worker_nodes)))
+    try:
+        yield
+    finally:
+        while len(cluster.worker_nodes) < 3:
+            cluster.add_node(num_cpus=1, num_gpus=2)
+
+
 @pytest.mark.timeout(300)
 def test_a_node_lost_from_an_ep4_cp2_moe_job_replans_to_ep2_with_the_same_losses(cluster, tmp_path):
     """Expert and context parallel through a real node loss: an MoE job at dp 2 × cp 2 with
@@ -186,15 +200,12 @@ def test_a_node_lost_from_an_ep4_cp2_moe_job_replans_to_ep2_with_the_same_losses
     (each expert now on another rank), and the job ends with the single process's losses."""
     from servers import MEMORY_ARGS, assert_reference_losses, run_losing_nodes
 
-    while len(cluster.worker_nodes) > 2:  # no spare: the job must shrink
-        cluster.remove_node(next(iter(cluster.worker_nodes)))
-    s = run_losing_nodes(cluster, tmp_path, [
-        *MEMORY_ARGS, "model.preset=tiny-moe", "model.moe.balance=bias",
-        "model.moe.bias_update_rate=0.01", "parallelism.dp=2", "parallelism.cp=2",
-        "parallelism.ep=4", "training.steps=4", "checkpoint.every=4", "elastic.max_world_size=4"],
-        ["wait@rank=2,step=2,phase=forward", "wait@rank=3,step=2,phase=forward"])
-    while len(cluster.worker_nodes) < 3:
-        cluster.add_node(num_cpus=1, num_gpus=2)
+    with _no_spare(cluster):  # the job must shrink
+        s = run_losing_nodes(cluster, tmp_path, [
+            *MEMORY_ARGS, "model.preset=tiny-moe", "model.moe.balance=bias",
+            "model.moe.bias_update_rate=0.01", "parallelism.dp=2", "parallelism.cp=2",
+            "parallelism.ep=4", "training.steps=4", "checkpoint.every=4", "elastic.max_world_size=4"],
+            ["wait@rank=2,step=2,phase=forward", "wait@rank=3,step=2,phase=forward"])
     assert s["status"] == "FINISHED" and s["steps_done"] == 4
     [rec] = s["recoveries"]
     assert rec["restored_from"] == "memory" and rec["steps_lost"] == 0, rec
@@ -215,15 +226,12 @@ def test_a_node_lost_from_a_hybrid_sharded_moe_job_replans_and_ends_with_the_sam
     job ends with the single process's losses."""
     from servers import MEMORY_ARGS, assert_reference_losses, run_losing_nodes
 
-    while len(cluster.worker_nodes) > 2:  # no spare: the job must shrink
-        cluster.remove_node(next(iter(cluster.worker_nodes)))
-    s = run_losing_nodes(cluster, tmp_path, [
-        *MEMORY_ARGS, "model.preset=tiny-moe", "model.moe.aux_loss_coef=0.1", "parallelism.dp=4",
-        "parallelism.ep=2", "parallelism.dp_replicate=2", "training.steps=3",
-        "checkpoint.every=3", "elastic.max_world_size=4"],
-        ["wait@rank=2,step=2,phase=backward", "wait@rank=3,step=2,phase=backward"])
-    while len(cluster.worker_nodes) < 3:
-        cluster.add_node(num_cpus=1, num_gpus=2)
+    with _no_spare(cluster):  # the job must shrink
+        s = run_losing_nodes(cluster, tmp_path, [
+            *MEMORY_ARGS, "model.preset=tiny-moe", "model.moe.aux_loss_coef=0.1", "parallelism.dp=4",
+            "parallelism.ep=2", "parallelism.dp_replicate=2", "training.steps=3",
+            "checkpoint.every=3", "elastic.max_world_size=4"],
+            ["wait@rank=2,step=2,phase=backward", "wait@rank=3,step=2,phase=backward"])
     assert s["status"] == "FINISHED" and s["steps_done"] == 3
     [rec] = s["recoveries"]
     assert rec["restored_from"] == "memory" and rec["steps_lost"] == 0, rec
