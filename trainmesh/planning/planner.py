@@ -28,6 +28,7 @@ from trainmesh.planning.topology import Topology
 from trainmesh.spec.mesh_rules import (
     cp_problems,
     ep_degrees,
+    hsdp_problems,
     microbatches_per_replica,
     pp_problems,
     runnable_problems,
@@ -278,8 +279,8 @@ def _replicate_choices(req: PlanRequest, tp: int, dp: int, ep: int, per_node: in
     if "dp_replicate" in req.fixed:
         return [int(req.fixed["dp_replicate"])]
 
-    def whole_ep_groups(r: int) -> bool:  # an EP group: ep / cp replicas' whole rings
-        return ep == 1 or (dp // r) % (ep // cp) == 0
+    def whole_ep_groups(r: int) -> bool:  # the spec's rule: shard groups of whole EP groups
+        return ep == 1 or not hsdp_problems(dp, r, ep, cp)
 
     if "max_dp_replicate" in req.fixed:  # a re-plan of a pinned layout
         top = int(req.fixed["max_dp_replicate"])
