@@ -38,8 +38,19 @@ def pytest_collection_modifyitems(config, items):
         # hang verdicts); the rest (planner, kernels in Triton's interpreter, schedules, specs,
         # single-process references) runs in the other worker, on the core the ranks leave idle;
         # tests that bound their own time (marker timed) run with the Ray tests, at full priority.
-        if item.get_closest_marker("cluster") or item.get_closest_marker("timed"):
+        # Modules whose Ray lives only in processes of their own (marker ray_apart: a `ray start`
+        # head, a `trainmesh run` subprocess) and that bound no time tightly form a group of
+        # their own, and the tests that start no Ray one more: xdist hands out the two large
+        # groups first, one to each worker, and this small one to the worker that finishes
+        # first, the lowered one, where it takes the cycles the last Ray modules leave idle
+        # (waiting on a node's health check, a hang bound, a restart) instead of adding its
+        # time to theirs.
+        if item.get_closest_marker("ray_apart"):
+            item.add_marker(pytest.mark.xdist_group("ray-apart"))
+        elif item.get_closest_marker("cluster") or item.get_closest_marker("timed"):
             item.add_marker(pytest.mark.xdist_group("ray"))
+        else:
+            item.add_marker(pytest.mark.xdist_group("no-ray"))
     shared = {item.module.__name__ for item in items if LOCAL_RAY_FIXTURES & set(item.fixturenames)}
     # The pipeline parity's 8-rank meshes first: the rank pool starts at its largest and every
     # later mesh re-forms smaller in the same processes (growing would start all of them again).
@@ -56,8 +67,8 @@ def pytest_collection_finish(session):
     import gc
 
     if getattr(session.config.option, "loadgroup", False):
-        lost = [i.nodeid for i in session.items if i.get_closest_marker("xdist_group")
-                and not i.nodeid.endswith("@ray")]
+        lost = [i.nodeid for i in session.items
+                if not i.nodeid.endswith("@" + i.get_closest_marker("xdist_group").args[0])]
         if lost:
             raise pytest.UsageError(f"xdist's loadgroup did not group {lost[0]} (and {len(lost) - 1} "
                                     "more): use the pytest and pytest-xdist versions pyproject.toml names")
@@ -70,14 +81,15 @@ _ROLE: list[str] = []  # this xdist worker's, once its first test decided it: "r
 
 
 def pytest_runtest_setup(item):
-    """Under loadgroup, the worker that runs no Ray test (the Ray group goes whole to the other,
-    the largest unit, assigned first) runs at the lowest priority: its tests take the cycles
-    the Ray tests' ranks leave idle (while they wait on each other, on a node's start, on a
-    timeout) instead of slowing the ranks (at nice 5 the pipeline-parity module beside them
-    took 147 s, at 19 89.5 s). A test that bounds its own time is not here (marker timed): in
-    a stretch where the ranks keep both cores busy, this worker gets ~1.5% of one."""
+    """Under loadgroup, the worker that does not run the Ray group (it goes whole to the other)
+    runs at the lowest priority: its tests take the cycles the Ray tests' ranks leave idle
+    (while they wait on each other, on a node's start, on a timeout) instead of slowing the
+    ranks (at nice 5 the pipeline-parity module beside them took 147 s, at 19 89.5 s), and so
+    do the processes the ray_apart group starts there. A test that bounds its own time is not
+    here (marker timed): in a stretch where the ranks keep both cores busy, this worker gets
+    ~1.5% of one."""
     if getattr(item.config.option, "loadgroup", False) and not _ROLE:
-        if item.get_closest_marker("xdist_group"):
+        if item.get_closest_marker("xdist_group").args[0] == "ray":
             _ROLE.append("ray")
         else:
             os.nice(19)

@@ -181,9 +181,16 @@ class RayHead:
 
     @contextlib.contextmanager
     def client_env(self):
-        """This process as a client of the head (its auth settings), restored afterwards."""
+        """This process as a client of the head (its auth settings), restored afterwards. Ray
+        reads ``RAY_AUTH_MODE`` once per process, at its first use of its config (where
+        nothing here started a local instance, which turns token mode on, a process that
+        touched Ray before still says "disabled"): read again on the way in and out, with
+        Ray's own helper."""
+        from ray._private.authentication_test_utils import reset_auth_token_state
+
         saved = {k: os.environ.get(k) for k in self.auth}
         os.environ.update(self.auth)
+        reset_auth_token_state()
         try:
             yield
         finally:
@@ -192,6 +199,7 @@ class RayHead:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
+            reset_auth_token_state()
 
     def stop(self) -> None:
         """End this head's processes only (``ray stop`` would end every Ray on the machine):

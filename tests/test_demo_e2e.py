@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.cluster  # every test here starts Ray
+pytestmark = [pytest.mark.cluster,  # every test here starts Ray,
+              pytest.mark.ray_apart]  # only in processes of its own
 
 REPO = Path(__file__).resolve().parents[1]
 

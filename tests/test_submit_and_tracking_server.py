@@ -20,7 +20,8 @@ from servers import MlflowServer, RayHead, descendants
 
 from trainmesh.cli.main import main
 
-pytestmark = pytest.mark.cluster  # every test here starts Ray
+pytestmark = [pytest.mark.cluster,  # every test here starts Ray,
+              pytest.mark.ray_apart]  # only in processes of its own
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "jobs" / "tiny-cpu.yaml")
