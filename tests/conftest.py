@@ -26,36 +26,42 @@ CLUSTER_FIXTURES = LOCAL_RAY_FIXTURES | {"gpu_cluster"}
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups it names
 def pytest_collection_modifyitems(config, items):
-    """Modules on the shared local Ray instance (and its pool of rank actors) run first, one
-    after another, so that instance and its actors serve all of them; modules that start
-    clusters of their own (which end the local instance) run after."""
+    """Two groups, in this order. "beside": the modules whose Ray lives only in processes of
+    their own (marker ray_apart: a `ray start` head, `trainmesh run` subprocesses; they bound no
+    time tightly), then every test that starts no Ray. "ray": every other test that starts Ray
+    (or bounds its own time, marker timed): the modules with clusters of their own first (the
+    fault matrix, simulated nodes: they end any local instance), then those on the shared local
+    instance and its pool of rank actors (one after another, so that the instance and its
+    actors serve all of them), the pipeline parity's 8-rank meshes first: the pool starts at
+    its largest and every later mesh re-forms smaller in the same processes (growing would
+    start all of them again).
+
+    Under `pytest -n 2 --dist loadgroup` (`make test`) each group runs whole in one worker, in
+    this order. The Ray tests' worker runs them one after another at full priority (two Ray
+    streams on 2 cores at one priority starve each other's ranks into false hang verdicts). The
+    other runs at the lowest (``pytest_runtest_setup``): first the ray_apart modules, on the
+    cycles the fault matrix leaves idle while it waits on health checks, hang bounds and
+    restarts (beside the pool's parity modules, which keep both cores busy, a `ray start` head
+    was measured not ready after 180 s), then the tests without Ray (planner, kernels in
+    Triton's interpreter, schedules, specs, single-process references) on what the parity
+    modules' ranks leave while they wait on each other."""
     for item in items:  # what starts Ray through a fixture is a cluster test (module marks: the rest)
         if CLUSTER_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.cluster)
-        # Under `pytest -n 2 --dist loadgroup` (`make test`): every test that starts Ray runs in
-        # one worker, in this order, one after another (Ray's instances and the rank pool are
-        # shared there, and two Ray streams on 2 cores starve each other's ranks into false
-        # hang verdicts); the rest (planner, kernels in Triton's interpreter, schedules, specs,
-        # single-process references) runs in the other worker, on the core the ranks leave idle;
-        # tests that bound their own time (marker timed) run with the Ray tests, at full priority.
-        # Modules whose Ray lives only in processes of their own (marker ray_apart: a `ray start`
-        # head, a `trainmesh run` subprocess) and that bound no time tightly form a group of
-        # their own, and the tests that start no Ray one more: xdist hands out the two large
-        # groups first, one to each worker, and this small one to the worker that finishes
-        # first, the lowered one, where it takes the cycles the last Ray modules leave idle
-        # (waiting on a node's health check, a hang bound, a restart) instead of adding its
-        # time to theirs.
-        if item.get_closest_marker("ray_apart"):
-            item.add_marker(pytest.mark.xdist_group("ray-apart"))
-        elif item.get_closest_marker("cluster") or item.get_closest_marker("timed"):
-            item.add_marker(pytest.mark.xdist_group("ray"))
+        if item.get_closest_marker("ray_apart") or not (
+                item.get_closest_marker("cluster") or item.get_closest_marker("timed")):
+            item.add_marker(pytest.mark.xdist_group("beside"))
         else:
-            item.add_marker(pytest.mark.xdist_group("no-ray"))
+            item.add_marker(pytest.mark.xdist_group("ray"))
     shared = {item.module.__name__ for item in items if LOCAL_RAY_FIXTURES & set(item.fixturenames)}
-    # The pipeline parity's 8-rank meshes first: the rank pool starts at its largest and every
-    # later mesh re-forms smaller in the same processes (growing would start all of them again).
-    items.sort(key=lambda item: (item.module.__name__ not in shared,
-                                 item.module.__name__ != "test_pipeline_parity"))
+
+    def order(item) -> tuple:
+        module = item.module.__name__
+        if item.get_closest_marker("xdist_group").args[0] == "beside":
+            return (0, not item.get_closest_marker("ray_apart"))
+        return (1, module in shared, module != "test_pipeline_parity")
+
+    items.sort(key=order)
 
 
 def pytest_collection_finish(session):
@@ -81,13 +87,12 @@ _ROLE: list[str] = []  # this xdist worker's, once its first test decided it: "r
 
 
 def pytest_runtest_setup(item):
-    """Under loadgroup, the worker that does not run the Ray group (it goes whole to the other)
-    runs at the lowest priority: its tests take the cycles the Ray tests' ranks leave idle
-    (while they wait on each other, on a node's start, on a timeout) instead of slowing the
-    ranks (at nice 5 the pipeline-parity module beside them took 147 s, at 19 89.5 s), and so
-    do the processes the ray_apart group starts there. A test that bounds its own time is not
-    here (marker timed): in a stretch where the ranks keep both cores busy, this worker gets
-    ~1.5% of one."""
+    """Under loadgroup, the worker that runs the "beside" group runs at the lowest priority,
+    and so do the processes its ray_apart modules start: its tests take the cycles the Ray
+    tests' ranks leave idle (while they wait on each other, on a node's start, on a timeout)
+    instead of slowing the ranks (at nice 5 the pipeline-parity module beside them took 147 s,
+    at 19 89.5 s). A test that bounds its own time is not here (marker timed): in a stretch
+    where the ranks keep both cores busy, this worker gets ~1.5% of one."""
     if getattr(item.config.option, "loadgroup", False) and not _ROLE:
         if item.get_closest_marker("xdist_group").args[0] == "ray":
             _ROLE.append("ray")

@@ -60,7 +60,7 @@ def test_tracking_server_outage_then_trainmesh_run_sigkilled_and_run_again(mlflo
     it is back; then the run itself is SIGKILLed, and the same command run again resumes from
     the newest complete checkpoint in the same MLflow run: every step logged, the steps trained
     twice with equal losses (the exact data position), the run FINISHED. (First here: the
-    other tests' Ray head is not started yet and takes no core from this job's rank.)"""
+    module's Ray head is not started yet and takes no core from this job's rank.)"""
     from trainmesh.checkpoint.manifest import CheckpointStore
 
     server = mlflow_server  # the module's: stopped and started again here
