@@ -26,9 +26,9 @@ CLUSTER_FIXTURES = LOCAL_RAY_FIXTURES | {"gpu_cluster"}
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups it names
 def pytest_collection_modifyitems(config, items):
-    """Two groups, in this order. "beside": the modules whose Ray lives only in processes of
-    their own (marker ray_apart: a `ray start` head, `trainmesh run` subprocesses; they bound no
-    time tightly), then every test that starts no Ray. "ray": every other test that starts Ray
+    """Two groups, in this order. "beside": every test that starts no Ray, then the modules whose
+    Ray lives only in processes of their own (marker ray_apart: a `ray start` head, `trainmesh
+    run` subprocesses; they bound no time tightly). "ray": every other test that starts Ray
     (or bounds its own time, marker timed): the modules with clusters of their own first (the
     fault matrix, simulated nodes: they end any local instance), then those on the shared local
     instance and its pool of rank actors (one after another, so that the instance and its
@@ -39,12 +39,11 @@ def pytest_collection_modifyitems(config, items):
     Under `pytest -n 2 --dist loadgroup` (`make test`) each group runs whole in one worker, in
     this order. The Ray tests' worker runs them one after another at full priority (two Ray
     streams on 2 cores at one priority starve each other's ranks into false hang verdicts). The
-    other runs at the lowest (``pytest_runtest_setup``): first the ray_apart modules, on the
-    cycles the fault matrix leaves idle while it waits on health checks, hang bounds and
-    restarts (beside the pool's parity modules, which keep both cores busy, a `ray start` head
-    was measured not ready after 180 s), then the tests without Ray (planner, kernels in
-    Triton's interpreter, schedules, specs, single-process references) on what the parity
-    modules' ranks leave while they wait on each other."""
+    other runs at the lowest (``pytest_runtest_setup``): first the tests without Ray (planner,
+    kernels in Triton's interpreter, schedules, specs, single-process references: CPU work), on
+    the cycles the fault matrix leaves idle while it waits on health checks, hang bounds and
+    restarts, then the ray_apart modules on what the parity modules' ranks leave while they
+    wait on each other."""
     for item in items:  # what starts Ray through a fixture is a cluster test (module marks: the rest)
         if CLUSTER_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.cluster)
@@ -58,7 +57,7 @@ def pytest_collection_modifyitems(config, items):
     def order(item) -> tuple:
         module = item.module.__name__
         if item.get_closest_marker("xdist_group").args[0] == "beside":
-            return (0, not item.get_closest_marker("ray_apart"))
+            return (0, bool(item.get_closest_marker("ray_apart")))
         return (1, module in shared, module != "test_pipeline_parity")
 
     items.sort(key=order)

@@ -129,6 +129,10 @@ class RayHead:
     def __init__(self, root: Path, num_cpus: int = 4):
         self.root, self.num_cpus = root, num_cpus
         self.port, self.dashboard_port = free_port(), free_port()
+        # The node's dashboard agent serves the job API's agent; Ray's default port for it
+        # (52365) is taken by whichever Ray node on this machine started first (a simulated
+        # cluster's, a local instance's), and then no job is ever accepted ("No available agent")
+        self.agent_port, self.client_port = free_port(), free_port()
         self.address = f"http://127.0.0.1:{self.dashboard_port}"
         # Started by its full path with the venv NOT on PATH (no `trainmesh` or `python` of
         # the venv there), as a user who never activated it would: jobs must still run.
@@ -154,6 +158,8 @@ class RayHead:
             [str(BIN / "ray"), "start", "--head", "--node-ip-address", "127.0.0.1",
              "--port", str(self.port), "--dashboard-host", "127.0.0.1",
              "--dashboard-port", str(self.dashboard_port), "--num-cpus", str(self.num_cpus),
+             "--dashboard-agent-listen-port", str(self.agent_port),
+             "--ray-client-server-port", str(self.client_port),
              "--temp-dir", str(self.root), "--disable-usage-stats"],
             check=True, env=self.env, capture_output=True, timeout=180)
         self._wait_for_job_agent()
