@@ -242,8 +242,8 @@ def test_run_refuses_an_unreachable_ray_address_in_one_line_at_once(tmp_path, ca
     import ray
 
     # Not connected to any cluster, as a `trainmesh run` process starts (a process connected
-    # to another is refused with its own message); under conftest's order the shared local
-    # instance has not started yet (the modules that share it run last).
+    # to another is refused with its own message). The shared local instance is ended as the
+    # modules with clusters of their own end it: those that share it run first (conftest).
     ray.shutdown()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
