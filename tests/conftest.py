@@ -24,42 +24,48 @@ LOCAL_RAY_FIXTURES = {"ray_local", "rank_pool"}
 CLUSTER_FIXTURES = LOCAL_RAY_FIXTURES | {"gpu_cluster"}
 
 
+def _group(item) -> str | None:
+    marker = item.get_closest_marker("xdist_group")
+    return marker.args[0] if marker else None
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups it names
 def pytest_collection_modifyitems(config, items):
-    """Two groups, in this order. "beside": every test that starts no Ray, then the modules whose
-    Ray lives only in processes of their own (marker ray_apart: a `ray start` head, `trainmesh
-    run` subprocesses; they bound no time tightly). "ray": every other test that starts Ray
-    (or bounds its own time, marker timed): first those on the shared local instance and its
-    pool of rank actors (one after another, so that the instance and its actors serve all of
-    them), the pipeline parity's 8-rank meshes first: the pool starts at its largest and every
-    later mesh re-forms smaller in the same processes (growing would start all of them again);
-    then the modules with clusters of their own (the fault matrix, simulated nodes: they end
-    the local instance).
+    """The order: the tests that start no Ray; the modules whose Ray lives only in processes of
+    their own (marker ray_apart: a `ray start` head, `trainmesh run` subprocesses; they bound no
+    time tightly), in a group of their own ("ray-apart"); then, in the group "ray", every other
+    test that starts Ray (or bounds its own time, marker timed): first those on the shared local
+    instance and its pool of rank actors (one after another, so that the instance and its
+    actors serve all of them), the pipeline parity's 8-rank meshes first: the pool starts at its
+    largest and every later mesh re-forms smaller in the same processes (growing would start
+    all of them again); then the modules with clusters of their own (the fault matrix,
+    simulated nodes: they end the local instance).
 
-    Under `pytest -n 2 --dist loadgroup` (`make test`) each group runs whole in one worker, in
-    this order. The Ray tests' worker runs them one after another at full priority (two Ray
-    streams on 2 cores at one priority starve each other's ranks into false hang verdicts). The
-    other runs at the lowest (``pytest_runtest_setup``): first the tests without Ray (planner,
+    Under `pytest -n 2 --dist loadgroup` (`make test`) xdist hands the Ray group, the largest
+    unit, whole to one worker, which runs it in this order at full priority (two Ray streams
+    on 2 cores at one priority starve each other's ranks into false hang verdicts); that
+    worker asks for more only at its group's end. The other, at the lowest priority
+    (``pytest_runtest_setup``), takes every other unit: the modules without Ray (planner,
     kernels in Triton's interpreter, schedules, specs, single-process references), on the
-    cycles the parity modules' ranks leave idle while they wait on each other, then the
-    ray_apart modules, beside the last parity modules and the fault matrix's waits (on health
-    checks, hang bounds, restarts) instead of after them. (The other order, the fault matrix
-    first with the tests without Ray beside it, was measured slower: the matrix took 255 s
-    instead of 206-218.)"""
+    cycles the parity modules' ranks leave idle while they wait on each other, and among them
+    (xdist orders units by size) the ray-apart group, beside the last parity modules and the
+    fault matrix's waits (on health checks, hang bounds, restarts) instead of after them. (The
+    fault matrix first, with the tests without Ray beside it, was measured slower: the matrix
+    took 255 s instead of 206-218.) With more workers the modules without Ray spread over the
+    others."""
     for item in items:  # what starts Ray through a fixture is a cluster test (module marks: the rest)
         if CLUSTER_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.cluster)
-        if item.get_closest_marker("ray_apart") or not (
-                item.get_closest_marker("cluster") or item.get_closest_marker("timed")):
-            item.add_marker(pytest.mark.xdist_group("beside"))
-        else:
+        if item.get_closest_marker("ray_apart"):
+            item.add_marker(pytest.mark.xdist_group("ray-apart"))
+        elif item.get_closest_marker("cluster") or item.get_closest_marker("timed"):
             item.add_marker(pytest.mark.xdist_group("ray"))
     shared = {item.module.__name__ for item in items if LOCAL_RAY_FIXTURES & set(item.fixturenames)}
 
     def order(item) -> tuple:
         module = item.module.__name__
-        if item.get_closest_marker("xdist_group").args[0] == "beside":
-            return (0, bool(item.get_closest_marker("ray_apart")))
+        if _group(item) != "ray":
+            return (0, _group(item) is not None)
         return (1, module not in shared, module != "test_pipeline_parity")
 
     items.sort(key=order)
@@ -74,8 +80,7 @@ def pytest_collection_finish(session):
     import gc
 
     if getattr(session.config.option, "loadgroup", False):
-        lost = [i.nodeid for i in session.items
-                if not i.nodeid.endswith("@" + i.get_closest_marker("xdist_group").args[0])]
+        lost = [i.nodeid for i in session.items if _group(i) and not i.nodeid.endswith("@" + _group(i))]
         if lost:
             raise pytest.UsageError(f"xdist's loadgroup did not group {lost[0]} (and {len(lost) - 1} "
                                     "more): use the pytest and pytest-xdist versions pyproject.toml names")
@@ -88,14 +93,14 @@ _ROLE: list[str] = []  # this xdist worker's, once its first test decided it: "r
 
 
 def pytest_runtest_setup(item):
-    """Under loadgroup, the worker that runs the "beside" group runs at the lowest priority,
+    """Under loadgroup, the worker that does not run the Ray group runs at the lowest priority,
     and so do the processes its ray_apart modules start: its tests take the cycles the Ray
     tests' ranks leave idle (while they wait on each other, on a node's start, on a timeout)
     instead of slowing the ranks (at nice 5 the pipeline-parity module beside them took 147 s,
     at 19 89.5 s). A test that bounds its own time is not here (marker timed): in a stretch
     where the ranks keep both cores busy, this worker gets ~1.5% of one."""
     if getattr(item.config.option, "loadgroup", False) and not _ROLE:
-        if item.get_closest_marker("xdist_group").args[0] == "ray":
+        if _group(item) == "ray":
             _ROLE.append("ray")
         else:
             os.nice(19)
