@@ -26,7 +26,9 @@ CLUSTER_FIXTURES = LOCAL_RAY_FIXTURES | {"gpu_cluster"}
 
 def _group(item) -> str | None:
     marker = item.get_closest_marker("xdist_group")
-    return marker.args[0] if marker else None
+    if marker is None:
+        return None
+    return marker.args[0] if marker.args else marker.kwargs.get("name")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups it names

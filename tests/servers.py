@@ -77,9 +77,16 @@ def descendants(pid: int) -> set[int]:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports free now (held together while chosen, so none repeats)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 def _wait_http(url: str, timeout_s: float, proc: subprocess.Popen, log: Path) -> None:
@@ -128,11 +135,10 @@ class RayHead:
 
     def __init__(self, root: Path, num_cpus: int = 4):
         self.root, self.num_cpus = root, num_cpus
-        self.port, self.dashboard_port = free_port(), free_port()
         # The node's dashboard agent serves the job API's agent; Ray's default port for it
         # (52365) is taken by whichever Ray node on this machine started first (a simulated
         # cluster's, a local instance's), and then no job is ever accepted ("No available agent")
-        self.agent_port, self.client_port = free_port(), free_port()
+        self.port, self.dashboard_port, self.agent_port, self.client_port = free_ports(4)
         self.address = f"http://127.0.0.1:{self.dashboard_port}"
         # Started by its full path with the venv NOT on PATH (no `trainmesh` or `python` of
         # the venv there), as a user who never activated it would: jobs must still run.

@@ -105,7 +105,7 @@ def test_tracking_server_outage_then_trainmesh_run_sigkilled_and_run_again(mlflo
         _signal(frozen, signal.SIGSTOP)  # that takes: the job must not reach its end meanwhile)
         server.start()
         _signal(frozen, signal.SIGCONT)
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 240
         while "is back" not in log_path.read_text():  # its next retry found the server
             assert job.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
             time.sleep(0.2)
@@ -182,7 +182,7 @@ def test_jobs_list_status_logs_and_stop(ray_head, tmp_path, capsys):
                  "--set", "elastic.ready_ranks_per_node=0",  # (no rank fails: no spare process)
                  "--set", f"runtime.output_dir={tmp_path / 'long'}"]) == 0
     assert capsys.readouterr().out.startswith(f"submitted {job_id}")
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 240
     while time.monotonic() < deadline:  # running, and training: its log shows steps
         main(["jobs", "logs", job_id, "--address", ray_head.address])
         if "step" in capsys.readouterr().out:
