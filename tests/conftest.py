@@ -105,7 +105,8 @@ def pytest_runtest_setup(item):
     (its ``worker_niceness``), where nice 19 still takes ~30% of a core they share (the
     pipeline-parity module took 72.1 s beside two nice-19 busy loops, 59.8 s alone, 59.6 s
     beside two SCHED_IDLE ones). A test that bounds its own time is not here (marker timed):
-    in a stretch where the ranks keep both cores busy, this worker does not run."""
+    in a stretch where the ranks keep both cores busy, this worker gets a minimal share
+    (the idle class's weight, 3 against a nice-15 rank's 36)."""
     if getattr(item.config.option, "loadgroup", False) and not _ROLE:
         if _group(item) == "ray":
             _ROLE.append("ray")
