@@ -167,6 +167,19 @@ def test_the_fault_hook_parses_strictly_fires_once_and_only_where_placed(tmp_pat
     mine.step = 7
     with pytest.raises(InjectedFault):
         mine.mark("reform")
+    # a hold blocks the rank until its release file appears, then the rank goes on
+    import threading
+
+    monkeypatch.setenv(FAULT_ENV, f"hold@rank=0,step=3,phase=restore,marker={tmp_path / 'h'}")
+    held = Progress(rank=0)
+    held.step = 3
+    t = threading.Thread(target=held.mark, args=("restore",))
+    t.start()
+    t.join(0.5)
+    assert t.is_alive() and (tmp_path / "h").exists()  # fired, and held there
+    (tmp_path / "h.go").touch()
+    t.join(5)
+    assert not t.is_alive() and held.snapshot()["counts"]["restore"] == 1
     monkeypatch.delenv(FAULT_ENV)
     assert Progress(rank=1)._faults == []
 

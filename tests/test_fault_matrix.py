@@ -73,18 +73,13 @@ def _act_on_faults(cluster, markers: dict[str, Path], job: threading.Thread,
     """Until the job ends, act on each fault as it fires (its marker appears): remove the node
     of a rank that waits there (hard, its rank processes killed as the node's end would), and
     bring a fresh node for every node the job loses; before the preemption notice take the
-    idle spare away, and bring a node once the job runs on the 2 ranks left (it grows back at
-    a checkpoint); when the second rank of a node hangs, freeze that whole machine, and reset
-    it (remove it) once the job has gone on past it, noting in ``frozen`` the state its ranks
-    and raylet were in then. (Ray adds nodes from the main thread only: the job runs in
-    another.)"""
+    idle spare away, and bring a node while the 2 ranks left are held in their restore (then
+    let them go: the job grows back at its next checkpoint); when the second rank of a node
+    hangs, freeze that whole machine, and reset it (remove it) once the job has gone on past
+    it, noting in ``frozen`` the state its ranks and raylet were in then. (Ray adds nodes
+    from the main thread only: the job runs in another.)"""
     acted: dict[str, float] = {}
     while job.is_alive():
-        if "notice" in acted and "grown" not in acted and sum(
-                len(rank_pids_under(node.all_processes["raylet"][0].process.pid))
-                for node in cluster.worker_nodes) == 2:  # the job goes on with the 2 ranks left
-            cluster.add_node(num_cpus=1, num_gpus=2)
-            acted["grown"] = time.time()
         for name, path in markers.items():
             if name in acted or not path.exists() or not path.read_text():
                 continue
@@ -92,6 +87,13 @@ def _act_on_faults(cluster, markers: dict[str, Path], job: threading.Thread,
                 continue  # (the node's other rank first)
             where = json.loads(path.read_text())
             kind = dict(FAULTS)[name].split("@")[0]
+            if kind == "hold":  # the job holds at 2 ranks (their node's ready process aside)
+                if sum(len(rank_pids_under(node.all_processes["raylet"][0].process.pid))
+                       for node in cluster.worker_nodes) != 2:
+                    continue  # (the noticed node's ranks still ending)
+                cluster.add_node(num_cpus=1, num_gpus=2)  # (returns once Ray has it alive)
+                acted["grown"] = time.time()
+                Path(f"{path}.go").touch()
             if name == "hang-node":  # the machine freezes, not only its ranks (first: the
                 # stand-in's start below may take seconds)
                 other = json.loads(markers["hang"].read_text())

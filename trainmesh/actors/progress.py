@@ -16,7 +16,11 @@ restore, the checkpoint's step; any step when left out), then
 - ``raise``: the call raises;
 - ``exit``: the process is killed (SIGKILL), its node unharmed;
 - ``wait``: the rank blocks there (for the test to remove its node at that exact point);
-- ``term``: a preemption notice (SIGTERM) to the rank.
+- ``term``: a preemption notice (SIGTERM) to the rank;
+- ``hold``: the rank blocks there until a file ``MARKER.go`` appears, then goes on (for the
+  test to change the cluster at that exact point before the job may go past it). Only where
+  the hang watcher judges by silence alone (a restore, a synchronous save): held longer than
+  the hang bound in a step's phase, the rank is found hung.
 
 Each fault fires once per job: its marker file (holding the rank's node id and pid) is
 created when it fires, and a fault whose marker exists never fires again (a restarted rank
@@ -33,7 +37,7 @@ from dataclasses import dataclass
 
 PHASES = ("forward", "backward", "optimizer", "save", "write", "restore", "reform", "snapshot")
 FAULT_ENV = "TRAINMESH_FAULT"
-FAULT_KINDS = ("hang", "raise", "exit", "wait", "term")
+FAULT_KINDS = ("hang", "raise", "exit", "wait", "term", "hold")
 
 
 class InjectedFault(RuntimeError):
@@ -91,6 +95,10 @@ class Fault:
         elif self.kind == "wait":
             while True:
                 time.sleep(60)
+        elif self.kind == "hold":
+            while not os.path.exists(self.marker + ".go"):
+                time.sleep(0.05)
+            return
         raise InjectedFault(f"injected fault at step {self.step}, {self.phase}")
 
 
