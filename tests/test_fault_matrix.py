@@ -8,8 +8,10 @@ uninterrupted run's losses. A machine that freezes is frozen whole (its ranks, r
 agents stopped), as a kernel hang or a paused host leaves it: nothing there answers.
 
 After the preemption notice the job goes on with the 2 ranks left and grows back when a node
-joins. Also here: Ray's drain notice as the controller reads it. The controller's transitions
-with a fake worker group (cold restarts, too few accelerators left): test_controller_states.py."""
+joins: the node joins while they restore (held there until it has: on a loaded machine a
+node's start outlasted the 6 steps left, and the job ended without growing). Also here: Ray's
+drain notice as the controller reads it. The controller's transitions with a fake worker
+group (cold restarts, too few accelerators left): test_controller_states.py."""
 
 from __future__ import annotations
 
@@ -56,7 +58,9 @@ FAULTS = [
     ("hang-node", "hang@rank=3,step=11,phase=forward"),       # ranks, then all of it, SIGSTOP)
     ("kill", "exit@rank=3,step=12,phase=forward"),            # one rank process SIGKILLed
     ("notice", "term@rank=0,step=13,phase=forward"),          # a preemption notice (the
-    # job goes on with 2 ranks; a node joins once they have saved, and the job grows back)
+    # job goes on with 2 ranks; it reaches the controller after that step, 14) ...
+    ("rejoin", "hold@rank=0,step=14,phase=restore"),          # ... and a node joins while
+    # the 2 left restore its checkpoint: the job grows back at its next checkpoint
     ("save", f"wait@rank=3,step={STEPS},phase=save"),         # node removed in the final save
 ]
 DROPS_NODE = ("wait", "hang")  # the job loses that rank's node: a fresh one joins
