@@ -173,11 +173,14 @@ def test_the_fault_hook_parses_strictly_fires_once_and_only_where_placed(tmp_pat
     monkeypatch.setenv(FAULT_ENV, f"hold@rank=0,step=3,phase=restore,marker={tmp_path / 'h'}")
     held = Progress(rank=0)
     held.step = 3
-    t = threading.Thread(target=held.mark, args=("restore",))
+    t = threading.Thread(target=held.mark, args=("restore",), daemon=True)
     t.start()
-    t.join(0.5)
-    assert t.is_alive() and (tmp_path / "h").exists()  # fired, and held there
-    (tmp_path / "h.go").touch()
+    try:
+        t.join(0.5)
+        assert t.is_alive() and (tmp_path / "h").exists()  # fired, and held there
+        assert held.snapshot()["phase"] == "restore"  # answering while held (not silent)
+    finally:
+        (tmp_path / "h.go").touch()
     t.join(5)
     assert not t.is_alive() and held.snapshot()["counts"]["restore"] == 1
     monkeypatch.delenv(FAULT_ENV)

@@ -17,10 +17,11 @@ restore, the checkpoint's step; any step when left out), then
 - ``exit``: the process is killed (SIGKILL), its node unharmed;
 - ``wait``: the rank blocks there (for the test to remove its node at that exact point);
 - ``term``: a preemption notice (SIGTERM) to the rank;
-- ``hold``: the rank blocks there until a file ``MARKER.go`` appears, then goes on (for the
-  test to change the cluster at that exact point before the job may go past it). Only where
-  the hang watcher judges by silence alone (a restore, a synchronous save): held longer than
-  the hang bound in a step's phase, the rank is found hung.
+- ``hold``: the rank blocks there until a file ``PATH.go`` (PATH: its marker) appears, then
+  goes on (for the test to change the cluster at that exact point before the job may go past
+  it). Only where the hang watcher judges by silence alone (a restore, a save, a snapshot),
+  and for less than the peers' collective timeout; in a step's phase a held rank is found
+  hung (~1.5 hang bounds).
 
 Each fault fires once per job: its marker file (holding the rank's node id and pid) is
 created when it fires, and a fault whose marker exists never fires again (a restarted rank
