@@ -14,8 +14,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from trainmesh.cli.loading import load_spec, unsupported_problems
+from trainmesh.cli.loading import load_spec
 from trainmesh.cli.main import main
+from trainmesh.controller.preflight import preflight_problems
 from trainmesh.data import corpus, sampler, shards
 from trainmesh.data.dataset import TokenDataset, open_datasets
 
@@ -126,15 +127,15 @@ def test_a_model_vocabulary_smaller_than_the_datasets_is_refused(tokenized):
     vocab = tok.get_vocab_size()
     assert vocab > 264  # the tiny preset's vocabulary: the refusal below is real
     spec = load_spec(None, [f"data.path={d}/from-parquet"])
-    [problem] = unsupported_problems(spec)
+    [problem] = preflight_problems(spec)
     assert problem.path == "model.vocab_size" and f"smaller than the {vocab} tokens" in str(problem)
     assert f"use at least {vocab}" in str(problem)
     ok = load_spec(None, [f"data.path={d}/from-parquet", f"model.vocab_size={vocab}"])
-    assert unsupported_problems(ok) == []
-    [problem] = unsupported_problems(load_spec(None, [f"data.path={d}/nothing"]))
+    assert preflight_problems(ok) == []
+    [problem] = preflight_problems(load_spec(None, [f"data.path={d}/nothing"]))
     assert problem.path == "data.path" and "trainmesh data prepare" in str(problem)
     shards.write_shards(["held out, in bytes"] * 20, d / "bytes")  # another tokenizer's data
-    [problem] = unsupported_problems(load_spec(None, [f"data.path={d}/from-parquet",
+    [problem] = preflight_problems(load_spec(None, [f"data.path={d}/from-parquet",
                                                       f"data.eval_path={d}/bytes", f"model.vocab_size={vocab}"]))
     assert problem.path == "data.eval_path" and "same --tokenizer" in str(problem)
 

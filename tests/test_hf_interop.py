@@ -206,11 +206,11 @@ def test_job_from_an_imported_model_on_tokenized_data_evaluates_resumes_exports_
     config = json.loads((tmp_path / "export" / "config.json").read_text())
     assert config["eos_token_id"] == tok.token_to_id(EOS)
     # Starting from the export again: its tokenizer is the data's; the bundled byte corpus is not.
-    from trainmesh.cli.loading import unsupported_problems
+    from trainmesh.controller.preflight import preflight_problems
 
     again = [f"model.init_from={tmp_path / 'export'}", "runtime.device=cpu"]
-    assert unsupported_problems(load_spec(None, [*again, f"data.path={tmp_path / 'train'}"])) == []
-    [problem] = unsupported_problems(load_spec(None, again))
+    assert preflight_problems(load_spec(None, [*again, f"data.path={tmp_path / 'train'}"])) == []
+    [problem] = preflight_problems(load_spec(None, again))
     assert problem.path == "data.path" and "prepare the data with --tokenizer" in str(problem)
     logged = {a.path for a in client.list_artifacts(summary["mlflow_run_id"], "hf")}
     assert {"hf/config.json", "hf/tokenizer.json", "hf/model.safetensors.index.json"} <= logged

@@ -219,11 +219,12 @@ def test_a_bad_kernel_choice_names_the_field(value):
 
 
 def test_triton_on_cpu_without_the_interpreter_is_refused(monkeypatch):
-    from trainmesh.cli.loading import load_spec, unsupported_problems
+    from trainmesh.cli.loading import load_spec
+    from trainmesh.controller.preflight import preflight_problems
 
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="triton for rms_norm, swiglu, rope, linear_cross_entropy needs"):
         resolve("triton", "cpu")
     spec = load_spec(None, ["model.kernels=triton", "runtime.device=cpu"])
-    [problem] = [p for p in unsupported_problems(spec) if p.path == "model.kernels"]
+    [problem] = [p for p in preflight_problems(spec) if p.path == "model.kernels"]
     assert "TRITON_INTERPRET=1" in problem.fix

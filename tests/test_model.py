@@ -165,16 +165,21 @@ def test_float8_is_refused_where_it_cannot_run_or_runs_slower_than_bf16():
     """Each refusal names the setting to change: tensor parallel, a GPU older than compute
     capability 8.9, or a GPU run without model.compile (the kit measured float8 uncompiled at
     0.48× bf16). CPU runs torchao's emulation, compiled or not (the tests above)."""
-    from trainmesh.spec.mesh_rules import float8_problems
+    from trainmesh.spec.mesh_rules import float8_device_problems
+    from trainmesh.spec.problems import SpecError
 
-    assert float8_problems("none", "cuda", 2, (8, 0), compiled=False) == []
-    assert float8_problems("tensorwise", "cuda", 1, (9, 0), compiled=True) == []
-    assert float8_problems("rowwise", "cpu", 1, None, compiled=False) == []
-    for args, fix in [(("tensorwise", "cuda", 2, (9, 0), True), "parallelism.tp=1"),
-                      (("rowwise", "cuda", 1, (8, 0), True), "compute capability 8.9"),
-                      (("tensorwise", "cuda", 1, (9, 0), False), "set model.compile=true")]:
-        (problem,) = float8_problems(*args)
+    assert float8_device_problems("none", "cuda", (8, 0), compiled=False) == []
+    assert float8_device_problems("tensorwise", "cuda", (9, 0), compiled=True) == []
+    assert float8_device_problems("rowwise", "cpu", None, compiled=False) == []
+    for args, fix in [(("rowwise", "cuda", (8, 0), True), "compute capability 8.9"),
+                      (("tensorwise", "cuda", (9, 0), False), "set model.compile=true")]:
+        (problem,) = float8_device_problems(*args)
         assert fix in problem and "training.float8=none" in problem
+    with pytest.raises(SpecError) as err:  # beside tp: the spec's own rule, at load
+        load_spec(None, ["model.preset=tiny", "model.tie_embeddings=false", "parallelism.tp=2",
+                         "parallelism.dp=1", "training.float8=tensorwise"])
+    [problem] = err.value.problems
+    assert problem.path == "training.float8" and "parallelism.tp=1" in problem.fix
 
 
 def test_adamw_is_fused_with_no_decay_on_norms():

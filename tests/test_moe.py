@@ -209,14 +209,14 @@ def test_parameter_count_is_exact_and_flops_count_the_active_experts(extra):
     (["model.preset=tiny-moe", "model.moe.top_k=9"], "model.moe", "at most"),
 ])
 def test_bad_expert_layouts_are_refused_naming_the_field_and_fix(args, field, fix):
-    from trainmesh.cli.loading import unsupported_problems
+    from trainmesh.controller.preflight import preflight_problems
 
     try:
         spec = load_spec(None, ["runtime.device=cpu", *args])
     except SpecError as err:
         text = str(err)
     else:
-        text = "; ".join(str(p) for p in unsupported_problems(spec))
+        text = "; ".join(str(p) for p in preflight_problems(spec))
     assert field in text and fix in text, text
 
 

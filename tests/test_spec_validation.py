@@ -265,10 +265,10 @@ JOBS = Path(__file__).resolve().parents[1] / "jobs"
 def test_every_shipped_job_spec_validates(job):
     """The specs under jobs/ (the README names them) load and pass every rule a run applies
     before it plans."""
-    from trainmesh.cli.loading import unsupported_problems
+    from trainmesh.controller.preflight import preflight_problems
 
     spec = load_spec(JOBS / job)
-    assert spec.name and not [p for p in unsupported_problems(spec) if p.path != "data.path"]
+    assert spec.name and not [p for p in preflight_problems(spec) if p.path != "data.path"]
 
 
 def test_validate_checks_a_local_dataset_naming_its_path_and_one_fix(tmp_path, capsys):

@@ -7,7 +7,8 @@ import argparse
 import json
 import os
 
-from trainmesh.cli.loading import Problem, SpecError, add_spec_args, load_spec, unsupported_problems
+from trainmesh.cli.loading import SpecError, add_spec_args, load_spec
+from trainmesh.spec.validate import held_out_problems
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -22,10 +23,7 @@ def run(args: argparse.Namespace) -> int:
     from trainmesh.controller.launch import evaluate_job, loopback_environment
 
     spec = load_spec(args.spec, args.overrides)
-    problems = unsupported_problems(spec)
-    if not (spec.data.eval_path or spec.data.eval_fraction):
-        problems.append(Problem("data.eval_path", "no held-out data", "set data.eval_path or "
-                                "data.eval_fraction (e.g. --set data.eval_fraction=0.05)"))
+    problems = held_out_problems(spec)  # the rest: evaluate_job's pre-flight
     if problems:
         raise SpecError(problems)
     if spec.runtime.ray_address == "local":

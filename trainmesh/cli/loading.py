@@ -1,4 +1,5 @@
-"""Load a job spec from YAML with dotted overrides, and explain every problem with it.
+"""Load a job spec from YAML with dotted overrides, and explain every problem with it (the
+rules themselves live in ``spec.validate``; this module parses and reports).
 
 Every problem is a :class:`Problem` ``(path, what, fix)`` rendered as
 ``field.path: what is wrong; what to do``. Nothing here raises anything but :class:`SpecError`.
@@ -15,16 +16,9 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from trainmesh.data.tokenizer import VOCAB_SIZE as BYTE_TOKENIZER_VOCAB
 from trainmesh.spec.job import JobSpec
-from trainmesh.spec.mesh_rules import (
-    cp_problems,
-    dp_problems,
-    hsdp_problems,
-    runnable_problems,
-    shape_problems,
-)
 from trainmesh.spec.problems import Problem, SpecError
+from trainmesh.spec.validate import problems as spec_problems
 
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
@@ -56,7 +50,7 @@ def spec_from_dict(raw: dict[str, Any]) -> JobSpec:
         spec = JobSpec.model_validate(raw)
     except ValidationError as err:
         raise SpecError(_problems_from_pydantic(err)) from None
-    problems = consistency_problems(spec)
+    problems = spec_problems(spec)
     if problems:
         raise SpecError(problems)
     return spec
@@ -267,141 +261,3 @@ def _known_fields(loc: list[str]) -> list[str]:
             return []
         model = ann
     return sorted(model.model_fields)
-
-
-def consistency_problems(spec: JobSpec) -> list[Problem]:
-    """Problems that involve more than one field."""
-    m, par, tr, el = spec.model, spec.parallelism, spec.training, spec.elastic
-    out: list[Problem] = []
-
-    def need(ok: bool, path: str, what: str, fix: str) -> None:
-        if not ok:
-            out.append(Problem(path, what, fix))
-
-    need(m.head_dim is not None or m.dim % m.n_heads == 0, "model.dim",
-         f"{m.dim} is not divisible by n_heads={m.n_heads}",
-         "make dim a multiple of model.n_heads, or give model.head_dim")
-    need(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads",
-         f"n_heads={m.n_heads} is not divisible by n_kv_heads={m.n_kv_heads}",
-         f"use a divisor of {m.n_heads}")
-    hd = m.head_dim or m.dim // m.n_heads
-    need(hd % 2 == 0, "model.head_dim" if m.head_dim else "model.dim", f"head dim {hd} is odd",
-         "RoPE needs an even head dim: change model.dim or model.n_heads (or model.head_dim)")
-    need(spec.data.path is not None or m.vocab_size >= BYTE_TOKENIZER_VOCAB, "model.vocab_size",
-         f"{m.vocab_size} is smaller than the byte tokenizer's {BYTE_TOKENIZER_VOCAB} tokens",
-         f"use at least {BYTE_TOKENIZER_VOCAB} (264 keeps it divisible by 8)")
-    need(tr.seq_len <= m.max_seq_len, "training.seq_len",
-         f"{tr.seq_len} exceeds model.max_seq_len={m.max_seq_len}",
-         "shorten training.seq_len or raise model.max_seq_len")
-    out += dp_problems(tr.global_batch_size, tr.microbatch_size, *((1, 1) if par.auto
-                                                                     else (par.dp, par.pp)))
-    if not par.auto:
-        out += shape_problems(m, par.tp, par.pp, par.vpp, par.dp * par.cp, par.ep)
-        out += hsdp_problems(par.dp, par.dp_replicate, par.ep, par.cp)
-        out += cp_problems(tr.seq_len, par.cp, par.tp, par.ep, par.pp,
-                           par.sequence_parallel or m.moe is not None, spec.data.document_mask)
-        need(tr.float8 == "none" or par.tp == 1, "training.float8",
-             f"{tr.float8} beside tensor parallel (tp={par.tp}) is not built",
-             "set training.float8=none or parallelism.tp=1")
-        need(m.moe is None or par.tp == 1 or tr.seq_len % par.tp == 0, "training.seq_len",
-             f"{tr.seq_len} is not divisible by tp={par.tp} (each tensor-parallel rank routes "
-             "its share of a sequence to the experts)", f"use a multiple of {par.tp}")
-        need(par.vpp == 1 or spec.schedule.name in ("interleaved-1f1b", "zbv"), "schedule.name",
-             f"{spec.schedule.name} runs one model chunk per stage but parallelism.vpp={par.vpp}",
-             "use schedule.name=interleaved-1f1b (the default when vpp > 1) or zbv, or set vpp=1")
-        need(spec.schedule.name != "zbv" or par.pp == 1 or par.vpp == 2, "parallelism.vpp",
-             f"zbv places two chunks per rank in a V, but parallelism.vpp={par.vpp}",
-             "set parallelism.vpp=2")
-        world = par.world_size
-        need(world >= el.min_world_size, "elastic.min_world_size",
-             f"{el.min_world_size} exceeds the planned world size {world}",
-             f"lower it to at most {world}")
-        need(el.max_world_size is None or world <= el.max_world_size, "elastic.max_world_size",
-             f"{el.max_world_size} is below the planned world size {world}",
-             f"raise it to at least {world}")
-    need(el.max_world_size is None or el.min_world_size <= el.max_world_size,
-         "elastic.min_world_size", f"{el.min_world_size} exceeds max_world_size={el.max_world_size}",
-         "make min_world_size ≤ max_world_size")
-    need(spec.eval.every == 0 or bool(spec.data.eval_path or spec.data.eval_fraction), "eval.every",
-         "evaluation needs held-out data", "set data.eval_path or data.eval_fraction, or eval.every=0")
-    need(not (spec.data.eval_path and spec.data.eval_fraction), "data.eval_fraction",
-         "is set beside data.eval_path", "hold out one way: drop one of them")
-    need(spec.optimizer.warmup_steps <= tr.steps, "optimizer.warmup_steps",
-         f"{spec.optimizer.warmup_steps} exceeds training.steps={tr.steps}",
-         "shorten the warm-up or train longer")
-    return out
-
-
-def unsupported_problems(spec: JobSpec) -> list[Problem]:
-    """What a valid spec asks for that this version cannot run yet (``trainmesh run`` refuses
-    it; ``validate`` accepts it, so reference specs for larger layouts stay checkable)."""
-    par = spec.parallelism
-    out = runnable_problems(spec.model, par.tp, par.pp, par.sequence_parallel and not par.auto)
-    kernels = spec.model.kernels
-    asked = kernels.values() if isinstance(kernels, dict) else [kernels]
-    if ("triton" in asked and spec.runtime.device == "cpu"
-            and os.environ.get("TRITON_INTERPRET") != "1"):
-        out.append(Problem("model.kernels", "triton kernels need a CUDA device (runtime.device is "
-                           "cpu)", "use model.kernels=auto, or TRITON_INTERPRET=1 to interpret "
-                           "them on CPU (slow)"))
-    out += dataset_problems(spec)
-    ckpt_dir = spec.checkpoint.dir
-    if ckpt_dir and "://" in ckpt_dir:
-        from fsspec.core import url_to_fs
-
-        try:
-            url_to_fs(ckpt_dir)
-        except (ImportError, ValueError) as err:
-            out.append(Problem("checkpoint.dir", f"no filesystem for {ckpt_dir!r} ({err})",
-                               "install the fsspec implementation it names (s3fs, gcsfs, adlfs) "
-                               "or give a local path"))
-    return out
-
-
-def dataset_problems(spec: JobSpec, local_only: bool = False) -> list[Problem]:
-    """The datasets must exist, the model's vocabulary hold every id in them, and the held-out
-    data and an imported model's tokenizer be the training data's tokenizer. ``local_only``:
-    only datasets on this machine's filesystem (``validate`` checks what it can see)."""
-    from trainmesh.data.shards import read_meta
-
-    out, metas = [], {}
-    for field in ("path", "eval_path"):
-        path = getattr(spec.data, field)
-        if not path or (local_only and "://" in path):
-            continue
-        try:
-            meta = metas[field] = read_meta(path)
-        except (OSError, ValueError) as err:
-            what = str(err).removeprefix(f"data.path {path}: ").split("; prepare it")[0]
-            again = "again " if isinstance(err, ValueError) else ""
-            out.append(Problem(f"data.{field}", f"{path}: {what}", f"prepare it {again}with "
-                               f"`trainmesh data prepare INPUTS --out {path}`"))
-            continue
-        if meta["vocab_size"] > spec.model.vocab_size:
-            out.append(Problem("model.vocab_size", f"{spec.model.vocab_size} is smaller than the "
-                               f"{meta['vocab_size']} tokens of the dataset at {path} "
-                               f"(tokenizer: {_tokenizer_name(meta)})",
-                               f"use at least {meta['vocab_size']}, or a dataset made with a "
-                               "smaller tokenizer"))
-    train = metas.get("path", {}).get("tokenizer", {"kind": "byte"} if not spec.data.path else None)
-    if train and "eval_path" in metas and _tokenizer_id(metas["eval_path"]["tokenizer"]) != _tokenizer_id(train):
-        out.append(Problem("data.eval_path", f"made with tokenizer {_tokenizer_name(metas['eval_path'])}, "
-                           f"the training data with {train.get('source', train['kind'])}",
-                           "prepare both with the same --tokenizer"))
-    model_tok = Path(spec.model.init_from or "", "tokenizer.json")
-    if train and spec.model.init_from and "://" not in spec.model.init_from and model_tok.is_file():
-        import hashlib
-
-        if hashlib.sha256(model_tok.read_bytes()).hexdigest() != train.get("sha256"):
-            out.append(Problem("data.path", f"made with tokenizer {train.get('source', train['kind'])}, "
-                               f"not model.init_from's {model_tok}",
-                               f"prepare the data with --tokenizer {spec.model.init_from}"))
-    return out
-
-
-def _tokenizer_id(tok: dict[str, Any]) -> str:
-    return tok.get("sha256", tok["kind"])
-
-
-def _tokenizer_name(meta: dict[str, Any]) -> str:
-    return meta["tokenizer"].get("source", meta["tokenizer"]["kind"])

@@ -6,9 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
-from trainmesh.cli.loading import SpecError, add_spec_args, load_spec, unsupported_problems
+from trainmesh.cli.loading import SpecError, add_spec_args, load_spec
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -29,9 +28,6 @@ def run(args: argparse.Namespace) -> int:
     if (args.step or args.json) and not args.dry_run:
         raise SpecError(["--step and --json go with --dry-run; add --dry-run, or drop them to train"])
     spec = load_spec(args.spec, args.overrides)
-    problems = unsupported_problems(spec)
-    if problems:
-        raise SpecError(problems)
     from trainmesh.controller.launch import dry_run_job, loopback_environment, run_job
 
     if spec.runtime.ray_address == "local":
@@ -42,36 +38,12 @@ def run(args: argparse.Namespace) -> int:
         rows = dry_run_job(spec, os.environ, step=args.step)
         print(json.dumps(rows, indent=1) if args.json else format_rows(rows, args.step))
         return 0
-    reached = _checkpoint_step(spec)
-    if reached is not None and reached >= spec.training.steps:  # known before any rank starts
-        return _nothing_to_train(spec, reached, "its newest checkpoint is at step")
     summary = run_job(spec, os.environ, show_progress=not args.no_progress)
-    out = spec.resolved_output_dir()
     resumed = summary.get("resumed_at") or 0
-    if resumed >= spec.training.steps:  # the newest checkpoint the ranks verified is the end
-        return _nothing_to_train(spec, resumed, "this run resumed from its checkpoint at step")
     again = f" (resumed from step {resumed})" if resumed else ""
     held_out = f", held-out loss {summary['eval'][-1]['loss']:.4f}" if summary.get("eval") else ""
     print(f"done: {summary['steps_done']} steps{again}, final loss {summary['final_loss']:.4f}"
           f"{held_out}; "
-          f"summary {out}/summary.json; MLflow run {summary['mlflow_run_id']} "
+          f"summary {spec.resolved_output_dir()}/summary.json; MLflow run {summary['mlflow_run_id']} "
           f"at {summary['tracking_uri']}")
     return 0 if summary["status"] == "FINISHED" else 1
-
-
-def _checkpoint_step(spec) -> int | None:
-    """The step of the newest complete checkpoint a run of ``spec`` would resume from (files
-    present at their sizes; the ranks check the digests when they restore), or None."""
-    from pathlib import Path
-
-    from trainmesh.controller.checkpointing import Checkpointer
-
-    found = Checkpointer(spec, Path(spec.resolved_output_dir()), lambda message: None).latest()
-    return None if found is None else int(found[1]["data_position"]["step"])
-
-
-def _nothing_to_train(spec, step: int, where: str) -> int:
-    print(f"training.steps: {spec.training.steps}, but {where} {step}: nothing to train; raise "
-          f"training.steps above {step} to train further, or start anew with another "
-          "runtime.output_dir or checkpoint.resume=never", file=sys.stderr)
-    return 2

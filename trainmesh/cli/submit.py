@@ -12,6 +12,7 @@ each: an unreachable address, a cluster without trainmesh, an unknown job id, a 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 
@@ -26,8 +27,8 @@ from trainmesh.cli.jobs import (
     job_metadata,
     wait_terminal,
 )
-from trainmesh.cli.loading import SpecError, add_spec_args, load_spec, unsupported_problems
-from trainmesh.controller.launch import with_absolute_output
+from trainmesh.cli.loading import SpecError, add_spec_args, load_spec
+from trainmesh.controller.preflight import preflight_problems, with_absolute_output
 from trainmesh.spec.job import SPEC_ENV
 
 # A job's entrypoint is a shell command run by its supervisor, a Ray worker on the head: the
@@ -51,7 +52,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec, args.overrides)
-    problems = unsupported_problems(spec)
+    problems = preflight_problems(spec, os.environ)
     if problems:
         raise SpecError(problems)
     # Relative paths (the default runs/<name> too) would resolve in the head's working

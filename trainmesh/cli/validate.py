@@ -7,8 +7,10 @@ import json
 
 import yaml
 
-from trainmesh.cli.loading import add_spec_args, dataset_problems, load_spec
+from trainmesh.cli.loading import add_spec_args, load_spec
+from trainmesh.controller.preflight import read_datasets
 from trainmesh.spec.problems import SpecError
+from trainmesh.spec.validate import dataset_problems
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -19,7 +21,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec, args.overrides)
-    problems = dataset_problems(spec, local_only=True)  # what can be seen from here
+    problems = dataset_problems(spec, read_datasets(spec, local_only=True))  # what can be seen here
     if problems:
         raise SpecError(problems)
     print(yaml.safe_dump(json.loads(spec.model_dump_json()), sort_keys=False), end="")

@@ -61,7 +61,9 @@ from trainmesh.planning.failure_costs import predicted_save
 from trainmesh.planning.job_plan import PlanError, plan_for
 from trainmesh.planning.topology import Topology
 from trainmesh.spec.job import JobSpec
-from trainmesh.spec.mesh_rules import float8_problems
+from trainmesh.spec.mesh_rules import float8_device_problems
+from trainmesh.spec.problems import SpecError
+from trainmesh.spec.validate import problems
 from trainmesh.tracking.mlflow_tracker import open_tracker
 
 # What a recovery handles: a rank's actor died, a rank's step raised (a peer's death surfaces
@@ -76,6 +78,9 @@ class Controller:
                  group_factory: Callable[..., Any] | None = None,
                  topology_fn: Callable[[JobSpec], Topology] | None = None):
         self.spec = JobSpec.model_validate_json(spec_json)
+        broken = problems(self.spec, runnable=True)  # the Python API's callers skip the CLI's check
+        if broken:
+            raise SpecError(broken)
         self.out = Path(self.spec.resolved_output_dir())
         self.ckpts = Checkpointer(self.spec, self.out, on_warning=self._notice)
         self.cadence = CheckpointCadence(self.spec.checkpoint, self.spec.elastic)
@@ -297,9 +302,11 @@ class Controller:
         self.peak_tflops = topo.device.peak_tflops
         self.device, self.candidate = topo.device, result.best.candidate
         self.plan_row = result.best.as_row()
-        # Refused before any rank starts (the ranks check again, knowing their GPU's capability)
-        broken = float8_problems(self.spec.training.float8, "cpu" if topo.device.name == "cpu" else "cuda",
-                                 self.dims.tp, None, compiled=self.spec.model.compile)
+        # Refused before any rank starts (the ranks check float8 again, knowing their GPU's
+        # capability): the plan written into the spec keeps every rule the spec does
+        broken = [str(p) for p in problems(self.eff, runnable=True)] + float8_device_problems(
+            self.spec.training.float8, "cpu" if topo.device.name == "cpu" else "cuda", None,
+            compiled=self.spec.model.compile)
         if broken:
             raise JobFailed(broken[0])
         if result.best.idle and (replan or self.spec.parallelism.auto):  # pinned: as asked

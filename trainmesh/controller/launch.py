@@ -9,9 +9,9 @@ import os
 import sys
 import time
 from collections.abc import Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
+from trainmesh.controller.preflight import nothing_to_train, prepare_run
 from trainmesh.spec.job import JobSpec
 from trainmesh.spec.problems import Problem, SpecError
 
@@ -23,19 +23,6 @@ def loopback_environment(environ: dict[str, str] | os._Environ) -> None:
     default). Must run before ``import ray``."""
     environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-
-
-def with_absolute_output(spec: JobSpec, cwd: Path) -> JobSpec:
-    """Actors run in other directories: pin ``runtime.output_dir`` and the local paths of
-    data and ``model.init_from`` to absolute paths."""
-    def pinned(path: str | None) -> str | None:
-        return path if path is None or "://" in path else str((cwd / path).resolve())
-
-    runtime = spec.runtime.model_copy(update={"output_dir": pinned(spec.resolved_output_dir())})
-    data = spec.data.model_copy(update={"path": pinned(spec.data.path),
-                                        "eval_path": pinned(spec.data.eval_path)})
-    model = spec.model.model_copy(update={"init_from": pinned(spec.model.init_from)})
-    return spec.model_copy(update={"runtime": runtime, "data": data, "model": model})
 
 
 def worker_env(spec: JobSpec, local: bool) -> dict[str, str]:
@@ -145,40 +132,18 @@ def _unreachable(address: str, timeout_s: float = 5.0) -> str | None:
     return None
 
 
-def make_output_dir(spec: JobSpec) -> Path:
-    """The run's output directory (and a local checkpoint directory), created now: a run
-    refuses one it cannot create the way ``validate`` refuses a spec — one line naming the
-    field and the fix — before any Ray or rank starts."""
-    out = Path(spec.runtime.output_dir)
-    dirs = [("runtime.output_dir", out)]
-    if spec.checkpoint.dir and "://" not in spec.checkpoint.dir:
-        dirs.append(("checkpoint.dir", Path(spec.checkpoint.dir)))
-    for field, path in dirs:
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-            probe = path / f".trainmesh-write-{os.getpid()}"
-            probe.write_bytes(b"")
-            probe.unlink()
-        except OSError as err:
-            raise SpecError([Problem(field, f"cannot create or write {path} "
-                                     f"({err.strerror or err})", f"give a writable directory, "
-                                     f"e.g. --set {field}=runs/my-job")]) from None
-    return out
-
-
 def run_job(spec: JobSpec, environ: Mapping[str, str], show_progress: bool = True) -> dict[str, Any]:
-    """Train ``spec`` to the end; returns the run summary (also in OUTPUT/summary.json)."""
+    """Train ``spec`` to the end; returns the run summary (also in OUTPUT/summary.json).
+    Everything a run checks before it starts is checked here (``preflight.prepare_run``):
+    a problem raises ``SpecError`` naming the field and the fix, as does a run whose
+    checkpoint already held its last step."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from trainmesh.controller.controller import Controller
-    from trainmesh.tracking.mlflow_tracker import resolve_tracking_uri
 
-    spec = with_absolute_output(spec, Path.cwd())
-    out = make_output_dir(spec)
-    uri = None
-    if spec.tracking.enabled:
-        uri = resolve_tracking_uri(spec.tracking.uri, environ.get("MLFLOW_TRACKING_URI"), out)
+    ready = prepare_run(spec, environ)
+    spec, uri = ready.spec, ready.tracking_uri
     with ray_session(spec) as local:
         # The controller lives on the driver's node (the head, for submitted jobs): it must
         # outlive the accelerator nodes it recovers from.
@@ -192,33 +157,36 @@ def run_job(spec: JobSpec, environ: Mapping[str, str], show_progress: bool = Tru
                 _follow(actor, ref)
             else:
                 _report(actor, ref)
-            return ray.get(ref)
+            summary = ray.get(ref)
         except ray.exceptions.RayTaskError as err:
             raise _user_error(err) from None
         finally:
             ray.kill(actor)
+    resumed = summary.get("resumed_at") or 0
+    if resumed >= spec.training.steps:  # the newest checkpoint the ranks verified is the end
+        raise nothing_to_train(spec, resumed, "this run resumed from its checkpoint at step")
+    return summary
 
 
 def dry_run_job(spec: JobSpec, environ: Mapping[str, str], step: bool) -> list[dict[str, Any]]:
     """Plan, place and build every rank (one step with ``step``); per-rank memory rows
     (``trainmesh.controller.dry_run``). Nothing is trained, saved or tracked."""
-    return _controller_once(spec, "dry_run", step)
+    return _controller_once(spec, environ, "dry_run", step)
 
 
 def evaluate_job(spec: JobSpec, environ: Mapping[str, str]) -> dict[str, Any]:
     """Build every rank, restore the run's newest checkpoint (or the initial model) and
     return the held-out loss (``trainmesh.controller.evaluation``)."""
-    return _controller_once(spec, "evaluate")
+    return _controller_once(spec, environ, "evaluate")
 
 
-def _controller_once(spec: JobSpec, method: str, *args: Any) -> Any:
+def _controller_once(spec: JobSpec, environ: Mapping[str, str], method: str, *args: Any) -> Any:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from trainmesh.controller.controller import Controller
 
-    spec = with_absolute_output(spec, Path.cwd())
-    make_output_dir(spec)
+    spec = prepare_run(spec, environ, train=False).spec
     with ray_session(spec) as local:
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         actor = ray.remote(Controller).options(num_cpus=0, scheduling_strategy=here).remote(
@@ -238,7 +206,7 @@ def _user_error(err: Exception) -> Exception:
     from trainmesh.planning.job_plan import PlanError
 
     cause = getattr(err, "cause", None)
-    return cause if isinstance(cause, PlanError | JobFailed) else err
+    return cause if isinstance(cause, PlanError | JobFailed | SpecError) else err
 
 
 def _report(actor, ref, every_s: float = 10.0) -> None:

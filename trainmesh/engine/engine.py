@@ -64,7 +64,7 @@ from trainmesh.parallel.zero import (
     apply_zero3,
 )
 from trainmesh.spec.job import JobSpec
-from trainmesh.spec.mesh_rules import float8_problems, microbatches_per_replica
+from trainmesh.spec.mesh_rules import float8_device_problems, microbatches_per_replica
 
 
 class _StepClock:
@@ -238,8 +238,7 @@ class Engine:
                                 is_moe(self.model))
         if tr.float8 != "none":  # before TP and ZeRO-3: the linears they wrap are float8's
             cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-            broken = float8_problems(tr.float8, device.type, mesh.size(Axis.TP), cap,
-                                     compiled=spec.model.compile)
+            broken = float8_device_problems(tr.float8, device.type, cap, compiled=spec.model.compile)
             if broken:
                 raise ValueError(broken[0])
             apply_float8(self.model, tr.float8, device.type,

@@ -28,16 +28,12 @@ def request_for(spec: JobSpec) -> PlanRequest:
                      sequence_parallel=par.sequence_parallel,
                      recompute=spec.activation_checkpoint.mode,
                      recompute_stride=spec.activation_checkpoint.stride)
-    if spec.data.document_mask:
-        fixed["document_mask"] = True
-    if tr.float8 != "none":  # not built beside tensor parallel
-        fixed["tp"] = 1
     if par.keep_gathered is not None:
         fixed["keep_gathered"] = par.keep_gathered
     fixed["reduce_dtype"] = par.reduce_dtype
     compute_bytes = 2 if tr.dtype == "bfloat16" else 4
     return PlanRequest(spec.model, tr.global_batch_size, tr.seq_len, compute_bytes, fixed,
-                       spec.model.kernels, spec.model.compile)
+                       spec.model.kernels, spec.model.compile, spec.data.document_mask, tr.float8)
 
 
 def plan_job(spec: JobSpec, topo: Topology) -> tuple[ParallelDims, PlanResult]:

@@ -27,6 +27,8 @@ from trainmesh.planning.stage_params import memoized
 from trainmesh.planning.topology import Topology
 from trainmesh.spec.mesh_rules import (
     cp_problems,
+    dp_fits,
+    dp_problems,
     ep_degrees,
     hsdp_problems,
     microbatches_per_replica,
@@ -35,6 +37,7 @@ from trainmesh.spec.mesh_rules import (
     tp_problems,
 )
 from trainmesh.spec.problems import Problem
+from trainmesh.spec.validate import Workload, layout_problems
 
 MEMORY_HEADROOM = 0.9  # plan within this fraction of device memory
 MICROBATCH_SIZES = (1, 2, 4, 8)
@@ -59,6 +62,14 @@ class PlanRequest:
     fixed: dict[str, int | str | bool] = field(default_factory=dict)  # e.g. {"tp": 2}
     kernels: str = "auto"  # model.kernels: the Triton kernels keep fewer activations
     compiled: bool = False  # model.compile: what auto picks against (spec/kernel_choice.py)
+    document_mask: bool = False  # data.document_mask: attention inside each document
+    float8: str = "none"  # training.float8: its linears are not built beside tensor parallel
+
+    @property
+    def workload(self) -> Workload:
+        """What every candidate must split, as the spec's rules see it."""
+        return Workload(self.model, self.global_batch_size, self.seq_len, self.document_mask,
+                        self.float8)
 
 
 @dataclass(frozen=True)
@@ -169,7 +180,7 @@ def candidates(req: PlanRequest, topo: Topology,
             continue
         usable = topo.usable(tp).world_size
         pps = [int(fixed["pp"])] if "pp" in fixed else _divisors(m.n_layers)
-        if fixed.get("document_mask") and "pp" not in fixed:  # documents need the tokens
+        if req.document_mask and "pp" not in fixed:  # documents need the tokens
             pps = [1]
         for pp in pps:
             broken = runnable_problems(m, 1, pp)
@@ -204,13 +215,10 @@ def _dp_choices(req: PlanRequest, pp: int, mbs: int, max_dp: int) -> Iterator[in
     micro = B // mbs
 
     def problem(dp: int) -> str | None:
-        share = microbatches_per_replica(B, mbs, dp)
-        if dp > micro:
-            return (f"divisibility: dp={dp} exceeds the {micro} microbatches of the global "
-                    f"batch {B}")
-        if pp > 1 and share < pp:
-            return f"divisibility: {share} microbatches cannot fill {pp} pipeline stages"
-        return None
+        if dp_fits(B, mbs, dp, pp):
+            return None
+        broken = dp_problems(B, mbs, dp, pp)[0]
+        return f"{broken.kind}: {broken}"
 
     def wasted(dp: int) -> bool:
         """Fewer replicas would run as many microbatches each: the extra ones only pad."""
@@ -226,7 +234,7 @@ def _dp_choices(req: PlanRequest, pp: int, mbs: int, max_dp: int) -> Iterator[in
         yield dp if why is None else Rejection(None, why)
         return
     top = min(max_dp, micro)
-    fits = lambda d: problem(d) is None and not wasted(d)  # noqa: E731
+    fits = lambda d: dp_fits(B, mbs, d, pp) and not wasted(d)  # noqa: E731
     largest = next((d for d in range(top, 0, -1) if fits(d)), None)
     dps = sorted({d for d in _divisors(micro) if d <= top and fits(d)}
                  | ({largest} if largest else set()))
@@ -360,9 +368,20 @@ def _plan(req: PlanRequest, topo: Topology, long: bool | None) -> PlanResult:
     fused = uses_fused_kernels(req.kernels, topo.device.name, req.compiled)
     ranked, rejected = [], []
     layouts: dict[tuple[int, int], tuple[int, ...]] = {}
+    work, checked = req.workload, {}
     for c in candidates(req, topo, long):
         if isinstance(c, Rejection):
             rejected.append(c)
+            continue
+        # The spec's own rules, so that what is planned can be pinned: once per layout (the
+        # candidates of one differ in recomputation, ZeRO-3 policy and cp mode only)
+        layout = (c.tp, c.pp, c.dp, c.cp, c.ep, c.vpp, c.dp_replicate, c.schedule,
+                  c.sequence_parallel, c.microbatch_size)
+        if layout not in checked:
+            checked[layout] = layout_problems(work, c)
+        broken = checked[layout]
+        if broken:
+            rejected.append(Rejection(c, f"{broken[0].kind or 'spec'}: {broken[0]}"))
             continue
         mem = memory_bytes(req.model, c, req.seq_len, req.compute_bytes,
                            topo.device.framework_gib * 1024**3, fused)

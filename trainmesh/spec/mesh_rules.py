@@ -1,7 +1,9 @@
-"""What a mesh can run: the one statement of each rule that ties the model's shape to the
-parallel degrees, each with one message naming the field and the fix. Spec validation refuses
-a pinned layout with them, the planner rejects candidates with them (``Problem.kind`` and the
-message are its reason), and the parallelizers check them before they split a model.
+"""What a mesh can run: the one statement of each rule that ties the model's shape and the batch
+to the parallel degrees (tp, pp and vpp, dp and hybrid sharding, cp, ep), each with one message
+naming the field and the fix. ``spec.validate.layout_problems`` applies them all to a layout
+(for a pinned spec and for every planner candidate alike); the planner also prunes its search
+with single rules (``Problem.kind`` and the message are its reason), and the parallelizers
+check them before they split a model.
 
 Two families:
 - ``shape_problems``: a layout that cannot exist (a degree that does not divide what it splits);
@@ -96,9 +98,20 @@ def microbatches_per_replica(global_batch: int, microbatch_size: int, dp: int) -
     return -(-(global_batch // microbatch_size) // dp)
 
 
+def dp_fits(global_batch: int, microbatch_size: int, dp: int, pp: int = 1) -> bool:
+    """Whether ``dp_problems`` finds nothing, without building its messages (the planner asks
+    this of every dp it scans)."""
+    if global_batch % microbatch_size:
+        return False
+    micro = global_batch // microbatch_size
+    return dp <= micro and (pp == 1 or microbatches_per_replica(global_batch, microbatch_size, dp) >= pp)
+
+
 def dp_problems(global_batch: int, microbatch_size: int, dp: int, pp: int = 1) -> list[Problem]:
     """dp deals the global batch's microbatches out to the replicas: any dp up to their number
     (not only one that divides it), each replica's share enough to fill pp stages."""
+    if dp_fits(global_batch, microbatch_size, dp, pp):
+        return []
     if global_batch % microbatch_size:
         return [Problem("training.global_batch_size", f"{global_batch} is not divisible by "
                         f"microbatch_size={microbatch_size}", "make it a multiple of "
@@ -111,12 +124,10 @@ def dp_problems(global_batch: int, microbatch_size: int, dp: int, pp: int = 1) -
                         f"use dp ≤ {micro}, or raise training.global_batch_size or lower "
                         "training.microbatch_size", DIVISIBILITY)]
     share = microbatches_per_replica(global_batch, microbatch_size, dp)
-    if pp > 1 and share < pp:
-        return [Problem("parallelism.dp", f"dp={dp} leaves each replica {share} microbatch(es) "
-                        f"of the global batch, too few to fill pp={pp} pipeline stages",
-                        f"use dp ≤ {micro // pp}, or raise training.global_batch_size or lower "
-                        "training.microbatch_size", DIVISIBILITY)]
-    return []
+    return [Problem("parallelism.dp", f"dp={dp} leaves each replica {share} microbatch(es) "
+                    f"of the global batch, too few to fill pp={pp} pipeline stages",
+                    f"use dp ≤ {micro // pp}, or raise training.global_batch_size or lower "
+                    "training.microbatch_size", DIVISIBILITY)]
 
 
 def hsdp_problems(dp: int, dp_replicate: int, ep: int = 1, cp: int = 1) -> list[Problem]:
@@ -186,16 +197,14 @@ def runnable_problems(m: ModelShape, tp: int, pp: int, sequence_parallel: bool =
     return out
 
 
-def float8_problems(recipe: str, device_type: str, tp: int, capability: tuple[int, int] | None,
-                    compiled: bool = True):
-    """Why ``training.float8`` cannot run here, or should not (empty when it can): on a GPU
-    without torch.compile the scaling and casts run as separate kernels, and the float8 step
-    took 2.1× bf16's (8 of Llama 3 8B's layers, H200, 2026-11-27)."""
+def float8_device_problems(recipe: str, device_type: str, capability: tuple[int, int] | None,
+                           compiled: bool = True) -> list[str]:
+    """Why ``training.float8`` cannot run on this device, or should not (empty when it can): on
+    a GPU without torch.compile the scaling and casts run as separate kernels, and the float8
+    step took 2.1× bf16's (8 of Llama 3 8B's layers, H200, 2026-11-27). (Beside tensor parallel
+    it is a layout's problem: ``spec.validate.layout_problems``.)"""
     if recipe == "none":
         return []
-    if tp > 1:
-        return [f"training.float8={recipe} beside tensor parallel (tp={tp}) is not built; set "
-                "training.float8=none or parallelism.tp=1"]
     if device_type == "cuda" and capability is not None and capability < (8, 9):
         return [f"training.float8={recipe} needs a GPU of compute capability 8.9 or more (H100, "
                 f"L40S, B200); this one is {capability[0]}.{capability[1]}: set "
