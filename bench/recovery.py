@@ -284,7 +284,7 @@ def checkpoint_bandwidth(mib: int, tmp: Path, reps: int = 5) -> list[dict]:
     state = {f"layer{i}.weight": torch.randn(per) for i in range(n_tensors)}
     nbytes = sum(t.numel() * 4 for t in state.values())
 
-    from trainmesh.checkpoint import dcp_io, memory_fs
+    from trainmesh.checkpoint import dcp_io, digest_writer, memory_fs, snapshot_io
     from trainmesh.checkpoint.host_copy import HostCopy
     from trainmesh.checkpoint.manifest import CheckpointStore
 
@@ -328,7 +328,7 @@ def checkpoint_bandwidth(mib: int, tmp: Path, reps: int = 5) -> list[dict]:
         partial = store_root.partial_dir(2 * r + 1)
         os.sync()
         t0 = time.perf_counter()
-        writer = dcp_io.storage_writer(partial)
+        writer = digest_writer.storage_writer(partial)
         dcp.save(state, storage_writer=writer, no_dist=True)
         store_root.commit(partial, {"step": 2 * r + 1}, writer.files())
         rows["trainmesh save, digests as written (until 2026-11-26)"].append(time.perf_counter() - t0)
@@ -370,13 +370,13 @@ def checkpoint_bandwidth(mib: int, tmp: Path, reps: int = 5) -> list[dict]:
         staging.copy(state)
         rows["in-memory snapshot: training blocked (staging copy)"].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        dcp_io.snapshot(snap, 0, state, store)  # as a rank's tier writes one (background)
+        snapshot_io.snapshot(snap, 0, state, store)  # as a rank's tier writes one (background)
         rows["in-memory snapshot (dcp save to memory)"].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        dcp_io.index_snapshot(store, name)  # (background, after the save: actors/snapshots.py)
+        snapshot_io.index_snapshot(store, name)  # (background, after the save: actors/snapshots.py)
         rows["in-memory snapshot: records indexed"].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        dcp.load(target, storage_reader=dcp_io.snapshot_reader(snap, ["__0.metadata"], store),
+        dcp.load(target, storage_reader=snapshot_io.snapshot_reader(snap, ["__0.metadata"], store),
                  no_dist=True)
         rows["restore from memory (dcp load)"].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
@@ -429,9 +429,9 @@ def _dcp_reader(uri: str, store):
     """DCP's own fsspec reader of a snapshot (each tensor through ``torch.load``: a copy)."""
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-    from trainmesh.checkpoint import dcp_io
+    from trainmesh.checkpoint import snapshot_io
 
-    class Reader(dcp_io._MergedReader):
+    class Reader(snapshot_io._MergedReader):
         read_data = FsspecReader.read_data
 
     return Reader(uri, ["__0.metadata"], store=store)

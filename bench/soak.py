@@ -174,7 +174,7 @@ def soak(cluster, tmp: Path, every_min: float, minutes: float, step_s: dict[int,
          replace_s: float, seed: int) -> dict:
     from servers import job_in_background
 
-    from trainmesh.actors.progress import FAULT_ENV
+    from trainmesh.testing.faults import fault_run
 
     steps = int(minutes * 60 * 0.85 / step_s[8])  # about ``minutes`` of wall time at ~85%
     faults = draw_faults(random.Random(seed), every_min * 60, step_s[8], steps)
@@ -184,7 +184,7 @@ def soak(cluster, tmp: Path, every_min: float, minutes: float, step_s: dict[int,
     spec = _spec(tmp / f"soak-{every_min}", steps)
     harness = Harness(cluster, replace_s)
     t_start = time.time()
-    thread, box = job_in_background(spec, {FAULT_ENV: env})
+    thread, box = job_in_background(spec, {}, **fault_run(env))
     seen: set[int] = set()
     while thread.is_alive():
         for i, path in marks.items():

@@ -12,13 +12,15 @@ import os
 from trainmesh.controller.ray_group import RayWorkerGroup, placement_for
 from trainmesh.parallel.dims import ParallelDims
 from trainmesh.planning.topology import Topology
+from trainmesh.testing.probes import ProbedRank
 
 # The test process's Triton mode too (conftest), so kernel tests share the pool's actors.
-# Pipeline point-to-point under NCCL's rules (pipeline/nccl_rules.py) for every parallel test:
-# what passes here cannot deadlock or mismatch messages on GPUs (gloo's own semantics are the
-# fault matrix's and the demo's).
 ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
-       "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "0"), "TRAINMESH_P2P": "nccl-rules"}
+       "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "0")}
+# Pipeline point-to-point under NCCL's rules (testing/nccl_rules.py) for every parallel test:
+# what passes here cannot deadlock or mismatch messages on GPUs (gloo's own semantics are the
+# fault matrix's and the demo's); and ``probes.execute`` on every rank.
+RANK = ProbedRank
 
 
 class RankPool:
@@ -40,14 +42,14 @@ class RankPool:
         if dims.world_size > self.max_ranks:
             # A group of its own beside the pool (the shared instance has CPUs for both; the
             # pool's idle actors use no core).
-            return RayWorkerGroup(spec, dims, placement, env)
+            return RayWorkerGroup(spec, dims, placement, env, rank_cls=RANK)
         # Growing past the processes started would need the node's whole bundle again while
         # the kept ranks hold part of it: start afresh instead (the largest mesh first).
         if self.group is not None and (env != self.env or dims.world_size > (
                 self.group.group.world_size + len(self.parked))):
             self.close()
         if self.group is None:
-            self.group, self.env = RayWorkerGroup(spec, dims, placement, env), env
+            self.group, self.env = RayWorkerGroup(spec, dims, placement, env, rank_cls=RANK), env
         else:
             self._take_parked(dims.world_size)
             # Each process takes another rank than it had (old rank r+1 becomes rank r), as

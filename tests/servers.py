@@ -253,7 +253,7 @@ def rank_pids_under(raylet: int) -> list[int]:
     """The job's rank processes a raylet started: rank actors, and the seats of ready processes
     that became ranks (``actors/ready.py``; one not taken is a ``ReadyRank`` without a seat)."""
     return [p for p, (pp, cmd) in process_parents().items()
-            if pp == raylet and cmd.startswith((b"ray::RankWorker", b"ray::Seat"))]
+            if pp == raylet and cmd.startswith((b"ray::RankWorker", b"ray::FaultyRank", b"ray::Seat"))]
 
 
 def remove_node_hard(cluster, node_id: str) -> None:
@@ -275,9 +275,10 @@ def remove_node_hard(cluster, node_id: str) -> None:
                 pass
 
 
-def job_in_background(spec, environ: dict[str, str]):
+def job_in_background(spec, environ: dict[str, str], **run_args):
     """``run_job`` in a thread (Ray adds and removes nodes from the main thread only): the
-    thread, and a dict that receives ``summary`` or ``error``."""
+    thread, and a dict that receives ``summary`` or ``error``; ``run_args``: ``run_job``'s
+    other arguments (e.g. ``testing.faults.fault_run``'s)."""
     import threading
 
     from trainmesh.controller.launch import run_job
@@ -286,7 +287,7 @@ def job_in_background(spec, environ: dict[str, str]):
 
     def job():
         try:
-            box["summary"] = run_job(spec, environ=environ, show_progress=False)
+            box["summary"] = run_job(spec, environ=environ, show_progress=False, **run_args)
         except Exception as err:  # noqa: BLE001 - handed to the test
             box["error"] = err
 
@@ -303,13 +304,13 @@ def run_losing_nodes(cluster, out, args: list[str], faults: list[str], remove: b
     import json
     import time
 
-    from trainmesh.actors.progress import FAULT_ENV
     from trainmesh.cli.loading import load_spec
+    from trainmesh.testing.faults import fault_run
 
     markers = [out / f"fired-{i}" for i in range(len(faults))]
     env = ";".join(f"{f},marker={m}" for f, m in zip(faults, markers, strict=True))
     spec = load_spec(None, [*args, f"runtime.output_dir={out / 'out'}"])
-    thread, box = job_in_background(spec, {FAULT_ENV: env})
+    thread, box = job_in_background(spec, {}, **fault_run(env))
     removed = False
     while thread.is_alive():
         if not removed and all(m.exists() and m.read_text() for m in markers):

@@ -33,6 +33,8 @@ ALLOWED = {
     "tracking": set(),
     "spec": set(),
     "deploy": {"spec"},
+    # what only tests and benches use: it plugs into the product's seams; nothing imports it
+    "testing": {"controller", "actors", "engine", "planning"} | LEAVES,
 }
 
 
@@ -116,6 +118,28 @@ def test_nothing_imports_cli():
     bad = [f"{_module(p)} imports {m}" for p in PKG.rglob("*.py")
            if p.relative_to(PKG).parts[0] != "cli" and p.name != "__main__.py"
            for m in _imports(p) if m.split(".")[1] == "cli"]
+    assert not bad, bad
+
+
+def test_no_product_module_imports_the_test_hooks():
+    """Fault injection, the NCCL-rules transport and the parallel tests' probes live in
+    ``trainmesh/testing``: a user's process carries none of it (not even a switch)."""
+    bad = [f"{_module(p)} imports {m}" for p in PKG.rglob("*.py")
+           if p.relative_to(PKG).parts[0] != "testing"
+           for m in _imports(p) if m.split(".")[1] == "testing"]
+    assert not bad, bad
+    product = [p for p in PKG.rglob("*.py") if p.relative_to(PKG).parts[0] != "testing"]
+    for switch in ("TRAINMESH_FAULT", "TRAINMESH_P2P"):
+        assert not [p for p in product if switch in p.read_text()], switch
+
+
+def test_the_step_knows_no_model_family():
+    """One step for every family: MoE's balancing and any later family's losses and updates
+    come in as the model's hooks (``models/hooks.py``), not as imports of the family."""
+    step = PKG / "engine" / "step.py"
+    families = {p.name for p in (PKG / "models").iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert families >= {"llama", "moe"}
+    bad = [m for m in _imports(step) if m.startswith("trainmesh.models.") and m.split(".")[2] in families]
     assert not bad, bad
 
 

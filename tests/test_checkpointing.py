@@ -305,7 +305,7 @@ def test_the_zip_crc_option_is_restored_after_overlapping_writes_and_a_users_cha
     made meanwhile by someone else is not overwritten."""
     import torch
 
-    from trainmesh.checkpoint.dcp_io import without_zip_crc
+    from trainmesh.checkpoint.zip_crc import without_zip_crc
 
     get, set_ = torch.serialization.get_crc32_options, torch.serialization.set_crc32_options
     try:

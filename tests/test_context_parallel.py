@@ -1,6 +1,6 @@
 """Context parallel (ring and all-gather attention over 2·cp load-balanced chunks) alone and
 with ZeRO-3 over dp × cp, TP + SP, PP (1F1B), expert parallel and document masks, on real ranks
-over gloo (point-to-point under NCCL's rules: the rank pool's TRAINMESH_P2P), against the
+over gloo (point-to-point under NCCL's rules: the rank pool's ProbedRank), against the
 single-process model at seq_len 256 with grouped-query attention (tiny: 4 heads, 2 KV heads)."""
 
 from __future__ import annotations

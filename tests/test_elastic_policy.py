@@ -140,18 +140,25 @@ def test_hang_bound_from_recent_steps_with_a_floor_or_the_spec():
     assert liveness_bound_s(ElasticConfig(), 60) == 30
 
 
-def test_the_fault_hook_parses_strictly_fires_once_and_only_where_placed(tmp_path, monkeypatch):
+def test_the_fault_hook_parses_strictly_fires_once_and_only_where_placed(tmp_path):
     import json
 
-    from trainmesh.actors.progress import FAULT_ENV, Fault, InjectedFault, Progress
+    from trainmesh.actors.progress import Progress
+    from trainmesh.testing.faults import FAULT_ENV, Fault, FaultListener, InjectedFault
 
     with pytest.raises(ValueError, match=FAULT_ENV):
         Fault.parse("hang@rank=1,step=2")  # no phase, no marker
     with pytest.raises(ValueError, match="phase one of"):
         Fault.parse(f"raise@rank=1,step=2,phase=sideways,marker={tmp_path / 'm'}")
-    monkeypatch.setenv(FAULT_ENV, f"raise@rank=1,step=2,phase=backward,marker={tmp_path / 'm'};"
-                                  f" raise@rank=0,phase=reform,marker={tmp_path / 'r'}")
-    other, mine = Progress(rank=0), Progress(rank=1)
+    faults = Fault.parse(f"raise@rank=1,step=2,phase=backward,marker={tmp_path / 'm'};"
+                         f" raise@rank=0,phase=reform,marker={tmp_path / 'r'}")
+
+    def rank(r: int) -> Progress:  # as a FaultyRank's: the faults listen to its phases
+        p = Progress(rank=r)
+        p.listeners.append(FaultListener(faults))
+        return p
+
+    other, mine = rank(0), rank(1)
     for p in (other, mine):
         p.step = 2
         p.mark("forward")
@@ -160,7 +167,7 @@ def test_the_fault_hook_parses_strictly_fires_once_and_only_where_placed(tmp_pat
         mine.mark("backward")
     assert mine.snapshot()["counts"]["backward"] == 1
     assert json.loads((tmp_path / "m").read_text())["pid"] > 0  # where it fired
-    again = Progress(rank=1)  # a restarted rank: the marker says it fired already
+    again = rank(1)  # a restarted rank: the marker says it fired already
     again.step = 2
     again.mark("backward")
     mine.rank = 0  # a re-form made it rank 0: the fault placed at rank 0, any step, fires
@@ -170,8 +177,9 @@ def test_the_fault_hook_parses_strictly_fires_once_and_only_where_placed(tmp_pat
     # a hold blocks the rank until its release file appears, then the rank goes on
     import threading
 
-    monkeypatch.setenv(FAULT_ENV, f"hold@rank=0,step=3,phase=restore,marker={tmp_path / 'h'}")
     held = Progress(rank=0)
+    held.listeners.append(FaultListener(Fault.parse(
+        f"hold@rank=0,step=3,phase=restore,marker={tmp_path / 'h'}")))
     held.step = 3
     t = threading.Thread(target=held.mark, args=("restore",), daemon=True)
     t.start()
@@ -183,8 +191,7 @@ def test_the_fault_hook_parses_strictly_fires_once_and_only_where_placed(tmp_pat
         (tmp_path / "h.go").touch()
     t.join(5)
     assert not t.is_alive() and held.snapshot()["counts"]["restore"] == 1
-    monkeypatch.delenv(FAULT_ENV)
-    assert Progress(rank=1)._faults == []
+    assert Progress(rank=1).listeners == []  # a product rank carries no fault
 
 
 def test_ready_processes_default_to_a_nodes_ranks_on_accelerators_and_one_on_cpu_clusters():

@@ -15,6 +15,7 @@ from test_tensor_parallel import _close, _same_norm
 from trainmesh.cli.loading import load_spec
 from trainmesh.data.shards import ensure_tiny_corpus
 from trainmesh.parallel.dims import ParallelDims
+from trainmesh.testing import probes
 
 BASE = ["model.preset=tiny-moe", "training.global_batch_size=8", "training.microbatch_size=1",
         "training.seq_len=32", "optimizer.warmup_steps=1", "tracking.enabled=false",
@@ -83,7 +84,7 @@ def test_expert_parallel_matches_single_process(rank_pool, tmp_path, case):
         # Hybrid sharding: the experts over ("dp_replicate", "edp_shard"), the rest over
         # ("dp_replicate", "dp_shard"[_cp]).
         hybrid = spec.parallelism.dp_replicate > 1
-        for rank_meshes in group.parameter_meshes():
+        for rank_meshes in probes.parameter_meshes(group):
             for name, dims_here in rank_meshes.items():
                 if ".experts." in name:
                     want = ("dp_replicate", "edp_shard", "ep") if hybrid else ("edp", "ep")
@@ -96,16 +97,16 @@ def test_expert_parallel_matches_single_process(rank_pool, tmp_path, case):
         # ... and evenly: every rank holds the same share of each expert weight.
         cloudpickle.register_pickle_by_value(sys.modules[__name__])
         held: dict[str, set[int]] = {}
-        for sizes in group.execute(_expert_shard_sizes):
+        for sizes in probes.execute(group, _expert_shard_sizes):
             for name, n in sizes.items():
                 held.setdefault(name, set()).add(n)
         assert held and all(len(n) == 1 for n in held.values()), held
         first = group.train_step()  # (a rank of a stage without MoE blocks has no experts)
         losses = [first[0]["loss"]]
         dropped = sum(b["dropped"] for r in first for b in (r["experts"] or {}).values())
-        grads = group.full_grads()
+        grads = probes.full_grads(group)
         losses += [group.train_step()[0]["loss"] for _ in range(2)]
-        params = group.full_state()
+        params = probes.full_state(group)
     finally:
         rank_pool.release(group)
     if spec.model.moe.capacity_factor is not None:
@@ -139,7 +140,7 @@ def test_a_checkpoint_at_ep4_restores_at_ep2_and_goes_on_with_the_same_losses(ra
     try:
         group.build(spec.model_dump_json(), before, data_dir)
         losses = [group.train_step()[0]["loss"] for _ in range(2)]
-        group.save_to(str(tmp_path / "ep4"))
+        probes.save_to(group, str(tmp_path / "ep4"))
     finally:
         rank_pool.release(group)
     saved = _flat(tmp_path / "ep4", tmp_path, "ep4")
@@ -152,7 +153,7 @@ def test_a_checkpoint_at_ep4_restores_at_ep2_and_goes_on_with_the_same_losses(ra
         try:
             group.build(spec.model_dump_json(), after, data_dir)
             group.load(str(tmp_path / "ep4"), 2, None)
-            group.save_to(str(tmp_path / name))
+            probes.save_to(group, str(tmp_path / name))
             losses.append(group.train_step()[0]["loss"])
         finally:
             rank_pool.release(group)
@@ -190,9 +191,9 @@ def test_all_tokens_to_one_expert_finishes_and_matches(rank_pool, tmp_path):
     try:
         group.build(spec.model_dump_json(), dims, data_dir)
         cloudpickle.register_pickle_by_value(sys.modules[__name__])
-        group.execute(lambda engine: _zero_routers(engine.model))
+        probes.execute(group, lambda engine: _zero_routers(engine.model))
         first = group.train_step()[0]
-        grads = group.full_grads()
+        grads = probes.full_grads(group)
     finally:
         rank_pool.release(group)
     [ref_loss], _, ref_grads = reference_run(spec, data_dir, steps=1, grads_after=1,

@@ -293,12 +293,12 @@ def test_a_cold_restart_takes_ready_processes_and_a_freeze_while_restoring_is_fo
 def test_every_fault_is_recovered_warm_in_seconds_with_nothing_lost(cluster, tmp_path):
     from reference import reference_run
 
-    from trainmesh.actors.progress import FAULT_ENV
+    from trainmesh.testing.faults import fault_run
 
     markers = {name: tmp_path / f"fired-{name}" for name, _ in FAULTS}
     env = ";".join(f"{fault},marker={markers[name]}" for name, fault in FAULTS)
     spec = load_spec(None, [*ARGS, f"runtime.output_dir={tmp_path / 'out'}"])
-    thread, box = job_in_background(spec, {FAULT_ENV: env})
+    thread, box = job_in_background(spec, {}, **fault_run(env))
     frozen: dict = {}
     try:
         acted = _act_on_faults(cluster, markers, thread, frozen)

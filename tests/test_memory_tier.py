@@ -118,7 +118,7 @@ def test_the_host_copy_is_the_state_as_copied_and_reuses_its_buffers():
 
 
 def test_a_snapshot_restores_exactly_with_each_tensor_read_in_place():
-    """A restore from memory (``dcp_io.snapshot_reader``) copies each tensor from the snapshot
+    """A restore from memory (``snapshot_io.snapshot_reader``) copies each tensor from the snapshot
     file's bytes: no record is loaded with its data (DCP's own reader ``torch.load``s each one:
     a tensor loaded with data fails here), none even for its layout once the snapshot is
     indexed (``index_snapshot``), and every dtype, a non-contiguous tensor and non-tensor state
@@ -130,7 +130,7 @@ def test_a_snapshot_restores_exactly_with_each_tensor_read_in_place():
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from trainmesh.checkpoint import dcp_io
+    from trainmesh.checkpoint import snapshot_io
 
     state = {"w": torch.randn(64, 48), "t": torch.randn(48, 64).t(), "s": torch.randn(48, 64).t()[3:40],
              "bf": torch.randn(1000).bfloat16(), "i": torch.arange(7), "step": 7, "betas": (0.9, 0.95)}
@@ -146,17 +146,17 @@ def test_a_snapshot_restores_exactly_with_each_tensor_read_in_place():
 
     with warnings.catch_warnings():  # DCP warns that no process group is there (as intended)
         warnings.simplefilter("ignore", UserWarning)
-        dcp_io.snapshot(memory_fs.uri(snap), 0, state, store)
+        snapshot_io.snapshot(memory_fs.uri(snap), 0, state, store)
         for indexed in (False, True):
             if indexed:
-                dcp_io.index_snapshot(store, snap)
+                snapshot_io.index_snapshot(store, snap)
                 [layouts] = store.layouts.values()
                 assert len(layouts) == 5 and all(v.start is not None for v in layouts.values())
             target = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None
                       for k, v in state.items()}
             layouts_read.clear()
             with mock.patch.object(torch, "load", layout_only):
-                dcp.load(target, storage_reader=dcp_io.snapshot_reader(
+                dcp.load(target, storage_reader=snapshot_io.snapshot_reader(
                     memory_fs.uri(snap), ["__0.metadata"], store), no_dist=True)
             assert len(layouts_read) == (0 if indexed else 5), indexed
             for k, v in state.items():
@@ -175,7 +175,7 @@ def test_any_part_of_a_saved_tensor_is_copied_at_any_alignment():
 
     import torch
 
-    from trainmesh.checkpoint import dcp_io
+    from trainmesh.checkpoint import snapshot_io
 
     saved = torch.randn(6, 8, dtype=torch.float64)
     for prefix in range(8):
@@ -183,10 +183,10 @@ def test_any_part_of_a_saved_tensor_is_copied_at_any_alignment():
         f.seek(0, io.SEEK_END)
         torch.save(saved, f)
         record = memoryview(f.getvalue())[prefix:]
-        layout = dcp_io._record_layout(record)
+        layout = snapshot_io._record_layout(record)
         for offsets, lengths in (([2, 0], [3, 8]), ([1, 3], [4, 5]), ([0, 0], [6, 8])):
             target = torch.empty(lengths, dtype=torch.float64)
             item = SimpleNamespace(storage_index="w", storage_offsets=offsets, lengths=lengths)
-            dcp_io._copy_saved(record, layout, item, target)
+            snapshot_io._copy_saved(record, layout, item, target)
             rows, cols = (slice(o, o + n) for o, n in zip(offsets, lengths, strict=True))
             assert torch.equal(target, saved[rows, cols]), (prefix, offsets)

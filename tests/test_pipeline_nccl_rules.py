@@ -1,4 +1,4 @@
-"""NCCL's rules emulated on gloo (``pipeline/nccl_rules.py``: one handle per batch, one stream
+"""NCCL's rules emulated on gloo (``testing/nccl_rules.py``: one handle per batch, one stream
 per rank, a send done only once its receive is posted, FIFO matching per pair, tags ignored),
 for the pipeline executor in two real processes. Every schedule kind runs one step with gloo's
 own semantics and under NCCL's rules; both give the single-process reference's loss and
@@ -20,8 +20,8 @@ from torch import nn
 
 from trainmesh.parallel.pipeline.executor import P2PSpec, PipelineExecutor
 from trainmesh.parallel.pipeline.ir import Op
-from trainmesh.parallel.pipeline.nccl_rules import NcclRulesP2P
 from trainmesh.parallel.pipeline.schedules import build_schedule, pipe_shape
+from trainmesh.testing.nccl_rules import NcclRulesP2P
 
 PP, M, MB, DIM = 2, 4, 2, 8
 CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zbv", 2)]

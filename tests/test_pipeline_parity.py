@@ -1,6 +1,6 @@
 """Pipeline parallel (GPipe, 1F1B, interleaved 1F1B, zero-bubble ZB-H1 and ZBV) alone and
 with TP and ZeRO-3, on real ranks over gloo under NCCL's point-to-point rules (the rank pool's
-TRAINMESH_P2P), against the single-process model."""
+the rank pool's ProbedRank), against the single-process model."""
 
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from trainmesh.cli.loading import load_spec
 from trainmesh.data.shards import ensure_tiny_corpus
 from trainmesh.parallel.dims import ParallelDims
+from trainmesh.testing import probes
 
 SOURCE = (ParallelDims(pp=2, tp=2), ["parallelism.vpp=2", "schedule.name=interleaved-1f1b",
                                      "parallelism.sequence_parallel=true"])
@@ -53,7 +54,7 @@ def source_checkpoint(rank_pool, tmp_path_factory):
     try:
         for _ in range(2):  # non-trivial Adam moments
             g.train_step()
-        g.save_to(str(tmp / "ckpt"))
+        probes.save_to(g, str(tmp / "ckpt"))
         # A snapshot is the rank's alone (no collective, even from its background thread): one
         # rank takes one while the others take none.
         import ray
@@ -108,7 +109,7 @@ def test_restore_from_peers_memory_onto_another_plan_is_bit_identical(rank_pool,
         assert all(held[r] != files for r in pair)  # neither alone: the copies are needed
         holders = {f: next(r for r in pair if f in held[r]) for f in files}
         g.memory_load(snapshot, holders, 2, None)
-        g.save_to(str(tmp_path / "again"))
+        probes.save_to(g, str(tmp_path / "again"))
     finally:
         rank_pool.release(g)
     _assert_same_state(_flat(tmp_path / "again", tmp_path, "again"), want)
@@ -124,7 +125,7 @@ def test_restore_under_another_plan_is_bit_identical(rank_pool, source_checkpoin
     g = _group(rank_pool, spec, dims, data_dir)
     try:
         g.load(str(ckpt), 2, None)
-        g.save_to(str(tmp_path / "again"))
+        probes.save_to(g, str(tmp_path / "again"))
     finally:
         rank_pool.release(g)
     _assert_same_state(_flat(tmp_path / "again", tmp_path, "again"), want)
@@ -143,7 +144,7 @@ def test_ranks_that_answer_are_not_hung_however_long_a_restore_takes(rank_pool, 
     dims = ParallelDims(dp=2)
     group = rank_pool.group_for(_spec(dims, ["elastic.hang_timeout_s=1"], tmp_path), dims)
     try:
-        assert group.execute(_asleep, 3.5) == [3.5, 3.5]
+        assert probes.execute(group, _asleep, 3.5) == [3.5, 3.5]
     finally:
         rank_pool.release(group)
 

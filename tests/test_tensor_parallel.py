@@ -11,6 +11,7 @@ from trainmesh.cli.loading import load_spec
 from trainmesh.controller.launch import run_job
 from trainmesh.data.shards import ensure_tiny_corpus
 from trainmesh.parallel.dims import ParallelDims, replicates
+from trainmesh.testing import probes
 
 BASE = ["model.preset=tiny", "training.global_batch_size=8", "training.microbatch_size=2",
         "training.seq_len=32", "optimizer.warmup_steps=1", "tracking.enabled=false",
@@ -29,10 +30,10 @@ def _parallel_run(pool, spec, dims: ParallelDims, data_dir: str, steps: int = 3,
         group.build(spec.model_dump_json(), dims, data_dir)
         if replicates(dims.dp, spec.parallelism.dp_replicate, dims.pp, dims.tp, dims.cp, False):
             # DDP (shard groups of one rank, no tp/pp/cp): every rank holds plain tensors
-            assert {m for rank in group.parameter_meshes() for m in rank.values()} == {()}
+            assert {m for rank in probes.parameter_meshes(group) for m in rank.values()} == {()}
         elif spec.parallelism.dp_replicate > 1:  # FSDP2's HSDP: parameters on the 2-D mesh
             shard = "dp_shard_cp" if dims.cp > 1 else "dp_shard"  # (shards span the cp ring)
-            assert {m[0:2] for rank in group.parameter_meshes() for m in rank.values()} == {
+            assert {m[0:2] for rank in probes.parameter_meshes(group) for m in rank.values()} == {
                 ("dp_replicate", shard)}
         losses, grads, norms = [], None, []
         for i in range(steps):
@@ -40,8 +41,8 @@ def _parallel_run(pool, spec, dims: ParallelDims, data_dir: str, steps: int = 3,
             losses.append(stats[0]["loss"])
             norms.append([r["grad_norm"] for r in stats])
             if i == 0:
-                grads = group.full_grads()
-        return losses, grads, group.full_state(), norms
+                grads = probes.full_grads(group)
+        return losses, grads, probes.full_state(group), norms
     finally:
         pool.release(group)
 
@@ -182,7 +183,7 @@ def _resumed_at_dp3(rank_pool, tmp_path) -> None:
         update={"dp": 3, "dp_replicate": 1})})
 
     def hsdp(group) -> None:  # FSDP2's HSDP: every parameter on the 2-D (replicate, shard) mesh
-        assert {m for rank in group.parameter_meshes() for m in rank.values()} == {
+        assert {m for rank in probes.parameter_meshes(group) for m in rank.values()} == {
             ("dp_replicate", "dp_shard")}
     resumed_elsewhere(rank_pool, tmp_path, (spec, ParallelDims(dp=4)), (after, ParallelDims(dp=3)),
                       check=hsdp)
@@ -198,7 +199,7 @@ def _ddp_resumed(rank_pool, tmp_path, ddp_first: bool) -> None:
                                 f"runtime.output_dir={tmp_path}"])
 
     def plain(group) -> None:  # the first mesh's parameters: plain tensors under DDP only
-        kinds = {m == () for rank in group.parameter_meshes() for m in rank.values()}
+        kinds = {m == () for rank in probes.parameter_meshes(group) for m in rank.values()}
         assert kinds == {ddp_first}, kinds
     resumed_elsewhere(rank_pool, tmp_path, (spec_at(2, ddp_first), ParallelDims(dp=2)),
                       (spec_at(3, not ddp_first), ParallelDims(dp=3)), check=plain)
@@ -220,9 +221,9 @@ def resumed_elsewhere(rank_pool, tmp_path, before, after, check=None) -> None:
                 group.load(str(tmp_path / "saved"), 2, None)
             losses += [group.train_step()[0]["loss"] for _ in range(2)]
             if i == 0:
-                group.save_to(str(tmp_path / "saved"))
+                probes.save_to(group, str(tmp_path / "saved"))
             else:
-                params = group.full_state()
+                params = probes.full_state(group)
         finally:
             rank_pool.release(group)
     ref_losses, ref_params = reference_run(after[0], data_dir, steps=4)
@@ -282,7 +283,7 @@ def test_a_slow_rank_is_named_the_straggler_and_the_bubble_is_measured(rank_pool
     try:
         group.build(spec.model_dump_json(), dims, data_dir)
         group.train_step()  # warm-up
-        group.execute(_slow_forward)
+        probes.execute(group, _slow_forward)
         stats = group.train_step()
         metrics, straggler = breakdown_metrics(stats)
     finally:
@@ -346,12 +347,12 @@ def test_ranks_collect_garbage_at_the_same_steps_with_their_imports_frozen(rank_
     group = rank_pool.group_for(spec, dims)
     try:
         group.build(spec.model_dump_json(), dims, data_dir)
-        before = group.execute(_collector_state)
+        before = probes.execute(group, _collector_state)
         steps = [group.train_step() for _ in range(3)]
-        after = group.execute(_collector_state)
+        after = probes.execute(group, _collector_state)
         group.build(spec.model_copy(update={"runtime": spec.runtime.model_copy(
             update={"gc_every": 0})}).model_dump_json(), dims, data_dir)
-        automatic = group.execute(_collector_state)
+        automatic = probes.execute(group, _collector_state)
     finally:
         rank_pool.release(group)
     for b, a, auto in zip(before, after, automatic, strict=True):

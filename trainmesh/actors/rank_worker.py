@@ -38,7 +38,15 @@ def select_device(requested: str) -> torch.device:
 
 
 class RankWorker:
-    """One rank: process group, mesh, engine. Every method is called on all ranks together."""
+    """One rank: process group, mesh, engine. Every method is called on all ranks together.
+
+    A subclass may add methods or set ``p2p`` (benches' stand-ins, the tests' probes and
+    faults: ``trainmesh/testing``); the worker group starts the class it is given."""
+
+    # How the pipeline's and the context-parallel ring's point-to-point batches are posted:
+    # a factory of ``batch_isend_irecv``-like callables taking the collective timeout (None:
+    # torch's own ``dist.batch_isend_irecv``).
+    p2p = None
 
     def __init__(self, rank: int, world_size: int, cpu_threads: int):
         """Rank ``rank`` of ``world_size``; or, with rank -1, a ready process (``warm``,
@@ -64,8 +72,6 @@ class RankWorker:
 
         self._memory = MemoryStore()  # the in-memory tier's files this rank holds
         self._snapshots = Snapshots(self._memory)  # the in-memory tier's (checkpoint.in_memory)
-        # (tests) a node is lost at a fault's point with this rank's snapshot in flight landed
-        self._progress.settle = self._snapshots.settle
         # A preemption notice (SIGTERM: a spot reclaim, a node drain) does not end the rank at
         # once: it is reported with the next step so the controller can checkpoint first.
         self.preempted = False
@@ -211,7 +217,7 @@ class RankWorker:
                               dp_replicate=spec.parallelism.dp_replicate)
         if spec.checkpoint.async_save and self._save_group is None:
             self._save_group = self._new_save_group()
-        self.engine = Engine(spec, mesh, data_dir, self.device, self._progress.mark)
+        self.engine = Engine(spec, mesh, data_dir, self.device, self._progress.mark, self.p2p)
         self._collector = Collector(spec.runtime.gc_every)
         return sum(p.numel() for p in self.engine.model.parameters())
 
@@ -346,12 +352,12 @@ class RankWorker:
     @ray.method(concurrency_group="memory")
     def keep_replica(self, directory: str, files: dict) -> int:
         """A peer's snapshot files, kept in this process's memory (the newest two snapshots),
-        indexed for a restore (``dcp_io.index_snapshot``)."""
-        from trainmesh.checkpoint import dcp_io
+        indexed for a restore (``snapshot_io.index_snapshot``)."""
+        from trainmesh.checkpoint import snapshot_io
 
         self._memory.put(directory, files)
         self._memory.keep_newest(2)
-        dcp_io.index_snapshot(self._memory, directory)
+        snapshot_io.index_snapshot(self._memory, directory)
         return sum(len(b) for b in files.values())
 
     @ray.method(concurrency_group="memory")
@@ -387,21 +393,6 @@ class RankWorker:
         with self._memory.fetching(fetch):
             self.load(memory_fs.uri(directory), step, rng_state,
                       sorted(n for n in holders if n.endswith(".metadata")))
-
-    def full_state(self) -> dict:
-        return self.engine.full_state()
-
-    def full_grads(self) -> dict:
-        return self.engine.full_grads()
-
-    def execute(self, fn, *args):
-        """``fn(engine, *args)`` on this rank (a function Ray ships by value): for tools and
-        tests that look into or adjust a built engine."""
-        return fn(self.engine, *args)
-
-    def parameter_meshes(self) -> dict[str, tuple[str, ...]]:
-        """Each parameter's mesh dimensions here (() for a plain tensor): how it is split."""
-        return self.engine.parameter_meshes()
 
     def timeline(self) -> list:
         return self.engine.timeline()

@@ -40,9 +40,13 @@ class ReadyPool:
     cold restarts."""
 
     def __init__(self, per_node: int, env_vars: dict[str, str], cpu_threads: int,
-                 concurrency_groups: dict[str, int]):
+                 concurrency_groups: dict[str, int], rank_cls: type[RankWorker] | None = None):
+        """``rank_cls``: the ranks' class (default ``RankWorker``); its ready processes are of
+        a subclass of it named ``ReadyRank``."""
         self.per_node, self._env_vars, self._cpu_threads = per_node, env_vars, cpu_threads
         self._groups = concurrency_groups
+        self._cls = ReadyRank if rank_cls in (None, RankWorker) else type(
+            "ReadyRank", (rank_cls,), {"__doc__": ReadyRank.__doc__})
         # node: [(actor, ref of its warm-up, ref of its node_info)]
         self._ready: dict[str, list[tuple]] = {}
         self.accelerators: dict[str, int] = {}  # node: its accelerators, as the last fill knew
@@ -55,7 +59,7 @@ class ReadyPool:
         nodes = set(nodes)
         for node in [n for n in self._ready if n not in nodes]:
             self._end(self._ready.pop(node))
-        cls = ray.remote(concurrency_groups=self._groups)(ReadyRank)
+        cls = ray.remote(concurrency_groups=self._groups)(self._cls)
         for node in sorted(nodes):
             have = self._ready.setdefault(node, [])
             dead = [h for h in have if _failed(h[1]) or _failed(h[2])]

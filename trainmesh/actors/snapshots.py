@@ -19,7 +19,7 @@ import time
 
 import ray
 
-from trainmesh.checkpoint import dcp_io, memory_fs
+from trainmesh.checkpoint import dcp_io, memory_fs, snapshot_io
 from trainmesh.checkpoint.host_copy import HostCopy
 from trainmesh.checkpoint.memory_fs import MemoryStore
 
@@ -82,13 +82,13 @@ class Snapshots:
     def _save(self, directory: str, rank: int, staged: dict, buddy, timeout_s: float) -> None:
         hidden = f".{directory}-{rank}"  # invisible (MemoryStore.held) until committed
         try:
-            dcp_io.snapshot(memory_fs.uri(hidden), rank, staged, self.store)
+            snapshot_io.snapshot(memory_fs.uri(hidden), rank, staged, self.store)
             files = self.store.commit(hidden, directory)
         finally:
             self.store.drop(hidden)  # whatever a failed save left there
         self.store.keep_newest(2)
         if buddy is None:
-            dcp_io.index_snapshot(self.store, directory)
+            snapshot_io.index_snapshot(self.store, directory)
             return
         if self._replica is not None:  # one copy travels at a time
             done, _ = ray.wait([self._replica], timeout=timeout_s)
@@ -97,4 +97,4 @@ class Snapshots:
             except ray.exceptions.RayError as err:
                 log.warning("in-memory snapshot: the last copy to the buddy failed (%s)", err)
         self._replica = buddy.keep_replica.remote(directory, files)
-        dcp_io.index_snapshot(self.store, directory)  # while the copy travels
+        snapshot_io.index_snapshot(self.store, directory)  # while the copy travels

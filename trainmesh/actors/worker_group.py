@@ -136,8 +136,10 @@ class WorkerGroup:
     and ended only through ``end`` (``shutdown`` ends them all)."""
 
     def __init__(self, placement: Placement, env_vars: dict[str, str], ready_timeout_s: float,
-                 cpu_threads: int = 1, ready: ReadyPool | None = None):
+                 cpu_threads: int = 1, ready: ReadyPool | None = None,
+                 rank_cls: type[RankWorker] | None = None):
         self.placement = placement
+        self._rank_cls = rank_cls or RankWorker  # a subclass adds methods (benches, tests)
         self._env_vars, self._ready_timeout_s, self._cpu_threads = env_vars, ready_timeout_s, cpu_threads
         self.ready = ready  # ready processes to take before starting new ones (actors/ready.py)
         self.from_ready: list[int] = []  # the ranks of the last (re)formation that took one
@@ -183,7 +185,7 @@ class WorkerGroup:
         process holding the reservation itself (seat None)."""
         res = self.placement.resources_per_rank
         where = placement_group_table(pg)["bundles_to_node_id"] if self.ready else {}
-        cls = ray.remote(concurrency_groups=RANK_CONCURRENCY_GROUPS)(RankWorker)
+        cls = ray.remote(concurrency_groups=RANK_CONCURRENCY_GROUPS)(self._rank_cls)
         seat_cls = ray.remote(Seat)
         out = []
         for rank, b in ranks:

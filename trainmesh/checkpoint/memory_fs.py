@@ -45,7 +45,7 @@ class MemoryStore:
         self._fetch: Callable[[str], bytes | None] | None = None  # during a restore
         self._fetched: set[str] = set()
         # path -> {record offset: how the tensor there is laid out}, taken after a file
-        # arrives (``dcp_io.index_snapshot``) so that a restore only copies
+        # arrives (``snapshot_io.index_snapshot``) so that a restore only copies
         self.layouts: dict[str, dict[int, object]] = {}
 
     def fs(self) -> RankMemoryFS:

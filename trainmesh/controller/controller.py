@@ -6,6 +6,7 @@ works). The worker group is injected through a factory so the loop can be driven
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Callable
@@ -76,7 +77,8 @@ ALIVE_S = 3.0  # how long a live rank may take to answer on its control path
 class Controller:
     def __init__(self, spec_json: str, tracking_uri: str | None, worker_env: dict[str, str],
                  group_factory: Callable[..., Any] | None = None,
-                 topology_fn: Callable[[JobSpec], Topology] | None = None):
+                 topology_fn: Callable[[JobSpec], Topology] | None = None,
+                 rank_cls: type | None = None):
         self.spec = JobSpec.model_validate_json(spec_json)
         broken = problems(self.spec, runnable=True)  # the Python API's callers skip the CLI's check
         if broken:
@@ -86,7 +88,8 @@ class Controller:
         self.cadence = CheckpointCadence(self.spec.checkpoint, self.spec.elastic)
         self.ckpts.on_commit = self.cadence.saved
         self.tracking_uri, self.worker_env = tracking_uri, worker_env
-        self._group_factory = group_factory or RayWorkerGroup
+        self._rank_cls = rank_cls  # the rank actors' class (None: RankWorker)
+        self._group_factory = group_factory or functools.partial(RayWorkerGroup, rank_cls=rank_cls)
         self._topology_fn = topology_fn or live_topology
         self.plan_row, self.peak_tflops = {}, 1.0
         self.rank_nodes: list[str] = []
@@ -323,7 +326,8 @@ class Controller:
         placement = placement_for(self.eff, self.dims, topo)
         if ready and self._keeps_ready and self.ready is None:
             self.ready = ready_pool(self.spec, self.worker_env, placement, topo.device.name != "cpu",
-                                    len(self._topology_fn(self.spec).nodes))  # (spares too)
+                                    len(self._topology_fn(self.spec).nodes),  # (spares too)
+                                    self._rank_cls)
         elif ready and self.ready is not None:  # (a cold restart goes where they wait)
             self.ready.drop(self.book.dead_nodes | set(draining_nodes()))
         kw = {"ready": self.ready} if ready and self.ready is not None else {}

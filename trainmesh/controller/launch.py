@@ -33,13 +33,6 @@ def worker_env(spec: JobSpec, local: bool) -> dict[str, str]:
     return env
 
 
-def fault_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """The test-only fault hook (``actors/progress.py``), passed on to the ranks when set."""
-    from trainmesh.actors.progress import FAULT_ENV
-
-    return {FAULT_ENV: environ[FAULT_ENV]} if environ.get(FAULT_ENV) else {}
-
-
 class _RayStartNotice(logging.Filter):
     """Drops Ray's notice that a new local cluster has token authentication on (its secure
     default, which trainmesh keeps): a line on every run that reads like something to act on.
@@ -132,11 +125,14 @@ def _unreachable(address: str, timeout_s: float = 5.0) -> str | None:
     return None
 
 
-def run_job(spec: JobSpec, environ: Mapping[str, str], show_progress: bool = True) -> dict[str, Any]:
+def run_job(spec: JobSpec, environ: Mapping[str, str], show_progress: bool = True,
+            rank_env: Mapping[str, str] | None = None, rank_cls: type | None = None) -> dict[str, Any]:
     """Train ``spec`` to the end; returns the run summary (also in OUTPUT/summary.json).
     Everything a run checks before it starts is checked here (``preflight.prepare_run``):
     a problem raises ``SpecError`` naming the field and the fix, as does a run whose
-    checkpoint already held its last step."""
+    checkpoint already held its last step. ``rank_env``: environment variables every rank
+    process gets besides trainmesh's own (e.g. ``NCCL_DEBUG``); ``rank_cls``: the rank
+    actor's class, ``RankWorker`` or a subclass (``actors/rank_worker.py``)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -150,7 +146,8 @@ def run_job(spec: JobSpec, environ: Mapping[str, str], show_progress: bool = Tru
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         actor = ray.remote(Controller).options(max_concurrency=4, num_cpus=0,
                                                scheduling_strategy=here).remote(
-            spec.model_dump_json(), uri, {**worker_env(spec, local), **fault_env(environ)})
+            spec.model_dump_json(), uri, {**(rank_env or {}), **worker_env(spec, local)},
+            rank_cls=rank_cls)
         try:
             ref = actor.run.remote()
             if show_progress:

@@ -109,13 +109,20 @@ def nothing_to_train(spec: JobSpec, step: int, where: str) -> SpecError:
                               "checkpoint.resume=never")])
 
 
-def checkpoint_step(spec: JobSpec) -> int | None:
-    """The step of the newest complete checkpoint a run of ``spec`` would resume from (files
-    present at their sizes; the ranks check the digests when they restore), or None."""
+def final_checkpoint_step(spec: JobSpec) -> int | None:
+    """The step of the newest checkpoint a run of ``spec`` would resume from when that is its
+    last step or later (nothing left to train), else None. Such a refusal trains nothing, so
+    the checkpoint must verify whole first (its files' sha256s, read here once): a corrupt one
+    is the ranks' to set aside, and the run resumes from the one before it."""
     from trainmesh.controller.checkpointing import Checkpointer
 
-    found = Checkpointer(spec, Path(spec.resolved_output_dir()), lambda message: None).latest()
-    return None if found is None else int(found[1]["data_position"]["step"])
+    ckpts = Checkpointer(spec, Path(spec.resolved_output_dir()), lambda message: None)
+    found = ckpts.latest()  # (files present at their sizes)
+    if found is None or int(found[1]["data_position"]["step"]) < spec.training.steps:
+        return None
+    if ckpts.store.read_manifest(found[0], hashes=True) is None:
+        return None
+    return int(found[1]["data_position"]["step"])
 
 
 @dataclass(frozen=True)
@@ -138,8 +145,8 @@ def prepare_run(spec: JobSpec, environ: Mapping[str, str], train: bool = True) -
     out = make_output_dir(spec)
     if not train:
         return Prepared(spec, out, None)
-    reached = checkpoint_step(spec)
-    if reached is not None and reached >= spec.training.steps:  # known before any rank starts
+    reached = final_checkpoint_step(spec)
+    if reached is not None:  # known before any rank starts
         raise nothing_to_train(spec, reached, "its newest checkpoint is at step")
     uri = None
     if spec.tracking.enabled:

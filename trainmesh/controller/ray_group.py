@@ -30,7 +30,7 @@ def rank_threads(spec: JobSpec) -> int:
 
 
 def ready_pool(spec: JobSpec, env: dict[str, str], placement: Placement, accelerators: bool,
-               nodes: int = 2):
+               nodes: int = 2, rank_cls=None):
     """The job's ready rank processes (``actors/ready.py``), or None when it keeps none:
     ``elastic.ready_ranks_per_node``, by default the most ranks ``placement`` puts on one node
     where ranks hold ``accelerators``, else 1 on a cluster of several ``nodes`` and none on one
@@ -41,7 +41,7 @@ def ready_pool(spec: JobSpec, env: dict[str, str], placement: Placement, acceler
     n = spec.elastic.ready_ranks_per_node
     if n is None:
         n = max(Counter(placement.rank_bundle).values()) if accelerators else int(nodes > 1)
-    return ReadyPool(n, env, rank_threads(spec), RANK_CONCURRENCY_GROUPS) if n else None
+    return ReadyPool(n, env, rank_threads(spec), RANK_CONCURRENCY_GROUPS, rank_cls) if n else None
 
 
 def hang_found_after_s(bound_s: float, poll_s: float = 1.0) -> float:
@@ -80,13 +80,15 @@ class RayWorkerGroup:
     """The real worker group behind the controller's narrow interface."""
 
     def __init__(self, spec: JobSpec, dims: ParallelDims, placement: Placement,
-                 env: dict[str, str], ready=None):
+                 env: dict[str, str], ready=None, rank_cls=None):
+        """``rank_cls``: the rank actor's class (default ``RankWorker``; a subclass adds
+        methods: ``actors/rank_worker.py``)."""
         from trainmesh.actors.worker_group import WorkerGroup
 
         self.spec = spec
         self.timeout = spec.runtime.collective_timeout_s
         self.group = WorkerGroup(placement, env, ready_timeout_s=60,
-                                 cpu_threads=rank_threads(spec), ready=ready)
+                                 cpu_threads=rank_threads(spec), ready=ready, rank_cls=rank_cls)
         try:
             self.backend = self.group.setup_process_group(spec.runtime.device, self.timeout)
         except BaseException:  # its actors and placement group go with it
@@ -203,7 +205,7 @@ class RayWorkerGroup:
 
     def build(self, spec_json: str, dims: ParallelDims, data_dir: str) -> None:
         d = {"pp": dims.pp, "dp": dims.dp, "tp": dims.tp, "ep": dims.ep, "cp": dims.cp}
-        self._watched("build", spec_json, d, data_dir, timeout_s=self.timeout + 120)
+        self.watched("build", spec_json, d, data_dir, timeout_s=self.timeout + 120)
 
     def train_step(self, measure_activations: bool = False) -> list[dict]:
         """One step on every rank, watched for hung ranks past ``hang_bound_s`` (by silence
@@ -212,13 +214,13 @@ class RayWorkerGroup:
         bound = hang_bound_s(self.spec.elastic, self._steps)
         out = (self.group.call_watched("train_step", measure_activations, timeout_s=self.timeout * 2,
                                        hang_after_s=bound) if bound is not None else
-               self._watched("train_step", measure_activations, timeout_s=self.timeout * 2))
+               self.watched("train_step", measure_activations, timeout_s=self.timeout * 2))
         self._steps = [*self._steps[-19:], time.monotonic() - t0]
         return out
 
     def evaluate(self, batches: int) -> float:
         """The held-out loss (every rank computes it; all hold the same value)."""
-        return self._watched("evaluate", batches, timeout_s=self.timeout * 2)[0]
+        return self.watched("evaluate", batches, timeout_s=self.timeout * 2)[0]
 
     def reset_peak_memory(self) -> None:
         self.group.call("reset_peak_memory", timeout_s=self.timeout)
@@ -229,11 +231,11 @@ class RayWorkerGroup:
     def save(self, directory: str, background: bool = False) -> bytes | None:
         """Collective save (in the background: returns once every rank has its shards in
         host memory); rank 0's RNG state."""
-        return self._watched("save", directory, background, timeout_s=self.timeout * 2)[0]
+        return self.watched("save", directory, background, timeout_s=self.timeout * 2)[0]
 
     def wait_save(self) -> list[str | None]:
         """Every rank's background save, waited for: "done", "failed: ..." or None."""
-        return self._watched("wait_save", self.timeout * 2, timeout_s=self.timeout * 3)
+        return self.watched("wait_save", self.timeout * 2, timeout_s=self.timeout * 3)
 
     def saved_files(self) -> dict:
         """{file: {"size", "sha256"}} over every rank's last finished save."""
@@ -247,7 +249,7 @@ class RayWorkerGroup:
 
         shares = split_by_size(files, self.group.world_size)
         args = [(directory, share) for share in shares]
-        return sorted(f for bad in self._watched("bad_files", each=args, timeout_s=self.timeout * 4)
+        return sorted(f for bad in self.watched("bad_files", each=args, timeout_s=self.timeout * 4)
                       for f in bad)
 
     def readable_on_every_node(self, path: str, token: str) -> dict[str, bool]:
@@ -261,13 +263,13 @@ class RayWorkerGroup:
         return {n: ray.get(ref, timeout=self.timeout) for n, ref in refs.items()}
 
     def load(self, directory: str, step: int, rng: bytes | None) -> None:
-        self._watched("load", directory, step, rng, timeout_s=self.timeout * 2)
+        self.watched("load", directory, step, rng, timeout_s=self.timeout * 2)
 
     def memory_snapshot(self, directory: str, buddies: list[int | None], wait: bool = False) -> list[dict]:
         """In-memory snapshot on every rank; rank r's copy goes to rank ``buddies[r]``."""
         w = self.group.workers
         args = [(directory, None if b is None else w[b], wait) for b in buddies]
-        return self._watched("memory_snapshot", each=args, timeout_s=self.timeout * 2)
+        return self.watched("memory_snapshot", each=args, timeout_s=self.timeout * 2)
 
     def memory_inventory(self) -> list[dict[str, list[str]]]:
         """Per rank: snapshot directory → the files it holds (its own and its replicas)."""
@@ -276,37 +278,16 @@ class RayWorkerGroup:
     def memory_load(self, directory: str, holders: dict[str, int], step: int, rng: bytes | None) -> None:
         """Collective restore from snapshot ``directory``; ``holders``: file → rank holding it."""
         w = self.group.workers
-        self._watched("memory_load", directory, {f: w[r] for f, r in holders.items()}, step, rng,
+        self.watched("memory_load", directory, {f: w[r] for f, r in holders.items()}, step, rng,
                       timeout_s=self.timeout * 2)
-
-    def save_to(self, directory: str) -> None:
-        """A raw collective save (no manifest): for inspection and tests."""
-        self.group.call("save", directory, timeout_s=self.timeout * 2)
-
-    def full_state(self) -> dict:
-        """Every parameter, unsharded, merged over the pipeline stages."""
-        return {k: v for d in self.group.call("full_state", timeout_s=self.timeout)
-                for k, v in d.items()}
 
     def timelines(self) -> list[list]:
         return self.group.call("timeline", timeout_s=self.timeout)
 
-    def full_grads(self) -> dict:
-        return {k: v for d in self.group.call("full_grads", timeout_s=self.timeout)
-                for k, v in d.items()}
-
-    def execute(self, fn, *args) -> list:
-        """``fn(engine, *args)`` on every rank at once (collective if ``fn`` is)."""
-        return self._watched("execute", fn, *args, timeout_s=self.timeout)
-
-    def parameter_meshes(self) -> list[dict[str, tuple[str, ...]]]:
-        """Per rank: each parameter's mesh dimensions (how the layout split it)."""
-        return self.group.call("parameter_meshes", timeout_s=self.timeout)
-
     def shutdown(self) -> None:
         self.group.shutdown()
 
-    def _watched(self, method: str, *args, timeout_s: float, each: list[tuple] | None = None) -> list:
+    def watched(self, method: str, *args, timeout_s: float, each: list[tuple] | None = None) -> list:
         """A collective call other than a timed step, watched for ranks that stop answering
         (``liveness_bound_s``): a rank frozen in a restore or a save is found in seconds, not
         at the call's bound (minutes: a multiple of the collective timeout)."""

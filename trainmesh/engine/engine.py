@@ -18,7 +18,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from trainmesh.checkpoint import dcp_io
+from trainmesh.checkpoint import dcp_io, snapshot_io
 from trainmesh.checkpoint.memory_fs import MemoryStore
 from trainmesh.data.dataset import open_datasets
 from trainmesh.engine.memory import SavedActivations, peak_process_bytes, state_bytes
@@ -30,6 +30,7 @@ from trainmesh.engine.step import (
     finish_step,
     train_step,
 )
+from trainmesh.models.hooks import ModelHooks
 from trainmesh.models.llama.model import Llama, LlamaArgs
 from trainmesh.models.llama.parallelize import (
     apply_activation_checkpointing,
@@ -41,18 +42,16 @@ from trainmesh.models.llama.parallelize import (
     tp_partial_params,
 )
 from trainmesh.models.llama.stage import PipelineStage, rank_model
-from trainmesh.models.moe.moe import moe_layers, set_loss_scale
 from trainmesh.parallel.clock import DeviceClock
 from trainmesh.parallel.context import ContextParallel, local_positions, local_spans
 from trainmesh.parallel.dims import Axis, replicates
 from trainmesh.parallel.expert import (
     apply_expert_parallel,
-    balance_over_mesh,
     expert_divide_factor,
     is_moe,
+    sum_over_token_ranks,
 )
 from trainmesh.parallel.mesh import Mesh
-from trainmesh.parallel.pipeline import nccl_rules
 from trainmesh.parallel.pipeline.executor import P2PSpec, PipelineExecutor
 from trainmesh.parallel.pipeline.ir import PipeShape, splits_backward
 from trainmesh.parallel.pipeline.schedules import build_schedule, forward_only, pipe_shape
@@ -118,18 +117,6 @@ class _StepClock:
         else:
             out["memory_peak_gib"] = peak_process_bytes(self.device) / 2**30
         return out
-
-
-def _with_float8_scales(model, after_update: Callable[[], dict]) -> Callable[[], dict]:
-    """After the optimizer: every float8 weight's scale for the next step's float8 all-gather,
-    in one all-reduce of their amaxes (torchao's; without it each unit's gather waits for
-    its own)."""
-    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
-
-    def run() -> dict:
-        precompute_float8_dynamic_scale_for_fsdp(model)
-        return after_update()
-    return run
 
 
 class _ForwardTimer:
@@ -203,54 +190,101 @@ class Engine:
     """Model + optimizer + data for one rank of ``mesh``."""
 
     def __init__(self, spec: JobSpec, mesh: Mesh, data_dir: str, device: torch.device,
-                 on_phase: Callable[[str], None] = lambda phase: None):
-        """``on_phase`` hears each phase of a step as it begins (``actors/progress.py``)."""
+                 on_phase: Callable[[str], None] = lambda phase: None,
+                 p2p: Callable[[timedelta], Callable] | None = None):
+        """``on_phase`` hears each phase of a step as it begins (``actors/progress.py``);
+        ``p2p`` makes, from the collective timeout, what posts the pipeline's and the ring's
+        point-to-point batches (None: ``dist.batch_isend_irecv``). The composition root: each
+        step below is one method, in the order parallelisms compose (TP, then activation
+        checkpointing, then compile, then ZeRO-3)."""
         self.spec, self.mesh, self.device, self.on_phase = spec, mesh, device, on_phase
-        par, tr = spec.parallelism, spec.training
-        dtype = getattr(torch, tr.dtype)
+        self._p2p = p2p
+        tr = spec.training
+        self._batch_geometry()
+        eos = self._open_data(data_dir)
+        stage_ids = self._build_on_meta()
+        # Every shard group one rank (dp_replicate = dp): plain replication, DDP's all-reduce.
+        self.replicated = replicates(mesh.dims.dp, mesh.dp_replicate, mesh.size(Axis.PP),
+                                     mesh.size(Axis.TP), mesh.size(Axis.CP), is_moe(self.model))
+        experts = self._parallelize(eos)
+        model_hooks = self._model_hooks()
+        self._shard(stage_ids, experts, model_hooks.before_microbatch)
+        # Each block's own forward time (hooks after ZeRO-3's: its gathers are not counted).
+        self.forward_timer = _ForwardTimer(self.model.layers.values(), self.context)
+        self._materialise(model_hooks)
+        # (the parameters as ZeRO-3 left them: it replaces the ones it shards)
+        partial = tp_partial_params(self.model) if mesh.size(Axis.TP) > 1 else []
+        self.hooks = StepHooks(
+            model=model_hooks,
+            before_clip=lambda: sum_partial_grads_over_tp(partial, mesh[Axis.TP] if partial else None))
+        self.optimizer = build_optimizer(self.model, spec.optimizer)
+        self.scheduler = build_lr_scheduler(self.optimizer, spec.optimizer, tr.steps)
+        self.step = 0  # optimizer steps done
+        self.activation_peak = 0  # bytes saved for backward, from the last measured step
+        self._bubble_s = 0.0  # the last step's pipeline idle time
+
+    def _batch_geometry(self) -> None:
+        """Microbatches per replica, a real microbatch's weight, the pipeline's shape."""
+        spec, mesh, tr = self.spec, self.mesh, self.spec.training
         pp = mesh.size(Axis.PP)
-        # The Llama holding this rank's layers (all of them without PP), with global names,
-        # built on the meta device: no process ever holds more than its own shards.
-        vpp = par.vpp if pp > 1 else 1
+        self.vpp = spec.parallelism.vpp if pp > 1 else 1
         # Every replica runs n_micro microbatches; one whose share of the batch is a microbatch
         # smaller runs a padding microbatch of weight 0 (microbatches_per_replica). A real one
-        # weighs its tokens' share of the step's, × dp because ZeRO-3 averages over dp.
-        n_micro = microbatches_per_replica(tr.global_batch_size, tr.microbatch_size,
-                                           mesh.size(Axis.DP))
-        self.n_micro = n_micro
+        # weighs its tokens' share of the step's, × dp because gradients are averaged over the
+        # dp × cp ranks that reduce them (cp ranks hold parts of the same sequences: their
+        # losses are parts of one mean).
+        self.n_micro = microbatches_per_replica(tr.global_batch_size, tr.microbatch_size,
+                                                mesh.size(Axis.DP))
         self.weight = mesh.size(Axis.DP) * tr.microbatch_size / tr.global_batch_size
-        shape = pipe_shape(spec.schedule.name, pp, vpp, n_micro) if pp > 1 else None
+        self.shape = (pipe_shape(spec.schedule.name, pp, self.vpp, self.n_micro) if pp > 1
+                      else None)
+
+    def _open_data(self, data_dir: str) -> int | None:
+        """The training and held-out data, and this rank's context-parallel chunks of each
+        sequence (read, embedded, attended); returns the dataset's end-of-document token."""
+        spec, mesh, tr = self.spec, self.mesh, self.spec.training
         self.dataset, self.eval_set = open_datasets(data_dir, tr.seq_len, spec.data.eval_path,
                                                     spec.data.eval_fraction)
         meta = self.dataset.tokens.meta
         if meta["vocab_size"] > spec.model.vocab_size:
             raise ValueError(f"model.vocab_size {spec.model.vocab_size} is smaller than the "
                              f"{meta['vocab_size']} tokens of the dataset at {data_dir}")
-        # Context parallel: this rank's chunks of each sequence (read, embedded, attended).
         cp = mesh.size(Axis.CP)
         self.spans = local_spans(tr.seq_len, mesh.coord(Axis.CP), cp) if cp > 1 else None
+        return meta.get("eos_id")
+
+    def _build_on_meta(self) -> list[int]:
+        """The Llama holding this rank's layers (all of them without PP), with global names,
+        built on the meta device: no process ever holds more than its own shards. Returns the
+        pipeline stages this rank runs."""
+        mesh, pp = self.mesh, self.mesh.size(Axis.PP)
         with torch.device("meta"):
             self.model, stage_ids = rank_model(
-                LlamaArgs.from_config(spec.model, device.type), mesh.coord(Axis.PP), pp, vpp,
-                shape.stages_of(mesh.coord(Axis.PP)) if shape else None)
-        # Every shard group one rank (dp_replicate = dp): plain replication, DDP's all-reduce.
-        replicated = replicates(mesh.dims.dp, mesh.dp_replicate, pp, mesh.size(Axis.TP), cp,
-                                is_moe(self.model))
+                LlamaArgs.from_config(self.spec.model, self.device.type), mesh.coord(Axis.PP), pp,
+                self.vpp, self.shape.stages_of(mesh.coord(Axis.PP)) if self.shape else None)
+        return stage_ids
+
+    def _parallelize(self, eos: int | None) -> ExpertSharding | None:
+        """float8 linears, context parallel (and document masks), TP (+ SP), EP, activation
+        checkpointing, compile: each wraps what the one before it made. Returns how ZeRO-3
+        shards the experts (None: with the rest)."""
+        spec, mesh, device, tr = self.spec, self.mesh, self.device, self.spec.training
+        cp = mesh.size(Axis.CP)
         if tr.float8 != "none":  # before TP and ZeRO-3: the linears they wrap are float8's
             cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
             broken = float8_device_problems(tr.float8, device.type, cap, compiled=spec.model.compile)
             if broken:
                 raise ValueError(broken[0])
             apply_float8(self.model, tr.float8, device.type,
-                         all_gather_in_float8=mesh.replicas > 1 and not replicated)
+                         all_gather_in_float8=mesh.replicas > 1 and not self.replicated)
         self.context = None
         if cp > 1 or spec.data.document_mask:
-            self.context = self._context(meta.get("eos_id"))
+            self.context = self._context(eos)
             apply_context_parallel(self.model, self.context, local_positions(
                 tr.seq_len, mesh.coord(Axis.CP), cp) if cp > 1 else None)
         self.loss_context = contextlib.nullcontext
         if mesh.size(Axis.TP) > 1:
-            apply_tensor_parallel(self.model, mesh[Axis.TP], par.sequence_parallel)
+            apply_tensor_parallel(self.model, mesh[Axis.TP], spec.parallelism.sequence_parallel)
             self.loss_context = loss_parallel
         experts = None
         if is_moe(self.model):
@@ -260,15 +294,39 @@ class Engine:
         apply_activation_checkpointing(self.model, spec.activation_checkpoint.mode,
                                        spec.activation_checkpoint.stride)
         if spec.model.compile:
-            apply_compile(self.model, pp > 1 and splits_backward(spec.schedule.name))
+            apply_compile(self.model, mesh.size(Axis.PP) > 1 and splits_backward(spec.schedule.name))
+        return experts
+
+    def _model_hooks(self) -> ModelHooks:
+        """The model family's step hooks (``models/hooks.py``) over this rank's mesh; with
+        float8's sharded all-gather, each weight's scale for the next step is found after the
+        optimizer, in one all-reduce of the amaxes (torchao's; without it each unit's gather
+        waits for its own)."""
+        hooks = self.model.step_hooks(sum_over_token_ranks(self.mesh), self.mesh.replicas)
+        if (self.spec.training.float8 == "tensorwise" and self.mesh.replicas > 1
+                and not self.replicated):
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            hooks = hooks.then_after_update(
+                functools.partial(precompute_float8_dynamic_scale_for_fsdp, self.model))
+        return hooks
+
+    def _shard(self, stage_ids: list[int], experts: ExpertSharding | None,
+               before_microbatch: Callable[[float], None] | None) -> None:
+        """Data parallel: DDP where every shard group is one rank, else ZeRO-3 (FSDP2) — per
+        pipeline stage, whose executor runs the schedule (telling ``before_microbatch`` each
+        microbatch's weight)."""
+        spec, mesh, device, par = self.spec, self.mesh, self.device, self.spec.parallelism
+        dtype = getattr(torch, spec.training.dtype)
+        pp = mesh.size(Axis.PP)
         self.executor = self.eval_executor = None
         # A split backward (zero-bubble schedules) keeps each stage gathered through the step:
         # its deferred W's need the parameters the forward used.
         split = pp > 1 and splits_backward(spec.schedule.name)
-        self.zero = ReplicatePolicy() if replicated else ZeroPolicy(
+        self.zero = ReplicatePolicy() if self.replicated else ZeroPolicy(
             keep_gathered=split or par.keep_gathered is not False, param_dtype=dtype,
             reduce_dtype=getattr(torch, par.reduce_dtype))
-        if replicated:
+        if self.replicated:
             if spec.model.compile:  # compiled blocks inside DDP: not split at its buckets
                 torch._dynamo.config.optimize_ddp = False
             apply_replicate(self.model, mesh[Axis.DP].get_group(), device,
@@ -284,26 +342,17 @@ class Engine:
             wrap = mesh.replicas > 1 or dtype != torch.float32
             for stage in stages.values() if wrap else ():
                 apply_zero3(stage, mesh.zero_mesh, self.zero, experts)
-            self.executor = self._build_executor(shape, stages, dtype, self.zero if wrap else None)
-        # Each block's own forward time (hooks after ZeRO-3's: its gathers are not counted).
-        self.forward_timer = _ForwardTimer(self.model.layers.values(), self.context)
-        # Materialise the local shards only, then fill them from each parameter's global name.
-        self.model.to_empty(device=device)
-        self.imported_bytes = init_weights(self.model, spec)  # read from model.init_from
+            self.executor = self._build_executor(self.shape, stages, dtype,
+                                                 self.zero if wrap else None, before_microbatch)
+
+    def _materialise(self, hooks: ModelHooks) -> None:
+        """The local shards only, filled from each parameter's global name (or read from
+        ``model.init_from``), and the buffers."""
+        self.model.to_empty(device=self.device)
+        self.imported_bytes = init_weights(self.model, self.spec)  # read from model.init_from
         self.model.init_buffers()
-        set_loss_scale(self.model, self.weight)  # MoE balancing loss: a microbatch's share
-        partial = tp_partial_params(self.model) if mesh.size(Axis.TP) > 1 else []
-        after_update = balance_over_mesh(self.model, mesh)
-        if tr.float8 == "tensorwise" and mesh.replicas > 1 and not replicated:
-            after_update = _with_float8_scales(self.model, after_update)
-        self.hooks = StepHooks(
-            before_clip=lambda: sum_partial_grads_over_tp(partial, mesh[Axis.TP] if partial else None),
-            after_update=after_update)
-        self.optimizer = build_optimizer(self.model, spec.optimizer)
-        self.scheduler = build_lr_scheduler(self.optimizer, spec.optimizer, tr.steps)
-        self.step = 0  # optimizer steps done
-        self.activation_peak = 0  # bytes saved for backward, from the last measured step
-        self._bubble_s = 0.0  # the last step's pipeline idle time
+        if hooks.before_microbatch is not None:  # e.g. a balancing loss's weight
+            hooks.before_microbatch(self.weight)
 
     def _context(self, eos: int | None) -> ContextParallel:
         """Attention over the context-parallel ring (and/or within documents)."""
@@ -317,11 +366,15 @@ class Engine:
         return ContextParallel(
             cp=cp, rank=mesh.coord(Axis.CP), group=mesh[Axis.CP].get_group() if cp > 1 else None,
             mode=spec.parallelism.cp_mode, eos=eos if spec.data.document_mask else None,
-            post=nccl_rules.from_env(timeout) or dist.batch_isend_irecv,
+            post=self._post(timeout),
             block=ops.attention_block, block_backward=ops.attention_block_backward)
 
+    def _post(self, timeout: timedelta) -> Callable:
+        return self._p2p(timeout) if self._p2p is not None else dist.batch_isend_irecv
+
     def _build_executor(self, shape: PipeShape, stages: dict, dtype: torch.dtype,
-                        zero: ZeroPolicy | None) -> PipelineExecutor:
+                        zero: ZeroPolicy | None,
+                        before_microbatch: Callable[[float], None] | None) -> PipelineExecutor:
         par, tr, mesh = self.spec.parallelism, self.spec.training, self.mesh
         dims, c = mesh.dims, mesh.dims.coords(mesh.rank)
         self._schedule = build_schedule(self.spec.schedule.name, shape.pp, shape.vpp,
@@ -334,16 +387,10 @@ class Engine:
                              for i in range(dims.pp)],
                       act_shape=(tr.microbatch_size, seq, self.spec.model.dim), dtype=dtype,
                       device=self.device, timeout=timeout,
-                      post=nccl_rules.from_env(timeout) or dist.batch_isend_irecv)
+                      post=self._post(timeout))
         self._shape, self._stages, self._p2p = shape, stages, p2p  # for the eval executor
-        moe = [m for _, m in moe_layers(self.model)]
-
-        def set_weight(w: float) -> None:  # an MoE block's balancing loss: this microbatch's share
-            for m in moe:
-                m.loss_scale = w
-
         return PipelineExecutor(shape, self._schedule[c[Axis.PP]], stages, p2p, self.loss_context,
-                                zero, self.on_phase, set_weight if moe else None)
+                                zero, self.on_phase, before_microbatch)
 
     def train_step(self, measure_activations: bool = False) -> StepStats:
         """One optimizer step. ``measure_activations``: count the bytes autograd saves for
@@ -465,11 +512,11 @@ class Engine:
     def load(self, directory: str, step: int, rng_state: torch.Tensor | None,
              snapshot: tuple[list[str], MemoryStore] | None = None) -> None:
         """Restore model + optimizer shards, then the schedule position and RNG.
-        ``snapshot``: an in-memory snapshot's per-rank metadata files (``dcp_io.snapshot``) and
+        ``snapshot``: an in-memory snapshot's per-rank metadata files (``snapshot_io.snapshot``) and
         the rank's store that reads them."""
         if snapshot:
             metadata_files, store = snapshot
-            dcp_io.load_snapshot(directory, metadata_files, self.model, self.optimizer, store)
+            snapshot_io.load_snapshot(directory, metadata_files, self.model, self.optimizer, store)
         else:
             dcp_io.load(directory, self.model, self.optimizer)
         self.step = step
@@ -480,19 +527,3 @@ class Engine:
         self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
         if rng_state is not None:
             torch.random.set_rng_state(rng_state)
-
-    def full_state(self) -> dict[str, torch.Tensor]:
-        return dcp_io.full_model_state(self.model)
-
-    def parameter_meshes(self) -> dict[str, tuple[str, ...]]:
-        """Each parameter's mesh dimensions on this rank (() for a plain tensor)."""
-        return {name: tuple(p.device_mesh.mesh_dim_names) if isinstance(p, DTensor) else ()
-                for name, p in self.model.named_parameters()}
-
-    def full_grads(self) -> dict[str, torch.Tensor]:
-        """Collective: every parameter's whole gradient (as left by the last step), on CPU."""
-        out = {}
-        for name, p in self.model.named_parameters():
-            g = p.grad
-            out[name] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().cpu().clone()
-        return out

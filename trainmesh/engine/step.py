@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from trainmesh.models.moe.moe import balance_experts, set_loss_scale
+from trainmesh.models.hooks import ModelHooks
 
 
 @dataclass(frozen=True)
@@ -231,7 +231,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
     gathers and reduces: ``ZeroPolicy.before_backward``); ``loss_context`` wraps loss and
     backward (``loss_parallel`` under TP); ``on_phase`` hears "forward", "backward" and
     "optimizer" as they begin (a rank's progress, ``actors/progress.py``); ``hooks``: what
-    the model's parallel layout adds around the optimizer step; ``weights``: each
+    the model family and its parallel layout add (``StepHooks``); ``weights``: each
     microbatch's share of the step's loss (a data-parallel rank's: its tokens' share of the
     global batch × dp; 0 for a padding microbatch, which counts for nothing); ``keep_grads``:
     zero the gradients in place (DDP's are views into its buckets: dropped, the microbatches
@@ -241,12 +241,14 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
     weights = [1.0 / n] * n if weights is None else list(weights)
     total = None  # summed where the loss lives: one host sync per step, not per microbatch
     tokens = 0
+    hooks = hooks or StepHooks()
+    before = hooks.model.before_microbatch
     scale = None
     for i, ((x, y), w) in enumerate(zip(microbatches, weights, strict=True)):
         if set_grad_sync is not None:
             set_grad_sync(i == n - 1)
-        if w != scale:  # a balancing loss's share of the step, as the loss's (it walks the
-            set_loss_scale(model, w)  # modules: only when the weight changes, at most twice)
+        if before is not None and w != scale:  # an auxiliary loss's share of the step, as the
+            before(w)  # loss's: only when the weight changes (at most twice a step)
             scale = w
         with loss_context():
             on_phase("forward")
@@ -263,13 +265,13 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
 
 @dataclass(frozen=True)
 class StepHooks:
-    """What a layout adds around the optimizer step: ``before_clip`` finishes gradients the
-    data-parallel reduction did not (an MoE block's over tensor-parallel token shares);
-    ``after_update`` runs after the optimizer and returns per-block statistics (MoE
-    balancing; the default, for one process: ``models.moe.moe.balance_experts``)."""
+    """What the step runs besides itself: the model family's hooks (``models/hooks.py``: a
+    microbatch's weight for its auxiliary losses, updates after the optimizer with their
+    statistics), and the layout's ``before_clip``, which finishes gradients the data-parallel
+    reduction did not (an MoE block's over tensor-parallel token shares)."""
 
+    model: ModelHooks = ModelHooks()
     before_clip: Callable[[], None] = lambda: None
-    after_update: Callable[[], dict] = dict
 
 
 def finish_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, grad_clip: float,
@@ -278,12 +280,13 @@ def finish_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, g
                 hooks: StepHooks | None = None) -> StepStats:
     """Clip the accumulated gradients, step the optimizer and the LR schedule."""
     on_phase("optimizer")
-    hooks = hooks or StepHooks(after_update=lambda: balance_experts(model))
+    hooks = hooks or StepHooks()
     lr = optimizer.param_groups[0]["lr"]
     hooks.before_clip()
     norm = grad_norm_and_clip([p for p in model.parameters() if p.grad is not None], grad_clip,
                               across)
     optimizer.step()
     scheduler.step()
+    after = hooks.model.after_update
     return StepStats(loss=loss, grad_norm=norm, lr=lr, tokens=tokens,
-                     experts=hooks.after_update() or None)
+                     experts=(after() if after is not None else None) or None)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from trainmesh.checkpoint.dcp_io import _reader
+from trainmesh.checkpoint.dcp_io import storage_reader
 from trainmesh.checkpoint.manifest import MANIFEST, CheckpointStore
 from trainmesh.interop.hf_config import (
     HfConfigError,
@@ -62,7 +62,7 @@ def export(source: str, out: str | Path, dtype: str | None = None,
     spec = manifest["spec"]
     model = spec["model"]
     dtype = dtype or ("bfloat16" if spec["training"]["dtype"] == "bfloat16" else "float32")
-    reader = _reader(ckpt)
+    reader = storage_reader(ckpt)
     # Parameters only: the balancing bias is a buffer (zero here: export_family refuses a
     # model balanced by it).
     names = [k.removeprefix("model.") for k in reader.read_metadata().state_dict_metadata
@@ -125,7 +125,7 @@ def _plan_shards(names: list[str], meta: dict, dtype: torch.dtype, limit: int) -
 def _load(ckpt: str, names: list[str], meta: dict) -> dict[str, torch.Tensor]:
     """Just these tensors, whole, on CPU (DCP gathers them from every rank's shard file)."""
     state = {"model": {n: torch.empty(meta[n].size, dtype=meta[n].properties.dtype) for n in names}}
-    dcp.load(state, storage_reader=_reader(ckpt), no_dist=True)
+    dcp.load(state, storage_reader=storage_reader(ckpt), no_dist=True)
     return state["model"]
 
 

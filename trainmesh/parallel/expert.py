@@ -38,7 +38,6 @@ from torch.distributed.tensor import DTensor, Shard
 from trainmesh.models.moe.moe import (
     MoE,
     MoEArgs,
-    balance_experts,
     capacity_keys,
     keep_by_keys,
     keep_whole_microbatch,
@@ -206,18 +205,17 @@ def expert_divide_factor(mesh: Mesh) -> float:
     return float(mesh.replicas)
 
 
-def balance_over_mesh(model: nn.Module, mesh: Mesh) -> Callable[[], dict[str, dict]]:
-    """``balance_experts`` for a rank of ``mesh``: loads and statistics summed over the stage's
-    dp × tp ranks (a collective after every optimizer step, on every rank of the stage)."""
-    if not moe_layers(model):
-        return dict
-    group = mesh["dp_tp"].get_group() if mesh.replicas * mesh.dims.tp > 1 else None
+def sum_over_token_ranks(mesh: Mesh) -> Callable[[torch.Tensor], None]:
+    """Sums a tensor over the ranks of a stage that share the step's tokens (dp × tp; cp
+    folded into dp's replicas): what an MoE block's per-step loads are summed over before its
+    bias moves (a collective after every optimizer step, on every rank of the stage). The
+    group is looked up at the first call: a mesh built without experts has none."""
+    if mesh.replicas * mesh.dims.tp == 1:
+        return lambda t: None
 
     def sum_over_ranks(t: torch.Tensor) -> None:
-        if group is not None:
-            dist.all_reduce(t, group=group)
-
-    return lambda: balance_experts(model, sum_over_ranks, replicas=mesh.replicas)
+        dist.all_reduce(t, group=mesh["dp_tp"].get_group())
+    return sum_over_ranks
 
 
 def is_moe(model: nn.Module) -> bool:

@@ -8,6 +8,7 @@ a stage that holds no embedding or head simply has ``tok_embeddings``/``output``
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -17,9 +18,10 @@ from torch.utils.checkpoint import checkpoint
 
 from trainmesh.kernels import KernelSet, kernel_set, resolve
 from trainmesh.kernels.launch import waited
+from trainmesh.models.hooks import ModelHooks
 from trainmesh.models.llama import model_math
 from trainmesh.models.llama.init import fill_normal_
-from trainmesh.models.moe.moe import MoE, MoEArgs
+from trainmesh.models.moe.moe import MoE, MoEArgs, moe_hooks
 
 
 @dataclass(frozen=True)
@@ -238,6 +240,13 @@ class Llama(nn.Module):
         """Logits, or with ``targets`` the mean next-token loss (what training calls: the fused
         head then never materialises the logits)."""
         return decoder_forward(self, self.layers.values(), h, targets)
+
+    def step_hooks(self, sum_over_ranks: Callable[[torch.Tensor], None] = lambda t: None,
+                   replicas: int = 1) -> ModelHooks:
+        """What training this model (or this rank's part of it) adds to the step
+        (``models/hooks.py``): its MoE blocks' balancing. ``sum_over_ranks`` sums a tensor over
+        the ranks that share the step's tokens, ``replicas`` of them hold a whole batch share."""
+        return moe_hooks(self, sum_over_ranks, replicas)
 
 
 def decoder_forward(parts: nn.Module, layers, h: torch.Tensor,

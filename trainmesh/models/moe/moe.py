@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from trainmesh.kernels import KernelSet
+from trainmesh.models.hooks import ModelHooks
 
 
 @dataclass(frozen=True)
@@ -346,3 +347,14 @@ def set_loss_scale(model: nn.Module, scale: float) -> None:
     (1 / microbatches for one process; 0 for a padding microbatch)."""
     for _, m in moe_layers(model):
         m.loss_scale = scale
+
+
+def moe_hooks(model: nn.Module, sum_over_ranks: Callable[[torch.Tensor], None] = lambda t: None,
+              replicas: int = 1) -> ModelHooks:
+    """An MoE model's step hooks: each microbatch's weight scales the balancing loss, and after
+    the optimizer the routers' biases move (``balance_experts``, its loads summed by
+    ``sum_over_ranks`` over the ranks that routed the step's tokens). None for a dense model."""
+    if not moe_layers(model):
+        return ModelHooks()
+    return ModelHooks(lambda weight: set_loss_scale(model, weight),
+                      lambda: balance_experts(model, sum_over_ranks, replicas=replicas))

@@ -10,12 +10,12 @@ tested on CPUs against what it will meet on GPUs:
   to b meets the k-th receive at b from a — a pair that posts in different orders gets wrong
   data (or hangs), as on NCCL.
 
-Selected for a run's executor by ``TRAINMESH_P2P=nccl-rules`` in a rank's environment (tests).
+The parallel tests' ranks post their pipeline and ring messages through it
+(``testing/probes.ProbedRank``): what passes there cannot deadlock or mismatch on GPUs.
 """
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import weakref
@@ -24,8 +24,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-
-ENV = "TRAINMESH_P2P"
 
 
 class _Handle:
@@ -115,11 +113,3 @@ def _send(token, tensor, peer, group, k, timeout, errors) -> None:
         dist.isend(tensor, peer, group, tag=2 * k).wait(timeout)
     except BaseException as err:  # noqa: BLE001 - raised by the batch
         errors.append(err)
-
-
-def from_env(timeout: timedelta) -> NcclRulesP2P | None:
-    """The NCCL-rules layer if this process was asked for it (``TRAINMESH_P2P=nccl-rules``)."""
-    value = os.environ.get(ENV, "")
-    if value not in ("", "nccl-rules"):
-        raise ValueError(f"{ENV}={value!r}: the only value is 'nccl-rules'")
-    return NcclRulesP2P(timeout) if value else None
