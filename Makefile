@@ -1,10 +1,10 @@
-# The README's two commands: `make demo` and `make test`.
+# The README's two commands: `make demo` and `make test` (`make test-all`: the whole suite, CI's).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test quick bench-smoke install lint clean gpu-check
+.PHONY: demo test test-all quick bench-smoke install lint clean gpu-check
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -22,11 +22,18 @@ demo: $(STAMP)
 	$(BIN)/trainmesh run jobs/tiny-cpu.yaml
 	@echo "trainmesh is installed in $(VENV): run 'source $(VENV)/bin/activate' for the commands in README's 'Using it'"
 
+# Everyday work (<= 5 minutes on 2 cores): every test that starts no Ray, and the Ray tests marked
+# everyday (one real-rank case per axis, one recovery, the demo: tests/tiers.py).
 test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "everyday or not (cluster or ray_apart)"
+
+# Everything (CI runs this): every parity case, the fault matrix, the tracking-server outage, submit.
+test-all: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
 
-# Local iteration: everything that starts no Ray cluster (CI runs `make test`, all of it).
+# Local iteration: everything that starts no Ray cluster.
 quick: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -m "not cluster and not gpu"

@@ -59,6 +59,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:  # what starts Ray through a fixture is a cluster test (module marks: the rest)
         if CLUSTER_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.cluster)
+        why = item.get_closest_marker("everyday")
+        if why is not None and not (why.args and str(why.args[0]).strip()):
+            raise pytest.UsageError(f"{item.nodeid}: an everyday test says why it is in `make test` "
+                                    "(tests/tiers.py)")
         if item.get_closest_marker("ray_apart"):
             item.add_marker(pytest.mark.xdist_group("ray-apart"))
         elif item.get_closest_marker("cluster") or item.get_closest_marker("timed"):

@@ -9,6 +9,7 @@ import pytest
 import torch
 from reference import reference_grad_norms, reference_run
 from test_tensor_parallel import BASE, _close, _parallel_run, _same_norm, resumed_elsewhere
+from tiers import cases
 
 from trainmesh.cli.loading import load_spec
 from trainmesh.data.dataset import open_datasets
@@ -47,7 +48,8 @@ CASES = {  # largest meshes first: the rank pool then only shrinks
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", cases(CASES, {
+    "cp2-dp2-ring": "the context-parallel axis: ring attention, beside dp"}))
 def test_context_parallel_matches_single_process(rank_pool, tmp_path, case):
     if case == "cp2-dp2-resumed-at-cp1-dp2":
         return _resumed_at_cp1(rank_pool, tmp_path)

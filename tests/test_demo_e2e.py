@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiers import everyday
 
 pytestmark = [pytest.mark.cluster,  # every test here starts Ray,
               pytest.mark.ray_apart]  # only in processes of its own
@@ -17,6 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.timeout(400)
+@everyday("the demo: the README's first command, through the CLI, read back from MLflow")
 def test_demo_job_through_cli_lands_in_mlflow(tmp_path):
     out = tmp_path / "demo"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}

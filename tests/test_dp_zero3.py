@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from reference import load_checkpoint_params, reference_run
+from tiers import everyday
 
 from trainmesh.checkpoint.manifest import CheckpointStore, file_digests
 from trainmesh.cli.loading import load_spec
@@ -34,6 +35,7 @@ def _assert_params_close(got, want, rtol=1e-5, atol=1e-6):
 
 
 @pytest.mark.timeout(240)
+@everyday("the data-parallel axis (ZeRO-3) through run_job, the real run path")
 def test_dp2_zero3_matches_single_process(ray_local, tmp_path):
     spec = _spec(tmp_path, "parallelism.dp=2", "training.steps=3", "checkpoint.every=0")
     summary = run_job(spec, environ={}, show_progress=False)

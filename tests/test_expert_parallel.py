@@ -11,6 +11,7 @@ import torch
 from ray import cloudpickle  # the ranks cannot import this test module: functions go by value
 from reference import reference_grad_norms, reference_run
 from test_tensor_parallel import _close, _same_norm
+from tiers import cases
 
 from trainmesh.cli.loading import load_spec
 from trainmesh.data.shards import ensure_tiny_corpus
@@ -70,7 +71,8 @@ CASES = {  # largest meshes first: the rank pool then only shrinks
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", cases(CASES, {
+    "ep4-dp4": "the expert-parallel axis, folded over dp"}))
 def test_expert_parallel_matches_single_process(rank_pool, tmp_path, case):
     dims, extra = CASES[case]
     spec = load_spec(None, [*BASE, f"parallelism.tp={dims.tp}", f"parallelism.dp={dims.dp}",

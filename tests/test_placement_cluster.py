@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from tiers import everyday
 
 from trainmesh.actors.worker_group import WorkerGroup
 from trainmesh.cli.loading import load_spec
@@ -173,6 +174,7 @@ def test_doctor_reports_the_cluster_and_each_problem_with_its_fix(gpu_cluster, t
 
 
 @pytest.mark.timeout(300)
+@everyday("one recovery: a node lost on a simulated cluster, restored warm onto the survivors")
 def test_a_lost_node_restores_from_peers_memory_onto_the_survivors_mesh(gpu_cluster, tmp_path):
     """The in-memory checkpoint tier (last here: it removes a node), with all four axes: an MoE
     model at tp 2 × pp 2 × dp 2 with ep 2 (8 ranks) on the 2 nodes, snapshots every step,

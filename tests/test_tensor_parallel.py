@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from reference import load_checkpoint_params, reference_grad_norms, reference_run
+from tiers import cases
 
 from trainmesh.cli.loading import load_spec
 from trainmesh.controller.launch import run_job
@@ -107,7 +108,10 @@ CASES = {  # largest meshes first: the rank pool then only shrinks
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", cases(CASES, {
+    "tp2-sp": "the tensor-parallel axis with sequence parallel, over ZeRO-3",
+    "hsdp-2x2": "hybrid sharding: a (replicate, shard) mesh",
+    "dp3-uneven-keep": "a dp that does not divide the microbatches (padding microbatches)"}))
 def test_parallel_matches_single_process(rank_pool, tmp_path, case):
     if case == "hsdp-dp4-resumed-at-dp3":
         return _resumed_at_dp3(rank_pool, tmp_path)
