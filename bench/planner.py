@@ -23,24 +23,30 @@ from trainmesh.planning.topology import Topology
 H200_STEP_S = {("1b", 16, 1): (0.968, 71), ("1b", 16, 2): (0.568, 100), ("1b", 16, 4): (0.528, 100),
                ("1b", 16, 8): (0.492, 100), ("1b", 8, 2): (0.370, 72), ("1b", 8, 4): (0.272, 100),
                ("8b8", 8, 2): (0.457, None), ("8b8", 16, 4): (0.830, 100)}
+# the cost model's fitting points (devices.py): not a check of it
+FITTED = {("1b", 16, 1), ("1b", 16, 2), ("1b", 16, 4), ("1b", 16, 8)}
 MODELS = {"1b": ["model.preset=1b"], "8b8": ["model.preset=8b", "model.n_layers=8"]}
 
 
 def microbatch_table() -> None:
     h200 = device_spec("h200")
     flat = dataclasses.replace(h200, kernel_overhead_s=0.0, host_dispatch_s=0.0)
-    print("\nOne H200, seq 2048: step s, the cost model beside the GPU (8b8: 8 of 8B's blocks)")
-    print(f"{'model':>5} {'batch':>5} {'microbatch':>10} {'predicted':>10} {'FLOPs only':>10} "
-          f"{'measured':>9} {'ratio':>6} {'host-bound':>10} {'busy % pred':>11} {'GPU busy %':>10}")
-    for (name, batch, mbs), (measured, busy) in H200_STEP_S.items():
+    print("\nOne H200, seq 2048: step s, the cost model beside what the GPU ran (8b8: 8 of 8B's "
+          "blocks)\n'recorded': figures measured on one H200 on 2026-11-27 (bench/RESULTS.md), "
+          "not measured by this run; rows marked * are the cost model's fitting points")
+    print(f"{'model':>6} {'batch':>5} {'microbatch':>10} {'predicted':>10} {'FLOPs only':>10} "
+          f"{'recorded':>9} {'ratio':>6} {'host-bound':>10} {'busy % pred':>11} {'GPU busy %':>10}")
+    for (name, batch, mbs), (recorded, busy) in H200_STEP_S.items():
         model = load_spec(None, MODELS[name]).model
         c = Candidate(1, 1, 1, 1, "1f1b", mbs, batch // mbs, "none")
         e = estimate(model, c, 2048, h200, 1, compute_bytes=2, fused=True)
         flops_only = estimate(model, c, 2048, flat, 1, compute_bytes=2, fused=True).step_time_s
         device_s = estimate(model, c, 2048, dataclasses.replace(h200, host_dispatch_s=0.0), 1,
                             compute_bytes=2, fused=True).step_time_s
-        print(f"{name:>5} {batch:>5} {mbs:>10} {e.step_time_s:>10.3f} {flops_only:>10.3f} {measured:>9.3f} "
-              f"{e.step_time_s / measured:>6.2f} {'yes' if e.host_bound else 'no':>10} "
+        fitted = "*" if (name, batch, mbs) in FITTED else " "
+        print(f"{name:>5}{fitted} {batch:>5} {mbs:>10} {e.step_time_s:>10.3f} {flops_only:>10.3f} "
+              f"{recorded:>9.3f} "
+              f"{e.step_time_s / recorded:>6.2f} {'yes' if e.host_bound else 'no':>10} "
               f"{100 * device_s / e.step_time_s:>11.0f} {'-' if busy is None else busy:>10}")
 
 

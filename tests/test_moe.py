@@ -13,7 +13,8 @@ from trainmesh.kernels import kernel_set
 from trainmesh.models.llama.model import LlamaArgs
 from trainmesh.models.moe.moe import MoE, MoEArgs, balance_experts, expert_swiglu, moe_layers
 from trainmesh.parallel.expert import _source_major_to_expert_major
-from trainmesh.planning.job_plan import expert_parallel_degree
+from trainmesh.planning.job_plan import replan_job
+from trainmesh.planning.topology import Topology
 from trainmesh.spec.problems import SpecError
 
 OPS = kernel_set("torch")
@@ -221,8 +222,16 @@ def test_bad_expert_layouts_are_refused_naming_the_field_and_fix(args, field, fi
 
 
 def test_a_replan_keeps_the_largest_ep_that_still_divides():
-    spec = load_spec(None, ["model.preset=tiny-moe", "parallelism.dp=4", "parallelism.ep=4"])
-    assert [expert_parallel_degree(spec, dp) for dp in (4, 3, 2, 6, 8)] == [4, 1, 2, 2, 4]
+    """The re-plan after a node's loss or a resize (``replan_job``, through the planner's own
+    choice of ep): a pinned ep is an upper bound, kept where it divides the new dp."""
+    spec = load_spec(None, ["model.preset=tiny-moe", "parallelism.dp=4", "parallelism.ep=4",
+                            "model.tie_embeddings=false", "runtime.device=cpu",
+                            "training.global_batch_size=24", "training.microbatch_size=1"])
+    got = {}
+    for world in (4, 3, 2, 6, 8):
+        dims = replan_job(spec, Topology.uniform(1, world, "cpu")).dims
+        got[dims.dp] = dims.ep
+    assert got == {4: 4, 3: 1, 2: 2, 6: 2, 8: 4}
 
 
 @pytest.mark.parametrize("cp, tp", [(2, 2), (1, 2), (2, 1), (4, 2)])

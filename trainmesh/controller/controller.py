@@ -64,7 +64,7 @@ from trainmesh.planning.topology import Topology
 from trainmesh.spec.job import JobSpec
 from trainmesh.spec.mesh_rules import float8_device_problems
 from trainmesh.spec.problems import SpecError
-from trainmesh.spec.validate import problems
+from trainmesh.spec.validate import Layout, Workload, layout_problems, problems
 from trainmesh.tracking.mlflow_tracker import open_tracker
 
 # What a recovery handles: a rank's actor died, a rank's step raised (a peer's death surfaces
@@ -306,8 +306,10 @@ class Controller:
         self.device, self.candidate = topo.device, result.best.candidate
         self.plan_row = result.best.as_row()
         # Refused before any rank starts (the ranks check float8 again, knowing their GPU's
-        # capability): the plan written into the spec keeps every rule the spec does
-        broken = [str(p) for p in problems(self.eff, runnable=True)] + float8_device_problems(
+        # capability): the plan written into the spec keeps every rule a layout keeps (its
+        # size against elastic's bounds is the planner's: bounded_topology, replan_job)
+        broken = [str(p) for p in layout_problems(Workload.of(self.eff), Layout.pinned(self.eff))]
+        broken += float8_device_problems(
             self.spec.training.float8, "cpu" if topo.device.name == "cpu" else "cuda", None,
             compiled=self.spec.model.compile)
         if broken:

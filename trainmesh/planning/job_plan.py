@@ -10,7 +10,6 @@ from trainmesh.planning.cost_model import GIB, Candidate, snapshot_host_bytes
 from trainmesh.planning.planner import PlanRequest, PlanResult, plan, summarize_rejections
 from trainmesh.planning.topology import Topology
 from trainmesh.spec.job import JobSpec
-from trainmesh.spec.mesh_rules import ep_degrees
 
 
 class PlanError(ValueError):
@@ -50,14 +49,6 @@ def plan_job(spec: JobSpec, topo: Topology) -> tuple[ParallelDims, PlanResult]:
                         + "; lower the degrees, shorten the sequence or add accelerators")
     best = result.best.candidate
     return ParallelDims(pp=best.pp, dp=best.dp, tp=best.tp, ep=best.ep, cp=best.cp), result
-
-
-def expert_parallel_degree(spec: JobSpec, dp: int) -> int:
-    """``parallelism.ep`` where it divides ``dp``; on a re-planned dp it does not divide (a
-    node lost), the largest degree below it that divides both dp and the experts."""
-    if spec.model.moe is None:
-        return 1
-    return max(e for e in ep_degrees(spec.model, dp) if e <= spec.parallelism.ep)
 
 
 def effective_spec(spec: JobSpec, c: Candidate) -> JobSpec:

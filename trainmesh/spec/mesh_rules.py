@@ -72,8 +72,9 @@ def ep_degrees(m: ModelShape, dp: int) -> list[int]:
     return [e for e in range(1, dp + 1) if dp % e == 0 and experts % e == 0]
 
 
-def ep_problems(m: ModelShape, dp: int, ep: int) -> list[Problem]:
-    """ep splits the experts, over groups carved out of the dp replicas."""
+def ep_problems(m: ModelShape, dp: int, ep: int, cp: int = 1) -> list[Problem]:
+    """ep splits the experts, over groups carved out of the dp × cp ranks of a stage (the
+    data-parallel replicas and their context-parallel rings)."""
     moe = getattr(m, "moe", None)
     if ep == 1:
         return []
@@ -81,10 +82,12 @@ def ep_problems(m: ModelShape, dp: int, ep: int) -> list[Problem]:
         return [Problem("parallelism.ep", f"ep={ep} but the model has no experts",
                         "set model.moe (e.g. model.preset=tiny-moe) or parallelism.ep=1",
                         DIVISIBILITY)]
-    if dp % ep or moe.experts % ep:
-        return [Problem("parallelism.ep", f"ep={ep} does not divide both dp={dp} (expert-parallel "
+    ranks = dp * cp
+    if ranks % ep or moe.experts % ep:
+        over = f"dp={dp}" if cp == 1 else f"dp × cp = {dp}×{cp} = {ranks}"
+        return [Problem("parallelism.ep", f"ep={ep} does not divide both {over} (expert-parallel "
                         f"groups are carved out of the data-parallel replicas) and "
-                        f"model.moe.experts={moe.experts}", f"use one of {ep_degrees(m, dp)}, "
+                        f"model.moe.experts={moe.experts}", f"use one of {ep_degrees(m, ranks)}, "
                         "or raise parallelism.dp", DIVISIBILITY)]
     return []
 
@@ -177,9 +180,9 @@ def cp_problems(seq_len: int, cp: int, tp: int = 1, ep: int = 1, pp: int = 1,
 
 
 def shape_problems(m: ModelShape, tp: int, pp: int, vpp: int = 1, dp: int = 1,
-                   ep: int = 1) -> list[Problem]:
-    """Every rule a (tp, pp, vpp, dp, ep) layout of model ``m`` breaks."""
-    return [*tp_problems(m, tp), *pp_problems(m, pp, vpp), *ep_problems(m, dp, ep)]
+                   ep: int = 1, cp: int = 1) -> list[Problem]:
+    """Every rule a (tp, pp, vpp, dp, ep, cp) layout of model ``m`` breaks in the model's shape."""
+    return [*tp_problems(m, tp), *pp_problems(m, pp, vpp), *ep_problems(m, dp, ep, cp)]
 
 
 def runnable_problems(m: ModelShape, tp: int, pp: int, sequence_parallel: bool = False) -> list[Problem]:

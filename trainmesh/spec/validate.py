@@ -97,7 +97,7 @@ def layout_problems(work: Workload, lay: LayoutLike, runnable: bool = True) -> l
     """Every rule layout ``lay`` breaks for ``work``; ``runnable``: also what this version does
     not build for a valid layout (``mesh_rules.runnable_problems``)."""
     m = work.model
-    out = [*shape_problems(m, lay.tp, lay.pp, lay.vpp, lay.dp * lay.cp, lay.ep),
+    out = [*shape_problems(m, lay.tp, lay.pp, lay.vpp, lay.dp, lay.ep, lay.cp),
            *hsdp_problems(lay.dp, lay.dp_replicate, lay.ep, lay.cp),
            *cp_problems(work.seq_len, lay.cp, lay.tp, lay.ep, lay.pp,
                         lay.sequence_parallel or getattr(m, "moe", None) is not None,

@@ -38,14 +38,6 @@ def layer_params(shape, layer: int | None = None, active: bool = False) -> int:
     return 2 * d * q + 2 * d * kv + qk_norm + mlp_params(shape, layer, active) + 2 * d
 
 
-def expert_params(shape) -> int:
-    """Parameters of every routed expert of the model (what expert parallel splits)."""
-    moe = getattr(shape, "moe", None)
-    if moe is None:
-        return 0
-    return (shape.n_layers - moe.dense_layers) * moe.experts * 3 * shape.dim * moe.expert_ffn_dim
-
-
 def num_params(shape, include_embedding: bool = True, active: bool = False) -> int:
     """Exact parameter count of ``trainmesh.models.llama.model.Llama`` (``active``: counting
     only the experts one token uses)."""
