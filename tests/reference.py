@@ -1,8 +1,7 @@
 """The single-process reference: the same model and data, stepped by stock torch parts only.
 
-Nothing of the project's own step, optimizer or clipping is used here (``engine/step.py``'s
-``train_step``, ``ShardwiseAdamW``, ``grad_norm_and_clip``), so that a bug in them shows in
-every parity test instead of cancelling out: ``torch.optim.AdamW`` (torch's default
+Nothing of the project's own step, optimizer or clipping (``engine/step.py``) is used here, so
+that a bug in them shows in every parity test instead of cancelling out: ``torch.optim.AdamW`` (torch's default
 implementation, not the fused one the ranks run), ``torch.nn.utils.clip_grad_norm_``, the
 model's plain forward to logits and ``F.cross_entropy``, and the LR schedule written out
 below. What the model family does around a step (MoE: the balancing loss's share per
