@@ -114,11 +114,24 @@ def test_expert_parallel_matches_single_process(rank_pool, tmp_path, case):
     if spec.model.moe.capacity_factor is not None:
         assert dropped > 0  # (what was dropped, over the whole step)
     ref_losses, ref_params, ref_grads = reference_run(spec, data_dir, steps=3, grads_after=1)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    if spec.model.moe.capacity_factor is not None and dims.tp * dims.cp > 1:
+        # Dropping by capacity is decided on router weights, which tensor and context parallel
+        # compute with reassociated sums (their last bits differ from one process's): an
+        # assignment at an expert's capacity boundary may be kept on one layout and dropped
+        # on the other. The decision itself is exact (test_moe.py: the ranks' parts of one
+        # microbatch, any order, tied weights, decide as one process). Here one such flip in
+        # the last block's experts (measured: 1.1e-5 on the second loss, 9.5e-5 in one
+        # expert's gradient and 1.6e-6 in the gradient norm, up to 1.4e-2 in its weights
+        # after two AdamW steps), so the bounds are a flip's, with some margin.
+        loss_rtol, norm_rtol, grad_atol, param_atol = 5e-5, 1e-5, 3e-4, 5e-2
+    else:
+        loss_rtol, norm_rtol, grad_atol, param_atol = 1e-5, 1e-6, 1e-6, 5e-5
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=loss_rtol, atol=0)
     # experts on their own mesh (edp × ep), the rest on dp: one norm over both
-    _same_norm([[r["grad_norm"] for r in first]], reference_grad_norms(spec, data_dir, steps=3, grads_after=1))
-    _close(grads, ref_grads)
-    _close(params, ref_params, rtol=1e-5, atol=5e-5)
+    _same_norm([[r["grad_norm"] for r in first]], reference_grad_norms(spec, data_dir, steps=3, grads_after=1),
+               rel=norm_rtol)
+    _close(grads, ref_grads, atol=grad_atol)
+    _close(params, ref_params, rtol=1e-5, atol=param_atol)
     if spec.model.moe.balance == "bias":  # the bias moved, and equally on every mesh
         bias = {k: v for k, v in params.items() if k.endswith("expert_bias")}
         assert bias and all(v.abs().sum() > 0 for v in bias.values())

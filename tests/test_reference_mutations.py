@@ -6,8 +6,11 @@ fails (and that it passes without the bug)."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
+from ray import cloudpickle  # the ranks cannot import this test module: functions go by value
 from reference import reference_run
 from test_tensor_parallel import BASE
 
@@ -51,6 +54,7 @@ def _unplant(engine) -> None:
 
 
 def _run(pool, spec, dims: ParallelDims, data_dir: str, plant) -> tuple[list[float], dict]:
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
     group = pool.group_for(spec, dims)
     try:
         group.build(spec.model_dump_json(), dims, data_dir)
