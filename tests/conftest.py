@@ -130,6 +130,27 @@ def pytest_unconfigure(config):
 
 
 @pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """An S3 endpoint on loopback (moto's server), for the session; its variables are set in
+    this process (s3fs reads them here) and handed to jobs' processes by the tests."""
+    from servers import S3Server
+
+    server = S3Server(tmp_path_factory.mktemp("s3"))
+    server.start()
+    saved = {k: os.environ.get(k) for k in server.env}
+    os.environ.update(server.env)
+    try:
+        yield server
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.stop()
+
+
+@pytest.fixture(scope="session")
 def ray_local():
     """A local Ray instance on 127.0.0.1 shared by the modules that use it (8 logical CPUs:
     the rank pool's idle actors plus a 4-rank job fit; only running ranks use real cores)."""
