@@ -18,8 +18,6 @@ from trainmesh.cli.main import main
 from trainmesh.controller.launch import run_job
 from trainmesh.data import corpus
 
-pytestmark = pytest.mark.cluster
-
 BASE = ["model.preset=tiny", "training.global_batch_size=8", "training.microbatch_size=2",
         "training.seq_len=32", "optimizer.warmup_steps=1", "tracking.enabled=false",
         "runtime.device=cpu", "runtime.collective_timeout_s=60", "elastic.ready_ranks_per_node=0",
@@ -53,3 +51,23 @@ def test_data_and_checkpoints_on_an_s3_endpoint(ray_local, s3_server, tmp_path):
     torch.testing.assert_close(torch.tensor(second["losses"]), torch.tensor(want), rtol=1e-5, atol=0)
     torch.testing.assert_close(torch.tensor(first["losses"]), torch.tensor(want[:4]), rtol=1e-5, atol=0)
     assert store.verified_steps() == [6]
+
+
+def test_doctor_checks_an_s3_checkpoint_dir_and_names_the_variables_when_it_cannot(
+        s3_server, monkeypatch):
+    from servers import free_port
+
+    from trainmesh.cli.doctor import checkpoints
+
+    bucket = s3_server.bucket()
+    spec = load_spec(None, [f"checkpoint.dir=s3://{bucket}/ckpt"])
+    [ok] = checkpoints(spec)
+    assert ok.ok and "writable" in ok.line()
+    assert s3_server.filesystem().ls(bucket) == []  # the probe is gone
+    # an endpoint that does not answer (a wrong FSSPEC_S3_ENDPOINT_URL): the fix names the variables
+    import fsspec.config
+
+    monkeypatch.setitem(fsspec.config.conf, "s3", {"endpoint_url": f"http://127.0.0.1:{free_port()}"})
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    [bad] = checkpoints(load_spec(None, [f"checkpoint.dir=s3://{bucket}/other"]))
+    assert not bad.ok and "FSSPEC_S3_ENDPOINT_URL" in bad.fix and "AWS_ACCESS_KEY_ID" in bad.fix
