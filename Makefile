@@ -52,6 +52,7 @@ bench-smoke: $(STAMP)
 	$(BIN)/python bench/data_parallel.py --preset tiny --steps 1 --seq-len 32
 	$(BIN)/python bench/context_parallel.py --preset tiny --steps 1 --seq-len 256
 	$(BIN)/python bench/first_step.py --layers 2 --repeat 1
+	$(BIN)/python bench/data_wait.py --steps 3 --step-s 0.01 --global-batch 8
 
 # On a machine with a CUDA GPU and trainmesh importable (no venv is made: use the GPU's torch).
 gpu-check:

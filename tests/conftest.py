@@ -130,6 +130,33 @@ def pytest_unconfigure(config):
 
 
 @pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """An S3 endpoint on loopback (moto's server), for the session; its variables are set in
+    this process (s3fs reads them here) and handed to jobs' processes by the tests."""
+    from servers import S3Server
+
+    server = S3Server(tmp_path_factory.mktemp("s3"))
+    server.start()
+    import fsspec.config
+
+    saved = {k: os.environ.get(k) for k in server.env}
+    conf = {k: dict(v) for k, v in fsspec.config.conf.items()}
+    os.environ.update(server.env)
+    fsspec.config.set_conf_env(fsspec.config.conf)  # (fsspec read its variables at import)
+    try:
+        yield server
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        fsspec.config.conf.clear()
+        fsspec.config.conf.update(conf)
+        server.stop()
+
+
+@pytest.fixture(scope="session")
 def ray_local():
     """A local Ray instance on 127.0.0.1 shared by the modules that use it (8 logical CPUs:
     the rank pool's idle actors plus a 4-rank job fit; only running ranks use real cores)."""

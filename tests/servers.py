@@ -1,6 +1,6 @@
 """Real servers for tests, on 127.0.0.1 only: an MLflow tracking server that can be stopped
-and started again on the same port and store, a Ray head with its dashboard/job API, and a
-simulated multi-node Ray cluster."""
+and started again on the same port and store, an S3 endpoint (moto's server), a Ray head with
+its dashboard/job API, and a simulated multi-node Ray cluster."""
 
 from __future__ import annotations
 
@@ -124,6 +124,50 @@ class MlflowServer:
 
     def stop(self) -> None:
         """Kill the server and everything it started (its process group)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+        self.proc = None
+
+
+class S3Server:
+    """An S3 endpoint on loopback: moto's server (the emulator s3fs's own tests run against),
+    reached over HTTP by s3fs as a real store is — the product's code path unchanged. Clients
+    find it through the standard variables (``env``: AWS credentials, any value; fsspec's
+    ``FSSPEC_S3_ENDPOINT_URL``, read by s3fs in every process that has it)."""
+
+    def __init__(self, root: Path):
+        self.root, self.port = root, free_port()
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.env = {"AWS_ACCESS_KEY_ID": "trainmesh-test", "AWS_SECRET_ACCESS_KEY": "trainmesh-test",
+                    "AWS_DEFAULT_REGION": "us-east-1", "FSSPEC_S3_ENDPOINT_URL": self.uri}
+        self.proc: subprocess.Popen | None = None
+        root.mkdir(parents=True, exist_ok=True)
+
+    def start(self, timeout_s: float = 60) -> None:
+        log = self.root / "s3.log"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+        _wait_http(f"{self.uri}/moto-api/", timeout_s, self.proc, log)
+
+    def filesystem(self):
+        """An s3fs filesystem on this endpoint (a fresh instance: fsspec caches them)."""
+        import s3fs
+
+        return s3fs.S3FileSystem(key=self.env["AWS_ACCESS_KEY_ID"],
+                                 secret=self.env["AWS_SECRET_ACCESS_KEY"],
+                                 endpoint_url=self.uri, skip_instance_cache=True)
+
+    def bucket(self) -> str:
+        """A new, empty bucket's name."""
+        import uuid
+
+        name = f"trainmesh-{uuid.uuid4().hex[:12]}"
+        self.filesystem().mkdir(name)
+        return name
+
+    def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=30)

@@ -1,7 +1,8 @@
 """Manifests: written last and atomically; partial or corrupt checkpoints are never used.
 
-Every test runs on a local directory and on fsspec's in-memory filesystem (an object-store-
-like filesystem that is not the local disk: no os.rename, no fsync), through the same code.
+Every test runs on a local directory, on fsspec's in-memory filesystem (not the local disk: no
+os.rename, no fsync) and on a real S3 endpoint on loopback (moto's server through s3fs: no
+directories, a "move" is a copy then a delete), through the same code.
 """
 
 from __future__ import annotations
@@ -16,10 +17,14 @@ from trainmesh.checkpoint import manifest
 from trainmesh.checkpoint.manifest import CheckpointStore
 
 
-@pytest.fixture(params=["local", "memory"])
+@pytest.fixture(params=["local", "memory", "s3"])
 def store(request, tmp_path):
     if request.param == "local":
         yield CheckpointStore(tmp_path / "ckpt")
+        return
+    if request.param == "s3":
+        server = request.getfixturevalue("s3_server")
+        yield CheckpointStore(f"s3://{server.bucket()}/ckpt")
         return
     root = f"memory://ckpt-{uuid.uuid4().hex}"
     yield CheckpointStore(root)
@@ -27,29 +32,37 @@ def store(request, tmp_path):
 
 
 def _save(store, step, payload=b"data"):
-    p = store.partial_dir(step)
-    store.write_bytes(p, "shard.bin", payload)
-    store.write_bytes(f"{p}/nested", "part.bin", payload * 2)
-    return store.commit(p, {"step": step})
+    d = store.prepare(step)
+    if d is None:  # a verified checkpoint of the step is there: kept
+        return store.step_dir(step)
+    store.write_bytes(d, "shard.bin", payload)
+    store.write_bytes(f"{d}/nested", "part.bin", payload * 2)
+    return store.commit(d, {"step": step})
 
 
-def test_commit_publishes_with_sizes_and_checksums(store):
+def _interrupted(store, step, payload=b"half"):
+    """A save that died before its manifest: its files under the step's directory."""
+    d = store.prepare(step)
+    store.write_bytes(d, "shard.bin", payload)
+    return d
+
+
+def test_commit_writes_the_manifest_last_with_sizes_and_checksums(store):
     d = _save(store, 5)
-    assert d == store.step_dir(5) and not store.fs.exists(d + ".partial")
+    assert d == store.step_dir(5)  # written in place: nothing is renamed
     meta = json.loads(store.fs.cat_file(f"{d}/{manifest.MANIFEST}"))
     assert meta["step"] == 5 and meta["files"]["shard.bin"]["size"] == 4
     assert meta["files"]["nested/part.bin"]["size"] == 8
     assert store.latest()[1]["step"] == 5
-    assert store.uri(d).startswith("memory://" if "memory" in store.root_uri else "/")
+    assert store.uri(d).startswith(store.root_uri.split("ckpt")[0] if "://" in store.root_uri else "/")
 
 
 def test_interrupted_save_leaves_last_good_checkpoint(store):
     _save(store, 2)
-    p = store.partial_dir(4)  # a save that died before its manifest
-    store.write_bytes(p, "shard.bin", b"half")
-    assert store.complete_steps() == [2] and store.latest()[1]["step"] == 2
+    _interrupted(store, 4)
+    assert store.verified_steps() == [2] and store.latest()[1]["step"] == 2
     # a new save of the same step clears the leftovers first
-    assert store.fs.find(store.partial_dir(4)) == []
+    assert store.fs.find(store.prepare(4)) == []
 
 
 def test_corrupt_missing_or_truncated_checkpoint_is_skipped(store, caplog):
@@ -59,30 +72,69 @@ def test_corrupt_missing_or_truncated_checkpoint_is_skipped(store, caplog):
     assert store.latest()[1]["step"] == 2
     assert "corrupt" in caplog.text
     d6 = _save(store, 6)
-    store.fs.rm(f"{d6}/nested/part.bin")  # a publish (copy) that stopped half way
+    store.fs.rm(f"{d6}/nested/part.bin")  # a copy that stopped half way
     assert store.latest()[1]["step"] == 2
     d8 = _save(store, 8)
     store.write_bytes(d8, manifest.MANIFEST, b"{trunc")
     assert store.latest()[1]["step"] == 2
 
 
-def test_resaving_a_published_step_keeps_the_old_copy(store):
+def test_resaving_a_verified_step_keeps_it_and_replaces_one_that_does_not_verify(store):
     _save(store, 3, b"old!")
-    _save(store, 3, b"new!")
+    assert store.prepare(3) is None  # verified: never replaced
+    assert _save(store, 3, b"new!") == store.step_dir(3)
     assert store.read_bytes(store.step_dir(3), "shard.bin") == b"old!"
+    # a copy cut short under the final name (a file missing): replaced by the next save
+    store.fs.rm(f"{store.step_dir(3)}/nested/part.bin")
+    _save(store, 3, b"new!")
+    assert store.read_bytes(store.step_dir(3), "shard.bin") == b"new!"
+    assert store.latest()[1]["step"] == 3
+    # a stale manifest whose files are gone: the same
+    store.fs.rm(f"{store.step_dir(3)}/shard.bin")
+    assert not store.exists(3)
+    _save(store, 3, b"3rd!")
+    assert store.exists(3) and store.read_bytes(store.step_dir(3), "shard.bin") == b"3rd!"
 
 
-def test_discard_removes_only_unpublished_saves(store):
+def test_discard_removes_only_uncommitted_saves(store):
     d = _save(store, 1)
-    store.discard(d)  # a published checkpoint is never removed this way
-    p = store.partial_dir(2)
-    store.write_bytes(p, "shard.bin", b"x")
+    store.discard(d)  # a committed checkpoint is never removed this way
+    p = _interrupted(store, 2)
     store.discard(p)
     assert store.complete_steps() == [1] and not store.fs.exists(p)
 
 
-def test_prune_keeps_newest(store):
+def test_prune_keeps_the_newest_verified_and_deletes_only_behind_them(store):
     for s in (1, 2, 3, 4):
         _save(store, s)
     assert store.prune(keep_last=2) == [1, 2]
     assert store.complete_steps() == [3, 4]
+    # the newest is broken: with keep_last 1 the newest verified one (3) stays
+    store.fs.rm(f"{store.step_dir(4)}/shard.bin")
+    assert store.prune(keep_last=1) == [] and store.verified_steps() == [3]
+    _save(store, 5)
+    assert store.prune(keep_last=1) == [3]
+    assert store.verified_steps() == [5]
+
+
+def test_cleanup_removes_interrupted_saves_behind_the_newest_verified_only(store):
+    _interrupted(store, 1)
+    _save(store, 2)
+    _interrupted(store, 3)  # newer than the newest verified: maybe a save in flight
+    legacy = store.step_dir(4) + ".partial"  # an earlier version's leftover
+    store.write_bytes(legacy, "shard.bin", b"old")
+    gone = store.cleanup()
+    assert store.step_dir(1) in gone and store.complete_steps() == [2, 3]
+    assert not store.fs.exists(legacy)
+    _save(store, 5)
+    assert store.cleanup(keep={3}) == [] and store.complete_steps() == [2, 3, 5]
+    assert store.cleanup() == [store.step_dir(3)] and store.complete_steps() == [2, 5]
+
+
+def test_quarantine_sets_a_checkpoint_aside_on_any_filesystem(store):
+    _save(store, 2)
+    d4 = _save(store, 4)
+    aside = store.quarantine(d4)
+    assert store.complete_steps() == [2] and store.latest()[1]["step"] == 2
+    assert store.fs.cat_file(f"{aside}/shard.bin") == b"data"
+    assert json.loads(store.fs.cat_file(f"{aside}/{manifest.MANIFEST}"))["step"] == 4

@@ -364,6 +364,9 @@ VARIANTS = {
         "workers": {"rayStartParams": {"object-store-memory": 2.5e10, "min-worker-port": 10002}}}},
     "no-networkpolicy-no-sa": {"networkPolicy": {"enabled": False},
                                "serviceAccount": {"create": False, "name": "existing"}},
+    "s3-compatible-store": {"objectStore": {"endpoint": "http://minio.storage.svc:9000",
+                                            "region": "eu-west-1", "existingSecret": "s3-creds"},
+                            "rayJob": {"enabled": True}},
 }
 
 
@@ -372,6 +375,17 @@ def test_chart_variants_render_and_validate(chart, variant):
     docs = _render(chart, VARIANTS[variant])
     _check_all(docs)
     kinds = _by_kind(docs)
+    if variant == "s3-compatible-store":  # the head (controller) and workers (ranks) alike
+        [rc] = kinds["RayCluster"]
+        pods = [rc["spec"]["headGroupSpec"]["template"],
+                *(g["template"] for g in rc["spec"]["workerGroupSpecs"])]
+        for pod in pods:
+            env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
+            assert env["FSSPEC_S3_ENDPOINT_URL"]["value"] == "http://minio.storage.svc:9000"
+            assert env["AWS_ENDPOINT_URL"]["value"] == "http://minio.storage.svc:9000"
+            assert env["AWS_DEFAULT_REGION"]["value"] == "eu-west-1"
+            for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+                assert env[var]["valueFrom"]["secretKeyRef"] == {"name": "s3-creds", "key": var}
     if variant == "gpu-autoscaling":
         [rc] = kinds["RayCluster"]
         assert rc["spec"]["enableInTreeAutoscaling"] is True
@@ -453,6 +467,7 @@ def test_chart_names_fit_kuberays_limits(chart, release, values):
     ({"mlflow": {"backendStore": {"type": "postgres"}}}, "value must be one of 'sqlite', 'external'"),
     ({"rayCluster": {"head": {"serviceType": "Ingress"}}}, "/rayCluster/head/serviceType"),
     ({"workers": {"replicas": 2}}, "additional properties 'workers' not allowed"),
+    ({"objectStore": {"endpoint": "minio:9000"}}, "/objectStore/endpoint"),
 ])
 def test_chart_schema_rejects_bad_values_with_the_key(chart, values, message):
     with pytest.raises(helm_python.HelmValuesError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -59,6 +59,34 @@ def test_the_newest_snapshot_every_rank_of_which_survives_is_restored():
     assert _tier(4, 5).newest_complete(_Survivors([{"0001-00000004": _files(0, 1, 2)}]), 0) is None
 
 
+def test_a_snapshot_some_rank_skipped_is_not_recorded_and_evicts_nothing():
+    """A rank whose last snapshot is still being saved skips the next (0 bytes): that snapshot
+    is incomplete, so the controller records it not, and the records of complete ones stay —
+    two skipped in a row used to push the newest complete one out."""
+    from trainmesh.controller.memory_tier import MemoryTier
+
+    class Ranks:
+        def __init__(self):
+            self.skip: set[int] = set()
+
+        def memory_snapshot(self, directory, buddies):
+            return [{"bytes": 0 if r in self.skip else 64, "blocked_s": 0.0, "rng": None}
+                    for r in range(len(buddies))]
+
+    tier, ranks = MemoryTier(every=1), Ranks()
+    nodes = ["a", "a", "b", "b"]
+    tier.snapshot(ranks, 1, nodes, [], {})
+    ranks.skip = {2}
+    for step in (2, 3):
+        metrics = tier.snapshot(ranks, step, nodes, [], {})
+        assert metrics["snapshot_bytes"] == 3 * 64
+    assert [m["step"] for m in tier.snapshots.values()] == [1]
+    ranks.skip = set()
+    tier.snapshot(ranks, 4, nodes, [], {})
+    tier.snapshot(ranks, 5, nodes, [], {})
+    assert [m["step"] for m in tier.snapshots.values()] == [4, 5]  # the newest two complete
+
+
 def test_a_snapshot_being_written_is_not_held_until_committed():
     store = memory_fs.MemoryStore()
     fs = store.fs()

@@ -99,3 +99,33 @@ def test_cli_prepare(tmp_path):
     toks = shards.read_tokens(tmp_path / "out").tolist()
     assert tokenizer.decode(toks) == "first documentsecond one"
     assert toks.count(tokenizer.EOS) == 2
+
+
+def test_the_prefetcher_reads_the_next_step_ahead_and_returns_exactly_what_a_read_gives(tmp_path):
+    """The next step's windows are read in the background while a step trains (an object
+    store's ranged reads off the step's path), one step ahead; a step asked for out of turn (a
+    resume, a re-form) is read at once: every step's data is what reading it directly gives."""
+    import threading
+
+    from trainmesh.data.dataset import Prefetcher, TokenDataset
+    from trainmesh.data.shards import TokenStream, ensure_tiny_corpus
+
+    data = TokenDataset(TokenStream(ensure_tiny_corpus(tmp_path / "data")), seq_len=16)
+    reads: list[tuple[int, str]] = []
+
+    def fetch(step: int):
+        reads.append((step, threading.current_thread().name))
+        return data.microbatches(7, step, 8, 1, 2, 2)
+
+    prefetch = Prefetcher(fetch)
+    try:
+        for step in [0, 1, 2, 9, 10, 3]:
+            got, want = prefetch.get(step), data.microbatches(7, step, 8, 1, 2, 2)
+            assert len(got) == len(want) == 2
+            for (x, y), (wx, wy) in zip(got, want, strict=True):
+                assert torch.equal(x, wx) and torch.equal(y, wy)
+    finally:
+        prefetch.close()
+    ahead = {s for s, thread in reads if thread.startswith("trainmesh-data")}
+    assert {1, 2, 10} <= ahead  # read ahead, in the background
+    assert {s for s, thread in reads if not thread.startswith("trainmesh-data")} == {0, 9, 3}

@@ -169,6 +169,8 @@ class RankWorker:
         """Let the model part go (it holds reference cycles: a collection frees it, unless the
         caller collects later itself); Python's automatic collection again until the next
         ``build``."""
+        if self.engine is not None:
+            self.engine.batches.close()  # (its read ahead, if any, is dropped)
         self.engine, self._collector = None, None
         Collector.stop()
         if collect:

@@ -2,12 +2,20 @@
 
 Layout: ``ROOT/step-NNNNNN/`` holds the Distributed Checkpoint files and ``manifest.json``.
 ROOT is a local path or a URI (``file://``, ``s3://``, ``gs://``, ... — whatever fsspec has an
-implementation installed for). A save goes to ``ROOT/step-NNNNNN.partial/``; the manifest
-(size and sha256 of every file, computed by the ranks that wrote them) is written last, in
-one atomic write, and only then is the directory published under its final name. A crash at
-any point leaves every complete checkpoint as it was, and restore skips anything without a
-manifest that matches its files — which also covers object stores, where publishing is a
-copy rather than an atomic rename.
+implementation installed for).
+
+The manifest is the commit record, on every filesystem. A save writes its files under their
+final directory; the manifest (size and sha256 of every file, computed by the ranks that wrote
+them) is written last, at its final place, in one atomic write (a write, an fsync and a rename
+on a local disk; one object PUT on an object store) once every file it lists is there. Nothing
+renames a directory: object stores have no such thing (a "move" is a copy of every object, then
+a delete), and a process that dies mid-copy would leave half a checkpoint under the final name.
+A step directory counts only if its manifest verifies: readable, and every file it lists there
+at its size (and, where asked, its sha256). A save of step N replaces a ``step-N/`` that does not
+verify and never one that does; ``prune`` deletes only behind verified checkpoints and never the
+newest verified one; ``cleanup`` removes what interrupted saves left, older than the newest
+verified checkpoint. Deleting a checkpoint removes its manifest first, so that a delete
+interrupted half-way leaves a directory that no longer counts.
 
 A synchronous save is published as soon as its files are written and synced, with their sizes;
 the ranks take the sha256s afterwards, off the training's path, and ``add_digests`` writes them
@@ -53,18 +61,39 @@ class CheckpointStore:
     def step_dir(self, step: int) -> str:
         return f"{self.root}/{_PREFIX}{step:06d}"
 
-    def partial_dir(self, step: int) -> str:
-        """A fresh, empty directory to save ``step`` into (leftovers of a crashed save removed)."""
-        p = self.step_dir(step) + _PARTIAL
-        if self.fs.exists(p):
-            self.fs.rm(p, recursive=True)
-        self.fs.makedirs(p, exist_ok=True)
-        return p
+    def prepare(self, step: int) -> str | None:
+        """The directory to save ``step`` into — its final place — emptied of what an
+        interrupted save (or a stale manifest) left there; or None when a checkpoint of
+        ``step`` that verifies (sha256s included) is there already: it is never replaced (a
+        resumed run saving the same step again: the same state)."""
+        d = self.step_dir(step)
+        self.fs.invalidate_cache(self.root)
+        if self.fs.exists(d):
+            if self.read_manifest(d, hashes=True, quiet=True) is not None:
+                return None
+            self.remove(d)
+        self.fs.makedirs(d, exist_ok=True)
+        return d
 
-    def discard(self, partial: str) -> None:
-        """Remove an abandoned save (one that failed or was never committed)."""
-        if partial.endswith(_PARTIAL) and self.fs.exists(partial):
-            self.fs.rm(partial, recursive=True)
+    def discard(self, d: str) -> None:
+        """Remove a save that failed or was never committed (one without a manifest: a
+        committed checkpoint is never discarded)."""
+        self.fs.invalidate_cache(d)
+        if self.fs.exists(d) and not self.fs.exists(f"{d}/{MANIFEST}"):
+            self.remove(d)
+
+    def remove(self, d: str) -> None:
+        """Delete a step directory, its manifest first (a delete interrupted half-way leaves a
+        directory that does not count)."""
+        try:
+            self.fs.rm(f"{d}/{MANIFEST}")
+        except FileNotFoundError:
+            pass
+        try:
+            self.fs.rm(d, recursive=True)
+        except FileNotFoundError:
+            pass
+        self.fs.invalidate_cache(self.root)
 
     def write_bytes(self, directory: str, name: str, data: bytes) -> None:
         self.fs.makedirs(directory, exist_ok=True)
@@ -83,37 +112,32 @@ class CheckpointStore:
         return {p[len(d) + 1:]: int(info["size"]) for p, info in sorted(found.items())
                 if info["type"] == "file" and p.rsplit("/", 1)[-1] != MANIFEST}
 
-    def commit(self, partial: str, meta: dict[str, Any],
+    def commit(self, d: str, meta: dict[str, Any],
                digests: dict[str, dict[str, Any]] | None = None) -> str:
-        """Write the manifest last and atomically, then publish the directory. Returns it.
+        """Write the manifest of the save in ``d`` last and atomically: the commit. Returns ``d``.
 
         ``digests``: {file: {"size", "sha256"}} the ranks computed for the files they wrote
         (sha256 None: still being taken, ``add_digests``); only files no rank reported (the
         controller's own) are hashed here. A reported file
         that is not in the directory means the ranks wrote somewhere else (storage that is not
-        shared): :class:`IncompleteCheckpoint`, and nothing is published."""
-        self.fs.invalidate_cache(partial)
+        shared): :class:`IncompleteCheckpoint`, and nothing is committed."""
+        self.fs.invalidate_cache(d)
         digests = digests or {}
-        have = self._payload_files(partial)
+        have = self._payload_files(d)
         missing = sorted(set(digests) - set(have))
         if missing:
             raise IncompleteCheckpoint(
-                f"{len(missing)} file(s) the ranks wrote are not in {self.uri(partial)} "
+                f"{len(missing)} file(s) the ranks wrote are not in {self.uri(d)} "
                 f"(e.g. {missing[0]}): the ranks do not share this storage")
         files = {rel: digests[rel] if digests.get(rel, {}).get("size") == size else
-                 {"size": size, "sha256": self._sha256(f"{partial}/{rel}")}
+                 {"size": size, "sha256": self._sha256(f"{d}/{rel}")}
                  for rel, size in have.items()}
-        self._write_manifest(partial, {**meta, "files": files})
-        if self.local:  # the files' and the manifest's names durable before the rename publishes them
-            _fsync_dir(partial)
-        final = partial[: -len(_PARTIAL)]
-        if self.fs.exists(final):  # the same step saved before (a resumed run): keep that copy
-            self.fs.rm(partial, recursive=True)
-            return final
-        self.fs.mv(partial, final, recursive=True)
+        if self.local:  # the files' names durable before the manifest that lists them
+            _fsync_dir(d)
+        self._write_manifest(d, {**meta, "files": files})
         if self.local:
-            _fsync_dir(os.path.dirname(final))
-        return final
+            _fsync_dir(d)
+        return d
 
     def _write_manifest(self, d: str, manifest: dict[str, Any]) -> None:
         data = json.dumps(manifest, indent=1, sort_keys=True).encode()
@@ -146,15 +170,17 @@ class CheckpointStore:
             self._write_manifest(d, manifest)
         return sum(v.get("sha256") is None for v in files.values())
 
-    def read_manifest(self, d: str, verify: bool = True, hashes: bool = True
-                      ) -> dict[str, Any] | None:
-        """The manifest of a complete, intact checkpoint, else None (with a warning why).
-        ``verify``: every file present with its size, and (``hashes``) its sha256 — hashing
-        here is one process; the controller has the ranks do it instead (``bad_files``)."""
+    def read_manifest(self, d: str, verify: bool = True, hashes: bool = True,
+                      quiet: bool = False) -> dict[str, Any] | None:
+        """The manifest of a complete, intact checkpoint, else None (with a warning why,
+        unless ``quiet``). ``verify``: every file present with its size, and (``hashes``) its
+        sha256 where recorded — hashing here is one process; the controller has the ranks do
+        it instead (``bad_files``)."""
+        warn = (lambda *a: None) if quiet else log.warning
         try:
             meta = json.loads(self.fs.cat_file(f"{d}/{MANIFEST}"))
         except (OSError, ValueError) as err:
-            log.warning("skipping checkpoint %s: no readable manifest (%s)", self.uri(d), err)
+            warn("skipping checkpoint %s: no readable manifest (%s)", self.uri(d), err)
             return None
         if not verify:
             return meta
@@ -162,12 +188,18 @@ class CheckpointStore:
         for rel, want in meta.get("files", {}).items():
             if have.get(rel) != want["size"] or (hashes and want.get("sha256") is not None
                                                   and self._sha256(f"{d}/{rel}") != want["sha256"]):
-                log.warning("skipping checkpoint %s: %s is missing or corrupt", self.uri(d), rel)
+                warn("skipping checkpoint %s: %s is missing or corrupt", self.uri(d), rel)
                 return None
         return meta
 
+    def verified_steps(self, hashes: bool = False) -> list[int]:
+        """The steps whose checkpoint verifies (``hashes``: sha256s too), oldest first."""
+        return [s for s in self.complete_steps()
+                if self.read_manifest(self.step_dir(s), hashes=hashes, quiet=True) is not None]
+
     def complete_steps(self) -> list[int]:
-        """Steps with a published directory (newest last); not yet verified."""
+        """Steps with a directory (newest last), verified or not: ``intact`` and
+        ``verified_steps`` tell which count."""
         self.fs.invalidate_cache(self.root)
         if not self.fs.isdir(self.root):
             return []
@@ -192,27 +224,59 @@ class CheckpointStore:
                 yield d, meta
 
     def quarantine(self, d: str) -> str:
-        """Move a published checkpoint found corrupt out of the way (``step-N.corrupt-T``):
-        never restored again, and the step can be saved anew. Returns where it went."""
+        """Set a checkpoint found corrupt aside (``step-N.corrupt-T``), for a person to look
+        at: never restored again, and the step can be saved anew. Returns where it went. Its
+        files are copied there one by one (no directory rename: object stores have none), then
+        the original is removed, its manifest first."""
         import time
 
         aside = f"{d}.corrupt-{int(time.time())}"
-        self.fs.mv(d, aside, recursive=True)
+        if self.local:  # a local rename is one atomic step
+            self.fs.mv(d, aside, recursive=True)
+        else:
+            for rel in [*self._payload_files(d), MANIFEST]:
+                if self.fs.exists(f"{d}/{rel}"):
+                    self.fs.copy(f"{d}/{rel}", f"{aside}/{rel}")
+            self.remove(d)
+        self.fs.invalidate_cache(self.root)
         return aside
 
     def prune(self, keep_last: int) -> list[int]:
-        """Delete all but the newest ``keep_last`` published checkpoints; returns deleted steps."""
-        steps = self.complete_steps()
-        doomed = steps[:-keep_last] if keep_last > 0 else []
+        """Delete the verified checkpoints older than the newest ``keep_last`` verified ones
+        (0: keep all); returns the deleted steps. Only checkpoints that verify are counted as
+        kept (by their files' sizes: the ranks check sha256s when they restore), so the newest
+        verified one is never deleted for a broken one; what does not verify is ``cleanup``'s."""
+        if keep_last <= 0:
+            return []
+        verified = self.verified_steps()
+        doomed = verified[:-keep_last]
         for s in doomed:
-            try:
-                self.fs.rm(self.step_dir(s), recursive=True)
-            except FileNotFoundError:
-                pass
+            self.remove(self.step_dir(s))
         return doomed
 
+    def cleanup(self, keep: Iterable[int] = ()) -> list[str]:
+        """Remove what interrupted saves left: step directories that do not verify and are
+        older than the newest verified checkpoint (never one in ``keep``: a save in flight),
+        and ``step-N.partial`` directories of earlier versions. Returns what was removed."""
+        verified, keep = self.verified_steps(), set(keep)
+        newest = verified[-1] if verified else None
+        gone = []
+        for s in self.complete_steps():
+            if newest is not None and s < newest and s not in verified and s not in keep:
+                self.remove(self.step_dir(s))
+                gone.append(self.step_dir(s))
+        self.fs.invalidate_cache(self.root)
+        if self.fs.isdir(self.root):
+            for info in self.fs.ls(self.root, detail=True):
+                name = info["name"].rstrip("/").rsplit("/", 1)[-1]
+                if info["type"] == "directory" and name.startswith(_PREFIX) and name.endswith(_PARTIAL):
+                    self.fs.rm(info["name"], recursive=True)
+                    gone.append(info["name"])
+        return gone
+
     def exists(self, step: int) -> bool:
-        return self.fs.exists(f"{self.step_dir(step)}/{MANIFEST}")
+        """Whether ``step``'s checkpoint verifies (its files at their sizes)."""
+        return self.read_manifest(self.step_dir(step), hashes=False, quiet=True) is not None
 
 
 class IncompleteCheckpoint(RuntimeError):

@@ -121,17 +121,32 @@ def checkpoints(spec: JobSpec) -> list[Finding]:
                       "store URI")]
 
 
+S3_VARIABLES = ("set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or give the pods an identity), "
+                "AWS_DEFAULT_REGION, and for an S3-compatible store its endpoint in "
+                "FSSPEC_S3_ENDPOINT_URL or AWS_ENDPOINT_URL (the Helm chart's objectStore values)")
+
+
 def _writable(topic: str, root: str, label: str, fix: str) -> Finding:
+    """A probe file written to ``root`` (a path or an fsspec URI) and removed; where it fails,
+    the fix names the missing package, or for S3 the variables it reads."""
     from fsspec.core import url_to_fs
 
     try:
         fs, path = url_to_fs(root)
+    except ImportError as err:
+        return Finding(topic, False, f"{label}: no filesystem for it ({err})",
+                       f"install the fsspec implementation it names ({err.name or 's3fs, gcsfs'}), "
+                       "or give a local path")
+    try:
         fs.makedirs(path, exist_ok=True)
         probe = f"{path}/.trainmesh-doctor-{uuid.uuid4().hex}"
         fs.pipe_file(probe, b"ok")
         fs.rm(probe)
     except Exception as err:  # noqa: BLE001 - the failure is the finding
-        return Finding(topic, False, f"{label}: not writable ({err})", fix)
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+        if root.startswith(("s3://", "s3a://")):
+            fix = f"{S3_VARIABLES}; or {fix}"
+        return Finding(topic, False, f"{label}: not writable ({first})", fix)
     return Finding(topic, True, f"{label}: writable")
 
 

@@ -1,7 +1,9 @@
 """The controller's side of checkpoints: where they go, when a save counts, background saves.
 
-A save counts only once its manifest is committed, and that happens only after every rank has
-written its part: at once for a synchronous save; for a background one, after the first step
+The ranks write a save's files under the step's own directory and the manifest, written last,
+commits it (``checkpoint/manifest.py``: no rename, so any fsspec filesystem, object stores
+included). A save counts only once its manifest is committed, and that happens only after
+every rank has written its part: at once for a synchronous save; for a background one, after the first step
 at which every rank reports its write done (or when the controller has to wait: before the
 next save, at the end, before a resize). A background save that fails, or that a failure
 interrupts, is dropped and the previous checkpoint stays the newest.
@@ -31,7 +33,7 @@ RNG_FILE = "rng_state.bin"
 @dataclasses.dataclass
 class _Pending:
     step: int
-    partial: str
+    directory: str  # where the ranks write it: the step's own
     meta: dict[str, Any]
     background: bool
     t0: float  # when the save began
@@ -67,15 +69,29 @@ class Checkpointer:
         # called with (step, blocked s, written after s, tracker) when a save is committed
         self.on_commit: Callable[[int, float, float, Any], None] | None = None
 
+    def start(self) -> None:
+        """At the job's start: what interrupted saves of earlier runs left is removed."""
+        gone = self.store.cleanup()
+        if gone:
+            self._warn(f"checkpoint.dir: removed {len(gone)} interrupted save(s) older than the "
+                       f"newest checkpoint (e.g. {self.store.uri(gone[0])})")
+
     def save(self, group, step: int, meta: dict[str, Any], tracker, background: bool) -> None:
-        """Collective over ``group``; in the background the commit comes later (``poll``)."""
+        """Collective over ``group``; in the background the commit comes later (``poll``). A
+        step whose checkpoint is there and verifies already is not saved again."""
         self.settle(group, tracker)
         t0 = time.perf_counter()
-        partial = self.store.partial_dir(step)
-        rng = group.save(self.store.uri(partial), background)
+        directory = self.store.prepare(step)
+        if directory is None:  # the same step saved before (a resumed run): that copy stays
+            if step not in self.steps:
+                self.steps.append(step)
+            tracker.event("checkpoint", step=step, path=self.store.uri(self.store.step_dir(step)),
+                          kept=True, background=background)
+            return
+        rng = group.save(self.store.uri(directory), background)
         if rng is not None:
-            self.store.write_bytes(partial, RNG_FILE, rng)
-        self.pending = _Pending(step, partial, {"step": step, **meta}, background, t0,
+            self.store.write_bytes(directory, RNG_FILE, rng)
+        self.pending = _Pending(step, directory, {"step": step, **meta}, background, t0,
                                 blocked_s=time.perf_counter() - t0)
         if not background:
             self._commit(group, tracker)
@@ -108,9 +124,10 @@ class Checkpointer:
             self._drop(failed[0], tracker)
 
     def forget(self) -> None:
-        """A failure interrupted the job: the save in flight never counts (its partial
-        directory is cleared when that step is saved again); a synchronous save whose digests
-        were still being taken stays published, checked by sizes only."""
+        """A failure interrupted the job: the save in flight never counts (its directory,
+        without a manifest, is cleared when that step is saved again, or by ``cleanup`` once a
+        newer checkpoint is committed); a synchronous save whose digests were still being
+        taken stays committed, checked by sizes only."""
         self.pending = None
 
     def _commit(self, group, tracker) -> None:
@@ -118,21 +135,21 @@ class Checkpointer:
         save's: their sizes, the digests to follow, ``_digested``)."""
         p = self.pending
         files = group.saved_files()
-        existed = self.store.exists(p.step)  # (then ``commit`` keeps that copy, drops this one)
         try:
-            final = self.store.commit(p.partial, p.meta, files)
+            final = self.store.commit(p.directory, p.meta, files)
         except IncompleteCheckpoint as err:
             self._drop(f"{err}; set checkpoint.dir to storage every node mounts", tracker)
             return
         self.pending = None
         lacking = any(v.get("sha256") is None for v in files.values())
-        if lacking and not existed:
+        if lacking:
             self.pending = dataclasses.replace(p, committed=final)
         if p.step not in self.steps:
             self.steps.append(p.step)
         # one still without its digests does not push an older one that has them out
         # (``_digested`` prunes)
-        pruned = [] if lacking and not existed else self.store.prune(self.cfg.keep_last)
+        pruned = [] if lacking else self.store.prune(self.cfg.keep_last)
+        self.store.cleanup()
         tracker.event("checkpoint", step=p.step, path=self.store.uri(final), pruned=pruned,
                       background=p.background, blocked_s=round(p.blocked_s, 4),
                       total_s=round(time.perf_counter() - p.t0, 4), steps_during=p.steps_during)
@@ -163,7 +180,7 @@ class Checkpointer:
         self._warn(f"checkpoint of step {p.step} was not saved ({why[:300]}); the previous "
                    "one stays the newest")
         tracker.event("checkpoint-failed", step=p.step, error=why[-2000:])
-        self.store.discard(p.partial)
+        self.store.discard(p.directory)
 
     def check_shared(self, group) -> None:
         """Refuse storage the ranks' nodes do not share with the controller (a node-local
@@ -190,12 +207,14 @@ class Checkpointer:
                 "ReadWriteMany volume) or an object store URI (s3://, gs://)")
 
     # -- resume ----------------------------------------------------------------------------
-    def latest(self, group=None) -> tuple[str, dict[str, Any]] | None:
-        """The newest intact checkpoint (and its manifest), unless resuming is off. Here only
-        its files' presence and sizes are checked; with ``group`` the ranks check the sha256
-        of every file, each a share, in parallel, and a corrupt one is skipped for the one
-        before it."""
-        if self.cfg.resume != "auto":
+    def latest(self, group=None, start: bool = True) -> tuple[str, dict[str, Any]] | None:
+        """The newest intact checkpoint (and its manifest); none at the job's ``start`` under
+        ``checkpoint.resume: never`` (which refuses a directory holding an earlier run's:
+        ``controller/preflight.py``), so every recovery of such a run still restores its own.
+        Here only its files' presence and sizes are checked; with ``group`` the ranks check
+        the sha256 of every file, each a share, in parallel, and a corrupt one is skipped for
+        the one before it."""
+        if start and self.cfg.resume != "auto":
             return None
         for d, meta in self.store.intact(hashes=False):
             if group is None:

@@ -30,6 +30,7 @@ from trainmesh.controller.hooks import (
 )
 from trainmesh.controller.memory_tier import MemoryTier, restore_newest
 from trainmesh.controller.pipeline_artifacts import write_pipeline_artifacts
+from trainmesh.controller.preflight import earlier_run_problems
 from trainmesh.controller.ray_group import (
     RayWorkerGroup,
     controller_node_id,
@@ -133,6 +134,10 @@ class Controller:
 
     def run(self) -> dict[str, Any]:
         self.out.mkdir(parents=True, exist_ok=True)
+        broken = earlier_run_problems(self.spec, self.ckpts.store)
+        if broken:
+            raise SpecError(broken)
+        self.ckpts.start()
         resume = self.ckpts.latest()
         run_id = resume[1].get("mlflow_run_id") if resume else None
         tracker = open_tracker(self.tracking_uri if self.spec.tracking.enabled else None,
@@ -497,7 +502,8 @@ class Controller:
         self.ckpts.save(group, step, meta, tracker, background)
 
     def _resume(self, group, tracker) -> int:
-        got = restore_newest(group, self.ckpts, self.memory, tracker)
+        # (the run's start: no checkpoint under resume: never; a recovery: its own newest)
+        got = restore_newest(group, self.ckpts, self.memory, tracker, start=self.resumed_at is None)
         self.memory.generation += 1  # later snapshots are of this build's mesh
         step, losses, recoveries, self.book.restored_from = got or (0, [], [], "none")
         if self.resumed_at is None:  # this run's start: a checkpoint of an earlier run, or 0

@@ -126,13 +126,14 @@ def _unreachable(address: str, timeout_s: float = 5.0) -> str | None:
 
 
 def run_job(spec: JobSpec, environ: Mapping[str, str], show_progress: bool = True,
-            rank_env: Mapping[str, str] | None = None, rank_cls: type | None = None) -> dict[str, Any]:
+            job_env: Mapping[str, str] | None = None, rank_cls: type | None = None) -> dict[str, Any]:
     """Train ``spec`` to the end; returns the run summary (also in OUTPUT/summary.json).
     Everything a run checks before it starts is checked here (``preflight.prepare_run``):
     a problem raises ``SpecError`` naming the field and the fix, as does a run whose
-    checkpoint already held its last step. ``rank_env``: environment variables every rank
-    process gets besides trainmesh's own (e.g. ``NCCL_DEBUG``); ``rank_cls``: the rank
-    actor's class, ``RankWorker`` or a subclass (``actors/rank_worker.py``)."""
+    checkpoint already held its last step. ``job_env``: environment variables the job's
+    processes get (the controller and every rank) besides trainmesh's own: an object store's
+    endpoint and credentials, ``NCCL_DEBUG``; ``rank_cls``: the rank actor's class,
+    ``RankWorker`` or a subclass (``actors/rank_worker.py``)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -144,9 +145,10 @@ def run_job(spec: JobSpec, environ: Mapping[str, str], show_progress: bool = Tru
         # The controller lives on the driver's node (the head, for submitted jobs): it must
         # outlive the accelerator nodes it recovers from.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        actor = ray.remote(Controller).options(max_concurrency=4, num_cpus=0,
+        env = {"env_vars": dict(job_env)} if job_env else None
+        actor = ray.remote(Controller).options(max_concurrency=4, num_cpus=0, runtime_env=env,
                                                scheduling_strategy=here).remote(
-            spec.model_dump_json(), uri, {**(rank_env or {}), **worker_env(spec, local)},
+            spec.model_dump_json(), uri, {**(job_env or {}), **worker_env(spec, local)},
             rank_cls=rank_cls)
         try:
             ref = actor.run.remote()

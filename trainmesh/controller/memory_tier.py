@@ -37,10 +37,12 @@ class MemoryTier:
         """Every rank snapshots; returns the metrics (seconds blocked: the slowest rank's)."""
         directory = f"{self.generation:04d}-{step:08d}"
         got = group.memory_snapshot(directory, buddies(rank_nodes))
-        self.snapshots[directory] = {"step": step, "ranks": len(got), "rng": got[0]["rng"],
-                                     "losses": list(losses[:step]), "mesh": mesh}
-        for old in sorted(self.snapshots)[:-2]:  # the ranks keep the newest two as well
-            del self.snapshots[old]
+        if all(r["bytes"] > 0 for r in got):  # a rank that skipped it (its last one still
+            # being saved) leaves it incomplete: not recorded, and it evicts no older record
+            self.snapshots[directory] = {"step": step, "ranks": len(got), "rng": got[0]["rng"],
+                                         "losses": list(losses[:step]), "mesh": mesh}
+            for old in sorted(self.snapshots)[:-2]:  # the ranks keep the newest two as well
+                del self.snapshots[old]
         return {"snapshot_blocked_s": max(r["blocked_s"] for r in got),
                 "snapshot_bytes": float(sum(r["bytes"] for r in got))}
 
@@ -65,11 +67,14 @@ class MemoryTier:
         return None
 
 
-def restore_newest(group, ckpts, memory: MemoryTier, tracker) -> tuple[int, list, list, str] | None:
+def restore_newest(group, ckpts, memory: MemoryTier, tracker,
+                   start: bool = False) -> tuple[int, list, list, str] | None:
     """Restore the newest state there is: a complete in-memory snapshot at least as new as the
     newest storage checkpoint, else that checkpoint (verified on the ranks). Returns (step,
-    losses, recoveries recorded with it, "memory" | "storage"), or None: start from scratch."""
-    complete = ckpts.store.complete_steps() if ckpts.cfg.resume == "auto" else []
+    losses, recoveries recorded with it, "memory" | "storage"), or None: start from scratch.
+    ``start``: the job's start, where ``checkpoint.resume: never`` restores nothing (a
+    recovery always restores the run's own newest state)."""
+    complete = [] if start and ckpts.cfg.resume != "auto" else ckpts.store.verified_steps()
     found = memory.newest_complete(group, complete[-1] if complete else 0)
     if found is not None:
         directory, meta, holders = found
@@ -78,7 +83,7 @@ def restore_newest(group, ckpts, memory: MemoryTier, tracker) -> tuple[int, list
         tracker.event("resume", step=meta["step"], path=f"memory:{directory}", source="memory",
                       from_mesh=meta["mesh"])
         return meta["step"], meta["losses"], [], "memory"
-    resume = ckpts.latest(group)
+    resume = ckpts.latest(group, start)
     if resume is None:
         return None
     directory, meta = resume

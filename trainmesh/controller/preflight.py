@@ -101,12 +101,34 @@ def make_output_dir(spec: JobSpec) -> Path:
     return out
 
 
+def earlier_run_problems(spec: JobSpec, store) -> list[Problem]:
+    """``checkpoint.resume: never`` starts the run from its initialisation; its checkpoints
+    must not mix with an earlier run's in one directory (a recovery restores the run's own
+    newest checkpoint, and a save never replaces a verified one): a ``checkpoint.dir`` (a
+    ``CheckpointStore``) that holds one already is refused."""
+    if spec.checkpoint.resume == "auto":
+        return []
+    held = store.verified_steps()
+    if not held:
+        return []
+    return [Problem("checkpoint.resume", f"never, but {store.root_uri} holds checkpoints of an "
+                    f"earlier run (newest: step {held[-1]})", "give the run its own "
+                    "checkpoint.dir (or runtime.output_dir), or set checkpoint.resume=auto to "
+                    "continue from them")]
+
+
 def nothing_to_train(spec: JobSpec, step: int, where: str) -> SpecError:
     """The refusal of a run whose checkpoint already holds its last step."""
     return SpecError([Problem("training.steps", f"{spec.training.steps}, but {where} {step}: "
                               "nothing to train", f"raise training.steps above {step} to train "
-                              "further, or start anew with another runtime.output_dir or "
-                              "checkpoint.resume=never")])
+                              "further, or start anew with another runtime.output_dir")])
+
+
+def checkpoints(spec: JobSpec):
+    """The run's ``Checkpointer`` (its store: ``checkpoint.dir``, else the output directory's)."""
+    from trainmesh.controller.checkpointing import Checkpointer
+
+    return Checkpointer(spec, Path(spec.resolved_output_dir()), lambda message: None)
 
 
 def final_checkpoint_step(spec: JobSpec) -> int | None:
@@ -114,9 +136,7 @@ def final_checkpoint_step(spec: JobSpec) -> int | None:
     last step or later (nothing left to train), else None. Such a refusal trains nothing, so
     the checkpoint must verify whole first (its files' sha256s, read here once): a corrupt one
     is the ranks' to set aside, and the run resumes from the one before it."""
-    from trainmesh.controller.checkpointing import Checkpointer
-
-    ckpts = Checkpointer(spec, Path(spec.resolved_output_dir()), lambda message: None)
+    ckpts = checkpoints(spec)
     found = ckpts.latest()  # (files present at their sizes)
     if found is None or int(found[1]["data_position"]["step"]) < spec.training.steps:
         return None
@@ -145,6 +165,9 @@ def prepare_run(spec: JobSpec, environ: Mapping[str, str], train: bool = True) -
     out = make_output_dir(spec)
     if not train:
         return Prepared(spec, out, None)
+    broken = earlier_run_problems(spec, checkpoints(spec).store)
+    if broken:
+        raise SpecError(broken)
     reached = final_checkpoint_step(spec)
     if reached is not None:  # known before any rank starts
         raise nothing_to_train(spec, reached, "its newest checkpoint is at step")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Generic, TypeVar
 
 import numpy as np
 import torch
@@ -11,6 +13,7 @@ from trainmesh.data import sampler
 from trainmesh.data.shards import TokenStream
 
 Spans = Sequence[tuple[int, int]] | None  # (start, length) of each part of a sequence to read
+T = TypeVar("T")
 
 
 class _Array:
@@ -74,6 +77,35 @@ class TokenDataset:
 
     def _split(self, ids: np.ndarray, size: int, spans: Spans) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [self.batch(ids[i:i + size], spans) for i in range(0, len(ids), size)]
+
+
+class Prefetcher(Generic[T]):
+    """The next step's data read in the background while this step trains, so that a step does
+    not wait on reads (on an object store each window is a ranged GET). One step ahead, so its
+    memory is one step's windows. Exact: ``get(step)`` returns what ``fetch(step)`` returns; a
+    step asked for out of turn (a resume, a re-form) is read at once, the read ahead dropped."""
+
+    def __init__(self, fetch: Callable[[int], T]):
+        self._fetch = fetch
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="trainmesh-data")
+        self._ahead: tuple[int, Future] | None = None
+
+    def get(self, step: int) -> T:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == step:
+            out = ahead[1].result()
+        else:
+            if ahead is not None:
+                ahead[1].cancel()
+            out = self._fetch(step)
+        self._ahead = (step + 1, self._pool.submit(self._fetch, step + 1))
+        return out
+
+    def close(self) -> None:
+        if self._ahead is not None:
+            self._ahead[1].cancel()
+            self._ahead = None
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def open_datasets(data_dir: str, seq_len: int, eval_path: str | None = None,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -142,6 +143,7 @@ class TokenStream:
         self.files = [f"{self.root}/{s['file']}" for s in self.meta["shards"]]
         self.ends = np.cumsum([s["tokens"] for s in self.meta["shards"]])
         self._handles: dict[int, Any] = {}
+        self._lock = threading.Lock()  # the open files, shared by a prefetch thread and the caller
 
     def __len__(self) -> int:
         return int(self.ends[-1]) if len(self.ends) else 0
@@ -162,13 +164,14 @@ class TokenStream:
     def _read_shard(self, i: int, offset: int, n: int) -> np.ndarray:
         size = self.dtype.itemsize
         if self.local:
-            fd = self._handles.pop(i, None)
-            if fd is None:
-                fd = os.open(self.files[i], os.O_RDONLY)
-                if len(self._handles) >= OPEN_FILES:
-                    os.close(self._handles.pop(next(iter(self._handles))))
-            self._handles[i] = fd  # most recently used last
-            raw = os.pread(fd, n * size, offset * size)
+            with self._lock:  # (a file is not closed while another thread reads it)
+                fd = self._handles.pop(i, None)
+                if fd is None:
+                    fd = os.open(self.files[i], os.O_RDONLY)
+                    if len(self._handles) >= OPEN_FILES:
+                        os.close(self._handles.pop(next(iter(self._handles))))
+                self._handles[i] = fd  # most recently used last
+                raw = os.pread(fd, n * size, offset * size)
         else:
             raw = self.fs.cat_file(self.files[i], start=offset * size, end=(offset + n) * size)
         if len(raw) != n * size:
@@ -177,9 +180,10 @@ class TokenStream:
         return np.frombuffer(raw, dtype=self.dtype)
 
     def close(self) -> None:
-        for fd in self._handles.values():
-            os.close(fd)
-        self._handles.clear()
+        with self._lock:
+            for fd in self._handles.values():
+                os.close(fd)
+            self._handles.clear()
 
     def __del__(self) -> None:
         try:

@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from trainmesh.checkpoint import dcp_io, snapshot_io
 from trainmesh.checkpoint.memory_fs import MemoryStore
-from trainmesh.data.dataset import open_datasets
+from trainmesh.data.dataset import Prefetcher, open_datasets
 from trainmesh.engine.memory import SavedActivations, peak_process_bytes, state_bytes
 from trainmesh.engine.step import (
     StepHooks,
@@ -243,14 +243,18 @@ class Engine:
         """The training and held-out data, and this rank's context-parallel chunks of each
         sequence (read, embedded, attended); returns the dataset's end-of-document token."""
         spec, mesh, tr = self.spec, self.mesh, self.spec.training
+        cp = mesh.size(Axis.CP)
+        self.spans = local_spans(tr.seq_len, mesh.coord(Axis.CP), cp) if cp > 1 else None
         self.dataset, self.eval_set = open_datasets(data_dir, tr.seq_len, spec.data.eval_path,
                                                     spec.data.eval_fraction)
+        # the next step's windows read while this one trains (``data/dataset.Prefetcher``)
+        self.batches = Prefetcher(lambda step: self.dataset.microbatches(
+            tr.seed, step, tr.global_batch_size, mesh.coord(Axis.DP), mesh.size(Axis.DP),
+            tr.microbatch_size, self.spans))
         meta = self.dataset.tokens.meta
         if meta["vocab_size"] > spec.model.vocab_size:
             raise ValueError(f"model.vocab_size {spec.model.vocab_size} is smaller than the "
                              f"{meta['vocab_size']} tokens of the dataset at {data_dir}")
-        cp = mesh.size(Axis.CP)
-        self.spans = local_spans(tr.seq_len, mesh.coord(Axis.CP), cp) if cp > 1 else None
         return meta.get("eos_id")
 
     def _build_on_meta(self) -> list[int]:
@@ -400,14 +404,11 @@ class Engine:
                 stats = self.train_step()
             self.activation_peak = meter.peak
             return stats
-        tr = self.spec.training
         clock = _StepClock(self.device, self.on_phase)
         self.forward_timer.start(clock.clock)
         if self.context is not None:
             self.context.start(clock.clock)
-        mbs = self.dataset.microbatches(tr.seed, self.step, tr.global_batch_size,
-                                        self.mesh.coord(Axis.DP), self.mesh.size(Axis.DP),
-                                        tr.microbatch_size, self.spans)
+        mbs = self.batches.get(self.step)
         mbs, weights = self._padded([(x.to(self.device), y.to(self.device)) for x, y in mbs])
         clock.lap("data")
         if self.executor is None:

@@ -1,6 +1,6 @@
 """Faults placed at exact points of a job, for the fault matrix and the soak bench.
 
-A job run with ``rank_cls=FaultyRank`` and ``rank_env={FAULT_ENV: ...}`` (``run_job``; the
+A job run with ``rank_cls=FaultyRank`` and ``job_env={FAULT_ENV: ...}`` (``run_job``; the
 variable is read in each rank's process) holds faults separated by ``;``, each
 ``KIND@rank=R[,step=S],phase=P,marker=PATH``: the rank that is rank R, entering phase P (one
 of ``actors/progress.PHASES``) at step S (the steps it has done: for a step, the steps before
@@ -126,4 +126,4 @@ class FaultyRank(RankWorker):
 
 def fault_run(faults: str) -> dict:
     """``run_job``'s keyword arguments for a job whose ranks fire ``faults``."""
-    return {"rank_cls": FaultyRank, "rank_env": {FAULT_ENV: faults}}
+    return {"rank_cls": FaultyRank, "job_env": {FAULT_ENV: faults}}

@@ -119,6 +119,34 @@ number arrives as a float, which toString writes as 1e+10 and `ray start` refuse
       optional: true
 {{- end }}
 
+{{/* An S3-compatible object store for checkpoints and data, as the standard variables s3fs
+reads in every process of the pod (the controller on the head, the ranks on the workers). */}}
+{{- define "trainmesh.objectStoreEnv" -}}
+{{- $o := .Values.objectStore }}
+{{- with $o.endpoint }}
+- name: FSSPEC_S3_ENDPOINT_URL
+  value: {{ . | quote }}
+- name: AWS_ENDPOINT_URL
+  value: {{ . | quote }}
+{{- end }}
+{{- with $o.region }}
+- name: AWS_DEFAULT_REGION
+  value: {{ . | quote }}
+{{- end }}
+{{- with $o.existingSecret }}
+- name: AWS_ACCESS_KEY_ID
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $o.accessKeyIdKey }}
+- name: AWS_SECRET_ACCESS_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $o.secretAccessKeyKey }}
+{{- end }}
+{{- end }}
+
 {{/* Volumes and mounts every Ray pod gets: /dev/shm in memory, shared storage, the job spec. */}}
 {{- define "trainmesh.rayVolumes" -}}
 - name: dshm
@@ -194,6 +222,7 @@ spec:
           value: {{ $val | quote }}
         {{- end }}
         {{- include "trainmesh.mlflowEnv" .ctx | nindent 8 }}
+        {{- include "trainmesh.objectStoreEnv" .ctx | nindent 8 }}
       volumeMounts:
         {{- include "trainmesh.rayMounts" .ctx | nindent 8 }}
   volumes:
