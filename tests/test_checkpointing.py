@@ -170,7 +170,7 @@ def test_failed_background_save_is_dropped_and_the_previous_stays(tmp_path):
     ck, ranks, tracker, warnings = _setup(tmp_path)
     ck.save(ranks, 2, {}, tracker, background=False)
     ck.save(ranks, 4, {}, tracker, background=True)
-    partial = ck.pending.partial
+    partial = ck.pending.directory  # (the step's own: no manifest yet)
     ck.poll(ranks, ["done", "failed: OSError(28, 'No space left on device')"], tracker)
     assert ck.pending is None and not Path(partial).exists()
     assert ck.latest()[1]["step"] == 2 and ck.published() == [ck.store.step_dir(2)]
