@@ -28,6 +28,9 @@ class _Array:
     def read(self, start: int, count: int) -> np.ndarray:
         return self.tokens[start:start + count].astype(np.int64)
 
+    def read_many(self, windows: list[tuple[int, int]]) -> list[np.ndarray]:
+        return [self.read(start, count) for start, count in windows]
+
 
 class TokenDataset:
     """Sample ``i`` is tokens ``[(first+i)*T, (first+i)*T + T + 1)``: T inputs and their T
@@ -51,10 +54,10 @@ class TokenDataset:
         in the sequence: a context-parallel rank's chunks) only those positions, concatenated,
         and only their tokens are read."""
         T = self.seq_len
-        parts = []
-        for start, n in spans or [(0, T)]:
-            parts.append(np.stack([self.tokens.read((self.first + int(i)) * T + start, n + 1)
-                                   for i in ids]))
+        spans = list(spans or [(0, T)])
+        got = self.tokens.read_many([((self.first + int(i)) * T + start, n + 1)
+                                     for start, n in spans for i in ids])  # (all at once)
+        parts = [np.stack(got[k * len(ids):(k + 1) * len(ids)]) for k in range(len(spans))]
         x = torch.cat([torch.from_numpy(p[:, :-1]) for p in parts], 1)
         y = torch.cat([torch.from_numpy(p[:, 1:]) for p in parts], 1)
         return x.contiguous(), y.contiguous()
