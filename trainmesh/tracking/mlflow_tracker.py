@@ -62,9 +62,9 @@ class NullTracker:
 def open_tracker(uri: str | None, experiment: str, run_name: str, run_id: str | None,
                  on_warning: Callable[[str], None], artifact_dir: str | Path | None = None) -> Tracker:
     """The MLflow run at ``uri`` (re-opened by ``run_id`` after a restart), or the null tracker
-    where nothing is tracked (no ``uri``). ``artifact_dir``: where a local store's new
-    experiment keeps its artifacts (the run's output directory's; MLflow's own default is
-    ``./mlruns`` of whatever directory the job was started from)."""
+    where nothing is tracked (no ``uri``). ``artifact_dir``: where a new experiment in the
+    run's own sqlite store (beside ``artifact_dir``) keeps its artifacts; MLflow's own default
+    is ``./mlruns`` of whatever directory the job was started from."""
     if not uri:
         return NullTracker()
     return MlflowTracker(uri, experiment, run_name, run_id=run_id, on_warning=on_warning,
@@ -145,8 +145,8 @@ class MlflowTracker:
                 self.client.update_run(self.run_id, status="RUNNING")
             else:
                 exp = self.client.get_experiment_by_name(experiment)
-                where = None  # a local store's artifacts beside the run, not in the CWD
-                if self.artifact_dir is not None and _local_store(self.uri):
+                where = None  # the run's own store's artifacts beside it, not in the CWD
+                if self.artifact_dir is not None and _store_beside(self.uri, self.artifact_dir):
                     where = Path(self.artifact_dir).resolve().as_uri()
                 exp_id = exp.experiment_id if exp else self.client.create_experiment(
                     experiment, artifact_location=where)
@@ -271,9 +271,14 @@ class MlflowTracker:
 _BATCH_LIMIT = 1000  # metrics in one MLflow log_batch request
 
 
-def _local_store(uri: str) -> bool:
-    """A tracking store on this machine's filesystem (sqlite, a file store, a plain path)."""
-    return uri.startswith(("sqlite:", "file:")) or "://" not in uri
+def _store_beside(uri: str, artifact_dir: str | Path) -> bool:
+    """Whether ``uri`` is a run's own sqlite store, in the directory that holds
+    ``artifact_dir`` (the default: ``OUTPUT/mlflow.db``). A store shared by runs keeps the
+    artifact location MLflow or its owner gave it: an experiment's location is set once, when
+    it is created, and one run's directory is no place for every later run's artifacts."""
+    if not uri.startswith("sqlite:///"):
+        return False
+    return Path(uri[len("sqlite:///"):]).resolve().parent == Path(artifact_dir).resolve().parent
 
 
 class _Metrics:
