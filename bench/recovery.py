@@ -314,7 +314,7 @@ def checkpoint_bandwidth(mib: int, tmp: Path, reps: int = 5) -> list[dict]:
         # trainmesh's synchronous save, as a rank and the controller run it: the write, the
         # checkpoint published with its files' sizes (training goes on from here), then the
         # digests taken by the rank's thread and written into the manifest
-        partial = store_root.partial_dir(2 * r)
+        partial = store_root.prepare(2 * r)  # (the step's own directory)
         os.sync()
         t0 = time.perf_counter()
         saved = dcp_io.save_state(partial, state, no_dist=True)
@@ -325,7 +325,7 @@ def checkpoint_bandwidth(mib: int, tmp: Path, reps: int = 5) -> list[dict]:
         rows["trainmesh save: until its digests are in the manifest"].append(time.perf_counter() - t0)
         shutil.rmtree(final)
         # the same, digesting each file as it is written (the path until 2026-11-26)
-        partial = store_root.partial_dir(2 * r + 1)
+        partial = store_root.prepare(2 * r + 1)
         os.sync()
         t0 = time.perf_counter()
         writer = digest_writer.storage_writer(partial)

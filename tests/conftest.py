@@ -121,6 +121,26 @@ def pytest_runtest_setup(item):
             _ROLE.append("lowered")
 
 
+@pytest.fixture(autouse=True)
+def _ray_apart_outside_the_idle_class(request):
+    """A ``ray_apart`` test in the lowered worker runs in the normal scheduling class at nice 19
+    (not the idle class), and so do the processes it starts: a Ray instance it starts (the
+    demo's ``trainmesh run``, a ``ray start`` head) must come up within Ray's start-up timeout,
+    and in the idle class, beside ranks that keep both cores busy, it got no CPU at all ("the
+    current node timed out during startup", 2026-11-29, twice). At nice 19 it takes the small
+    share the lowered worker was meant to have."""
+    lowered = _ROLE == ["lowered"] and request.node.get_closest_marker("ray_apart") is not None
+    if lowered:
+        with contextlib.suppress(AttributeError, OSError):
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    try:
+        yield
+    finally:
+        if lowered:
+            with contextlib.suppress(AttributeError, OSError):
+                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+
+
 def pytest_unconfigure(config):
     """... and back before the interpreter's end, whose last collection then frees them (frozen,
     Triton's bindings report them as leaked)."""

@@ -138,3 +138,26 @@ def test_quarantine_sets_a_checkpoint_aside_on_any_filesystem(store):
     assert store.complete_steps() == [2] and store.latest()[1]["step"] == 2
     assert store.fs.cat_file(f"{aside}/shard.bin") == b"data"
     assert json.loads(store.fs.cat_file(f"{aside}/{manifest.MANIFEST}"))["step"] == 4
+
+
+def test_a_store_that_fails_to_answer_gets_nothing_deleted(tmp_path, monkeypatch):
+    """Whether a checkpoint verifies decides deletions (a re-save of its step, pruning, clean-up):
+    a read that fails for another reason than a missing manifest (a timeout, throttling,
+    credentials that expired) raises there, instead of counting as "does not verify"."""
+    store = CheckpointStore(tmp_path / "ckpt")
+    _save(store, 2)
+    _save(store, 4)
+    real = store.fs.cat_file
+
+    def flaky(path, *args, **kwargs):
+        if path.endswith(manifest.MANIFEST):
+            raise TimeoutError("the store did not answer")
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(store.fs, "cat_file", flaky)
+    for call in (lambda: store.prepare(4), lambda: store.prune(1), store.cleanup):
+        with pytest.raises(TimeoutError):
+            call()
+    assert store.latest() is None  # (a restore skips what it cannot read: nothing deleted)
+    monkeypatch.undo()
+    assert store.verified_steps() == [2, 4]

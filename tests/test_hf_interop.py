@@ -59,7 +59,7 @@ def _committed_checkpoint(model, spec, directory, step: int) -> str:
     import torch.distributed.checkpoint as dcp
 
     store = CheckpointStore(directory)
-    partial = store.partial_dir(step)
+    partial = store.prepare(step)
     dcp.save({"model": model.state_dict()}, checkpoint_id=partial, no_dist=True)
     return store.commit(partial, {"step": step, "spec": json.loads(spec.model_dump_json())})
 

@@ -219,7 +219,8 @@ class RankWorker:
                               dp_replicate=spec.parallelism.dp_replicate)
         if spec.checkpoint.async_save and self._save_group is None:
             self._save_group = self._new_save_group()
-        self.engine = Engine(spec, mesh, data_dir, self.device, self._progress.mark, self.p2p)
+        # (read from the class: a plain function set there is not bound as a method)
+        self.engine = Engine(spec, mesh, data_dir, self.device, self._progress.mark, type(self).p2p)
         self._collector = Collector(spec.runtime.gc_every)
         return sum(p.numel() for p in self.engine.model.parameters())
 

@@ -64,12 +64,14 @@ class CheckpointStore:
     def prepare(self, step: int) -> str | None:
         """The directory to save ``step`` into — its final place — emptied of what an
         interrupted save (or a stale manifest) left there; or None when a checkpoint of
-        ``step`` that verifies (sha256s included) is there already: it is never replaced (a
+        ``step`` that verifies is there already: it is never replaced (a
         resumed run saving the same step again: the same state)."""
         d = self.step_dir(step)
         self.fs.invalidate_cache(self.root)
         if self.fs.exists(d):
-            if self.read_manifest(d, hashes=True, quiet=True) is not None:
+            # (sizes: the ranks check sha256s when they restore; strict: a store that fails
+            # to answer raises, it never gets a checkpoint deleted)
+            if self.read_manifest(d, hashes=False, quiet=True, strict=True) is not None:
                 return None
             self.remove(d)
         self.fs.makedirs(d, exist_ok=True)
@@ -135,8 +137,9 @@ class CheckpointStore:
         if self.local:  # the files' names durable before the manifest that lists them
             _fsync_dir(d)
         self._write_manifest(d, {**meta, "files": files})
-        if self.local:
+        if self.local:  # the manifest's name, and the step directory's in the root
             _fsync_dir(d)
+            _fsync_dir(self.root)
         return d
 
     def _write_manifest(self, d: str, manifest: dict[str, Any]) -> None:
@@ -171,15 +174,22 @@ class CheckpointStore:
         return sum(v.get("sha256") is None for v in files.values())
 
     def read_manifest(self, d: str, verify: bool = True, hashes: bool = True,
-                      quiet: bool = False) -> dict[str, Any] | None:
+                      quiet: bool = False, strict: bool = False) -> dict[str, Any] | None:
         """The manifest of a complete, intact checkpoint, else None (with a warning why,
         unless ``quiet``). ``verify``: every file present with its size, and (``hashes``) its
         sha256 where recorded — hashing here is one process; the controller has the ranks do
-        it instead (``bad_files``)."""
+        it instead (``bad_files``). ``strict``: a store that fails to answer (anything but a
+        missing or unparsable manifest) raises instead of counting as "does not verify": what
+        decides a deletion must not take a timeout for a broken checkpoint."""
         warn = (lambda *a: None) if quiet else log.warning
         try:
             meta = json.loads(self.fs.cat_file(f"{d}/{MANIFEST}"))
-        except (OSError, ValueError) as err:
+        except (FileNotFoundError, ValueError) as err:
+            warn("skipping checkpoint %s: no readable manifest (%s)", self.uri(d), err)
+            return None
+        except OSError as err:
+            if strict:
+                raise
             warn("skipping checkpoint %s: no readable manifest (%s)", self.uri(d), err)
             return None
         if not verify:
@@ -192,10 +202,11 @@ class CheckpointStore:
                 return None
         return meta
 
-    def verified_steps(self, hashes: bool = False) -> list[int]:
-        """The steps whose checkpoint verifies (``hashes``: sha256s too), oldest first."""
-        return [s for s in self.complete_steps()
-                if self.read_manifest(self.step_dir(s), hashes=hashes, quiet=True) is not None]
+    def verified_steps(self, hashes: bool = False, strict: bool = False) -> list[int]:
+        """The steps whose checkpoint verifies (``hashes``: sha256s too), oldest first
+        (``strict``: as ``read_manifest``'s)."""
+        return [s for s in self.complete_steps() if self.read_manifest(
+            self.step_dir(s), hashes=hashes, quiet=True, strict=strict) is not None]
 
     def complete_steps(self) -> list[int]:
         """Steps with a directory (newest last), verified or not: ``intact`` and
@@ -241,24 +252,27 @@ class CheckpointStore:
         self.fs.invalidate_cache(self.root)
         return aside
 
-    def prune(self, keep_last: int) -> list[int]:
+    def prune(self, keep_last: int, verified: list[int] | None = None) -> list[int]:
         """Delete the verified checkpoints older than the newest ``keep_last`` verified ones
         (0: keep all); returns the deleted steps. Only checkpoints that verify are counted as
         kept (by their files' sizes: the ranks check sha256s when they restore), so the newest
-        verified one is never deleted for a broken one; what does not verify is ``cleanup``'s."""
+        verified one is never deleted for a broken one; what does not verify is ``cleanup``'s.
+        ``verified``: ``verified_steps(strict=True)``, when the caller has it already."""
         if keep_last <= 0:
             return []
-        verified = self.verified_steps()
+        verified = self.verified_steps(strict=True) if verified is None else verified
         doomed = verified[:-keep_last]
         for s in doomed:
             self.remove(self.step_dir(s))
         return doomed
 
-    def cleanup(self, keep: Iterable[int] = ()) -> list[str]:
+    def cleanup(self, keep: Iterable[int] = (), verified: list[int] | None = None) -> list[str]:
         """Remove what interrupted saves left: step directories that do not verify and are
         older than the newest verified checkpoint (never one in ``keep``: a save in flight),
         and ``step-N.partial`` directories of earlier versions. Returns what was removed."""
-        verified, keep = self.verified_steps(), set(keep)
+        if verified is None:
+            verified = self.verified_steps(strict=True)
+        keep = set(keep)
         newest = verified[-1] if verified else None
         gone = []
         for s in self.complete_steps():

@@ -148,8 +148,7 @@ class Checkpointer:
             self.steps.append(p.step)
         # one still without its digests does not push an older one that has them out
         # (``_digested`` prunes)
-        pruned = [] if lacking else self.store.prune(self.cfg.keep_last)
-        self.store.cleanup()
+        pruned = self._housekeeping(prune=not lacking)
         tracker.event("checkpoint", step=p.step, path=self.store.uri(final), pruned=pruned,
                       background=p.background, blocked_s=round(p.blocked_s, 4),
                       total_s=round(time.perf_counter() - p.t0, 4), steps_during=p.steps_during)
@@ -166,9 +165,23 @@ class Checkpointer:
         if lacking:
             self._warn(f"checkpoint of step {p.step}: {lacking} file(s) without a digest; they "
                        "are checked by size only")
-        pruned = self.store.prune(self.cfg.keep_last)
+        pruned = self._housekeeping(prune=True)
         tracker.event("checkpoint-digests", step=p.step, lacking=lacking, pruned=pruned,
                       total_s=round(time.perf_counter() - p.t0, 4), steps_during=p.steps_during)
+
+    def _housekeeping(self, prune: bool) -> list[int]:
+        """After a commit: older checkpoints pruned (``keep_last``, when ``prune``) and what
+        interrupted saves left removed, from one look at what verifies. A store that fails to
+        answer skips it (with a warning): nothing is deleted on a guess."""
+        try:
+            verified = self.store.verified_steps(strict=True)
+            pruned = self.store.prune(self.cfg.keep_last, verified) if prune else []
+            self.store.cleanup(verified=verified)
+        except OSError as err:
+            self._warn(f"checkpoint.dir: pruning and clean-up skipped this time, the store did "
+                       f"not answer ({str(err)[:200]})")
+            return []
+        return pruned
 
     def _drop(self, why: str, tracker) -> None:
         p, self.pending = self.pending, None

@@ -141,7 +141,8 @@ class Controller:
         resume = self.ckpts.latest()
         run_id = resume[1].get("mlflow_run_id") if resume else None
         tracker = open_tracker(self.tracking_uri if self.spec.tracking.enabled else None,
-                               self.spec.tracking.experiment, self.spec.name, run_id, self._notice)
+                               self.spec.tracking.experiment, self.spec.name, run_id, self._notice,
+                               artifact_dir=self.out / "mlartifacts")
         status = "FAILED"
         try:
             tracker.log_params(json.loads(self.spec.model_dump_json()))

@@ -186,6 +186,11 @@ def init_weights(model: Llama, spec: JobSpec) -> int:
     return 0
 
 
+def _microbatches(dataset, seed: int, global_batch: int, dp_rank: int, dp: int,
+                  microbatch_size: int, spans, step: int) -> list:
+    return dataset.microbatches(seed, step, global_batch, dp_rank, dp, microbatch_size, spans)
+
+
 class Engine:
     """Model + optimizer + data for one rank of ``mesh``."""
 
@@ -198,7 +203,7 @@ class Engine:
         step below is one method, in the order parallelisms compose (TP, then activation
         checkpointing, then compile, then ZeRO-3)."""
         self.spec, self.mesh, self.device, self.on_phase = spec, mesh, device, on_phase
-        self._p2p = p2p
+        self._p2p_factory = p2p
         tr = spec.training
         self._batch_geometry()
         eos = self._open_data(data_dir)
@@ -247,10 +252,11 @@ class Engine:
         self.spans = local_spans(tr.seq_len, mesh.coord(Axis.CP), cp) if cp > 1 else None
         self.dataset, self.eval_set = open_datasets(data_dir, tr.seq_len, spec.data.eval_path,
                                                     spec.data.eval_fraction)
-        # the next step's windows read while this one trains (``data/dataset.Prefetcher``)
-        self.batches = Prefetcher(lambda step: self.dataset.microbatches(
-            tr.seed, step, tr.global_batch_size, mesh.coord(Axis.DP), mesh.size(Axis.DP),
-            tr.microbatch_size, self.spans))
+        # the next step's windows read while this one trains (``data/dataset.Prefetcher``; its
+        # reads hold the dataset and this rank's coordinates, not the engine)
+        self.batches = Prefetcher(functools.partial(
+            _microbatches, self.dataset, tr.seed, tr.global_batch_size, mesh.coord(Axis.DP),
+            mesh.size(Axis.DP), tr.microbatch_size, self.spans))
         meta = self.dataset.tokens.meta
         if meta["vocab_size"] > spec.model.vocab_size:
             raise ValueError(f"model.vocab_size {spec.model.vocab_size} is smaller than the "
@@ -374,7 +380,7 @@ class Engine:
             block=ops.attention_block, block_backward=ops.attention_block_backward)
 
     def _post(self, timeout: timedelta) -> Callable:
-        return self._p2p(timeout) if self._p2p is not None else dist.batch_isend_irecv
+        return self._p2p_factory(timeout) if self._p2p_factory is not None else dist.batch_isend_irecv
 
     def _build_executor(self, shape: PipeShape, stages: dict, dtype: torch.dtype,
                         zero: ZeroPolicy | None,

@@ -241,7 +241,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
     weights = [1.0 / n] * n if weights is None else list(weights)
     total = None  # summed where the loss lives: one host sync per step, not per microbatch
     tokens = 0
-    hooks = hooks or StepHooks()
+    hooks = hooks or default_hooks(model)
     before = hooks.model.before_microbatch
     scale = None
     for i, ((x, y), w) in enumerate(zip(microbatches, weights, strict=True)):
@@ -274,13 +274,19 @@ class StepHooks:
     before_clip: Callable[[], None] = lambda: None
 
 
+def default_hooks(model: nn.Module) -> StepHooks:
+    """One process's hooks: what the model supplies (``step_hooks``), if it does."""
+    supplied = getattr(model, "step_hooks", None)
+    return StepHooks(model=supplied()) if callable(supplied) else StepHooks()
+
+
 def finish_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, grad_clip: float,
                 loss: float, tokens: int, across: dist.ProcessGroup | None = None,
                 on_phase: Callable[[str], None] = lambda phase: None,
                 hooks: StepHooks | None = None) -> StepStats:
     """Clip the accumulated gradients, step the optimizer and the LR schedule."""
     on_phase("optimizer")
-    hooks = hooks or StepHooks()
+    hooks = hooks or default_hooks(model)
     lr = optimizer.param_groups[0]["lr"]
     hooks.before_clip()
     norm = grad_norm_and_clip([p for p in model.parameters() if p.grad is not None], grad_clip,

@@ -60,12 +60,15 @@ class NullTracker:
 
 
 def open_tracker(uri: str | None, experiment: str, run_name: str, run_id: str | None,
-                 on_warning: Callable[[str], None]) -> Tracker:
+                 on_warning: Callable[[str], None], artifact_dir: str | Path | None = None) -> Tracker:
     """The MLflow run at ``uri`` (re-opened by ``run_id`` after a restart), or the null tracker
-    where nothing is tracked (no ``uri``)."""
+    where nothing is tracked (no ``uri``). ``artifact_dir``: where a new experiment in the
+    run's own sqlite store (beside ``artifact_dir``) keeps its artifacts; MLflow's own default
+    is ``./mlruns`` of whatever directory the job was started from."""
     if not uri:
         return NullTracker()
-    return MlflowTracker(uri, experiment, run_name, run_id=run_id, on_warning=on_warning)
+    return MlflowTracker(uri, experiment, run_name, run_id=run_id, on_warning=on_warning,
+                         artifact_dir=artifact_dir)
 
 
 def resolve_tracking_uri(spec_uri: str | None, env_uri: str | None, output_dir: str | Path) -> str:
@@ -106,10 +109,12 @@ class MlflowTracker:
     def __init__(self, uri: str, experiment: str, run_name: str, run_id: str | None = None,
                  retry_interval_s: float = 5.0, flush_timeout_s: float = 120.0,
                  send_interval_s: float = 1.0,
-                 on_warning: Callable[[str], None] | None = None):
+                 on_warning: Callable[[str], None] | None = None,
+                 artifact_dir: str | Path | None = None):
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
         self.uri, self.run_id = uri, run_id
+        self.artifact_dir = artifact_dir
         self._on_warning = on_warning
         self.retry_interval_s, self.flush_timeout_s = retry_interval_s, flush_timeout_s
         self.send_interval_s = send_interval_s
@@ -140,7 +145,11 @@ class MlflowTracker:
                 self.client.update_run(self.run_id, status="RUNNING")
             else:
                 exp = self.client.get_experiment_by_name(experiment)
-                exp_id = exp.experiment_id if exp else self.client.create_experiment(experiment)
+                where = None  # the run's own store's artifacts beside it, not in the CWD
+                if self.artifact_dir is not None and _store_beside(self.uri, self.artifact_dir):
+                    where = Path(self.artifact_dir).resolve().as_uri()
+                exp_id = exp.experiment_id if exp else self.client.create_experiment(
+                    experiment, artifact_location=where)
                 self.run_id = self.client.create_run(exp_id, run_name=run_name).info.run_id
         except Exception as err:  # noqa: BLE001 - any failure here means no run to log to
             self._open_error = (f"tracking.uri: cannot open an MLflow run at {self.uri} "
@@ -260,6 +269,16 @@ class MlflowTracker:
 
 
 _BATCH_LIMIT = 1000  # metrics in one MLflow log_batch request
+
+
+def _store_beside(uri: str, artifact_dir: str | Path) -> bool:
+    """Whether ``uri`` is a run's own sqlite store, in the directory that holds
+    ``artifact_dir`` (the default: ``OUTPUT/mlflow.db``). A store shared by runs keeps the
+    artifact location MLflow or its owner gave it: an experiment's location is set once, when
+    it is created, and one run's directory is no place for every later run's artifacts."""
+    if not uri.startswith("sqlite:///"):
+        return False
+    return Path(uri[len("sqlite:///"):]).resolve().parent == Path(artifact_dir).resolve().parent
 
 
 class _Metrics:
