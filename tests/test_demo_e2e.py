@@ -89,4 +89,5 @@ def test_demo_job_through_cli_lands_in_mlflow(tmp_path):
     assert ("training.steps: 20, but its newest checkpoint is at step 150: nothing to train"
             in again.stderr)
     assert "Ray" not in again.stderr  # nothing started
-    assert "checkpoint.resume=never" in again.stderr and "done:" not in again.stdout
+    # (not resume=never: a directory holding an earlier run's checkpoints is refused under it)
+    assert "another runtime.output_dir" in again.stderr and "done:" not in again.stdout
