@@ -50,14 +50,14 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=256)
     args = ap.parse_args()
 
-    import os
+    import contextlib
 
     from servers import S3Server
 
     from trainmesh.cli.main import main as cli
     from trainmesh.data import corpus
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         docs = Path(tmp) / "docs.jsonl"
         docs.write_text("".join(json.dumps({"text": d}) + "\n" for d in corpus.documents(4000)))
         local = str(Path(tmp) / "local")
@@ -65,10 +65,7 @@ def main() -> None:
         server = S3Server(Path(tmp) / "s3")
         server.start()
         try:
-            os.environ.update(server.env)
-            import fsspec.config
-
-            fsspec.config.set_conf_env(fsspec.config.conf)
+            stack.enter_context(server.client_env())
             remote = f"s3://{server.bucket()}/data"
             assert cli(["data", "prepare", str(docs), "--out", remote]) == 0
             print(f"steps {args.steps}, each {args.step_s * 1e3:.0f} ms of compute, "

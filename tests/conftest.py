@@ -157,22 +157,10 @@ def s3_server(tmp_path_factory):
 
     server = S3Server(tmp_path_factory.mktemp("s3"))
     server.start()
-    import fsspec.config
-
-    saved = {k: os.environ.get(k) for k in server.env}
-    conf = {k: dict(v) for k, v in fsspec.config.conf.items()}
-    os.environ.update(server.env)
-    fsspec.config.set_conf_env(fsspec.config.conf)  # (fsspec read its variables at import)
     try:
-        yield server
+        with server.client_env():
+            yield server
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        fsspec.config.conf.clear()
-        fsspec.config.conf.update(conf)
         server.stop()
 
 

@@ -76,6 +76,21 @@ def descendants(pid: int) -> set[int]:
     return tree - {pid}
 
 
+@contextlib.contextmanager
+def environment(variables: dict[str, str]):
+    """This process's environment with ``variables`` set, restored on the way out."""
+    saved = {k: os.environ.get(k) for k in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def free_port() -> int:
     return free_ports(1)[0]
 
@@ -150,6 +165,22 @@ class S3Server:
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
             stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
         _wait_http(f"{self.uri}/moto-api/", timeout_s, self.proc, log)
+
+    @contextlib.contextmanager
+    def client_env(self):
+        """This process as a client of the endpoint: its variables set, and fsspec's config
+        read from them again (fsspec reads its ``FSSPEC_*`` variables once, at import);
+        both restored afterwards."""
+        import fsspec.config
+
+        conf = {k: dict(v) for k, v in fsspec.config.conf.items()}
+        with environment(self.env):
+            fsspec.config.set_conf_env(fsspec.config.conf)
+            try:
+                yield
+            finally:
+                fsspec.config.conf.clear()
+                fsspec.config.conf.update(conf)
 
     def filesystem(self):
         """An s3fs filesystem on this endpoint (a fresh instance: fsspec caches them)."""
@@ -244,18 +275,12 @@ class RayHead:
         Ray's own helper."""
         from ray._private.authentication_test_utils import reset_auth_token_state
 
-        saved = {k: os.environ.get(k) for k in self.auth}
-        os.environ.update(self.auth)
-        reset_auth_token_state()
-        try:
-            yield
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        with environment(self.auth):
             reset_auth_token_state()
+            try:
+                yield
+            finally:
+                reset_auth_token_state()
 
     def stop(self) -> None:
         """End this head's processes only (``ray stop`` would end every Ray on the machine):
