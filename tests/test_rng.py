@@ -171,8 +171,8 @@ def test_a_dropout_run_resumed_from_storage_equals_the_uninterrupted_run_tp2(ray
 @pytest.mark.timeout(400)
 def test_a_dropout_run_recovered_from_a_memory_snapshot_equals_the_uninterrupted_run(tmp_path):
     """dp 2 over two nodes: rank 1's step 4 raises in its backward (after the forward's draws);
-    the recovery on the same mesh restores the step-3 snapshot (its streams with it) from memory, and the losses are
-    the uninterrupted run's exactly."""
+    the recovery on the same mesh restores the step-3 snapshot from memory, the ranks' streams
+    with it, and the losses are the uninterrupted run's exactly."""
     from servers import run_losing_nodes, simulated_cluster
 
     from trainmesh.controller.launch import run_job
