@@ -33,7 +33,9 @@ save (``checkpoint.async_save``): how long the caller is blocked (the copy to ho
 how long until the write is done; and trainmesh's synchronous save as a rank and the controller
 run it: how long training is blocked (the write, the checkpoint published with its files'
 sizes) and how long until the rank's digests are in its manifest, beside the path that
-digested each file as it was written.
+digested each file as it was written. The same save and restore with ``checkpoint.dir`` on an
+S3 endpoint: moto's server on loopback (s3fs over HTTP, this machine's disk behind it), so
+the figures show the object-store path's own cost, not a real bucket's network.
 """
 
 from __future__ import annotations
@@ -390,6 +392,50 @@ def checkpoint_bandwidth(mib: int, tmp: Path, reps: int = 5) -> list[dict]:
     return out
 
 
+def object_store_rows(mib: int, tmp: Path, reps: int = 3) -> list[dict]:
+    """trainmesh's save (the files under the step's own prefix, then the manifest) and DCP's
+    load, with the checkpoint directory on an S3 endpoint on loopback (moto's server)."""
+    import sys
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the S3 server
+    from servers import S3Server
+
+    from trainmesh.checkpoint import dcp_io
+    from trainmesh.checkpoint.manifest import CheckpointStore
+
+    n_tensors = 32
+    per = mib * 2**20 // 4 // n_tensors
+    state = {f"layer{i}.weight": torch.randn(per) for i in range(n_tensors)}
+    nbytes = sum(t.numel() * 4 for t in state.values())
+    rows: dict[str, list[float]] = {"s3 (loopback) trainmesh save: until published, digests in": [],
+                                    "s3 (loopback) dcp load": []}
+    server = S3Server(tmp / "s3")
+    server.start()
+    try:
+        with server.client_env():
+            store = CheckpointStore(f"s3://{server.bucket()}/ckpt")
+            for r in range(reps):
+                t0 = time.perf_counter()
+                d = store.prepare(r)
+                saved = dcp_io.save_state(store.uri(d), state, no_dist=True)
+                store.commit(d, {"step": r}, saved.digests.result())  # (a URI's: as written)
+                rows["s3 (loopback) trainmesh save: until published, digests in"].append(
+                    time.perf_counter() - t0)
+                target = {k: torch.empty_like(v) for k, v in state.items()}
+                t0 = time.perf_counter()
+                dcp.load(target, storage_reader=dcp_io.storage_reader(store.uri(d)), no_dist=True)
+                rows["s3 (loopback) dcp load"].append(time.perf_counter() - t0)
+                assert all(torch.equal(target[k], state[k]) for k in state)
+                store.remove(d)
+    finally:
+        server.stop()
+    return [{"op": name, "s": statistics.median(t), "gb_s": nbytes / statistics.median(t) / 1e9}
+            for name, t in rows.items()]
+
+
 def _print_io(ckpt: list[dict], mib: int) -> None:
     print(f"\n| checkpoint op ({mib} MiB) | s | GB/s | speed vs |")
     print("|---|---:|---:|---:|")
@@ -404,7 +450,10 @@ def _print_io(ckpt: list[dict], mib: int) -> None:
              "in-memory snapshot: records indexed": "dcp save",
              "restore from memory (dcp load)": "dcp load (pages evicted)",
              "restore from memory, DCP's reader (before 2026-11-26)": "dcp load (pages evicted)",
-             "replicate: gloo send/recv": "replicate: Ray actor → actor"}
+             "replicate: gloo send/recv": "replicate: Ray actor → actor",
+             "s3 (loopback) trainmesh save: until published, digests in":
+                 "trainmesh save: until its digests are in the manifest",
+             "s3 (loopback) dcp load": "dcp load (pages evicted)"}
     by = {r["op"]: r for r in ckpt}
     for r in ckpt:
         ref = by.get(plain.get(r["op"], r["op"]))
@@ -544,7 +593,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.io_only:
         with tempfile.TemporaryDirectory() as tmpdir:
-            _print_io(checkpoint_bandwidth(args.ckpt_mib, Path(tmpdir)), args.ckpt_mib)
+            tmp = Path(tmpdir)
+            _print_io(checkpoint_bandwidth(args.ckpt_mib, tmp) + object_store_rows(args.ckpt_mib, tmp),
+                      args.ckpt_mib)
         return
     import ray
     from ray.cluster_utils import Cluster
@@ -569,7 +620,8 @@ def main() -> None:
         finally:
             ray.shutdown()
             cluster.shutdown()
-        ckpt = checkpoint_bandwidth(args.ckpt_mib, tmp) + replicated
+        ckpt = (checkpoint_bandwidth(args.ckpt_mib, tmp) + replicated
+                + object_store_rows(args.ckpt_mib, tmp))
     rows = [summarize(t) for t in runs.values()]
 
     def f(v):

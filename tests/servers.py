@@ -365,11 +365,12 @@ def job_in_background(spec, environ: dict[str, str], **run_args):
     return thread, box
 
 
-def run_losing_nodes(cluster, out, args: list[str], faults: list[str], remove: bool = True) -> dict:
-    """Run a job (``args`` over-riding ``load_spec``'s defaults, output in ``out``); once every
-    fault (``wait@rank=R,...``: that rank stops there) has fired, remove the nodes of those ranks
-    at once, hard (unless not ``remove``: the faults act alone). Returns the summary, with the
-    spec under ``spec``."""
+def run_losing_nodes(cluster, out, args: list[str], faults: list[str], remove: bool = True,
+                     job_env: dict[str, str] | None = None) -> dict:
+    """Run a job (``args`` over-riding ``load_spec``'s defaults, output in ``out``; ``job_env``:
+    variables for its processes); once every fault (``wait@rank=R,...``: that rank stops there)
+    has fired, remove the nodes of those ranks at once, hard (unless not ``remove``: the faults
+    act alone). Returns the summary, with the spec under ``spec``."""
     import json
     import time
 
@@ -379,7 +380,9 @@ def run_losing_nodes(cluster, out, args: list[str], faults: list[str], remove: b
     markers = [out / f"fired-{i}" for i in range(len(faults))]
     env = ";".join(f"{f},marker={m}" for f, m in zip(faults, markers, strict=True))
     spec = load_spec(None, [*args, f"runtime.output_dir={out / 'out'}"])
-    thread, box = job_in_background(spec, {}, **fault_run(env))
+    run_args = fault_run(env)
+    run_args["job_env"] = {**(job_env or {}), **run_args["job_env"]}
+    thread, box = job_in_background(spec, {}, **run_args)
     removed = False
     while thread.is_alive():
         if not removed and all(m.exists() and m.read_text() for m in markers):

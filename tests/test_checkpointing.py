@@ -24,7 +24,7 @@ class _Ranks:
         self.world, self.deferred = world, deferred
         self.statuses: list[str | None] = [None] * world
 
-    def save(self, uri: str, background: bool) -> bytes:
+    def save(self, uri: str, background: bool) -> list[dict]:
         self.uri = uri
         for r in range(self.world):
             (Path(uri) / f"__{r}_0.distcp").write_bytes(bytes([r]) * 64)
@@ -32,7 +32,8 @@ class _Ranks:
         self.digests = file_digests(uri, [f"__{r}_0.distcp" for r in range(self.world)])
         running = background or self.deferred
         self.statuses = ["running"] * self.world if running else [None] * self.world
-        return b"rng-of-rank-0"
+        return [{"coords": f"pp0.dp{r}.cp0.tp0", "layout": {"dp": self.world}, "cpu": f"cpu-{r}",
+                 "device": None, "replica": "shared"} for r in range(self.world)]
 
     def wait_save(self) -> list[str | None]:
         return list(self.statuses)
@@ -73,7 +74,10 @@ def test_synchronous_save_is_committed_at_once(tmp_path):
     d, meta = ck.latest()
     assert meta["step"] == 2 and meta["losses"] == [1.0, 0.9]
     assert set(meta["files"]) == {"__0_0.distcp", "__1_0.distcp", RNG_FILE}
-    assert ck.restored(d) == (d, b"rng-of-rank-0")
+    uri, rng = ck.restored(d)
+    assert uri == d and json.loads(rng) == {  # every rank's streams, by its coordinates
+        "layout": {"dp": 2}, "ranks": {f"pp0.dp{r}.cp0.tp0": {"cpu": f"cpu-{r}", "device": None,
+                                                              "replica": "shared"} for r in (0, 1)}}
     [(kind, ev)] = tracker.events
     assert kind == "checkpoint" and ev["background"] is False and ev["steps_during"] == 0
 

@@ -64,6 +64,12 @@ class FakeCluster:
         return where
 
 
+def rank_streams(rank: int, world: int) -> dict:
+    """What a rank's ``save`` and ``memory_snapshot`` return of its random streams."""
+    return {"coords": f"pp0.dp{rank}.cp0.tp0", "layout": {"dp": world}, "cpu": "", "device": None,
+            "replica": ""}
+
+
 class FakeGroup:
     """The worker group's interface over FakeCluster: ranks are (node, pid); a rank on a dead
     node is dead; every step's loss is a function of the step alone (any mesh agrees)."""
@@ -107,12 +113,12 @@ class FakeGroup:
         return [{"loss": 10.0 / self.step, "lr": 1e-3, "grad_norm": 1.0, "save": None,
                  "preempted": self.preempt.get(r, False)} for r in range(len(self.ranks))]
 
-    def save(self, uri: str, background: bool) -> bytes:
+    def save(self, uri: str, background: bool) -> list[dict]:
         self._check()
         self.uri = uri
         for r in range(len(self.ranks)):
             (Path(uri) / f"__{r}_0.distcp").write_bytes(bytes([r]) * 16)
-        return b"rng"
+        return [rank_streams(r, len(self.ranks)) for r in range(len(self.ranks))]
 
     def wait_save(self) -> list[None]:
         return [None] * len(self.ranks)

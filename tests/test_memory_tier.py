@@ -63,6 +63,8 @@ def test_a_snapshot_some_rank_skipped_is_not_recorded_and_evicts_nothing():
     """A rank whose last snapshot is still being saved skips the next (0 bytes): that snapshot
     is incomplete, so the controller records it not, and the records of complete ones stay —
     two skipped in a row used to push the newest complete one out."""
+    from test_controller_states import rank_streams
+
     from trainmesh.controller.memory_tier import MemoryTier
 
     class Ranks:
@@ -70,8 +72,8 @@ def test_a_snapshot_some_rank_skipped_is_not_recorded_and_evicts_nothing():
             self.skip: set[int] = set()
 
         def memory_snapshot(self, directory, buddies):
-            return [{"bytes": 0 if r in self.skip else 64, "blocked_s": 0.0, "rng": None}
-                    for r in range(len(buddies))]
+            return [{"bytes": 0 if r in self.skip else 64, "blocked_s": 0.0,
+                     "rng": rank_streams(r, len(buddies))} for r in range(len(buddies))]
 
     tier, ranks = MemoryTier(every=1), Ranks()
     nodes = ["a", "a", "b", "b"]

@@ -251,13 +251,13 @@ class RankWorker:
                 **self.engine.memory_report()}
 
     # -- checkpoints -----------------------------------------------------------------------
-    def save(self, directory: str, background: bool = False) -> bytes | None:
-        """Collective save; rank 0 returns the RNG state for the manifest's sidecar. Synchronous:
+    def save(self, directory: str, background: bool = False) -> dict:
+        """Collective save; returns this rank's random streams (``engine/rng.py``), which the
+        controller writes beside the shards. Synchronous:
         the shards are written when it returns (``saved_files``: their sizes) and a thread
         takes their digests while training goes on. In the background, this rank's shards are
         copied to host memory before it returns and a thread writes (and digests) them while
         training goes on. ``save_status`` says how either went."""
-        import torch
 
         self.wait_save()
         self._saved_files = {}
@@ -270,7 +270,7 @@ class RankWorker:
                 self._save_group = self._new_save_group()
             self._saving = self.engine.async_save(directory, self._save_group)
         self._collector.after_call()
-        return torch.random.get_rng_state().numpy().tobytes() if self.rank == 0 else None
+        return self.engine.rng.state()
 
     def _new_save_group(self):
         """The background save's own gloo group (all ranks together)."""
@@ -324,16 +324,15 @@ class RankWorker:
             self._saving = None
         return status
 
-    def load(self, directory: str, step: int, rng_state: bytes | None,
+    def load(self, directory: str, step: int, rng_states: bytes | None,
              metadata_files: list[str] | None = None) -> None:
         """Collective restore from ``directory`` (storage; with ``metadata_files``, an in-memory
-        snapshot read through this rank's store)."""
-        import torch
-
-        rng = torch.frombuffer(bytearray(rng_state), dtype=torch.uint8) if rng_state else None
+        snapshot read through this rank's store); ``rng_states``: every rank's random streams
+        as saved (``rng.job_states``), or None."""
         self._progress.step = step
         self._progress.mark("restore")
-        self.engine.load(directory, step, rng, (metadata_files, self._memory) if metadata_files else None)
+        self.engine.load(directory, step, rng_states,
+                         (metadata_files, self._memory) if metadata_files else None)
         self._collector.after_call()
 
     # -- in-memory checkpoints (checkpoint/memory_fs.py) --------------------------------------
@@ -341,16 +340,13 @@ class RankWorker:
         """This rank alone (no collective): snapshot its shards as ``directory`` in its memory
         and hand a copy to ``buddy`` (a rank actor on another node); training waits only for
         the copy to host memory (``actors/snapshots.py``). ``wait``: for the whole of it."""
-        import torch
-
-
         self._progress.mark("snapshot")
         got = self._snapshots.take(directory, self.rank, self.engine.model, self.engine.optimizer,
                                    buddy, self._timeout_s)
         if wait:
             self._snapshots.settle(self._timeout_s)
             got["files_bytes"] = self._memory.nbytes(directory)
-        return {**got, "rng": torch.random.get_rng_state().numpy().tobytes() if self.rank == 0 else None}
+        return {**got, "rng": self.engine.rng.state()}
 
     @ray.method(concurrency_group="memory")
     def keep_replica(self, directory: str, files: dict) -> int:
@@ -382,7 +378,7 @@ class RankWorker:
 
         return self._memory.read(directory, name)
 
-    def memory_load(self, directory: str, holders: dict, step: int, rng_state: bytes | None) -> None:
+    def memory_load(self, directory: str, holders: dict, step: int, rng_states: bytes | None) -> None:
         """Collective: restore from snapshot ``directory`` onto this rank's (new) part: files it
         does not hold are fetched from ``holders`` (file name → the rank actor holding it)."""
         from trainmesh.checkpoint import memory_fs
@@ -394,7 +390,7 @@ class RankWorker:
                                                        timeout=self._timeout_s)
 
         with self._memory.fetching(fetch):
-            self.load(memory_fs.uri(directory), step, rng_state,
+            self.load(memory_fs.uri(directory), step, rng_states,
                       sorted(n for n in holders if n.endswith(".metadata")))
 
     def timeline(self) -> list:

@@ -25,9 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from trainmesh.checkpoint.manifest import CheckpointStore, IncompleteCheckpoint, is_uri
+from trainmesh.checkpoint.rng_states import job_states
 from trainmesh.spec.job import JobSpec
 
-RNG_FILE = "rng_state.bin"
+RNG_FILE = "rng_states.json"  # every rank's random streams (``engine/rng.py``)
 
 
 @dataclasses.dataclass
@@ -88,9 +89,8 @@ class Checkpointer:
             tracker.event("checkpoint", step=step, path=self.store.uri(self.store.step_dir(step)),
                           kept=True, background=background)
             return
-        rng = group.save(self.store.uri(directory), background)
-        if rng is not None:
-            self.store.write_bytes(directory, RNG_FILE, rng)
+        states = group.save(self.store.uri(directory), background)
+        self.store.write_bytes(directory, RNG_FILE, job_states(states))
         self.pending = _Pending(step, directory, {"step": step, **meta}, background, t0,
                                 blocked_s=time.perf_counter() - t0)
         if not background:

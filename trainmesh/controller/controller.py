@@ -142,7 +142,8 @@ class Controller:
         run_id = resume[1].get("mlflow_run_id") if resume else None
         tracker = open_tracker(self.tracking_uri if self.spec.tracking.enabled else None,
                                self.spec.tracking.experiment, self.spec.name, run_id, self._notice,
-                               artifact_dir=self.out / "mlartifacts")
+                               artifact_dir=self.out / "mlartifacts", backlog_dir=self.out,
+                               backlog_in_memory=self.spec.tracking.backlog_in_memory)
         status = "FAILED"
         try:
             tracker.log_params(json.loads(self.spec.model_dump_json()))

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from trainmesh.checkpoint.rng_states import job_states
+
 
 def buddies(rank_nodes: list[str]) -> list[int | None]:
     """Rank r's buddy: the rank at r's position (wrapping) on the next node of a ring over the
@@ -39,7 +41,8 @@ class MemoryTier:
         got = group.memory_snapshot(directory, buddies(rank_nodes))
         if all(r["bytes"] > 0 for r in got):  # a rank that skipped it (its last one still
             # being saved) leaves it incomplete: not recorded, and it evicts no older record
-            self.snapshots[directory] = {"step": step, "ranks": len(got), "rng": got[0]["rng"],
+            self.snapshots[directory] = {"step": step, "ranks": len(got),
+                                         "rng": job_states([r["rng"] for r in got]),
                                          "losses": list(losses[:step]), "mesh": mesh}
             for old in sorted(self.snapshots)[:-2]:  # the ranks keep the newest two as well
                 del self.snapshots[old]

@@ -228,10 +228,10 @@ class RayWorkerGroup:
     def memory_reports(self) -> list[dict]:
         return self.group.call("memory_report", timeout_s=self.timeout)
 
-    def save(self, directory: str, background: bool = False) -> bytes | None:
+    def save(self, directory: str, background: bool = False) -> list[dict]:
         """Collective save (in the background: returns once every rank has its shards in
-        host memory); rank 0's RNG state."""
-        return self.watched("save", directory, background, timeout_s=self.timeout * 2)[0]
+        host memory); every rank's random streams (``engine/rng.py``)."""
+        return self.watched("save", directory, background, timeout_s=self.timeout * 2)
 
     def wait_save(self) -> list[str | None]:
         """Every rank's background save, waited for: "done", "failed: ..." or None."""
@@ -263,7 +263,9 @@ class RayWorkerGroup:
         return {n: ray.get(ref, timeout=self.timeout) for n, ref in refs.items()}
 
     def load(self, directory: str, step: int, rng: bytes | None) -> None:
-        self.watched("load", directory, step, rng, timeout_s=self.timeout * 2)
+        """Collective restore; ``rng``: every rank's random streams (put in the object store
+        once, not sent once per rank)."""
+        self.watched("load", directory, step, _shared(rng), timeout_s=self.timeout * 2)
 
     def memory_snapshot(self, directory: str, buddies: list[int | None], wait: bool = False) -> list[dict]:
         """In-memory snapshot on every rank; rank r's copy goes to rank ``buddies[r]``."""
@@ -278,7 +280,7 @@ class RayWorkerGroup:
     def memory_load(self, directory: str, holders: dict[str, int], step: int, rng: bytes | None) -> None:
         """Collective restore from snapshot ``directory``; ``holders``: file → rank holding it."""
         w = self.group.workers
-        self.watched("memory_load", directory, {f: w[r] for f, r in holders.items()}, step, rng,
+        self.watched("memory_load", directory, {f: w[r] for f, r in holders.items()}, step, _shared(rng),
                       timeout_s=self.timeout * 2)
 
     def timelines(self) -> list[list]:
@@ -336,3 +338,10 @@ def _gcs_client_at(address: str):
     # The GCS client Ray's own libraries (Serve) read draining nodes through; one per cluster
     # (a process may connect to another cluster later: tests do).
     return ray._raylet.GcsClient(address=address)
+
+
+def _shared(value):
+    """``value`` in Ray's object store, read by every rank from its node's copy."""
+    import ray
+
+    return None if value is None else ray.put(value)

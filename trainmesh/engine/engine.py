@@ -22,6 +22,7 @@ from trainmesh.checkpoint import dcp_io, snapshot_io
 from trainmesh.checkpoint.memory_fs import MemoryStore
 from trainmesh.data.dataset import Prefetcher, open_datasets
 from trainmesh.engine.memory import SavedActivations, peak_process_bytes, state_bytes
+from trainmesh.engine.rng import RankStreams
 from trainmesh.engine.step import (
     StepHooks,
     StepStats,
@@ -44,7 +45,7 @@ from trainmesh.models.llama.parallelize import (
 from trainmesh.models.llama.stage import PipelineStage, rank_model
 from trainmesh.parallel.clock import DeviceClock
 from trainmesh.parallel.context import ContextParallel, local_positions, local_spans
-from trainmesh.parallel.dims import Axis, replicates
+from trainmesh.parallel.dims import AXES, Axis, replicates
 from trainmesh.parallel.expert import (
     apply_expert_parallel,
     expert_divide_factor,
@@ -225,8 +226,21 @@ class Engine:
         self.optimizer = build_optimizer(self.model, spec.optimizer)
         self.scheduler = build_lr_scheduler(self.optimizer, spec.optimizer, tr.steps)
         self.step = 0  # optimizer steps done
+        self.rng = self._random_streams()
+        self.rng.seeded(self.step)
         self.activation_peak = 0  # bytes saved for backward, from the last measured step
         self._bubble_s = 0.0  # the last step's pipeline idle time
+
+    def _random_streams(self) -> RankStreams:
+        """This rank's random streams (``engine/rng.py``); the blocks' residual dropout draws
+        from the replica stream where tensor parallel replicates the activations."""
+        mesh = self.mesh
+        streams = RankStreams(self.spec.training.seed, {a.value: mesh.coord(a) for a in AXES},
+                              mesh.dims.as_dict(), self.device)
+        if mesh.size(Axis.TP) > 1 and not self.spec.parallelism.sequence_parallel:
+            for block in self.model.layers.values():
+                block.replica_rng = streams.replica
+        return streams
 
     def _batch_geometry(self) -> None:
         """Microbatches per replica, a real microbatch's weight, the pipeline's shape."""
@@ -465,6 +479,7 @@ class Engine:
         windows for every mesh and every call)."""
         tr, pp, dp = self.spec.training, self.mesh.size(Axis.PP), self.mesh.size(Axis.DP)
         total = 0.0
+        self.model.eval()  # no dropout, and no draws from the training's random streams
         for b in range(batches):
             mbs = self.eval_set.eval_microbatches(b, tr.global_batch_size, self.mesh.coord(Axis.DP),
                                                   dp, tr.microbatch_size, self.spans)
@@ -486,6 +501,7 @@ class Engine:
         for m in self.model.modules():  # forwards without backwards leave ZeRO-3 units gathered
             if isinstance(m, FSDPModule):
                 m.reshard()
+        self.model.train()
         return self._dp_mean(total / batches)
 
     def memory_report(self) -> dict[str, int]:
@@ -516,9 +532,10 @@ class Engine:
         return dcp_io.async_save(directory, self.model, self.optimizer, group,
                                  on_write=lambda: self.on_phase("write"))
 
-    def load(self, directory: str, step: int, rng_state: torch.Tensor | None,
+    def load(self, directory: str, step: int, rng_states: bytes | None,
              snapshot: tuple[list[str], MemoryStore] | None = None) -> None:
-        """Restore model + optimizer shards, then the schedule position and RNG.
+        """Restore model + optimizer shards, then the schedule position and this rank's random
+        streams (``rng_states``: every rank's, ``rng.job_states``; None: derived).
         ``snapshot``: an in-memory snapshot's per-rank metadata files (``snapshot_io.snapshot``) and
         the rank's store that reads them."""
         if snapshot:
@@ -532,5 +549,4 @@ class Engine:
                                    self.scheduler.lr_lambdas, strict=True):
             group["lr"] = base * fn(step)
         self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
-        if rng_state is not None:
-            torch.random.set_rng_state(rng_state)
+        self.rng.restore(rng_states, step)

@@ -99,6 +99,10 @@ class ModelConfig(_Section):
     head_dim: int | None = Field(None, ge=2, description="per-head size; null: dim / n_heads")
     qk_norm: bool = Field(False, description="RMSNorm over each query and key head before RoPE "
                           "(Qwen3)")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout while training, on the "
+                           "attention probabilities and on each block's attention and MLP output "
+                           "before the residual add (HF Llama's attention_dropout, plus residual); "
+                           "0: none. Each rank's random streams are checkpointed")
     norm_eps: float = Field(1e-5, gt=0)
     rope_theta: float = Field(10000.0, gt=0)
     rope_scaling: RopeScaling | None = Field(None, description="Llama 3.1 RoPE scaling; none: plain")
@@ -324,6 +328,10 @@ class TrackingConfig(_Section):
     enabled: bool = True
     uri: str | None = None
     experiment: str = "trainmesh"
+    backlog_in_memory: int = Field(
+        10_000, ge=1, description="metric values kept in memory while the tracking server is "
+        "unreachable; later ones spill to OUTPUT/mlflow-backlog-RUN_ID.jsonl and are replayed "
+        "from it, in order, when the server is back")
 
 
 class TopologyConfig(_Section):

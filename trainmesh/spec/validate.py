@@ -110,6 +110,11 @@ def layout_problems(work: Workload, lay: LayoutLike, runnable: bool = True) -> l
         out.append(Problem("training.seq_len", f"{work.seq_len} is not divisible by tp={lay.tp} "
                            "(each tensor-parallel rank routes its share of a sequence to the "
                            "experts)", f"use a multiple of {lay.tp}"))
+    if getattr(m, "dropout", 0.0) and (lay.cp > 1 or work.document_mask):
+        out.append(Problem("model.dropout", f"{m.dropout}: attention dropout is not built for "
+                           f"context parallel (cp={lay.cp}) or document masks (their attention "
+                           "runs over the ring)", "set model.dropout=0, or parallelism.cp=1 and "
+                           "data.document_mask=false"))
     if lay.vpp > 1 and lay.schedule not in INTERLEAVED:
         out.append(Problem("schedule.name", f"{lay.schedule} runs one model chunk per stage but "
                            f"parallelism.vpp={lay.vpp}", "use schedule.name=interleaved-1f1b (the "

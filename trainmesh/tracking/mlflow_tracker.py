@@ -60,15 +60,18 @@ class NullTracker:
 
 
 def open_tracker(uri: str | None, experiment: str, run_name: str, run_id: str | None,
-                 on_warning: Callable[[str], None], artifact_dir: str | Path | None = None) -> Tracker:
+                 on_warning: Callable[[str], None], artifact_dir: str | Path | None = None,
+                 backlog_dir: str | Path | None = None, backlog_in_memory: int = 10_000) -> Tracker:
     """The MLflow run at ``uri`` (re-opened by ``run_id`` after a restart), or the null tracker
     where nothing is tracked (no ``uri``). ``artifact_dir``: where a new experiment in the
     run's own sqlite store (beside ``artifact_dir``) keeps its artifacts; MLflow's own default
-    is ``./mlruns`` of whatever directory the job was started from."""
+    is ``./mlruns`` of whatever directory the job was started from. ``backlog_dir``,
+    ``backlog_in_memory``: where metrics spill while the server is away (``MlflowTracker``)."""
     if not uri:
         return NullTracker()
     return MlflowTracker(uri, experiment, run_name, run_id=run_id, on_warning=on_warning,
-                         artifact_dir=artifact_dir)
+                         artifact_dir=artifact_dir, backlog_dir=backlog_dir,
+                         backlog_in_memory=backlog_in_memory)
 
 
 def resolve_tracking_uri(spec_uri: str | None, env_uri: str | None, output_dir: str | Path) -> str:
@@ -102,6 +105,11 @@ class MlflowTracker:
     ``send_interval_s`` (the steps of that time in one request: per-step requests cost the
     controller's host, and the server, a request per step). ``finish`` sends what is left at
     once and waits up to ``flush_timeout_s`` for the backlog.
+    The backlog is bounded in memory: past ``backlog_in_memory`` metric values (a server away,
+    or slower than the steps), the metrics logged next go to a file in ``backlog_dir``
+    (``mlflow-backlog-RUN_ID.jsonl``, a line a step) instead, replayed in order from it when the
+    server is back (the file is removed once it is all sent; left in place, with a warning, if
+    the run ends first).
     MLflow's own HTTP retries (minutes of back-off per call) are turned down for this process
     unless the environment sets them, so a step is never held up by more than one timeout.
     """
@@ -110,7 +118,8 @@ class MlflowTracker:
                  retry_interval_s: float = 5.0, flush_timeout_s: float = 120.0,
                  send_interval_s: float = 1.0,
                  on_warning: Callable[[str], None] | None = None,
-                 artifact_dir: str | Path | None = None):
+                 artifact_dir: str | Path | None = None,
+                 backlog_dir: str | Path | None = None, backlog_in_memory: int = 10_000):
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
         self.uri, self.run_id = uri, run_id
@@ -118,7 +127,11 @@ class MlflowTracker:
         self._on_warning = on_warning
         self.retry_interval_s, self.flush_timeout_s = retry_interval_s, flush_timeout_s
         self.send_interval_s = send_interval_s
-        self._pending: deque[tuple[str, Callable[[], object] | _Metrics]] = deque()
+        self._pending: deque[tuple[str, Callable[[], object] | _Metrics | _Spill]] = deque()
+        self.backlog_dir, self.backlog_in_memory = backlog_dir, backlog_in_memory
+        self._lock = threading.Lock()  # the metrics in memory and the spill file
+        self._in_memory = 0  # metric values queued in memory
+        self._spill: _Spill | None = None  # while set, new metrics go to its file
         self._down_since: float | None = None
         self._events: list[dict[str, Any]] = []
         self._wake, self._closing = threading.Event(), False
@@ -186,6 +199,11 @@ class MlflowTracker:
         while self._pending:
             what, call = self._pending[0]
             n = 1
+            if isinstance(call, _Spill):
+                if not self._replay(call):
+                    return False
+                self._sent(1)
+                continue
             if isinstance(call, _Metrics):
                 batch = list(call.batch)
                 while n < len(self._pending) and isinstance(self._pending[n][1], _Metrics) and \
@@ -199,23 +217,59 @@ class MlflowTracker:
                 if _rejected(err):  # the server answered "no": retrying cannot help
                     self._warn(f"MLflow rejected {what}" + (f" and {n - 1} more" if n > 1 else "")
                                + f": {_short(err)}")
-                    for _ in range(n):
-                        self._pending.popleft()
+                    self._sent(n)
                     continue
-                if self._down_since is None:
-                    self._down_since = time.monotonic()
-                    self._warn(f"MLflow tracking server at {self.uri} is unreachable ({_short(err)}); "
-                               "training goes on, metrics are buffered and retried every "
-                               f"{self.retry_interval_s:.0f} s")
+                self._went_down(err)
                 return False
-            for _ in range(n):
-                self._pending.popleft()
-            if self._down_since is not None:  # said at once: the backlog may take a while
-                self._warn(f"MLflow tracking server at {self.uri} is back after "
-                           f"{time.monotonic() - self._down_since:.0f} s; sending the "
-                           f"{len(self._pending)} calls buffered meanwhile")
-                self._down_since = None
+            self._sent(n)
+            self._came_back()
         return True
+
+    def _sent(self, n: int) -> None:
+        """The first ``n`` queued calls are done with (sent or refused)."""
+        with self._lock:
+            for _ in range(n):
+                _, call = self._pending.popleft()
+                if isinstance(call, _Metrics):
+                    self._in_memory -= len(call.batch)
+
+    def _went_down(self, err: Exception) -> None:
+        if self._down_since is None:
+            self._down_since = time.monotonic()
+            self._warn(f"MLflow tracking server at {self.uri} is unreachable ({_short(err)}); "
+                       "training goes on, metrics are buffered and retried every "
+                       f"{self.retry_interval_s:.0f} s")
+
+    def _came_back(self) -> None:
+        if self._down_since is not None:  # said at once: the backlog may take a while
+            self._warn(f"MLflow tracking server at {self.uri} is back after "
+                       f"{time.monotonic() - self._down_since:.0f} s; sending the "
+                       f"{len(self._pending)} calls buffered meanwhile")
+            self._down_since = None
+
+    def _replay(self, spill: _Spill) -> bool:
+        """Send the spilled metrics in order, ``_BATCH_LIMIT`` at a time; once the file is all
+        sent (and nothing more is being spilled to it) it is removed. False: the server is
+        (still) unreachable."""
+        from mlflow.entities import Metric
+
+        while True:
+            with self._lock:
+                lines, end = spill.read(_BATCH_LIMIT)
+                if not lines:
+                    spill.close()
+                    self._spill = None
+                    return True
+            batch = [Metric(*m) for line in lines for m in json.loads(line)]
+            try:
+                self.client.log_batch(self.run_id, metrics=batch)
+            except Exception as err:  # noqa: BLE001 - as in _drain
+                if not _rejected(err):
+                    self._went_down(err)
+                    return False
+                self._warn(f"MLflow rejected {len(batch)} spilled metrics: {_short(err)}")
+            spill.offset = end
+            self._came_back()
 
     def _warn(self, text: str) -> None:
         log.warning(text)
@@ -239,7 +293,19 @@ class MlflowTracker:
 
         now = int(time.time() * 1000)  # when it happened, not when the server got it
         batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
-        self._submit(f"metrics of step {step}", _Metrics(batch))
+        with self._lock:
+            if (self._spill is None and self.backlog_dir and self.run_id is not None
+                    and self._in_memory + len(batch) > self.backlog_in_memory):
+                self._spill = _Spill(Path(self.backlog_dir) / f"mlflow-backlog-{self.run_id}.jsonl")
+                self._pending.append((f"metrics spilled to {self._spill.path}", self._spill))
+                self._warn(f"MLflow backlog past {self.backlog_in_memory} metric values in "
+                           f"memory: the next ones go to {self._spill.path} until the server "
+                           "is back")
+            if self._spill is not None:
+                self._spill.append(batch)
+                return
+            self._in_memory += len(batch)
+            self._submit(f"metrics of step {step}", _Metrics(batch))
 
     def log_dict(self, obj: Any, artifact_file: str) -> None:
         self._submit(artifact_file, lambda: self.client.log_dict(self.run_id, obj, artifact_file))
@@ -263,9 +329,11 @@ class MlflowTracker:
         self._wake.set()
         self._sender.join(self.flush_timeout_s)
         if self._sender.is_alive():
+            spill = self._spill
+            kept = f" (the spilled metrics stay in {spill.path})" if spill is not None else ""
             self._warn(f"MLflow tracking server at {self.uri} did not come back within "
                        f"{self.flush_timeout_s:.0f} s; {len(self._pending)} buffered calls were "
-                       "not sent")
+                       f"not sent{kept}")
 
 
 _BATCH_LIMIT = 1000  # metrics in one MLflow log_batch request
@@ -286,6 +354,39 @@ class _Metrics:
 
     def __init__(self, batch: list) -> None:
         self.batch = batch
+
+
+class _Spill:
+    """The metrics logged while the backlog in memory is full: a JSON line a step (each metric
+    as key, value, timestamp, step), appended by the training thread and read from ``offset``
+    by the sender (both under the tracker's lock)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset = path, 0
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - closed by close()
+
+    def append(self, batch: list) -> None:
+        self._file.seek(0, os.SEEK_END)
+        self._file.write(json.dumps([[m.key, m.value, m.timestamp, m.step] for m in batch]) + "\n")
+        self._file.flush()
+
+    def read(self, most: int) -> tuple[list[str], int]:
+        """Whole lines from ``offset`` holding at most ``most`` metrics (at least one line),
+        and the offset after them."""
+        self._file.seek(self.offset)
+        lines, count, end = [], 0, self.offset
+        while line := self._file.readline():
+            n = len(json.loads(line))
+            if lines and count + n > most:
+                break
+            lines.append(line)
+            count, end = count + n, self._file.tell()
+        return lines, end
+
+    def close(self) -> None:
+        self._file.close()
+        self.path.unlink(missing_ok=True)
 
 
 def _rejected(err: Exception) -> bool:

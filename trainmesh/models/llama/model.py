@@ -41,6 +41,7 @@ class LlamaArgs:
     moe: MoEArgs | None = None  # Mixture-of-Experts blocks (after moe.dense_layers); None: dense
     head_dim: int | None = None  # per-head size; None: dim // n_heads
     qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3)
+    dropout: float = 0.0  # attention-probability and residual dropout while training
 
     def __post_init__(self) -> None:
         if not self.head_dim:
@@ -112,7 +113,7 @@ class Attention(nn.Module):
     def __init__(self, args: LlamaArgs):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
-        self.ops = args.ops
+        self.ops, self.dropout = args.ops, args.dropout
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
@@ -142,7 +143,8 @@ class Attention(nn.Module):
             k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
         # (B, nh, T, hd)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                             v.transpose(1, 2), is_causal=True)
+                                             v.transpose(1, 2), is_causal=True,
+                                             dropout_p=self.dropout if self.training else 0.0)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -172,17 +174,36 @@ class TransformerBlock(nn.Module):
         else:
             self.feed_forward = FeedForward(args.dim, args.ffn_dim, args.ops)
         self.recompute = False  # activation checkpointing: recompute this block in backward
+        self.dropout = args.dropout
+        # Residual dropout on activations that every tensor-parallel peer holds whole (no
+        # sequence parallel) draws from this generator, the same on every peer, so the
+        # replicas stay equal (``engine/rng.py``); None: torch's, distinct per rank.
+        self.replica_rng: torch.Generator | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 docs: torch.Tensor | None = None) -> torch.Tensor:
+        seeds = self._replica_seeds()  # drawn before a recompute: it replays the same masks
         if self.recompute and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, cos, sin, docs, use_reentrant=False)
-        return self._forward(x, cos, sin, docs)
+            return checkpoint(self._forward, x, cos, sin, docs, seeds, use_reentrant=False)
+        return self._forward(x, cos, sin, docs, seeds)
 
     def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 docs: torch.Tensor | None = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, docs=docs)
-        return h + self.feed_forward(self.ffn_norm(h))
+                 docs: torch.Tensor | None = None, seeds: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self._drop(self.attention(self.attention_norm(x), cos, sin, docs=docs), seeds, 0)
+        return h + self._drop(self.feed_forward(self.ffn_norm(h)), seeds, 1)
+
+    @torch.compiler.disable  # an explicit generator: eager between compiled graphs
+    def _replica_seeds(self) -> torch.Tensor | None:
+        if self.replica_rng is None or not self.training or not self.dropout:
+            return None
+        return torch.randint(0, 1 << 62, (2,), generator=self.replica_rng, device=self.replica_rng.device)
+
+    def _drop(self, y: torch.Tensor, seeds: torch.Tensor | None, i: int) -> torch.Tensor:
+        if not self.training or not self.dropout:
+            return y
+        if seeds is None:
+            return F.dropout(y, self.dropout, training=True)
+        return _seeded_dropout(y, self.dropout, seeds[i])
 
 
 class Llama(nn.Module):
@@ -247,6 +268,13 @@ class Llama(nn.Module):
         (``models/hooks.py``): its MoE blocks' balancing. ``sum_over_ranks`` sums a tensor over
         the ranks that share the step's tokens, ``replicas`` of them hold a whole batch share."""
         return moe_hooks(self, sum_over_ranks, replicas)
+
+
+@torch.compiler.disable
+def _seeded_dropout(y: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
+    """Dropout whose mask comes from ``seed`` alone (the same on every rank that passes it)."""
+    g = torch.Generator(y.device).manual_seed(int(seed))
+    return y * torch.empty_like(y).bernoulli_(1 - p, generator=g) / (1 - p)
 
 
 def decoder_forward(parts: nn.Module, layers, h: torch.Tensor,
