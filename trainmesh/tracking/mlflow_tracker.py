@@ -255,12 +255,12 @@ class MlflowTracker:
 
         while True:
             with self._lock:
-                lines, end = spill.read(_BATCH_LIMIT)
-                if not lines:
+                rows, end = spill.read(_BATCH_LIMIT)
+                if not rows:
                     spill.close()
                     self._spill = None
                     return True
-            batch = [Metric(*m) for line in lines for m in json.loads(line)]
+            batch = [Metric(*m) for row in rows for m in row]
             try:
                 self.client.log_batch(self.run_id, metrics=batch)
             except Exception as err:  # noqa: BLE001 - as in _drain
@@ -371,18 +371,18 @@ class _Spill:
         self._file.write(json.dumps([[m.key, m.value, m.timestamp, m.step] for m in batch]) + "\n")
         self._file.flush()
 
-    def read(self, most: int) -> tuple[list[str], int]:
-        """Whole lines from ``offset`` holding at most ``most`` metrics (at least one line),
-        and the offset after them."""
+    def read(self, most: int) -> tuple[list[list], int]:
+        """The steps (each a list of metrics as written) from ``offset`` holding at most
+        ``most`` metrics (at least one step), and the offset after them."""
         self._file.seek(self.offset)
-        lines, count, end = [], 0, self.offset
+        rows, count, end = [], 0, self.offset
         while line := self._file.readline():
-            n = len(json.loads(line))
-            if lines and count + n > most:
+            row = json.loads(line)
+            if rows and count + len(row) > most:
                 break
-            lines.append(line)
-            count, end = count + n, self._file.tell()
-        return lines, end
+            rows.append(row)
+            count, end = count + len(row), self._file.tell()
+        return rows, end
 
     def close(self) -> None:
         self._file.close()

@@ -182,7 +182,10 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 docs: torch.Tensor | None = None) -> torch.Tensor:
-        seeds = self._replica_seeds()  # drawn before a recompute: it replays the same masks
+        # drawn before a recompute, which then replays the same masks (checked here, not in the
+        # eager function: without dropout a compiled block keeps one graph)
+        seeds = (self._replica_seeds() if self.replica_rng is not None and self.training
+                 and self.dropout else None)
         if self.recompute and torch.is_grad_enabled():
             return checkpoint(self._forward, x, cos, sin, docs, seeds, use_reentrant=False)
         return self._forward(x, cos, sin, docs, seeds)
@@ -193,9 +196,7 @@ class TransformerBlock(nn.Module):
         return h + self._drop(self.feed_forward(self.ffn_norm(h)), seeds, 1)
 
     @torch.compiler.disable  # an explicit generator: eager between compiled graphs
-    def _replica_seeds(self) -> torch.Tensor | None:
-        if self.replica_rng is None or not self.training or not self.dropout:
-            return None
+    def _replica_seeds(self) -> torch.Tensor:
         return torch.randint(0, 1 << 62, (2,), generator=self.replica_rng, device=self.replica_rng.device)
 
     def _drop(self, y: torch.Tensor, seeds: torch.Tensor | None, i: int) -> torch.Tensor:
