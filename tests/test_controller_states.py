@@ -113,6 +113,16 @@ class FakeGroup:
         return [{"loss": 10.0 / self.step, "lr": 1e-3, "grad_norm": 1.0, "save": None,
                  "preempted": self.preempt.get(r, False)} for r in range(len(self.ranks))]
 
+    def train_segment(self, steps: int, until_s: float, on_step, between) -> list[dict]:
+        """As ``RayWorkerGroup.train_segment``: up to ``steps`` steps, ended at the step after a
+        notice; the steps before the last handed to ``on_step`` (rank 0's), the last returned."""
+        for i in range(steps):
+            stats = [{**r, "step": self.step, "wall_s": 0.01} for r in self.train_step()]  # (after it)
+            if i == steps - 1 or any(r["preempted"] for r in stats) or between():
+                return stats
+            on_step(stats[0])
+        raise AssertionError("a segment of no steps")
+
     def save(self, uri: str, background: bool) -> list[dict]:
         self._check()
         self.uri = uri

@@ -10,6 +10,7 @@ import dataclasses
 import gc
 import os
 import signal
+import time
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -75,6 +76,10 @@ class RankWorker:
         # A preemption notice (SIGTERM: a spot reclaim, a node drain) does not end the rank at
         # once: it is reported with the next step so the controller can checkpoint first.
         self.preempted = False
+        # Segments of steps (``train_segment``): the one the controller asked to end early,
+        # and (rank 0, the reporter) each step's stats of the one running, read by ``reports``.
+        self._stop_segment: int | None = None
+        self._reported: list[dict] = []
         try:
             signal.signal(signal.SIGTERM, self._on_sigterm)
         except ValueError:  # not the main thread: keep Ray's own handling
@@ -137,6 +142,18 @@ class RankWorker:
         """Out of band, while a step runs: the step, the phase it is in, a counter per phase
         and the seconds since the last phase began (``actors/progress.py``)."""
         return self._progress.snapshot()
+
+    @ray.method(concurrency_group="control")
+    def request_stop(self, segment: int) -> None:
+        """Out of band, on rank 0: end segment ``segment`` at the next step boundary (every rank
+        hears it there, in-band: ``train_segment``)."""
+        self._stop_segment = segment
+
+    @ray.method(concurrency_group="control")
+    def reports(self, since: int) -> list[dict]:
+        """Out of band, on rank 0: the stats of the running segment's steps from the
+        ``since``-th on (the controller logs them while the segment goes on)."""
+        return self._reported[since:]
 
     @ray.method(concurrency_group="control")
     def node_info(self) -> dict:
@@ -231,6 +248,49 @@ class RankWorker:
         if stats.breakdown is not None:  # (after the step: not part of its step_s)
             stats.breakdown["gc_s"] = gc_s
         return {**dataclasses.asdict(stats), "preempted": self.preempted, "save": self.save_status()}
+
+    def train_segment(self, segment: int, steps: int, until_s: float) -> dict:
+        """Up to ``steps`` steps, run here without a call from the controller between them.
+        Every rank leaves at the same step boundary: at each step's start the ranks all-reduce
+        (max) three flags, in-band on the default group — a preemption notice on any rank, the
+        controller's ``request_stop`` for this segment or ``until_s`` passed (rank 0's clock),
+        a background save still being written on some rank — and end the segment on the first
+        two, or once a save that was being written is written everywhere (its commit is the
+        controller's, at the boundary). Returns ``{"steps": n, "reported": [...], "last": ...}``:
+        rank 0 (the reporter) gives every step's stats, every rank its last step's (the save's
+        status, the breakdown, the experts': what the controller reads at a boundary)."""
+        if self.rank == 0:
+            self._reported = []
+        t_end = time.monotonic() + until_s
+        writing_before = False
+        last: dict = {}
+        done = 0
+        for i in range(steps):
+            notice, asked, writing = self._agree([
+                int(self.preempted),
+                int(self.rank == 0 and (self._stop_segment == segment or time.monotonic() >= t_end)),
+                int(self.save_status() == "running")])
+            if i > 0 and (notice or asked or (writing_before and not writing)):
+                break
+            writing_before = bool(writing)
+            t0 = time.perf_counter()
+            last = self.train_step()
+            last["wall_s"] = time.perf_counter() - t0
+            last["step"] = self.engine.step
+            done += 1
+            if self.rank == 0:
+                self._reported.append(last)
+        return {"steps": done, "reported": list(self._reported) if self.rank == 0 else [],
+                "last": last}
+
+    def _agree(self, flags: list[int]) -> list[int]:
+        """The maximum of each flag over every rank: one all-reduce on the default group."""
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor(flags, dtype=torch.int64, device=self.engine.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.tolist()
 
     def evaluate(self, batches: int) -> float:
         loss = self.engine.evaluate(batches)

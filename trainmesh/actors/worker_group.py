@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -31,9 +32,11 @@ PREFER_S = 2.0
 JOIN_MARGIN_S = 60.0
 
 
-def gather(refs: list, timeout_s: float | None, poll_s: float = 0.5) -> list:
+def gather(refs: list, timeout_s: float | None, poll_s: float = 0.5,
+           tick: Callable[[], None] | None = None) -> list:
     """Every result, in order; the first rank that fails raises at once — a dead rank's error
-    is not waited for behind a survivor still blocked in a collective."""
+    is not waited for behind a survivor still blocked in a collective. ``tick``: called at
+    every poll while results are missing (the controller's work during a segment of steps)."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     index = {ref: i for i, ref in enumerate(refs)}
     results: list = [None] * len(refs)
@@ -46,6 +49,8 @@ def gather(refs: list, timeout_s: float | None, poll_s: float = 0.5) -> list:
         done, pending = ray.wait(pending, num_returns=len(pending), timeout=left)
         for ref, value in zip(done, ray.get(done), strict=True):  # raises any failure
             results[index[ref]] = value
+        if pending and tick is not None:
+            tick()
     return results
 
 
@@ -321,7 +326,7 @@ class WorkerGroup:
 
     def call_watched(self, method: str, *args: Any, timeout_s: float, hang_after_s: float | None,
                      poll_s: float = 1.0, silent_only: bool = False,
-                     each: list[tuple] | None = None) -> list:
+                     each: list[tuple] | None = None, tick: Callable[[], None] | None = None) -> list:
         """``call`` (with ``each``: every rank's own arguments, in rank order), watching for
         hung ranks once ``hang_after_s`` has passed: every ``poll_s`` each rank still in the
         call that has no question pending is asked for its progress out of band (``stalled``:
@@ -330,15 +335,15 @@ class WorkerGroup:
         then; an answer that comes late still counts, so a busy rank, or a watcher that was
         itself held up, is not mistaken for a frozen one); hung ranks' nodes — every actor in
         a hung rank's bundle — are killed and ``HangDetected`` raised, well before the
-        collective timeout would end the call."""
+        collective timeout would end the call. ``tick``: called at every poll while it runs."""
         assert each is None or not args, "the same arguments for every rank, or each its own"
         refs = self._inflight = [getattr(w, method).remote(*a) for w, a in zip(
             self.workers, each if each is not None else [args] * len(self.workers), strict=True)]
         if hang_after_s is None:
-            return gather(refs, timeout_s)
+            return gather(refs, timeout_s, tick=tick)
         t0 = time.monotonic()
         try:
-            return gather(refs, min(hang_after_s, timeout_s))
+            return gather(refs, min(hang_after_s, timeout_s), tick=tick)
         except GetTimeoutError:
             pass
         quiet_s = max(2 * poll_s, hang_after_s / 2)
@@ -346,7 +351,7 @@ class WorkerGroup:
         asked: dict[int, tuple[Any, float]] = {}  # rank: (its unanswered question, when asked)
         while True:
             try:  # a rank's failure first: it is the cause, those waiting on it are not hung
-                return gather(refs, poll_s)
+                return gather(refs, poll_s, tick=tick)
             except GetTimeoutError:
                 if time.monotonic() - t0 > timeout_s:
                     raise

@@ -1,6 +1,7 @@
-"""What the controller asks at every step boundary besides the checkpoint cadence: did a node
-give notice (a preemption), and have accelerators come that a re-plan would use (a scale-up)?
-Both read the cluster, so each is asked at most so often."""
+"""What the controller asks at every step boundary besides the checkpoint cadence, and while a
+segment of steps runs (to end it early): did a node give notice (a preemption), and have
+accelerators come that a re-plan would use (a scale-up)? Both read the cluster, so each is
+asked at most so often."""
 
 from __future__ import annotations
 
@@ -26,11 +27,17 @@ class StepBoundary:
     def notified(self, stats: list[dict], rank_nodes: list[str]) -> list[int]:
         """Ranks with a preemption notice: a SIGTERM to the rank, or its node being drained
         (the GCS is asked at most every DRAIN_CHECK_S, not at every step)."""
+        self.draining(rank_nodes)
+        return [r for r, s in enumerate(stats)
+                if s.get("preempted") or rank_nodes[r] in self._draining]
+
+    def draining(self, rank_nodes: list[str]) -> bool:
+        """Whether Ray drains a node of ``rank_nodes`` (the GCS asked at most every
+        DRAIN_CHECK_S)."""
         now = time.monotonic()
         if now >= self._drain_checked + DRAIN_CHECK_S:
             self._draining, self._drain_checked = set(draining_nodes()), now
-        return [r for r, s in enumerate(stats)
-                if s.get("preempted") or rank_nodes[r] in self._draining]
+        return bool(self._draining & set(rank_nodes))
 
     def may_grow(self, world_size: int, checkpointing: bool) -> bool:
         """Whether nodes have come that a re-plan would use (asked at checkpoints and at most

@@ -73,6 +73,10 @@ from trainmesh.tracking.mlflow_tracker import open_tracker
 RECOVERABLE = (RayActorError, RayTaskError, GetTimeoutError, PlacementTimeout, HangDetected)
 STUCK_S = 2.0  # after an abort, how long a rank may take to leave the failed call
 ALIVE_S = 3.0  # how long a live rank may take to answer on its control path
+# A segment of steps (``_train``): the most steps, and seconds, the ranks run between two
+# boundaries — where the controller reads every rank's stats (the per-rank breakdown and the
+# straggler are sampled there) and acts.
+SEGMENT_STEPS, SEGMENT_S = 100, 30.0
 
 
 class Controller:
@@ -110,6 +114,13 @@ class Controller:
         self.dims = ParallelDims()
         self.eff = self.spec  # the spec with the current plan written in
         self.boundary = StepBoundary(self.spec, self._available)
+        self._grow_asked = False  # a segment ended early for a scale-up (``_end_segment_early``)
+        # What the control plane cost (summary.json "control"; bench/control_plane.py): this
+        # thread's CPU seconds over the training loops, their segments and steps, the seconds
+        # from the run's start to its first step, each save's and snapshot's coordination.
+        self.control: dict[str, Any] = {"cpu_s": 0.0, "segments": 0, "steps": 0,
+                                        "first_step_s": None, "save_s": [], "snapshot_s": []}
+        self._t_run = time.monotonic()
         self.evals = Evaluator(self.spec)
         self.memory = MemoryTier(self.spec.checkpoint.in_memory.every)
 
@@ -133,6 +144,7 @@ class Controller:
         self.notices.append(text)
 
     def run(self) -> dict[str, Any]:
+        self._t_run = time.monotonic()
         self.out.mkdir(parents=True, exist_ok=True)
         broken = earlier_run_problems(self.spec, self.ckpts.store)
         if broken:
@@ -388,32 +400,77 @@ class Controller:
     # -- steps -----------------------------------------------------------------------------
     def _train(self, group, dims: ParallelDims, tracker, state: Running) -> Stop | None:
         """Steps from ``state.start`` to the end (None) or to a stop at a step boundary (a
-        preemption notice or a scale-up, each checkpointed first). After each step the hooks
-        of ``_after_step_hooks`` run in their order; the first that returns a stop ends it."""
-        tr, start = self.spec.training, state.start
+        preemption notice or a scale-up, each checkpointed first), in segments: the ranks run
+        the steps up to the next boundary (``_segment_steps``) with one call each, and the
+        controller logs each step as rank 0 reports it. After a segment's last step the hooks of
+        ``_after_step_hooks`` run in their order, over every rank's stats; the first that
+        returns a stop ends it."""
+        start = state.start
         nodes = len(set(self.rank_nodes))
         self.cadence.start(start, nodes, predicted_save(
             self.spec.model, dims.tp, dims.pp, dims.dp, nodes, self.spec.checkpoint.async_save,
             dp_replicate=self.eff.parallelism.dp_replicate))
         hooks = self._after_step_hooks(state, dims)
+        metrics_of = step_metrics(self.spec, dims.world_size * self.peak_tflops)
         self._set(state="training", step=start)
-        for step in range(start, tr.steps):
-            t0 = time.perf_counter()
-            stats = group.train_step()
-            done = AfterStep(step + 1, step + 1 == tr.steps, stats, time.perf_counter() - t0,
-                             group, dims, tracker)
+
+        def inside(row: dict) -> None:  # a step of the segment before its last: logged
+            self.losses.append(row["loss"])
+            self._log_step(AfterStep(row["step"], False, [row], row["wall_s"], group, dims,
+                                     tracker, whole=False), metrics_of)
+
+        cpu0 = time.thread_time()
+        try:
+            return self._segments(group, dims, tracker, state, hooks, inside)
+        finally:
+            self.control["cpu_s"] += time.thread_time() - cpu0
+
+    def _segments(self, group, dims: ParallelDims, tracker, state: Running, hooks, inside) -> Stop | None:
+        """``_train``'s loop: a segment, then the hooks at its last step."""
+        tr, step = self.spec.training, state.start
+        while step < tr.steps:
+            stats = group.train_segment(self._segment_steps(step, state), SEGMENT_S, inside,
+                                        functools.partial(self._end_segment_early, dims))
+            self.control["segments"] += 1
+            self.control["steps"] += stats[0]["step"] - step
+            if self.control["first_step_s"] is None:
+                self.control["first_step_s"] = time.monotonic() - self._t_run
+            step = stats[0]["step"]
+            done = AfterStep(step, step == tr.steps, stats, stats[0]["wall_s"], group, dims, tracker)
             self.losses.append(stats[0]["loss"])
             for hook in hooks:
                 stop = hook(done)
                 if stop is not None:
                     return stop
         self.ckpts.settle(group, tracker)
-        if state.stop is not None and start >= tr.steps:  # resumed at the end: nothing to run
+        if state.stop is not None and state.start >= tr.steps:  # resumed at the end: nothing to run
             self._recovered(state, tracker)
         return None
 
+    def _segment_steps(self, step: int, state: Running) -> int:
+        """How many steps the ranks run on their own from ``step``: to the next step that is a
+        boundary — the first after a (re)start (its recovery is measured there), a checkpoint
+        the cadence wants, an evaluation, a snapshot, the end — at most SEGMENT_STEPS. A
+        notice, a request to end early or SEGMENT_S end one sooner (``RankWorker.train_segment``)."""
+        if step == state.start:
+            return 1
+        last = min(self.spec.training.steps, step + SEGMENT_STEPS, self.cadence.next_boundary(step))
+        for s in range(step + 1, last):
+            if self.evals.due(s, False) or self.memory.due(s):
+                return s - step
+        return last - step
+
+    def _end_segment_early(self, dims: ParallelDims) -> bool:
+        """Asked while a segment runs (every ``ray_group.POLL_S``): a node of the job being
+        drained, or accelerators come that a re-plan would use — a boundary now, not at the
+        segment's end (the same checks run again there, and act)."""
+        if self.boundary.draining(self.rank_nodes):
+            return True
+        self._grow_asked = self._grow_asked or self.boundary.may_grow(dims.world_size, checkpointing=False)
+        return self._grow_asked
+
     def _after_step_hooks(self, state: Running, dims: ParallelDims) -> list[Hook]:
-        """What happens after every step, in this order."""
+        """What happens after a segment's last step (a boundary), in this order."""
         metrics_of = step_metrics(self.spec, dims.world_size * self.peak_tflops)
         first: list[Hook] = []
         if state.stop is not None:  # a recovery is complete, and measured, once a step is done
@@ -441,7 +498,14 @@ class Controller:
         self.ckpts.poll(s.group, [r.get("save") for r in s.stats], s.tracker)
 
     def _log_step(self, s: AfterStep, metrics_of, judge: bool = True) -> None:
+        """The step's metrics; at a boundary also where it went on every rank (the per-rank
+        breakdown, the straggler, the experts': sampled at each segment's last step)."""
         metrics = metrics_of(s.stats[0], s.seconds, s.dims.world_size)
+        if not s.whole:
+            s.tracker.log_metrics(metrics, step=s.step)
+            self.cadence.stepped(s.step, s.seconds, s.tracker)
+            self._set(step=s.step, loss=metrics["loss"], tokens_per_s=metrics["tokens_per_s"])
+            return
         stages = [s.dims.coords(r)[Axis.PP] for r in range(s.dims.world_size)]
         # compute, comm, bubble, data, memory; the straggler among ranks doing the same work
         where, straggler = breakdown_metrics(s.stats, stages, judge)
@@ -484,7 +548,9 @@ class Controller:
 
     def _checkpoint_or_grow(self, s: AfterStep) -> Stop | None:
         due = self.cadence.due(s.step)
-        grow = not s.last and self.boundary.may_grow(s.dims.world_size, checkpointing=due)
+        grow = not s.last and (self._grow_asked or self.boundary.may_grow(s.dims.world_size,
+                                                                           checkpointing=due))
+        self._grow_asked = False
         if due or grow or (s.last and self.spec.checkpoint.save_final):
             self._checkpoint(s.group, s.dims, s.step, s.tracker,
                              background=self.spec.checkpoint.async_save and not (s.last or grow))
@@ -495,13 +561,17 @@ class Controller:
 
     def _snapshot(self, s: AfterStep) -> None:
         if self.memory.due(s.step) and not s.last:
+            t0 = time.perf_counter()
             s.tracker.log_metrics(self.memory.snapshot(s.group, s.step, self.rank_nodes, self.losses,
                                                        s.dims.as_dict()), step=s.step)
+            self.control["snapshot_s"].append(time.perf_counter() - t0)
 
     def _checkpoint(self, group, dims: ParallelDims, step: int, tracker, background: bool) -> None:
         meta = step_meta(self.eff, dims, step, self.losses, self.recoveries, tracker.run_id)
         self.cadence.saving(step)
+        t0 = time.perf_counter()
         self.ckpts.save(group, step, meta, tracker, background)
+        self.control["save_s"].append(time.perf_counter() - t0)
 
     def _resume(self, group, tracker) -> int:
         # (the run's start: no checkpoint under resume: never; a recovery: its own newest)
@@ -525,6 +595,7 @@ class Controller:
             "checkpoints": self.ckpts.published(), "recoveries": self.recoveries,
             "rank_pids": self.pid_history, "checkpoint_cadence": self.cadence.choices,
             "mlflow_run_id": tracker.run_id, "tracking_uri": tracker.uri,
+            "control": self.control,
         }
         if self.experts:  # the last step's per-block expert statistics, the run's drops
             summary["experts"] = self.experts

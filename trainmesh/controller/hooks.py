@@ -26,6 +26,9 @@ class AfterStep:
     group: Any  # the worker group
     dims: ParallelDims
     tracker: Any
+    # every rank's stats (a segment's last step, a boundary); False: rank 0's alone (a step
+    # inside a segment: logged, nothing acted on)
+    whole: bool = True
 
 
 Hook = Callable[[AfterStep], Stop | None]

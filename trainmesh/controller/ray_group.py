@@ -7,6 +7,7 @@ import functools
 import statistics
 import time
 from collections import Counter
+from collections.abc import Callable
 
 from trainmesh.parallel.dims import ParallelDims
 from trainmesh.parallel.layout import Placement, plan_placement
@@ -14,6 +15,7 @@ from trainmesh.planning.topology import Topology, topology_from_ray
 from trainmesh.spec.job import ElasticConfig, JobSpec
 
 HANG_STEPS, HANG_FLOOR_S, MEASURED = 10.0, 60.0, 3
+POLL_S = 1.0  # during a segment of steps: how often rank 0's reports and the cluster are read
 
 
 def placement_for(spec: JobSpec, dims: ParallelDims, topo: Topology) -> Placement:
@@ -95,6 +97,7 @@ class RayWorkerGroup:
             self.group.shutdown()
             raise
         self._steps: list[float] = []  # recent step times, for the hang bound
+        self._segment = 0  # segments of steps started (``train_segment``)
         self._asked: tuple[float, dict] | None = None  # (when, refs) of the last "alive?"
         self._aborted: set[int] | None = None  # the ranks that answered the last abort
         # every rank's process answered since it started (its process group formed): a silent
@@ -217,6 +220,58 @@ class RayWorkerGroup:
                self.watched("train_step", measure_activations, timeout_s=self.timeout * 2))
         self._steps = [*self._steps[-19:], time.monotonic() - t0]
         return out
+
+    def train_segment(self, steps: int, until_s: float, on_step: Callable[[dict], None],
+                      between: Callable[[], bool]) -> list[dict]:
+        """Up to ``steps`` steps on every rank with one call per rank (``RankWorker.train_segment``),
+        watched for hung ranks as a step is (the bound applies to the silence, not to the
+        segment). While it runs, at every poll (``POLL_S``): rank 0's stats of the steps it has
+        finished are read (one call) and handed to ``on_step`` in order, all but its newest (the
+        segment's last step is handed over with every rank's stats, by the caller); and
+        ``between()`` is asked whether the segment should end at the next step boundary (then
+        rank 0 is told, and every rank hears it in-band). Returns every rank's
+        ``{"steps", "reported", "last"}``, rank 0's ``reported`` holding the steps not yet
+        handed to ``on_step``."""
+        import ray
+
+        self._segment += 1
+        segment, rank0 = self._segment, self.group.workers[0]
+        state = {"handed": 0, "asking": None, "stopping": False}
+
+        def hand(rows: list[dict], keep_last: bool) -> None:
+            new = rows[: len(rows) - 1] if keep_last else rows
+            for row in new:
+                on_step(row)
+                self._steps = [*self._steps[-19:], row["wall_s"]]
+            state["handed"] += len(new)
+
+        def tick() -> None:
+            asking = state["asking"]
+            if asking is not None and ray.wait([asking], timeout=0)[0]:
+                state["asking"] = None
+                try:
+                    hand(ray.get(asking), keep_last=True)
+                except ray.exceptions.RayError:
+                    pass  # (rank 0 died: the segment's call fails, and that is the failure)
+            if state["asking"] is None:
+                state["asking"] = rank0.reports.remote(state["handed"])
+            if not state["stopping"] and between():
+                state["stopping"] = True
+                rank0.request_stop.remote(segment)
+
+        bound = hang_bound_s(self.spec.elastic, self._steps)
+        timeout_s = until_s + self.timeout * 2
+        args = ("train_segment", segment, steps, until_s)
+        out = (self.group.call_watched(*args, timeout_s=timeout_s, hang_after_s=bound, tick=tick,
+                                       poll_s=POLL_S)
+               if bound is not None else
+               self.group.call_watched(*args, timeout_s=timeout_s, tick=tick, poll_s=POLL_S,
+                                       hang_after_s=liveness_bound_s(self.spec.elastic, self.timeout),
+                                       silent_only=True))
+        reported = out[0]["reported"]
+        hand(reported[state["handed"]:], keep_last=True)  # (the last: the caller's, whole)
+        self._steps = [*self._steps[-19:], reported[-1]["wall_s"]]
+        return [r["last"] for r in out]
 
     def evaluate(self, batches: int) -> float:
         """The held-out loss (every rank computes it; all hold the same value)."""

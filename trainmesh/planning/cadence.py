@@ -102,6 +102,15 @@ class CheckpointCadence:
             return bool(self.fixed) and step % self.fixed == 0
         return self.choice is not None and step - self._last_save >= self.choice.every_steps
 
+    def next_boundary(self, step: int) -> int:
+        """The first step after ``step`` at which ``due`` may hold: a save's, or (``auto``
+        still measuring) the one whose time makes the choice."""
+        if not self.auto:
+            return step - step % self.fixed + self.fixed if self.fixed else 1 << 62
+        if self.choice is None:
+            return step + max(1, MEASURED_STEPS - len(self._steps))
+        return max(step + 1, self._last_save + self.choice.every_steps)
+
     def saving(self, step: int) -> None:
         self._last_save = step
 
