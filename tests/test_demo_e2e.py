@@ -57,10 +57,15 @@ def test_demo_job_through_cli_lands_in_mlflow(tmp_path):
     assert losses == pytest.approx(summary["losses"])
     first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
     assert last < 0.5 * first, (first, last)  # it visibly learns
-    for name in ("lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_gpu", "step_time_s", "mfu",
-                 "step/compute_s", "step/data_s", "step/comm_s", "step/compute_s_max",
-                 "memory/peak_gib_max", "rank1/compute_s"):
+    for name in ("lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_gpu", "step_time_s", "mfu"):
         assert len(client.get_metric_history(run.info.run_id, name)) == 150, name
+    # every rank's breakdown at each segment's last step (the boundaries: the first step, the
+    # checkpoints and evaluations at 50, 100, 150)
+    assert summary["control"]["segments"] == 4 and summary["control"]["steps"] == 150
+    for name in ("step/compute_s", "step/data_s", "step/comm_s", "step/compute_s_max",
+                 "memory/peak_gib_max", "rank1/compute_s"):
+        steps = [m.step for m in client.get_metric_history(run.info.run_id, name)]
+        assert sorted(steps) == [1, 50, 100, 150], name
     # Where each rank's last step went (its parts add up to the step), in summary.json
     for r in summary["step_breakdown"]["ranks"]:
         parts = r["data_s"] + r["compute_s"] + r["comm_s"] + r["bubble_s"]

@@ -280,6 +280,7 @@ class RankWorker:
             done += 1
             if self.rank == 0:
                 self._reported.append(last)
+        last.update(preempted=self.preempted, save=self.save_status())  # (as of the boundary)
         return {"steps": done, "reported": list(self._reported) if self.rank == 0 else [],
                 "last": last}
 

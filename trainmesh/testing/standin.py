@@ -50,14 +50,16 @@ class _Streams:  # as ``engine.rng.RankStreams``: a state per rank, restored as 
 class StandInEngine:
     """Steps that sleep; the loss a function of the step alone (every mesh agrees)."""
 
-    def __init__(self, spec: JobSpec, rank: int, layout: dict):
+    def __init__(self, spec: JobSpec, rank: int, layout: dict, on_phase=lambda phase: None):
         self.step, self.step_s = 0, float(os.environ.get(STEP_S_ENV, "0.05"))
+        self.on_phase = on_phase  # (the rank's progress: what the controller and faults see)
         self.tokens = spec.training.global_batch_size * spec.training.seq_len
         self.rng = _Streams(rank, layout)
         self.batches = SimpleNamespace(close=lambda: None)
         self.device = SimpleNamespace(type="cpu")
 
     def train_step(self, measure_activations: bool = False) -> _Stats:
+        self.on_phase("forward")
         time.sleep(self.step_s)
         self.step += 1
         return _Stats(loss=10.0 / self.step, grad_norm=1.0, lr=1e-3, tokens=self.tokens,
@@ -65,6 +67,14 @@ class StandInEngine:
 
 
 class StandInRank(RankWorker):
+    def warm(self) -> int:  # a ready process: nothing to import ahead
+        return os.getpid()
+
+    def adopt(self, rank: int, world_size: int, cpu_threads: int, accelerators: list) -> int:
+        self.rank, self.world_size = rank, world_size
+        self._progress.rank = rank
+        return os.getpid()
+
     def create_store(self, timeout_s: float) -> tuple[str, int]:
         return "127.0.0.1", 0
 
@@ -74,9 +84,15 @@ class StandInRank(RankWorker):
 
     def build(self, spec_json: str, dims: dict, data_dir: str) -> int:
         spec = JobSpec.model_validate_json(spec_json)
-        self.engine = StandInEngine(spec, self.rank, dims)
+        self.engine = StandInEngine(spec, self.rank, dims, self._progress.mark)
         self._collector = Collector(spec.runtime.gc_every)
         return 0
+
+    def evaluate(self, batches: int) -> float:
+        return 10.0 / max(1, self.engine.step)
+
+    def timeline(self) -> list:
+        return []
 
     def _agree(self, flags: list[int]) -> list[int]:
         return flags  # (no collective: see the module's docstring)

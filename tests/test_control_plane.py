@@ -1,0 +1,58 @@
+"""The control plane: the ranks run segments of steps between boundaries without a call from the
+controller per step (``Controller._train``, ``RankWorker.train_segment``), rank 0 reports each
+step, and every rank leaves a segment at the same step. (The stand-in rank the control-plane
+bench runs by the hundred: ``tests/test_control_plane_standin.py``.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from trainmesh.cli.loading import load_spec
+from trainmesh.controller.launch import run_job
+from trainmesh.testing.standin import CALLS_DIR_ENV, counting
+
+pytestmark = pytest.mark.cluster
+
+BASE = ["model.preset=tiny", "training.global_batch_size=8", "training.microbatch_size=2",
+        "training.seq_len=32", "optimizer.warmup_steps=1", "runtime.device=cpu",
+        "runtime.collective_timeout_s=60", "elastic.ready_ranks_per_node=0"]
+
+
+def _calls(directory) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(directory.glob("calls-*.json"))]
+
+
+@pytest.mark.timeout(300)
+def test_a_40_step_job_with_one_checkpoint_calls_each_rank_once_per_segment(ray_local, tmp_path):
+    """dp 2, 40 steps, one checkpoint (step 20): three segments (the first step alone, its
+    recovery-free start measured; then to the checkpoint; then to the end), one call per rank
+    each; every call a rank got over the job is at most 0.25 a step; the losses are the single
+    process's and MLflow has every step's metrics."""
+    from mlflow.tracking import MlflowClient
+    from reference import reference_run
+
+    from trainmesh.actors.rank_worker import RankWorker
+
+    calls_dir = tmp_path / "calls"
+    calls_dir.mkdir()
+    spec = load_spec(None, [*BASE, "parallelism.dp=2", "training.steps=40", "checkpoint.every=20",
+                            "checkpoint.save_final=false", "checkpoint.async_save=false",
+                            f"runtime.output_dir={tmp_path / 'out'}"])
+    s = run_job(spec, environ={}, show_progress=False, rank_cls=counting(RankWorker),
+                job_env={CALLS_DIR_ENV: str(calls_dir)})
+    assert s["status"] == "FINISHED" and s["steps_done"] == 40
+    assert s["control"]["segments"] == 3 and s["control"]["steps"] == 40
+    counted = _calls(calls_dir)
+    assert sorted(c["rank"] for c in counted) == [0, 1]
+    for c in counted:
+        assert c["calls"]["train_segment"] == 3, c
+        assert "train_step" not in c["calls"], c
+        assert sum(c["calls"].values()) / 40 <= 0.25, c
+    ref, _ = reference_run(spec, str(tmp_path / "out" / "data" / "tiny-corpus"), steps=40)
+    torch.testing.assert_close(torch.tensor(s["losses"]), torch.tensor(ref), rtol=1e-5, atol=0)
+    history = MlflowClient(tracking_uri=s["tracking_uri"]).get_metric_history(s["mlflow_run_id"], "loss")
+    assert [(m.step, m.value) for m in history] == [(i + 1, v) for i, v in enumerate(s["losses"])]
+    assert s["checkpoints"] and s["checkpoints"][0].endswith("step-000020")
