@@ -52,6 +52,7 @@ def test_stand_in_ranks_run_a_job_with_checkpoints_and_snapshots(tmp_path):
     from servers import simulated_cluster
 
     spec = load_spec(None, [*BASE, "runtime.device=auto", "runtime.cpus_per_rank=0.1",
+                            "training.microbatch_size=1",
                             "parallelism.dp=8", "training.steps=12", "checkpoint.every=6",
                             "checkpoint.in_memory.every=4", "tracking.enabled=false",
                             f"runtime.output_dir={tmp_path / 'out'}"])
