@@ -96,6 +96,9 @@ def main() -> None:
                 t0 = time.monotonic()
                 s = job(n, args.step_s, args.steps, Path(tmp) / "a", kill=False)
                 wall = time.monotonic() - t0
+                c = s["control"]
+                print(json.dumps({"ranks": n, "control": c, "job_wall_s": wall,
+                                  "calls": [x["calls"] for x in s["calls"][:2]]}), flush=True)
                 rec = None
                 if not args.no_kill:
                     k = job(n, args.step_s, args.steps, Path(tmp) / "b", kill=True)
