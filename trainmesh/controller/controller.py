@@ -501,8 +501,9 @@ class Controller:
         """The step's metrics; at a boundary also where it went on every rank (the per-rank
         breakdown, the straggler, the experts': sampled at each segment's last step)."""
         metrics = metrics_of(s.stats[0], s.seconds, s.dims.world_size)
-        if not s.whole:
-            s.tracker.log_metrics(metrics, step=s.step)
+        if not s.whole:  # rank 0's own; its experts' are every block's without pipeline
+            experts = expert_metrics(s.stats) if s.dims.pp == 1 else {}
+            s.tracker.log_metrics({**metrics, **flat_expert_metrics(experts)}, step=s.step)
             self.cadence.stepped(s.step, s.seconds, s.tracker)
             self._set(step=s.step, loss=metrics["loss"], tokens_per_s=metrics["tokens_per_s"])
             return
