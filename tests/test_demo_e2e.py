@@ -59,13 +59,13 @@ def test_demo_job_through_cli_lands_in_mlflow(tmp_path):
     assert last < 0.5 * first, (first, last)  # it visibly learns
     for name in ("lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_gpu", "step_time_s", "mfu"):
         assert len(client.get_metric_history(run.info.run_id, name)) == 150, name
-    # every rank's breakdown at each segment's last step (the boundaries: the first step, the
-    # checkpoints and evaluations at 50, 100, 150)
-    assert summary["control"]["segments"] == 4 and summary["control"]["steps"] == 150
+    # every rank's breakdown at each segment's last step: the boundaries (the first step, the
+    # checkpoints and evaluations at 50, 100, 150; a background save's end ends one too)
+    assert summary["control"]["steps"] == 150
     for name in ("step/compute_s", "step/data_s", "step/comm_s", "step/compute_s_max",
                  "memory/peak_gib_max", "rank1/compute_s"):
         steps = [m.step for m in client.get_metric_history(run.info.run_id, name)]
-        assert sorted(steps) == [1, 50, 100, 150], name
+        assert {1, 50, 100, 150} <= set(steps) and len(steps) == summary["control"]["segments"], name
     # Where each rank's last step went (its parts add up to the step), in summary.json
     for r in summary["step_breakdown"]["ranks"]:
         parts = r["data_s"] + r["compute_s"] + r["comm_s"] + r["bubble_s"]
