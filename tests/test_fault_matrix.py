@@ -289,6 +289,34 @@ def test_a_cold_restart_takes_ready_processes_and_a_freeze_while_restoring_is_fo
     assert_reference_losses(s, tmp_path)
 
 
+@pytest.mark.timeout(300)
+def test_a_frozen_rank_is_found_seconds_after_the_hang_bound(cluster, tmp_path):
+    """A rank that freezes (SIGSTOP) mid-segment — its peer blocked on it in the step's
+    collective, rank 0's reports stopped — is found once nothing has moved for the hang bound
+    and a progress question to it has gone unanswered for a few seconds
+    (``ray_group.hang_found_after_s``): with a 20 s bound, within 28 s of the freeze, where
+    the watch used to wait half the bound more (30 s or later); never before the bound. Its
+    node is given up and the job ends with the single process's losses."""
+    from servers import MEMORY_ARGS, assert_reference_losses, run_losing_nodes
+
+    from trainmesh.controller.ray_group import hang_found_after_s
+
+    bound = 20
+    s = run_losing_nodes(cluster, tmp_path, [
+        *MEMORY_ARGS, "parallelism.pp=1", "parallelism.tp=1", "parallelism.dp=2",
+        "training.steps=8", "elastic.max_world_size=2", f"elastic.hang_timeout_s={bound}",
+        "runtime.collective_timeout_s=120"],
+        ["hang@rank=1,step=4,phase=forward"], remove=False)
+    assert s["status"] == "FINISHED" and s["steps_done"] == 8
+    [rec] = s["recoveries"]
+    assert "HangDetected" in rec["cause"], rec
+    frozen = json.loads((tmp_path / "fired-0").read_text())
+    found_after_s = rec["failed_at"] - (tmp_path / "fired-0").stat().st_mtime
+    assert bound <= found_after_s <= hang_found_after_s(bound) + 1 < 1.5 * bound, (found_after_s, rec)
+    assert frozen["node"] not in s["rank_to_node"], (frozen, s["rank_to_node"])
+    assert_reference_losses(s, tmp_path)
+
+
 @pytest.mark.timeout(600)
 def test_every_fault_is_recovered_warm_in_seconds_with_nothing_lost(cluster, tmp_path):
     from reference import reference_run

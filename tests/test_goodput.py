@@ -152,6 +152,36 @@ def test_goodput_command_side_by_side_on_the_70b_reference_job(capsys, tmp_path)
                  "--failures-per-day", "2", "--days", "3", "--spare-nodes", "2"]) == 0
     table = capsys.readouterr().out
     assert "1,024" in table and "2,048" in table and "spare_nodes=2" in table
+    # every cost term says where it comes from: measured (where, at how many ranks) or assumed
+    assert "boundary_ms_per_rank = 0.55: measured, 8–64 stand-in ranks" in table
+    assert "pg_init_s_per_1k_ranks = 5: assumed (--pg-init-s-per-1k-ranks)" in table
+    assert got["measured"]["restart_s"]["source"].startswith("measured")
+
+
+def test_segments_keep_the_controllers_boundaries_to_a_percent_of_the_time():
+    """A segment is SEGMENT_STEPS steps or SEGMENT_S seconds, stretched where the controller's
+    boundary (growing with the ranks) would take more than 1% of it; so the control plane's
+    part of a step stays within 1% of the step at any rank count, and within 1 ms a step at 256
+    ranks with steps of up to a tenth of a second. A save's call to every rank blocks for a
+    boundary more, which the cadence weighs."""
+    from trainmesh.planning.cadence import SEGMENT_S, SEGMENT_STEPS, segment_caps
+    from trainmesh.planning.failure_costs import MEASURED, control_s_per_step, mesh_costs
+    from trainmesh.spec.job import ModelConfig
+
+    assert segment_caps(0.001, 0.1) == (SEGMENT_STEPS, SEGMENT_S)  # small jobs: as they were
+    steps, until_s = segment_caps(9.0, 1.5)
+    assert until_s == pytest.approx(900) and steps == 600
+    for world in (8, 256, 1024, 16384):
+        for step_s in (0.01, 0.1, 1.5, 10.0):
+            assert control_s_per_step(world, step_s) <= 0.0101 * step_s, (world, step_s)
+    assert control_s_per_step(256, 0.1) <= 1e-3
+    model = ModelConfig(preset="70b")
+    small, large = (mesh_costs(model, 8, 8, dp, dp // 8, 1.5, 1, async_save=True)
+                    for dp in (16, 256))
+    boundary = MEASURED.boundary_ms_per_rank / 1000
+    assert large.save_blocked_s - small.save_blocked_s == pytest.approx(
+        boundary * 64 * (256 - 16) + large.state_gb_per_rank / 25 - small.state_gb_per_rank / 25)
+    assert large.step_s == pytest.approx(1.5 + large.control_s) and large.control_s > small.control_s
 
 
 @pytest.mark.parametrize("argv, words", [

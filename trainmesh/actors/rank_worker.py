@@ -247,7 +247,7 @@ class RankWorker:
         gc_s = self._collector.after_step(self.engine.step)
         if stats.breakdown is not None:  # (after the step: not part of its step_s)
             stats.breakdown["gc_s"] = gc_s
-        return {**dataclasses.asdict(stats), "preempted": self.preempted, "save": self.save_status()}
+        return {**dataclasses.asdict(stats), "preempted": self.preempted, **self.save_report()}
 
     def train_segment(self, segment: int, steps: int, until_s: float) -> dict:
         """Up to ``steps`` steps, run here without a call from the controller between them.
@@ -280,7 +280,7 @@ class RankWorker:
             done += 1
             if self.rank == 0:
                 self._reported.append(last)
-        last.update(preempted=self.preempted, save=self.save_status())  # (as of the boundary)
+        last.update(preempted=self.preempted, **self.save_report())  # (as of the boundary)
         return {"steps": done, "reported": list(self._reported) if self.rank == 0 else [],
                 "last": last}
 
@@ -313,8 +313,9 @@ class RankWorker:
 
     # -- checkpoints -----------------------------------------------------------------------
     def save(self, directory: str, background: bool = False) -> dict:
-        """Collective save; returns this rank's random streams (``engine/rng.py``), which the
-        controller writes beside the shards. Synchronous:
+        """Collective save; returns ``{"rng": ..., "files": ...}``: this rank's random streams
+        (``engine/rng.py``), which the controller writes beside the shards, and (synchronous)
+        the files it wrote with their sizes (``saved_files``; None in the background). Synchronous:
         the shards are written when it returns (``saved_files``: their sizes) and a thread
         takes their digests while training goes on. In the background, this rank's shards are
         copied to host memory before it returns and a thread writes (and digests) them while
@@ -331,7 +332,7 @@ class RankWorker:
                 self._save_group = self._new_save_group()
             self._saving = self.engine.async_save(directory, self._save_group)
         self._collector.after_call()
-        return self.engine.rng.state()
+        return {"rng": self.engine.rng.state(), "files": None if background else self.saved_files()}
 
     def _new_save_group(self):
         """The background save's own gloo group (all ranks together)."""
@@ -352,6 +353,18 @@ class RankWorker:
         if err is None:
             self._saved_files = f.result()
         return "done" if err is None else f"failed: {err!r}"[:2000]
+
+    def save_report(self) -> dict:
+        """The last save's state (``save_status``) and, once it is done, its files
+        (``saved_files``, digests in): what a step's or a segment's answer carries, so that
+        the controller commits a save, or adds its digests, without a call of its own."""
+        status = self.save_status()
+        return {"save": status, "saved_files": self.saved_files() if status == "done" else None}
+
+    def finish_save(self, timeout_s: float | None = None) -> dict:
+        """``wait_save``, answered as ``save_report`` is (the files of a save that ended done)."""
+        status = self.wait_save(timeout_s)
+        return {"save": status, "saved_files": self.saved_files() if status == "done" else None}
 
     def saved_files(self) -> dict:
         """{file: {"size", "sha256"}} of the files this rank wrote in its last save, digested

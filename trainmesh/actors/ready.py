@@ -84,22 +84,38 @@ class ReadyPool:
         for node in set(nodes) & set(self._ready):
             self._end(self._ready.pop(node))
 
-    def take(self, node: str, alive_s: float = 10.0) -> tuple | None:
-        """A ready process on ``node`` that answers (warmed ones first; one still starting is
-        waited for up to ``alive_s``, time its adoption would wait anyway; one that died or does
-        not answer is ended), now the caller's, with its pid; None if there is none."""
-        have = self._ready.get(node, [])
-        have.sort(key=lambda h: not ray.wait([h[1]], timeout=0)[0])  # warmed first
-        while have:
-            actor, warm, _ = have.pop(0)
-            if _failed(warm):
-                ray.kill(actor)
-                continue
-            try:  # (its control thread: it answers while the warm-up runs)
-                return actor, ray.get(actor.node_info.remote(), timeout=alive_s)["pid"]
-            except Exception:  # noqa: BLE001 - dead or not there: the next one
-                ray.kill(actor)
-        return None
+    def take_all(self, nodes: list[str], alive_s: float = 10.0) -> list[tuple | None]:
+        """For each of ``nodes`` (a node once per rank to place there), a ready process there
+        that answers (warmed ones first; one still starting is waited for up to ``alive_s``,
+        time its adoption would wait anyway; one that died or does not answer is ended), now
+        the caller's, with its pid; None where there is none. Every candidate is asked at once
+        and the answers waited for once, a round per candidate that failed to answer."""
+        out: list[tuple | None] = [None] * len(nodes)
+        for node in set(nodes):
+            self._ready.get(node, []).sort(key=lambda h: not ray.wait([h[1]], timeout=0)[0])
+        todo = list(range(len(nodes)))
+        while todo:
+            asked: dict[int, tuple] = {}  # index: (actor, its node_info ref)
+            for i in todo:
+                have = self._ready.get(nodes[i], [])
+                while have:
+                    actor, warm, _ = have.pop(0)
+                    if _failed(warm):
+                        ray.kill(actor)
+                        continue
+                    asked[i] = (actor, actor.node_info.remote())  # (its control thread: it
+                    break  # answers while the warm-up runs)
+            if not asked:
+                break
+            ray.wait([ref for _, ref in asked.values()], num_returns=len(asked), timeout=alive_s)
+            todo = []
+            for i, (actor, ref) in asked.items():
+                try:
+                    out[i] = actor, ray.get(ref, timeout=0)["pid"]
+                except Exception:  # noqa: BLE001 - dead or not there: the next one
+                    ray.kill(actor)
+                    todo.append(i)
+        return out
 
     def shutdown(self) -> None:
         for have in self._ready.values():

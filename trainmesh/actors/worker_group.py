@@ -16,6 +16,7 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from trainmesh.actors.errors import HangDetected, PlacementTimeout
+from trainmesh.actors.progress import silence_after_s
 from trainmesh.actors.rank_worker import RankWorker
 from trainmesh.actors.ready import ReadyPool, Seat
 from trainmesh.parallel.layout import Placement
@@ -152,6 +153,7 @@ class WorkerGroup:
         self.started: list[int] = []  # ... and the ranks that started a new process
         self.pgs: list = []  # the first group's, then one per re-form that needed new actors
         self._inflight: list = []  # the refs of the last call on every rank
+        self.issued_cpu_s = 0.0  # this thread's CPU time once the last watched call was issued
         world = len(placement.rank_bundle)
         pg, nodes = self._place(placement.bundles, placement.strategy,
                                 self._preferred(placement.bundles))
@@ -193,9 +195,13 @@ class WorkerGroup:
         cls = ray.remote(concurrency_groups=RANK_CONCURRENCY_GROUPS)(self._rank_cls)
         seat_cls = ray.remote(Seat)
         out = []
+        # the ready processes for every rank at once (each asked whether it lives, waited once)
+        wanted = [rank for rank, b in ranks if self.ready and b in where]
+        taken = dict(zip(wanted, self.ready.take_all([where[b] for _, b in ranks if b in where])
+                         if wanted else [], strict=True))
         for rank, b in ranks:
             strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b)
-            got = self.ready.take(where[b]) if self.ready and b in where else None
+            got = taken.get(rank)
             if got is not None:
                 ready, pid = got
                 seat = seat_cls.options(num_cpus=res.get("CPU", 0), num_gpus=res.get("GPU", 0),
@@ -297,23 +303,29 @@ class WorkerGroup:
             return []
         _, pending = ray.wait(list(refs), num_returns=len(refs), timeout=wait_s)
         stuck = sorted(refs[ref] for ref in pending)
-        for r in stuck:
-            self._hand_off_memory(r, [t for t in range(len(self.workers)) if t not in stuck])
+        self._hand_off_memory(stuck, [t for t in range(len(self.workers)) if t not in stuck])
         self.end(stuck)
         self._inflight = []
         return stuck
 
-    def _hand_off_memory(self, rank: int, others: list[int], timeout_s: float = 10.0) -> None:
-        """Before a stuck rank is killed: the in-memory snapshots it holds (its own and its
+    def _hand_off_memory(self, ranks: list[int], others: list[int], timeout_s: float = 10.0) -> None:
+        """Before stuck ranks are killed: the in-memory snapshots each holds (its own and its
         buddies' copies) go to a rank of its node (whose node is fine) or else any other that
-        takes them; its "memory" thread serves them while its main thread is stuck."""
-        others = sorted(others, key=lambda t: self.nodes[t] != self.nodes[rank])
-        for t in others:
-            try:
-                ray.get(self.workers[rank].memory_handoff.remote(self.workers[t]), timeout=timeout_s)
+        takes them; its "memory" thread serves them while its main thread is stuck. Every
+        stuck rank hands off at once, a round per hand-off that failed (to the next taker)."""
+        takers = {r: sorted(others, key=lambda t: self.nodes[t] != self.nodes[r]) for r in ranks}
+        while takers:
+            refs = {self.workers[r].memory_handoff.remote(self.workers[t.pop(0)]): r
+                    for r, t in takers.items() if t}
+            if not refs:
                 return
-            except Exception:  # noqa: BLE001 - that one is gone too: the next
-                continue
+            ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+            for ref, r in refs.items():
+                try:
+                    ray.get(ref, timeout=0)
+                    del takers[r]
+                except Exception:  # noqa: BLE001 - that one is gone too (or slow): the next
+                    continue
 
     @property
     def world_size(self) -> int:
@@ -326,27 +338,31 @@ class WorkerGroup:
 
     def call_watched(self, method: str, *args: Any, timeout_s: float, hang_after_s: float | None,
                      poll_s: float = 1.0, silent_only: bool = False,
-                     each: list[tuple] | None = None, tick: Callable[[], None] | None = None) -> list:
+                     each: list[tuple] | None = None, tick: Callable[[], None] | None = None,
+                     moved_at: Callable[[], float] | None = None) -> list:
         """``call`` (with ``each``: every rank's own arguments, in rank order), watching for
-        hung ranks once ``hang_after_s`` has passed: every ``poll_s`` each rank still in the
-        call that has no question pending is asked for its progress out of band (``stalled``:
-        a rank counts as hung once nobody has moved for half the bound, at least two polls, or
-        once a question put to it that long ago is unanswered — with ``silent_only``, only
-        then; an answer that comes late still counts, so a busy rank, or a watcher that was
-        itself held up, is not mistaken for a frozen one); hung ranks' nodes — every actor in
-        a hung rank's bundle — are killed and ``HangDetected`` raised, well before the
-        collective timeout would end the call. ``tick``: called at every poll while it runs."""
+        hung ranks once nothing has moved for ``hang_after_s`` — since the call began, or since
+        ``moved_at()`` (a segment of steps: when the last step was reported), so that a call
+        making progress asks nobody anything. Then every ``poll_s`` each rank still in the call
+        that has no question pending is asked for its progress out of band, and a rank counts as
+        hung (``stalled``) once a question put to it ``silence_s`` ago is unanswered (a frozen
+        process never answers: ``silence_s`` is a few seconds, ``silence_after_s``), or — unless
+        ``silent_only`` — once every rank has been in its phase for half the bound, at least two
+        polls (nobody moves: the others wait in a collective for the one furthest behind). An
+        answer that comes late still counts, so a busy rank, or a watcher that was itself held
+        up, is not mistaken for a frozen one. Hung ranks' nodes — every actor in a hung rank's
+        bundle — are killed and ``HangDetected`` raised, well before the collective timeout
+        would end the call. ``tick``: called at every poll while it runs."""
         assert each is None or not args, "the same arguments for every rank, or each its own"
         refs = self._inflight = [getattr(w, method).remote(*a) for w, a in zip(
             self.workers, each if each is not None else [args] * len(self.workers), strict=True)]
+        self.issued_cpu_s = time.thread_time()  # (the controller's: when every call was out)
         if hang_after_s is None:
             return gather(refs, timeout_s, tick=tick)
         t0 = time.monotonic()
-        try:
-            return gather(refs, min(hang_after_s, timeout_s), tick=tick)
-        except GetTimeoutError:
-            pass
+        moved = moved_at or (lambda: t0)
         quiet_s = max(2 * poll_s, hang_after_s / 2)
+        silence_s = silence_after_s(hang_after_s, poll_s, silent_only)
         seen: dict[int, tuple[float, dict]] = {}  # rank: (when its answer came, what it said)
         asked: dict[int, tuple[Any, float]] = {}  # rank: (its unanswered question, when asked)
         while True:
@@ -355,22 +371,25 @@ class WorkerGroup:
             except GetTimeoutError:
                 if time.monotonic() - t0 > timeout_s:
                     raise
+            t = time.monotonic()
+            if t - moved() < hang_after_s:  # moving: nothing to ask
+                seen.clear()
+                asked.clear()
+                continue
             finished = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
             running = {r for r, ref in enumerate(refs) if ref not in finished}
-            t = time.monotonic()
-            asked.update({r: (self.workers[r].progress.remote(), t) for r in running - set(asked)})
             questions = {ref: r for r, (ref, _) in asked.items()}
             answered = ray.wait(list(questions), num_returns=len(questions),
-                                timeout=poll_s)[0] if questions else []
-            t = time.monotonic()
-            for ref in answered:
+                                timeout=0)[0] if questions else []
+            for ref in answered:  # (the answers that came during the last poll)
                 r = questions[ref]
                 del asked[r]
                 try:
                     seen[r] = (t, ray.get(ref))
                 except ray.exceptions.RayError:
                     pass  # (a dead rank: its call fails, and the next gather raises that)
-            now = [_look(seen.get(r), asked[r][1] if r in asked else None, t, quiet_s)
+            asked.update({r: (self.workers[r].progress.remote(), t) for r in running - set(asked)})
+            now = [_look(seen.get(r), asked[r][1] if r in asked else None, t, silence_s)
                    for r in range(len(refs))]
             hung = stalled(now, running, quiet_s, silent_only)
             if hung:
@@ -378,10 +397,10 @@ class WorkerGroup:
         nodes = {self.placement.rank_bundle[r] for r in hung}
         doomed = [r for r, b in enumerate(self.placement.rank_bundle) if b in nodes]
         self.end(doomed, frozen=True)
-        if silent_only:
-            what = f"did not answer for {min(t - asked[r][1] for r in hung):.0f} s or more"
-        else:
-            what = f"made no progress for {time.monotonic() - t0:.0f} s"
+        silent = [r for r in hung if now[r] is None]
+        what = (f"did not answer for {min(t - asked[r][1] for r in silent):.0f} s or more"
+                if silent else "made no progress")
+        what += f" (nothing moved for {t - moved():.0f} s)"
         raise HangDetected(
             f"rank(s) {hung} {what} in {method} (hang bound {hang_after_s:.3g} s; last seen: "
             f"{ {r: now[r] for r in hung} }); their node(s)' ranks {doomed} were killed", hung)

@@ -12,7 +12,7 @@ from pathlib import Path
 from trainmesh.cli.loading import load_spec
 from trainmesh.controller.ray_group import HANG_FLOOR_S, HANG_STEPS, hang_found_after_s
 from trainmesh.planning.cadence import choose, system_mtbf_s
-from trainmesh.planning.failure_costs import Assumptions, MeshCosts, mesh_costs
+from trainmesh.planning.failure_costs import MEASURED, SOURCES, Assumptions, MeshCosts, mesh_costs
 from trainmesh.planning.goodput import CAUSES, KINDS, STRATEGIES, Cluster, Fault, poisson_faults, simulate
 from trainmesh.planning.job_plan import PlanError, replan_job
 from trainmesh.planning.topology import Topology
@@ -88,10 +88,13 @@ def run(args: argparse.Namespace) -> int:
         results.append({"nodes": nodes, "gpus": nodes * args.gpus_per_node,
                         "mtbf_node_hours": hours, "faults": len(faults),
                         "mesh": first.label, "step_s": first.step_s,
+                        "control_s_per_step": first.control_s,
                         "checkpoint_every_steps": every(first),
                         "outcomes": [o.as_dict() for o in outs]})
     if args.json:
-        print(json.dumps({"assumptions": dataclasses.asdict(a), "days": args.days,
+        print(json.dumps({"assumptions": dataclasses.asdict(a), "measured": {
+                              k: {"value": v, "source": SOURCES[k]}
+                              for k, v in dataclasses.asdict(MEASURED).items()}, "days": args.days,
                           "results": results}, indent=1))
     else:
         _print(spec, args, a, results)
@@ -189,6 +192,14 @@ def _print(spec: JobSpec, args, a: Assumptions, results: list[dict]) -> None:
               f"(node MTBF {r['mtbf_node_hours']:,.0f} h)")
     print("assumptions: " + ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(a).items())
           + f", spare_nodes={args.spare_nodes}, replace_minutes={args.replace_minutes:g}")
+    for r in results:
+        print(f"{r['gpus']:,} GPUs: the control plane's part of the step "
+              f"{r['control_s_per_step'] * 1e3:.3g} ms ({r['control_s_per_step'] / r['step_s']:.2%})")
+    print("where each cost comes from:")
+    for name, value in dataclasses.asdict(MEASURED).items():
+        print(f"  {name} = {value:g}: {SOURCES[name]}")
+    for name, value in dataclasses.asdict(a).items():
+        print(f"  {name} = {value:g}: assumed (--{name.replace('_', '-')})")
 
 
 # One look per strategy, the same in every panel; widths and dashes keep lines that coincide

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -58,7 +59,7 @@ from trainmesh.controller.states import (
 from trainmesh.controller.summary import write_json_atomically
 from trainmesh.data.shards import resolve_data_dir
 from trainmesh.parallel.dims import Axis, ParallelDims
-from trainmesh.planning.cadence import CheckpointCadence
+from trainmesh.planning.cadence import SEGMENT_S, CheckpointCadence, segment_caps
 from trainmesh.planning.failure_costs import predicted_save
 from trainmesh.planning.job_plan import PlanError, plan_for
 from trainmesh.planning.topology import Topology
@@ -73,10 +74,6 @@ from trainmesh.tracking.mlflow_tracker import open_tracker
 RECOVERABLE = (RayActorError, RayTaskError, GetTimeoutError, PlacementTimeout, HangDetected)
 STUCK_S = 2.0  # after an abort, how long a rank may take to leave the failed call
 ALIVE_S = 3.0  # how long a live rank may take to answer on its control path
-# A segment of steps (``_train``): the most steps, and seconds, the ranks run between two
-# boundaries — where the controller reads every rank's stats (the per-rank breakdown and the
-# straggler are sampled there) and acts.
-SEGMENT_STEPS, SEGMENT_S = 100, 30.0
 
 
 class Controller:
@@ -119,7 +116,8 @@ class Controller:
         # thread's CPU seconds over the training loops, their segments and steps, the seconds
         # from the run's start to its first step, each save's and snapshot's coordination.
         self.control: dict[str, Any] = {"cpu_s": 0.0, "segments": 0, "steps": 0,
-                                        "first_step_s": None, "save_s": [], "snapshot_s": []}
+                                        "first_step_s": None, "save_s": [], "snapshot_s": [],
+                                        "boundary_cpu_s": []}
         self._t_run = time.monotonic()
         self.evals = Evaluator(self.spec)
         self.memory = MemoryTier(self.spec.checkpoint.in_memory.every)
@@ -426,11 +424,19 @@ class Controller:
             self.control["cpu_s"] += time.thread_time() - cpu0
 
     def _segments(self, group, dims: ParallelDims, tracker, state: Running, hooks, inside) -> Stop | None:
-        """``_train``'s loop: a segment, then the hooks at its last step."""
+        """``_train``'s loop: a segment, then the hooks at its last step. The controller's CPU
+        time from a segment's end to the next one's calls all issued (its boundary: every
+        rank's answer read, the hooks' own work, the calls) is measured, and sizes the next
+        segments (``cadence.segment_caps``)."""
         tr, step = self.spec.training, state.start
+        back_cpu = None
         while step < tr.steps:
-            stats = group.train_segment(self._segment_steps(step, state), SEGMENT_S, inside,
+            steps, until_s = self._segment_steps(step, state)
+            stats = group.train_segment(steps, until_s, inside,
                                         functools.partial(self._end_segment_early, dims))
+            if back_cpu is not None and hasattr(group, "issued_cpu_s"):
+                self.control["boundary_cpu_s"].append(group.issued_cpu_s - back_cpu)
+            back_cpu = time.thread_time()
             self.control["segments"] += 1
             self.control["steps"] += stats[0]["step"] - step
             if self.control["first_step_s"] is None:
@@ -447,18 +453,23 @@ class Controller:
             self._recovered(state, tracker)
         return None
 
-    def _segment_steps(self, step: int, state: Running) -> int:
-        """How many steps the ranks run on their own from ``step``: to the next step that is a
-        boundary — the first after a (re)start (its recovery is measured there), a checkpoint
-        the cadence wants, an evaluation, a snapshot, the end — at most SEGMENT_STEPS. A
-        notice, a request to end early or SEGMENT_S end one sooner (``RankWorker.train_segment``)."""
+    def _segment_steps(self, step: int, state: Running) -> tuple[int, float]:
+        """How many steps the ranks run on their own from ``step``, and for how many seconds at
+        most: to the next step that is a boundary — the first after a (re)start (its recovery
+        is measured there), a checkpoint the cadence wants, an evaluation, a snapshot, the end
+        — at most SEGMENT_STEPS and SEGMENT_S, more where the controller's boundaries so far
+        took more than 1% of that (``cadence.segment_caps``, from their median). A notice or a
+        request to end early end one sooner (``RankWorker.train_segment``)."""
         if step == state.start:
-            return 1
-        last = min(self.spec.training.steps, step + SEGMENT_STEPS, self.cadence.next_boundary(step))
+            return 1, SEGMENT_S
+        boundaries = self.control["boundary_cpu_s"][-9:]
+        cap, until_s = segment_caps(statistics.median(boundaries) if boundaries else 0.0,
+                                    self.cadence.step_s() or 1.0)
+        last = min(self.spec.training.steps, step + cap, self.cadence.next_boundary(step))
         for s in range(step + 1, last):
             if self.evals.due(s, False) or self.memory.due(s):
-                return s - step
-        return last - step
+                return s - step, until_s
+        return last - step, until_s
 
     def _end_segment_early(self, dims: ParallelDims) -> bool:
         """Asked while a segment runs (every ``ray_group.POLL_S``): a node of the job being

@@ -9,6 +9,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
+from trainmesh.actors.progress import silence_after_s
 from trainmesh.parallel.dims import ParallelDims
 from trainmesh.parallel.layout import Placement, plan_placement
 from trainmesh.planning.topology import Topology, topology_from_ray
@@ -47,10 +48,10 @@ def ready_pool(spec: JobSpec, env: dict[str, str], placement: Placement, acceler
 
 
 def hang_found_after_s(bound_s: float, poll_s: float = 1.0) -> float:
-    """How long after a step starts a frozen rank is called hung under a ``bound_s`` hang
-    bound: the bound, then silence for half of it at least two polls
-    (``WorkerGroup.call_watched``)."""
-    return bound_s + max(2 * poll_s, bound_s / 2)
+    """How long after the last progress a frozen rank is called hung under a ``bound_s`` hang
+    bound: the bound, then a question unanswered for a few seconds (``silence_after_s``), and
+    up to a poll on either side (``WorkerGroup.call_watched``)."""
+    return bound_s + silence_after_s(bound_s, poll_s) + 2 * poll_s
 
 
 def hang_bound_s(cfg: ElasticConfig, recent_steps: list[float]) -> float | None:
@@ -98,6 +99,8 @@ class RayWorkerGroup:
             raise
         self._steps: list[float] = []  # recent step times, for the hang bound
         self._segment = 0  # segments of steps started (``train_segment``)
+        # each rank's files of the last save, as its answers carried them (``saved_files``)
+        self._files: list[dict | None] = [None] * self.group.world_size
         self._asked: tuple[float, dict] | None = None  # (when, refs) of the last "alive?"
         self._aborted: set[int] | None = None  # the ranks that answered the last abort
         # every rank's process answered since it started (its process group formed): a silent
@@ -202,6 +205,7 @@ class RayWorkerGroup:
         new actors start in the reservations of ``refill`` ranks and where ``assignment`` has
         None (not on the nodes in ``avoid``); all join a new process group on a fresh port."""
         self._formed = False
+        self._files = [None] * len(assignment)
         self.group.reform(assignment, placement, timeout_s, refill, avoid)
         self.backend = self.group.setup_process_group(self.spec.runtime.device, self.timeout)
         self._formed = True
@@ -219,6 +223,7 @@ class RayWorkerGroup:
                                        hang_after_s=bound) if bound is not None else
                self.watched("train_step", measure_activations, timeout_s=self.timeout * 2))
         self._steps = [*self._steps[-19:], time.monotonic() - t0]
+        self._heard(out)
         return out
 
     def train_segment(self, steps: int, until_s: float, on_step: Callable[[dict], None],
@@ -236,9 +241,12 @@ class RayWorkerGroup:
 
         self._segment += 1
         segment, rank0 = self._segment, self.group.workers[0]
-        state = {"handed": 0, "asking": None, "stopping": False}
+        state = {"handed": 0, "asking": None, "stopping": False, "step": None,
+                 "moved": time.monotonic(), "asked": 0.0}
 
         def hand(rows: list[dict], keep_last: bool) -> None:
+            if rows and rows[-1]["step"] != state["step"]:  # progress: the hang watch waits
+                state["step"], state["moved"] = rows[-1]["step"], time.monotonic()
             new = rows[: len(rows) - 1] if keep_last else rows
             for row in new:
                 on_step(row)
@@ -253,8 +261,9 @@ class RayWorkerGroup:
                     hand(ray.get(asking), keep_last=True)
                 except ray.exceptions.RayError:
                     pass  # (rank 0 died: the segment's call fails, and that is the failure)
-            if state["asking"] is None:
-                state["asking"] = rank0.reports.remote(state["handed"])
+            now = time.monotonic()
+            if state["asking"] is None and now >= state["asked"] + POLL_S:
+                state["asking"], state["asked"] = rank0.reports.remote(state["handed"]), now
             if not state["stopping"] and between():
                 state["stopping"] = True
                 rank0.request_stop.remote(segment)
@@ -263,7 +272,7 @@ class RayWorkerGroup:
         timeout_s = until_s + self.timeout * 2
         args = ("train_segment", segment, steps, until_s)
         out = (self.group.call_watched(*args, timeout_s=timeout_s, hang_after_s=bound, tick=tick,
-                                       poll_s=POLL_S)
+                                       poll_s=POLL_S, moved_at=lambda: state["moved"])
                if bound is not None else
                self.group.call_watched(*args, timeout_s=timeout_s, tick=tick, poll_s=POLL_S,
                                        hang_after_s=liveness_bound_s(self.spec.elastic, self.timeout),
@@ -271,7 +280,12 @@ class RayWorkerGroup:
         reported = out[0]["reported"]
         hand(reported[state["handed"]:], keep_last=True)  # (the last: the caller's, whole)
         self._steps = [*self._steps[-19:], reported[-1]["wall_s"]]
-        return [r["last"] for r in out]
+        return self._heard([r["last"] for r in out])
+
+    @property
+    def issued_cpu_s(self) -> float:
+        """The controller thread's CPU time once the last segment's calls were all issued."""
+        return self.group.issued_cpu_s
 
     def evaluate(self, batches: int) -> float:
         """The held-out loss (every rank computes it; all hold the same value)."""
@@ -285,17 +299,33 @@ class RayWorkerGroup:
 
     def save(self, directory: str, background: bool = False) -> list[dict]:
         """Collective save (in the background: returns once every rank has its shards in
-        host memory); every rank's random streams (``engine/rng.py``)."""
-        return self.watched("save", directory, background, timeout_s=self.timeout * 2)
+        host memory); every rank's random streams (``engine/rng.py``). A synchronous save's
+        answers carry the files' sizes, a later step's or ``wait_save``'s their digests
+        (``saved_files`` then makes no call)."""
+        out = self.watched("save", directory, background, timeout_s=self.timeout * 2)
+        self._files = [a["files"] for a in out]
+        return [a["rng"] for a in out]
 
     def wait_save(self) -> list[str | None]:
         """Every rank's background save, waited for: "done", "failed: ..." or None."""
-        return self.watched("wait_save", self.timeout * 2, timeout_s=self.timeout * 3)
+        return [a["save"] for a in self._heard(
+            self.watched("finish_save", self.timeout * 2, timeout_s=self.timeout * 3))]
+
+    def _heard(self, answers: list[dict]) -> list[dict]:
+        """Each rank's files of its last save, from answers that carry them once it is done
+        (``RankWorker.save_report``)."""
+        for r, a in enumerate(answers):
+            if a.get("saved_files") is not None:
+                self._files[r] = a["saved_files"]
+        return answers
 
     def saved_files(self) -> dict:
-        """{file: {"size", "sha256"}} over every rank's last finished save."""
-        return {k: v for d in self.group.call("saved_files", timeout_s=self.timeout)
-                for k, v in d.items()}
+        """{file: {"size", "sha256"}} over every rank's last save: as the ranks' answers
+        carried them since it began, or (some rank's not yet heard) asked of every rank."""
+        files = self._files
+        if any(f is None for f in files):
+            files = self._files = self.group.call("saved_files", timeout_s=self.timeout)
+        return {k: v for d in files for k, v in d.items()}
 
     def bad_files(self, directory: str, files: dict) -> list[str]:
         """Each rank checks a share (by bytes) of a manifest's files, all at once; the bad

@@ -18,6 +18,21 @@ from dataclasses import dataclass
 from trainmesh.spec.job import CheckpointConfig, ElasticConfig
 
 MEASURED_STEPS = 3  # steps measured before the first automatic choice
+# A segment of steps: the most steps, and seconds, the ranks run between two boundaries
+# without a call from the controller (``Controller._train``; the per-rank breakdown and the
+# straggler are sampled at its end).
+SEGMENT_STEPS, SEGMENT_S = 100, 30.0
+# ... longer where the controller's time at a boundary (reading every rank's answer, starting
+# the next segment on every rank: it grows with the ranks) would be more than this share of it
+BOUNDARY_SHARE = 0.01
+
+
+def segment_caps(boundary_s: float, step_s: float) -> tuple[int, float]:
+    """(steps, seconds) a segment of steps runs at most: SEGMENT_STEPS and SEGMENT_S, both
+    stretched so that a boundary taking ``boundary_s`` of the controller (the ranks wait) is
+    at most BOUNDARY_SHARE of the segment, with steps of ``step_s``."""
+    span_s = boundary_s / BOUNDARY_SHARE
+    return max(SEGMENT_STEPS, math.ceil(span_s / max(step_s, 1e-9))), max(SEGMENT_S, span_s)
 
 
 def system_mtbf_s(mtbf_node_hours: float, nodes: int) -> float:
@@ -90,6 +105,10 @@ class CheckpointCadence:
         if self._save is None or self._save[2] == "predicted":
             blocked, write = predicted
             self._save = (blocked, write if self.background else 0.0, "predicted")
+
+    def step_s(self) -> float | None:
+        """The median of the recent step times (None before one)."""
+        return statistics.median(self._steps) if self._steps else None
 
     def stepped(self, step: int, step_time_s: float, tracker) -> None:
         self._steps.append(step_time_s)

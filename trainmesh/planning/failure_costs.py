@@ -25,6 +25,13 @@ command-line flag of ``trainmesh goodput``. The scaling, written down:
   reported by Ray at once (measured); an unreachable node when Ray's health check gives up
   (``failure_threshold`` 5 × ``timeout`` 10 s, Ray's defaults); a hang only when the
   collective timeout fires (``runtime.collective_timeout_s``).
+- the control plane: the ranks run segments of steps without the controller
+  (``Controller._train``); at each boundary — a segment's end — the controller reads every
+  rank's answer and starts the next segment, ``boundary_ms_per_rank`` of its time per rank
+  while the ranks wait (measured with stand-in ranks: ``bench/control_plane.py``). Segments
+  last ``SEGMENT_STEPS`` steps or ``SEGMENT_S`` seconds, longer where the boundary would take
+  more than 1% of that (``cadence.segment_caps``). Amortised over the segment, it is added to
+  the step time; a save, called on every rank at a boundary, blocks for one more.
 - restart-from-checkpoint (Ray Train v2, TorchTitan under torchrun): the measured Ray Train v2
   restart (new workers, their set-up, a tiny checkpoint load) plus the same communicator and
   storage terms; it needs its whole world back, so without a spare node it waits for the
@@ -33,8 +40,10 @@ command-line flag of ``trainmesh goodput``. The scaling, written down:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from trainmesh.planning.cadence import segment_caps
 from trainmesh.planning.stage_params import rank_params
 
 STATE_BYTES_PER_PARAM = 12  # fp32 parameter + AdamW exp_avg + exp_avg_sq
@@ -53,6 +62,24 @@ class Measured:
     first_step_s: float = 1.46  # the first step on the new mesh (its set-up included)
     restart_s: float = 13.0  # Ray Train v2: failure to restarted workers with the state loaded
     planner_s_16k: float = 2.1  # a plan for 16,384 GPUs (bench/planner.py, 2026-11-26)
+    # the controller's time per rank at a segment boundary (bench/control_plane.py, 2026-11-29)
+    boundary_ms_per_rank: float = 0.55
+
+
+# Where each term comes from, as ``trainmesh goodput`` prints it: measured (the bench, its
+# date, the ranks it ran on) or assumed (a flag of its own).
+SOURCES = {
+    "crash_detect_s": "measured, 8 ranks (bench/recovery.py, 2026-11-22)",
+    "decide_s": "measured, 8 → 4 ranks (bench/recovery.py, 2026-11-22)",
+    "warm_reform_s": "measured, 8 → 4 ranks (bench/recovery.py, 2026-11-22); + pg_init_s_per_1k_ranks",
+    "cold_reform_s": "measured, 8 → 4 ranks (bench/recovery.py, 2026-11-22); + pg_init_s_per_1k_ranks",
+    "warm_restore_s": "measured, tiny state (bench/recovery.py, 2026-11-22); + bytes / bandwidth",
+    "cold_restore_s": "measured, tiny state (bench/recovery.py, 2026-11-22)",
+    "first_step_s": "measured, 4 ranks (bench/recovery.py, 2026-11-22)",
+    "restart_s": "measured, Ray Train v2, 4 workers (bench/recovery.py, 2026-11-22); + pg_init_s_per_1k_ranks",
+    "planner_s_16k": "measured, 16,384 GPUs planned (bench/planner.py, 2026-11-26)",
+    "boundary_ms_per_rank": "measured, 8–64 stand-in ranks (bench/control_plane.py, 2026-11-29)",
+}
 
 
 @dataclass(frozen=True)
@@ -88,6 +115,17 @@ class MeshCosts:
     warm_reform_s: float
     cold_reform_s: float
     restart_s: float  # restart-from-checkpoint: every worker anew (restore not included)
+    control_s: float = 0.0  # the control plane's part of ``step_s`` (segment boundaries)
+
+
+def control_s_per_step(world: int, step_s: float, m: Measured = MEASURED) -> float:
+    """The controller's boundary time, per step: ``boundary_ms_per_rank`` × ranks once a
+    segment, a segment as the controller sizes it (``cadence.segment_caps``: at most
+    BOUNDARY_SHARE of its time goes to the boundary)."""
+    boundary = m.boundary_ms_per_rank / 1000 * world
+    steps, until_s = segment_caps(boundary, step_s)
+    # (the ranks end a segment at the first step that starts past ``until_s``)
+    return boundary / max(1, min(steps, math.ceil(until_s / max(step_s, 1e-9))))
 
 
 def state_gb_per_rank(model, tp: int, pp: int, dp: int) -> float:
@@ -110,14 +148,16 @@ def mesh_costs(model, tp: int, pp: int, dp: int, nodes: int, step_s: float, toke
     write = written_per_node / bw
     pg = a.pg_init_s_per_1k_ranks * world / 1000
     hsdp = f" (hsdp {dp_replicate}×{dp // dp_replicate})" if dp_replicate > 1 else ""
+    control = control_s_per_step(world, step_s, m)
+    boundary = m.boundary_ms_per_rank / 1000 * world  # a save's call to every rank: a boundary
     return MeshCosts(
-        label=f"tp{tp}·pp{pp}·dp{dp}{hsdp}", world=world, nodes=nodes, step_s=step_s,
+        label=f"tp{tp}·pp{pp}·dp{dp}{hsdp}", world=world, nodes=nodes, step_s=step_s + control,
         tokens_per_step=tokens_per_step, state_gb_per_rank=per_rank,
-        save_blocked_s=per_rank / a.d2h_gbps if async_save else write,
+        save_blocked_s=boundary + (per_rank / a.d2h_gbps if async_save else write),
         save_write_s=write, save_durable_s=per_rank / a.d2h_gbps + write if async_save else write,
         restore_s=m.warm_restore_s + read_per_node / bw, restore_bytes_s=read_per_node / bw,
         warm_reform_s=m.warm_reform_s + pg, cold_reform_s=m.cold_reform_s + pg,
-        restart_s=m.restart_s + pg)
+        restart_s=m.restart_s + pg, control_s=control)
 
 
 def detect_s(kind: str, collective_timeout_s: float, a: Assumptions = ASSUMED,

@@ -107,7 +107,7 @@ class StandInRank(RankWorker):
         fs.pipe_file(f"{path}/{name}", data)
         self._saved_files = {name: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}}
         self._saving = None
-        return self.engine.rng.state()
+        return {"rng": self.engine.rng.state(), "files": self.saved_files()}
 
     def load(self, directory: str, step: int, rng_states, metadata_files=None) -> None:
         self._progress.step = step
