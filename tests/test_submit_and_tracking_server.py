@@ -112,10 +112,11 @@ def test_tracking_server_outage_then_trainmesh_run_sigkilled_and_run_again(mlflo
         store = CheckpointStore(out / "checkpoints")
         after = max(m.step for m in logged_steps(1))  # what it logged while nothing listened
         while True:  # a checkpoint after the outage, and steps past it on the server
-            logged_steps(max([after, *store.complete_steps()]) + 5)
+            logged_steps(max([after, *store.verified_steps()]) + 5)
             started = descendants(job.pid) | {job.pid}  # with its local Ray instance
             _signal(started, signal.SIGSTOP)  # frozen: nothing logs or commits meanwhile
-            resume_at = max(store.complete_steps())
+            # (committed: a background save's directory is there while it is written)
+            resume_at = max(store.verified_steps(), default=0)
             client, (run,) = _runs(server.uri, "outage")
             logged = max(m.step for m in client.get_metric_history(run.info.run_id, "loss"))
             if resume_at > after and logged > resume_at:
