@@ -111,6 +111,7 @@ def main() -> None:
         row = {"ranks": n, "cpu_ms_per_step": 1e3 * c["cpu_s"] / c["steps"],
                "calls_per_rank_step": statistics.mean(per_rank) / c["steps"] if per_rank else None,
                "segments": c["segments"], "first_step_s": c["first_step_s"],
+               "boundary_ms": 1e3 * statistics.median(c["boundary_cpu_s"]) if c["boundary_cpu_s"] else None,
                "save_s": statistics.median(c["save_s"]) if c["save_s"] else None,
                "snapshot_s": statistics.median(c["snapshot_s"]) if c["snapshot_s"] else None,
                "death_to_step_s": rec["downtime_s"] if rec else None,
@@ -123,21 +124,25 @@ def main() -> None:
 
     print(f"\nstand-in ranks, {args.step_s * 1e3:.0f} ms steps, {args.steps} steps, simulated "
           "nodes of 8 on one 2-core machine")
-    print("\n| ranks | controller CPU ms / step | calls / rank / step | segments | start → first "
-          "step s | checkpoint s | snapshot s | death → step s |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("\n| ranks | controller CPU ms / step | boundary CPU ms (per rank) | calls / rank / step | "
+          "segments | start → first step s | checkpoint s | snapshot s | death → step s |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
+        per = None if r["boundary_ms"] is None else r["boundary_ms"] / r["ranks"]
         print(f"| {r['ranks']} | {f(r['cpu_ms_per_step'], '{:.3f}')} | "
+              f"{f(r['boundary_ms'])} ({f(per, '{:.3f}')}) | "
               f"{f(r['calls_per_rank_step'], '{:.3f}')} | {r['segments']} | "
               f"{f(r['first_step_s'])} | {f(r['save_s'], '{:.3f}')} | "
               f"{f(r['snapshot_s'], '{:.3f}')} | {f(r['death_to_step_s'])} |")
     if len(rows) > 1:
         xs = [r["ranks"] for r in rows]
         print("\nslope per rank added (least squares):")
-        for key in ("cpu_ms_per_step", "first_step_s", "save_s", "snapshot_s", "death_to_step_s"):
+        for key in ("cpu_ms_per_step", "boundary_ms", "first_step_s", "save_s", "snapshot_s",
+                    "death_to_step_s"):
             ys = [r[key] for r in rows]
-            if all(y is not None for y in ys):
-                print(f"  {key}: {slope(xs, ys) * 1e3:.3f} ms/rank")
+            if all(y is not None for y in ys):  # (in ms: the seconds' keys scaled)
+                scale = 1.0 if "ms" in key else 1e3
+                print(f"  {key}: {slope(xs, ys) * scale:.4f} ms/rank")
 
 
 if __name__ == "__main__":
