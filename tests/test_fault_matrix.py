@@ -258,7 +258,7 @@ def test_a_cold_restart_takes_ready_processes_and_a_freeze_while_restoring_is_fo
     that node (none is started). Then a freeze during that recovery: the new rank 1 freezes
     (SIGSTOP) in the restore, its peer waiting on it in the restore's collectives. A restore is
     watched as a step is, by silence alone (it reads for as long as the checkpoint takes; a
-    frozen process never answers its control path): the rank is found ~1.5 hang bounds after
+    frozen process never answers its control path): the rank is found about a hang bound after
     it froze — not at the restore's own bound (2 × the collective timeout) nor at its peer's
     collective timeout — its node is given up, and the job restarts cold in the spare's ready
     processes and ends with the single process's losses. (A refill taking one: the matrix
@@ -278,6 +278,7 @@ def test_a_cold_restart_takes_ready_processes_and_a_freeze_while_restoring_is_fo
     frozen = json.loads((tmp_path / "fired-1").read_text())
     frozen_at = (tmp_path / "fired-1").stat().st_mtime  # (its marker, written as it froze)
     found_after_s = rec["failed_at"] + rec["phases"]["interrupted_s"] - frozen_at
+    print(f"frozen while restoring: found {found_after_s:.1f} s after it froze")
     assert 0 < found_after_s < timeout_s / 2, (found_after_s, rec)
     assert frozen["node"] not in s["rank_to_node"], (frozen, s["rank_to_node"])
     # both restarts took ready processes: the killed rank's node's, then the spare's
@@ -293,8 +294,8 @@ def test_a_cold_restart_takes_ready_processes_and_a_freeze_while_restoring_is_fo
 def test_a_frozen_rank_is_found_seconds_after_the_hang_bound(cluster, tmp_path):
     """A rank that freezes (SIGSTOP) mid-segment — its peer blocked on it in the step's
     collective, rank 0's reports stopped — is found once nothing has moved for the hang bound
-    and a progress question to it has gone unanswered for a few seconds
-    (``ray_group.hang_found_after_s``): with a 20 s bound, within 28 s of the freeze, where
+    and a progress question put to it a few seconds before has gone unanswered
+    (``ray_group.hang_found_after_s``): with a 20 s bound, within 25 s of the freeze, where
     the watch used to wait half the bound more (30 s or later); never before the bound. Its
     node is given up and the job ends with the single process's losses."""
     from servers import MEMORY_ARGS, assert_reference_losses, run_losing_nodes
@@ -312,7 +313,9 @@ def test_a_frozen_rank_is_found_seconds_after_the_hang_bound(cluster, tmp_path):
     assert "HangDetected" in rec["cause"], rec
     frozen = json.loads((tmp_path / "fired-0").read_text())
     found_after_s = rec["failed_at"] - (tmp_path / "fired-0").stat().st_mtime
-    assert bound <= found_after_s <= hang_found_after_s(bound) + 1 < 1.5 * bound, (found_after_s, rec)
+    print(f"frozen rank found {found_after_s:.1f} s after it froze (bound {bound} s); next step "
+          f"{rec['downtime_s']:.1f} s after that")
+    assert bound <= found_after_s <= hang_found_after_s(bound) + 2 < 1.5 * bound, (found_after_s, rec)
     assert frozen["node"] not in s["rank_to_node"], (frozen, s["rank_to_node"])
     assert_reference_losses(s, tmp_path)
 
@@ -398,6 +401,8 @@ def test_every_fault_is_recovered_warm_in_seconds_with_nothing_lost(cluster, tmp
                                                        str(tmp_path))).read_text())
     hung = next(e for e in events if e["kind"] == "failure" and "HangDetected" in e["cause"])
     assert frozen["at"] < hung["time"], (frozen, hung)
+    print(f"frozen machine: its ranks found hung {hung['time'] - markers['hang'].stat().st_mtime:.1f} s "
+          "after the first froze")
     assert len(frozen["pids"]) >= 5 and set(frozen["at_kill"].values()) == {"T"}, frozen
     hung_pids = set(frozen["pids"][:2])
     kept = [(set(a), set(b)) for a, b in zip(s["rank_pids"], s["rank_pids"][1:], strict=False)

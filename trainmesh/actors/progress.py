@@ -18,11 +18,12 @@ SILENCE_S = 5.0  # how long a question to a rank may go unanswered before it cou
 
 
 def silence_after_s(hang_after_s: float, poll_s: float = 1.0, silent_only: bool = False) -> float:
-    """How long a rank may leave a progress question unanswered, once the watch has begun,
-    before it counts as frozen: in a step, a few seconds (SILENCE_S; half the bound when that
-    is shorter), at least two polls. In a call whose progress is not counted (a build, a
-    restore, a save: one long phase, where a live rank's control thread may wait longer on
-    the interpreter) half the bound, at least two polls."""
+    """How long a rank may leave a progress question unanswered before it counts as frozen
+    (questions start that long before the hang bound, verdicts at it): in a step, a few
+    seconds (SILENCE_S; half the bound when that is shorter), at least two polls. In a call
+    whose progress is not counted (a build, a restore, a save: one long phase, where a live
+    rank's control thread may wait longer on the interpreter) half the bound, at least two
+    polls."""
     if silent_only:
         return max(2 * poll_s, hang_after_s / 2)
     return max(2 * poll_s, min(SILENCE_S, hang_after_s / 2))

@@ -343,16 +343,18 @@ class WorkerGroup:
         """``call`` (with ``each``: every rank's own arguments, in rank order), watching for
         hung ranks once nothing has moved for ``hang_after_s`` — since the call began, or since
         ``moved_at()`` (a segment of steps: when the last step was reported), so that a call
-        making progress asks nobody anything. Then every ``poll_s`` each rank still in the call
-        that has no question pending is asked for its progress out of band, and a rank counts as
-        hung (``stalled``) once a question put to it ``silence_s`` ago is unanswered (a frozen
-        process never answers: ``silence_s`` is a few seconds, ``silence_after_s``), or — unless
-        ``silent_only`` — once every rank has been in its phase for half the bound, at least two
-        polls (nobody moves: the others wait in a collective for the one furthest behind). An
-        answer that comes late still counts, so a busy rank, or a watcher that was itself held
-        up, is not mistaken for a frozen one. Hung ranks' nodes — every actor in a hung rank's
-        bundle — are killed and ``HangDetected`` raised, well before the collective timeout
-        would end the call. ``tick``: called at every poll while it runs."""
+        making progress asks nobody anything. From ``silence_s`` before that bound (a few
+        seconds, ``silence_after_s``) every ``poll_s`` each rank still in the call that has no
+        question pending is asked for its progress out of band; once the bound has passed, a
+        rank counts as hung (``stalled``) if a question put to it ``silence_s`` ago is
+        unanswered (a frozen process never answers), or — unless ``silent_only`` — once every
+        rank has been in its phase for half the bound, at least two polls (nobody moves: the
+        others wait in a collective for the one furthest behind). So a frozen rank is found
+        within a few polls of the bound. An answer that comes late still counts, so a busy
+        rank, or a watcher that was itself held up, is not mistaken for a frozen one. Hung
+        ranks' nodes — every actor in a hung rank's bundle — are killed and ``HangDetected``
+        raised, well before the collective timeout would end the call. ``tick``: called at
+        every poll while it runs."""
         assert each is None or not args, "the same arguments for every rank, or each its own"
         refs = self._inflight = [getattr(w, method).remote(*a) for w, a in zip(
             self.workers, each if each is not None else [args] * len(self.workers), strict=True)]
@@ -372,7 +374,8 @@ class WorkerGroup:
                 if time.monotonic() - t0 > timeout_s:
                     raise
             t = time.monotonic()
-            if t - moved() < hang_after_s:  # moving: nothing to ask
+            idle_s = t - moved()
+            if idle_s < hang_after_s - silence_s:  # moving: nothing to ask
                 seen.clear()
                 asked.clear()
                 continue
@@ -391,7 +394,7 @@ class WorkerGroup:
             asked.update({r: (self.workers[r].progress.remote(), t) for r in running - set(asked)})
             now = [_look(seen.get(r), asked[r][1] if r in asked else None, t, silence_s)
                    for r in range(len(refs))]
-            hung = stalled(now, running, quiet_s, silent_only)
+            hung = stalled(now, running, quiet_s, silent_only) if idle_s >= hang_after_s else []
             if hung:
                 break
         nodes = {self.placement.rank_bundle[r] for r in hung}

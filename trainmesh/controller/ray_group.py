@@ -9,7 +9,6 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-from trainmesh.actors.progress import silence_after_s
 from trainmesh.parallel.dims import ParallelDims
 from trainmesh.parallel.layout import Placement, plan_placement
 from trainmesh.planning.topology import Topology, topology_from_ray
@@ -48,10 +47,11 @@ def ready_pool(spec: JobSpec, env: dict[str, str], placement: Placement, acceler
 
 
 def hang_found_after_s(bound_s: float, poll_s: float = 1.0) -> float:
-    """How long after the last progress a frozen rank is called hung under a ``bound_s`` hang
-    bound: the bound, then a question unanswered for a few seconds (``silence_after_s``), and
-    up to a poll on either side (``WorkerGroup.call_watched``)."""
-    return bound_s + silence_after_s(bound_s, poll_s) + 2 * poll_s
+    """How long after the last step a frozen rank is called hung under a ``bound_s`` hang
+    bound, at most: the bound (its silence judged from questions asked before it:
+    ``WorkerGroup.call_watched``), the last step's report read up to a poll late, and a poll
+    each for the question and the verdict."""
+    return bound_s + 3 * poll_s
 
 
 def hang_bound_s(cfg: ElasticConfig, recent_steps: list[float]) -> float | None:
