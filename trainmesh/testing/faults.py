@@ -16,7 +16,7 @@ it; for a save or a restore, the checkpoint's step; any step when left out), the
   goes on (for the test to change the cluster at that exact point before the job may go past
   it). Only where the hang watcher judges by silence alone (a restore, a save, a snapshot),
   and for less than the peers' collective timeout; in a step's phase a held rank is found
-  hung (~1.5 hang bounds).
+  hung (about a hang bound: nobody moves).
 
 Each fault fires once per job: its marker file (holding the rank's node id and pid) is
 created when it fires, and a fault whose marker exists never fires again (a restarted rank
