@@ -297,7 +297,7 @@ def test_a_frozen_rank_is_found_seconds_after_the_hang_bound(cluster, tmp_path):
     and a progress question put to it a few seconds before has gone unanswered
     (``ray_group.hang_found_after_s``): with a 20 s bound, within 25 s of the freeze, where
     the watch used to wait half the bound more (30 s or later); never before the bound. Its
-    node is given up and the job ends with the single process's losses."""
+    node's ranks are killed and the job ends with the single process's losses."""
     from servers import MEMORY_ARGS, assert_reference_losses, run_losing_nodes
 
     from trainmesh.controller.ray_group import hang_found_after_s
@@ -311,12 +311,10 @@ def test_a_frozen_rank_is_found_seconds_after_the_hang_bound(cluster, tmp_path):
     assert s["status"] == "FINISHED" and s["steps_done"] == 8
     [rec] = s["recoveries"]
     assert "HangDetected" in rec["cause"], rec
-    frozen = json.loads((tmp_path / "fired-0").read_text())
     found_after_s = rec["failed_at"] - (tmp_path / "fired-0").stat().st_mtime
     print(f"frozen rank found {found_after_s:.1f} s after it froze (bound {bound} s); next step "
           f"{rec['downtime_s']:.1f} s after that")
     assert bound <= found_after_s <= hang_found_after_s(bound) + 2 < 1.5 * bound, (found_after_s, rec)
-    assert frozen["node"] not in s["rank_to_node"], (frozen, s["rank_to_node"])
     assert_reference_losses(s, tmp_path)
 
 
