@@ -47,6 +47,9 @@ def job(ranks: int, step_s: float, steps: int, out: Path, kill: bool) -> dict:
         f"checkpoint.every={steps // 2}", "checkpoint.save_final=false",
         "checkpoint.async_save=false", "checkpoint.in_memory.every=10", "tracking.enabled=false",
         "elastic.ready_ranks_per_node=0", "elastic.max_restarts=3",
+        # (the group forms once every rank process has started: here they start one after
+        # another on 2 cores, ~5 s each, past the default bound at 64 ranks)
+        f"runtime.collective_timeout_s={max(120, 6 * ranks)}",
         f"elastic.min_world_size={max(1, ranks - 8)}", f"runtime.output_dir={out / 'run'}"])
     env = {STEP_S_ENV: str(step_s), CALLS_DIR_ENV: str(calls)}
     if kill:  # rank 1 (the first node) exits as step steps/2 + 5 begins: warm on the survivors

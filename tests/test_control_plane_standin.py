@@ -47,17 +47,17 @@ def test_the_stand_in_answers_every_call_the_controller_makes_of_a_rank():
 @pytest.mark.cluster
 @pytest.mark.timeout(300)
 def test_stand_in_ranks_run_a_job_with_checkpoints_and_snapshots(tmp_path):
-    """8 stand-in ranks on a simulated node of 8 accelerators: the controller runs the job
+    """4 stand-in ranks on two simulated nodes of 2 accelerators: the controller runs the job
     through them (segments, a checkpoint, snapshots replicated to a buddy on the other node) with
     no torch in the ranks, and the losses are the stand-in's function of the step."""
     from servers import simulated_cluster
 
     spec = load_spec(None, [*BASE, "runtime.device=auto", "runtime.cpus_per_rank=0.1",
                             "training.microbatch_size=1",
-                            "parallelism.dp=8", "training.steps=12", "checkpoint.every=6",
+                            "parallelism.dp=4", "training.steps=12", "checkpoint.every=6",
                             "checkpoint.in_memory.every=4", "tracking.enabled=false",
                             f"runtime.output_dir={tmp_path / 'out'}"])
-    with simulated_cluster(2, num_cpus=1, num_gpus=4):
+    with simulated_cluster(2, num_cpus=1, num_gpus=2):
         s = run_job(spec, environ={}, show_progress=False, rank_cls=StandInRank,
                     job_env={STEP_S_ENV: "0.02"})
     assert s["status"] == "FINISHED" and s["losses"] == [10.0 / k for k in range(1, 13)]

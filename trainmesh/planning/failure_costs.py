@@ -63,7 +63,7 @@ class Measured:
     restart_s: float = 13.0  # Ray Train v2: failure to restarted workers with the state loaded
     planner_s_16k: float = 2.1  # a plan for 16,384 GPUs (bench/planner.py, 2026-11-26)
     # the controller's time per rank at a segment boundary (bench/control_plane.py, 2026-11-29)
-    boundary_ms_per_rank: float = 0.55
+    boundary_ms_per_rank: float = 1.2
 
 
 # Where each term comes from, as ``trainmesh goodput`` prints it: measured (the bench, its
@@ -78,7 +78,7 @@ SOURCES = {
     "first_step_s": "measured, 4 ranks (bench/recovery.py, 2026-11-22)",
     "restart_s": "measured, Ray Train v2, 4 workers (bench/recovery.py, 2026-11-22); + pg_init_s_per_1k_ranks",
     "planner_s_16k": "measured, 16,384 GPUs planned (bench/planner.py, 2026-11-26)",
-    "boundary_ms_per_rank": "measured, 8–64 stand-in ranks (bench/control_plane.py, 2026-11-29)",
+    "boundary_ms_per_rank": "measured, 8, 32 and 64 stand-in ranks (bench/control_plane.py, 2026-11-29)",
 }
 
 
