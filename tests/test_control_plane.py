@@ -59,6 +59,7 @@ def test_a_40_step_job_calls_each_rank_once_per_segment(ray_local, tmp_path):
         calls = c["calls"]
         assert calls["train_segment"] == 3 and "train_step" not in calls, calls
         assert "saved_files" not in calls and calls["save"] == 1, calls
+    print(json.dumps({c["rank"]: c["calls"] for c in counted}), f"{wall_s:.1f} s")
     per_rank_step = sum(sum(n for m, n in c["calls"].items() if m != "reports")
                         for c in counted) / len(counted) / 40
     assert per_rank_step <= 0.25, json.dumps(counted)
