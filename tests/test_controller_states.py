@@ -113,7 +113,8 @@ class FakeGroup:
         return [{"loss": 10.0 / self.step, "lr": 1e-3, "grad_norm": 1.0, "save": None,
                  "preempted": self.preempt.get(r, False)} for r in range(len(self.ranks))]
 
-    def train_segment(self, steps: int, until_s: float, on_step, between) -> list[dict]:
+    def train_segment(self, steps: int, until_s: float, on_step, between,
+                      save_pending: bool = False) -> list[dict]:
         """As ``RayWorkerGroup.train_segment``: up to ``steps`` steps, ended at the step after a
         notice; the steps before the last handed to ``on_step`` (rank 0's), the last returned."""
         for i in range(steps):

@@ -80,6 +80,7 @@ class RankWorker:
         # and (rank 0, the reporter) each step's stats of the one running, read by ``reports``.
         self._stop_segment: int | None = None
         self._reported: list[dict] = []
+        self._reported_segment: int | None = None
         try:
             signal.signal(signal.SIGTERM, self._on_sigterm)
         except ValueError:  # not the main thread: keep Ray's own handling
@@ -150,10 +151,11 @@ class RankWorker:
         self._stop_segment = segment
 
     @ray.method(concurrency_group="control")
-    def reports(self, since: int) -> list[dict]:
-        """Out of band, on rank 0: the stats of the running segment's steps from the
-        ``since``-th on (the controller logs them while the segment goes on)."""
-        return self._reported[since:]
+    def reports(self, segment: int, since: int) -> list[dict]:
+        """Out of band, on rank 0: the stats of segment ``segment``'s steps from the
+        ``since``-th on (the controller logs them while the segment goes on); none while an
+        earlier segment's are still the ones held (the call came before the segment began)."""
+        return self._reported[since:] if self._reported_segment == segment else []
 
     @ray.method(concurrency_group="control")
     def node_info(self) -> dict:
@@ -249,20 +251,21 @@ class RankWorker:
             stats.breakdown["gc_s"] = gc_s
         return {**dataclasses.asdict(stats), "preempted": self.preempted, **self.save_report()}
 
-    def train_segment(self, segment: int, steps: int, until_s: float) -> dict:
+    def train_segment(self, segment: int, steps: int, until_s: float, save_pending: bool = False) -> dict:
         """Up to ``steps`` steps, run here without a call from the controller between them.
         Every rank leaves at the same step boundary: at each step's start the ranks all-reduce
         (max) three flags, in-band on the default group — a preemption notice on any rank, the
         controller's ``request_stop`` for this segment or ``until_s`` passed (rank 0's clock),
         a background save still being written on some rank — and end the segment on the first
-        two, or once a save that was being written is written everywhere (its commit is the
-        controller's, at the boundary). Returns ``{"steps": n, "reported": [...], "last": ...}``:
+        two, or once a save that was being written (or, ``save_pending``, one the controller has
+        yet to commit) is written everywhere (its commit is the controller's, at the boundary).
+        Returns ``{"steps": n, "reported": [...], "last": ...}``:
         rank 0 (the reporter) gives every step's stats, every rank its last step's (the save's
         status, the breakdown, the experts': what the controller reads at a boundary)."""
         if self.rank == 0:
-            self._reported = []
+            self._reported, self._reported_segment = [], segment
         t_end = time.monotonic() + until_s
-        writing_before = False
+        watching = save_pending  # a write to see end
         last: dict = {}
         done = 0
         for i in range(steps):
@@ -270,16 +273,16 @@ class RankWorker:
                 int(self.preempted),
                 int(self.rank == 0 and (self._stop_segment == segment or time.monotonic() >= t_end)),
                 int(self.save_status() == "running")])
-            if i > 0 and (notice or asked or (writing_before and not writing)):
+            if i > 0 and (notice or asked or (watching and not writing)):
                 break
-            writing_before = bool(writing)
+            watching = watching or bool(writing)
             t0 = time.perf_counter()
             last = self.train_step()
             last["wall_s"] = time.perf_counter() - t0
             last["step"] = self.engine.step
             done += 1
-            if self.rank == 0:
-                self._reported.append(last)
+            if self.rank == 0:  # (the files of a finished save: at the boundary, not per step)
+                self._reported.append({k: v for k, v in last.items() if k != "saved_files"})
         last.update(preempted=self.preempted, **self.save_report())  # (as of the boundary)
         return {"steps": done, "reported": list(self._reported) if self.rank == 0 else [],
                 "last": last}

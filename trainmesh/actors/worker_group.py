@@ -308,13 +308,21 @@ class WorkerGroup:
         self._inflight = []
         return stuck
 
-    def _hand_off_memory(self, ranks: list[int], others: list[int], timeout_s: float = 10.0) -> None:
+    def _hand_off_memory(self, ranks: list[int], others: list[int], timeout_s: float = 10.0,
+                         rounds: int = 3) -> None:
         """Before stuck ranks are killed: the in-memory snapshots each holds (its own and its
         buddies' copies) go to a rank of its node (whose node is fine) or else any other that
         takes them; its "memory" thread serves them while its main thread is stuck. Every
-        stuck rank hands off at once, a round per hand-off that failed (to the next taker)."""
-        takers = {r: sorted(others, key=lambda t: self.nodes[t] != self.nodes[r]) for r in ranks}
-        while takers:
+        stuck rank hands off at once, to takers spread over the candidates (one "memory" thread
+        each: a taker shared by several would copy one after another), a round per hand-off
+        that failed, to the next taker, at most ``rounds``."""
+        takers = {}
+        for i, r in enumerate(ranks):
+            near = [t for t in others if self.nodes[t] == self.nodes[r]]
+            far = [t for t in others if self.nodes[t] != self.nodes[r]]
+            takers[r] = near[i % len(near):] + near[:i % len(near)] if near else []
+            takers[r] += far[i % len(far):] + far[:i % len(far)] if far else []
+        for _ in range(rounds):
             refs = {self.workers[r].memory_handoff.remote(self.workers[t.pop(0)]): r
                     for r, t in takers.items() if t}
             if not refs:

@@ -96,6 +96,12 @@ class Checkpointer:
         if not background:
             self._commit(group, tracker)
 
+    @property
+    def writing(self) -> bool:
+        """A background save is in flight, not yet committed (a segment of steps ends once it
+        is written everywhere: ``RankWorker.train_segment``)."""
+        return self.pending is not None and self.pending.background and not self.pending.committed
+
     def poll(self, group, statuses: list[str | None], tracker) -> None:
         """After a step (``statuses``: each rank's background save): commit the save in
         flight once every rank is done with it, drop it if any rank failed."""

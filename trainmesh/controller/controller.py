@@ -404,6 +404,7 @@ class Controller:
         ``_after_step_hooks`` run in their order, over every rank's stats; the first that
         returns a stop ends it."""
         start = state.start
+        self._grow_asked = False  # (a request of a mesh before this one's recovery)
         nodes = len(set(self.rank_nodes))
         self.cadence.start(start, nodes, predicted_save(
             self.spec.model, dims.tp, dims.pp, dims.dp, nodes, self.spec.checkpoint.async_save,
@@ -424,16 +425,18 @@ class Controller:
             self.control["cpu_s"] += time.thread_time() - cpu0
 
     def _segments(self, group, dims: ParallelDims, tracker, state: Running, hooks, inside) -> Stop | None:
-        """``_train``'s loop: a segment, then the hooks at its last step. The controller's CPU
-        time from a segment's end to the next one's calls all issued (its boundary: every
-        rank's answer read, the hooks' own work, the calls) is measured, and sizes the next
-        segments (``cadence.segment_caps``)."""
+        """``_train``'s loop: a segment, then the hooks at its last step. The controller
+        thread's CPU time from a segment's return to the next one's calls all issued (its
+        boundary: the hooks' own work — the per-rank breakdown, a save's coordination — and
+        the calls; not the answers' reading, done as they arrive, nor Ray's own threads, nor
+        waits) is measured, and sizes the next segments (``cadence.segment_caps``)."""
         tr, step = self.spec.training, state.start
         back_cpu = None
         while step < tr.steps:
             steps, until_s = self._segment_steps(step, state)
             stats = group.train_segment(steps, until_s, inside,
-                                        functools.partial(self._end_segment_early, dims))
+                                        functools.partial(self._end_segment_early, dims),
+                                        save_pending=self.ckpts.writing)
             if back_cpu is not None and hasattr(group, "issued_cpu_s"):
                 self.control["boundary_cpu_s"].append(group.issued_cpu_s - back_cpu)
             back_cpu = time.thread_time()

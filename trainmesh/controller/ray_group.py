@@ -227,7 +227,7 @@ class RayWorkerGroup:
         return out
 
     def train_segment(self, steps: int, until_s: float, on_step: Callable[[dict], None],
-                      between: Callable[[], bool]) -> list[dict]:
+                      between: Callable[[], bool], save_pending: bool = False) -> list[dict]:
         """Up to ``steps`` steps on every rank with one call per rank (``RankWorker.train_segment``),
         watched for hung ranks as a step is (the bound applies to the silence, not to the
         segment). While it runs, at every poll (``POLL_S``): rank 0's stats of the steps it has
@@ -263,20 +263,20 @@ class RayWorkerGroup:
                     pass  # (rank 0 died: the segment's call fails, and that is the failure)
             now = time.monotonic()
             if state["asking"] is None and now >= state["asked"] + POLL_S:
-                state["asking"], state["asked"] = rank0.reports.remote(state["handed"]), now
+                state["asking"], state["asked"] = rank0.reports.remote(segment, state["handed"]), now
             if not state["stopping"] and between():
                 state["stopping"] = True
                 rank0.request_stop.remote(segment)
 
         bound = hang_bound_s(self.spec.elastic, self._steps)
         timeout_s = until_s + self.timeout * 2
-        args = ("train_segment", segment, steps, until_s)
+        args = ("train_segment", segment, steps, until_s, save_pending)
         out = (self.group.call_watched(*args, timeout_s=timeout_s, hang_after_s=bound, tick=tick,
                                        poll_s=POLL_S, moved_at=lambda: state["moved"])
                if bound is not None else
                self.group.call_watched(*args, timeout_s=timeout_s, tick=tick, poll_s=POLL_S,
                                        hang_after_s=liveness_bound_s(self.spec.elastic, self.timeout),
-                                       silent_only=True))
+                                       silent_only=True, moved_at=lambda: state["moved"]))
         reported = out[0]["reported"]
         hand(reported[state["handed"]:], keep_last=True)  # (the last: the caller's, whole)
         self._steps = [*self._steps[-19:], reported[-1]["wall_s"]]
