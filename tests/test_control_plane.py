@@ -63,8 +63,9 @@ def test_a_40_step_job_calls_each_rank_once_per_segment(ray_local, tmp_path):
     per_rank_step = sum(sum(n for m, n in c["calls"].items() if m != "reports")
                         for c in counted) / len(counted) / 40
     assert per_rank_step <= 0.25, json.dumps(counted)
-    assert counted[0]["calls"].get("reports", 0) <= wall_s / POLL_S + 2, (wall_s, counted)
-    assert "reports" not in counted[1]["calls"], counted
+    by_rank = {c["rank"]: c["calls"] for c in counted}
+    assert by_rank[0].get("reports", 0) <= wall_s / POLL_S + 2, (wall_s, counted)
+    assert "reports" not in by_rank[1], counted
     ref, _ = reference_run(spec, str(tmp_path / "out" / "data" / "tiny-corpus"), steps=40)
     torch.testing.assert_close(torch.tensor(s["losses"]), torch.tensor(ref), rtol=1e-5, atol=0)
     history = MlflowClient(tracking_uri=s["tracking_uri"]).get_metric_history(s["mlflow_run_id"], "loss")
