@@ -99,8 +99,13 @@ def test_tracking_server_outage_then_trainmesh_run_sigkilled_and_run_again(mlflo
     try:
         logged_steps(5)
         server.stop()
-        time.sleep(2)  # steps go on while nothing listens
-        assert job.poll() is None, "the job ended while the server was down"
+        # steps go on while nothing listens, until a send has failed (reports are read and
+        # sent about once a second: a fixed sleep could end before any send was tried)
+        deadline = time.monotonic() + 240
+        while "unreachable" not in log_path.read_text():
+            assert job.poll() is None, "the job ended while the server was down"
+            assert time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.2)
         frozen = descendants(job.pid) | {job.pid}  # (while the server restarts, however long
         _signal(frozen, signal.SIGSTOP)  # that takes: the job must not reach its end meanwhile)
         server.start()
