@@ -22,11 +22,11 @@ demo: $(STAMP)
 	$(BIN)/trainmesh run jobs/tiny-cpu.yaml
 	@echo "trainmesh is installed in $(VENV): run 'source $(VENV)/bin/activate' for the commands in README's 'Using it'"
 
-# Everyday work (<= 5 minutes on 2 cores): every test that starts no Ray, and the Ray tests marked
-# everyday (one real-rank case per axis, one recovery, the demo: tests/tiers.py).
+# Everyday work (<= 5 minutes on 2 cores): every test that starts no Ray but those marked full, and
+# the Ray tests marked everyday (one real-rank case per axis, one recovery, the demo: tests/tiers.py).
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "everyday or not (cluster or ray_apart)"
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "everyday or not (cluster or ray_apart or full)"
 
 # Everything (CI runs this): every parity case, the fault matrix, the tracking-server outage, submit.
 test-all: $(STAMP)

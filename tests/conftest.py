@@ -63,6 +63,10 @@ def pytest_collection_modifyitems(config, items):
         if why is not None and not (why.args and str(why.args[0]).strip()):
             raise pytest.UsageError(f"{item.nodeid}: an everyday test says why it is in `make test` "
                                     "(tests/tiers.py)")
+        why = item.get_closest_marker("full")
+        if why is not None and not (why.args and str(why.args[0]).strip()):
+            raise pytest.UsageError(f"{item.nodeid}: a full-tier test says why it is left out of "
+                                    "`make test` (tests/tiers.py)")
         if item.get_closest_marker("ray_apart"):
             item.add_marker(pytest.mark.xdist_group("ray-apart"))
         elif item.get_closest_marker("cluster") or item.get_closest_marker("timed"):

@@ -44,6 +44,39 @@ def test_the_stand_in_answers_every_call_the_controller_makes_of_a_rank():
             assert hasattr(StandInEngine, attr) or attr in ("step", "device", "rng"), (name, attr)
 
 
+PROBE = """
+import os, sys, tempfile
+from trainmesh.cli.loading import load_spec
+from trainmesh.testing.standin import StandInRank
+spec = load_spec(None, ["model.preset=tiny", "training.global_batch_size=8", "training.seq_len=32"])
+r = StandInRank(0, 1, 1)
+r.adopt(0, 1, 1, [])
+r.init_process_group(*r.create_store(10), "cpu", 10)
+r.build(spec.model_dump_json(), {"dp": 1}, "")
+assert r.train_segment(0, 3, 60.0)["steps"] == 3
+d = os.path.join(tempfile.mkdtemp(), "step-3")
+os.makedirs(d)
+assert r.save(d)["files"]
+r.memory_snapshot("snap-3", None)
+r.load(d, 3, None)
+r.reset(0, 1)
+r.shutdown()
+print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))
+"""
+
+
+def test_a_stand_in_rank_process_never_imports_torch():
+    """What lets hundreds of stand-ins fit on one machine (a rank process with torch holds ~0.5
+    GB): a rank's whole life — start, group, build, a segment, a save, a snapshot, a restore, a
+    re-form, its end — in a fresh process, and torch never imported."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
 @pytest.mark.cluster
 @pytest.mark.timeout(300)
 def test_stand_in_ranks_run_a_job_with_checkpoints_and_snapshots(tmp_path):

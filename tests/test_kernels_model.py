@@ -12,6 +12,7 @@ import pytest
 import torch
 from reference import reference_run
 from test_tensor_parallel import BASE, _close, _parallel_run
+from tiers import full
 
 from trainmesh.cli.loading import load_spec
 from trainmesh.data.shards import ensure_tiny_corpus
@@ -64,6 +65,9 @@ def test_parallel_run_on_triton_kernels_matches_the_torch_reference(rank_pool, t
     _close(params, ref_params, rtol=1e-5, atol=5e-5)
 
 
+@full("inductor compiles every block over the interpreted kernels: ~75 CPU-s, a quarter of "
+      "make test's budget; make test keeps the kernels' eager model parity and their compiled "
+      "forms over changing shapes (test_kernels)")
 def test_compiled_blocks_on_triton_kernels_with_recomputation_equal_the_eager_model(tmp_path):
     """``model.compile``: every block compiled in place (names unchanged), on the Triton kernels
     (interpreted) with full recomputation: an optimizer step gives the eager torch model's

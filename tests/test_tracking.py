@@ -8,6 +8,7 @@ import json
 import time
 
 import pytest
+from tiers import full
 
 from trainmesh.tracking.mlflow_tracker import MlflowTracker, open_tracker, resolve_tracking_uri
 
@@ -32,6 +33,8 @@ def test_a_local_runs_artifacts_go_under_its_output_directory(tmp_path, monkeypa
     assert not (elsewhere / "mlruns").exists()
 
 
+@full("a tracking-server outage of 100 steps, ~30 s: make test keeps the tracker's units; "
+      "the outages are make test-all's")
 @pytest.mark.timeout(300)
 def test_an_outage_longer_than_the_memory_bound_spills_to_a_file_and_loses_no_metric(tmp_path):
     """A real tracking server goes away for 100 steps while the tracker keeps 20 metric values

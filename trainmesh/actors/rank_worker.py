@@ -55,8 +55,7 @@ class RankWorker:
         before ``adopt``."""
         self.rank, self.world_size = rank, world_size
         if rank >= 0:
-            _import_stack()
-            _set_threads(cpu_threads)
+            self._prepare_process(cpu_threads)
         self._collector = None  # the step's garbage collection (``build``: the spec's schedule)
         self._store = None  # rank 0's TCPStore
         self._timeout_s = 60.0
@@ -85,6 +84,11 @@ class RankWorker:
             signal.signal(signal.SIGTERM, self._on_sigterm)
         except ValueError:  # not the main thread: keep Ray's own handling
             pass
+
+    def _prepare_process(self, cpu_threads: int) -> None:
+        """A rank's process at its start: the parallel stack imported, torch's threads set."""
+        _import_stack()
+        _set_threads(cpu_threads)
 
     def _on_sigterm(self, signum, frame) -> None:
         self.preempted = True

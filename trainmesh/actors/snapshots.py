@@ -16,12 +16,15 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import ray
 
-from trainmesh.checkpoint import dcp_io, memory_fs, snapshot_io
-from trainmesh.checkpoint.host_copy import HostCopy
+from trainmesh.checkpoint import memory_fs
 from trainmesh.checkpoint.memory_fs import MemoryStore
+
+if TYPE_CHECKING:
+    from trainmesh.checkpoint.host_copy import HostCopy
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +40,9 @@ class Snapshots:
     def take(self, directory: str, rank: int, model, optimizer, buddy, timeout_s: float) -> dict:
         """Snapshot this rank's shards as ``directory``; returns the seconds training waited
         (the last snapshot's save, and the copy) and the bytes copied (0: skipped)."""
+        from trainmesh.checkpoint import dcp_io  # (torch: imported by the ranks that use it)
+        from trainmesh.checkpoint.host_copy import HostCopy
+
         t0 = time.perf_counter()
         if not self._saved(timeout_s):
             log.warning("in-memory snapshot %s skipped: the last one is still being saved", directory)
@@ -80,6 +86,8 @@ class Snapshots:
         return True
 
     def _save(self, directory: str, rank: int, staged: dict, buddy, timeout_s: float) -> None:
+        from trainmesh.checkpoint import snapshot_io
+
         hidden = f".{directory}-{rank}"  # invisible (MemoryStore.held) until committed
         try:
             snapshot_io.snapshot(memory_fs.uri(hidden), rank, staged, self.store)

@@ -67,6 +67,9 @@ class StandInEngine:
 
 
 class StandInRank(RankWorker):
+    def _prepare_process(self, cpu_threads: int) -> None:  # no torch to import or set up
+        pass
+
     def warm(self) -> int:  # a ready process: nothing to import ahead
         return os.getpid()
 
