@@ -4,7 +4,7 @@ a fixed step time (``trainmesh/testing/standin.py``: what it stands in for and w
 simulated nodes of 8 accelerators (``ray.cluster_utils.Cluster``) on this one machine.
 
     .venv/bin/python bench/control_plane.py [--ranks 8,32,128] [--step-s 0.1] [--steps 40]
-                                            [--no-kill]
+                                            [--no-kill] [--long 600]
 
 Per rank count, one job of --steps steps (a checkpoint at the middle step, an in-memory
 snapshot every 10 steps): the controller's CPU seconds per step over its training loop (its
@@ -12,8 +12,10 @@ thread's), controller → rank calls per rank per step (every call each rank rec
 by the rank), start → first step, each checkpoint's and snapshot's coordination (the
 controller's call: the ranks' writes are a few bytes here); then, unless --no-kill, a second
 job in which one rank's process exits mid-run: its death → the first step on the new mesh
-(orchestration only). Then the slope of each against the ranks (least squares over the rank
-counts, per rank added).
+(orchestration only); then, with --long N, a job of N steps with no checkpoint and no
+snapshot, whose only boundaries are the segments' own: the controller's CPU per step amortised
+over a long run (the segments stretched so that a boundary is at most 1% of one). Then the
+slope of each against the ranks (least squares over the rank counts, per rank added).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 os.environ.setdefault("RAY_enable_metrics_collection", "0")
 
 
-def job(ranks: int, step_s: float, steps: int, out: Path, kill: bool) -> dict:
+def job(ranks: int, step_s: float, steps: int, out: Path, kill: bool, saves: bool = True) -> dict:
     from trainmesh.cli.loading import load_spec
     from trainmesh.controller.launch import run_job
     from trainmesh.testing.faults import FaultyRank, fault_run
@@ -44,8 +46,9 @@ def job(ranks: int, step_s: float, steps: int, out: Path, kill: bool) -> dict:
         "model.preset=tiny", f"training.global_batch_size={max(8, ranks)}",
         "training.microbatch_size=1", "training.seq_len=32", "runtime.device=auto",
         "runtime.cpus_per_rank=0.01", f"parallelism.dp={ranks}", f"training.steps={steps}",
-        f"checkpoint.every={steps // 2}", "checkpoint.save_final=false",
-        "checkpoint.async_save=false", "checkpoint.in_memory.every=10", "tracking.enabled=false",
+        f"checkpoint.every={steps // 2 if saves else 0}", "checkpoint.save_final=false",
+        "checkpoint.async_save=false", f"checkpoint.in_memory.every={10 if saves else 0}",
+        "tracking.enabled=false",
         "elastic.ready_ranks_per_node=0", "elastic.max_restarts=3",
         # (the group forms once every rank process has started: here they start one after
         # another on 2 cores, ~5 s each, past the default bound at 64 ranks)
@@ -89,6 +92,7 @@ def main() -> None:
     ap.add_argument("--step-s", type=float, default=0.1)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--no-kill", action="store_true")
+    ap.add_argument("--long", type=int, default=0, help="steps of a job without saves (0: none)")
     args = ap.parse_args()
     rows = []
     for n in (int(r) for r in args.ranks.split(",")):
@@ -102,10 +106,12 @@ def main() -> None:
                 c = s["control"]
                 print(json.dumps({"ranks": n, "control": c, "job_wall_s": wall,
                                   "calls": [x["calls"] for x in s["calls"][:2]]}), flush=True)
-                rec = None
+                rec = long = None
                 if not args.no_kill:
                     k = job(n, args.step_s, args.steps, Path(tmp) / "b", kill=True)
                     rec = k["recoveries"][0] if k["recoveries"] else None
+                if args.long:
+                    long = job(n, args.step_s, args.long, Path(tmp) / "c", kill=False, saves=False)["control"]
             finally:
                 ray.shutdown()
                 cluster.shutdown()
@@ -118,7 +124,9 @@ def main() -> None:
                "save_s": statistics.median(c["save_s"]) if c["save_s"] else None,
                "snapshot_s": statistics.median(c["snapshot_s"]) if c["snapshot_s"] else None,
                "death_to_step_s": rec["downtime_s"] if rec else None,
-               "recovery_phases": rec["phases"] if rec else None, "job_wall_s": wall}
+               "recovery_phases": rec["phases"] if rec else None, "job_wall_s": wall,
+               "long_cpu_ms_per_step": 1e3 * long["cpu_s"] / long["steps"] if long else None,
+               "long_segments": long["segments"] if long else None}
         rows.append(row)
         print(json.dumps(row), flush=True)
 
@@ -128,20 +136,22 @@ def main() -> None:
     print(f"\nstand-in ranks, {args.step_s * 1e3:.0f} ms steps, {args.steps} steps, simulated "
           "nodes of 8 on one 2-core machine")
     print("\n| ranks | controller CPU ms / step | boundary CPU ms (per rank) | calls / rank / step | "
-          "segments | start → first step s | checkpoint s | snapshot s | death → step s |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "segments | start → first step s | checkpoint s | snapshot s | death → step s | "
+          f"long job ({args.long} steps): CPU ms / step (segments) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         per = None if r["boundary_ms"] is None else r["boundary_ms"] / r["ranks"]
         print(f"| {r['ranks']} | {f(r['cpu_ms_per_step'], '{:.3f}')} | "
               f"{f(r['boundary_ms'])} ({f(per, '{:.3f}')}) | "
               f"{f(r['calls_per_rank_step'], '{:.3f}')} | {r['segments']} | "
               f"{f(r['first_step_s'])} | {f(r['save_s'], '{:.3f}')} | "
-              f"{f(r['snapshot_s'], '{:.3f}')} | {f(r['death_to_step_s'])} |")
+              f"{f(r['snapshot_s'], '{:.3f}')} | {f(r['death_to_step_s'])} | "
+              f"{f(r['long_cpu_ms_per_step'], '{:.3f}')} ({r['long_segments'] or '-'}) |")
     if len(rows) > 1:
         xs = [r["ranks"] for r in rows]
         print("\nslope per rank added (least squares):")
         for key in ("cpu_ms_per_step", "boundary_ms", "first_step_s", "save_s", "snapshot_s",
-                    "death_to_step_s"):
+                    "death_to_step_s", "long_cpu_ms_per_step"):
             ys = [r[key] for r in rows]
             if all(y is not None for y in ys):  # (in ms: the seconds' keys scaled)
                 scale = 1.0 if "ms" in key else 1e3

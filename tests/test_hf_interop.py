@@ -273,18 +273,34 @@ def test_mixtral_imports_and_exports_with_transformers_logits(mixtral, tmp_path)
     assert config["num_local_experts"] == 4 and config["num_experts_per_tok"] == 2
 
 
-@pytest.mark.parametrize("setting, named", [
-    ("model.moe.shared_experts=1", "shared_experts"), ("model.moe.router=sigmoid", "router"),
-    ("model.moe.balance=bias", "balance"), ("model.moe.dense_layers=1", "dense_layers")])
-def test_export_refuses_an_moe_model_no_format_holds(tmp_path, setting, named):
-    spec = load_spec(None, ["model.preset=tiny-moe", setting])
-    step_dir = _committed_checkpoint(build_model(spec, torch.device("cpu")), spec,
-                                     tmp_path / "ckpt", 1)
+@pytest.mark.parametrize("job, setting, named, want", [
+    (None, "model.moe.shared_experts=1", "shared_experts", "0"),
+    (None, "model.moe.router=sigmoid", "router", "softmax"),
+    ("jobs/tiny-moe-cpu.yaml", None, "balance", "aux_loss"),  # the shipped MoE job's
+    (None, "model.moe.dense_layers=1", "dense_layers", "0")])
+def test_export_refuses_an_moe_model_no_format_holds_naming_the_value_needed_and_a_fix_that_works(
+        tmp_path, job, setting, named, want):
+    """The refusal names the value the format needs (not the model's own) and the settings to
+    train with; trained with them, the same model exports."""
+    import re
+
     from trainmesh.interop.hf_export import ExportError, export
 
-    with pytest.raises(ExportError, match=f"model.moe.{named}"):
+    overrides = ["model.preset=tiny-moe"] if job is None else []
+    overrides += [setting] if setting else []
+    spec = load_spec(job, overrides)
+    step_dir = _committed_checkpoint(build_model(spec, torch.device("cpu")), spec,
+                                     tmp_path / "ckpt", 1)
+    with pytest.raises(ExportError, match=f"model.moe.{named}={want} \\(this model's is ") as err:
         export(step_dir, tmp_path / "out")
     assert not (tmp_path / "out").exists()  # refused before anything is written
+    fix = re.findall(r"--set (\S+)", str(err.value))
+    assert fix == [f"model.moe.{named}={want}"]
+    spec = load_spec(job, [*overrides, *fix])
+    step_dir = _committed_checkpoint(build_model(spec, torch.device("cpu")), spec,
+                                     tmp_path / "fixed", 1)
+    export(step_dir, tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "mixtral"
 
 
 @pytest.mark.timeout(300)

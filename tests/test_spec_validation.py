@@ -298,3 +298,27 @@ def test_any_dp_up_to_the_microbatches_is_valid(capsys):
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("parallelism.dp: dp=5 replicas but the global batch holds 4 microbatches")
     assert "use dp ≤ 4" in line
+
+
+def test_a_bad_flag_is_one_line_naming_the_closest_value(capsys):
+    """argparse's refusals are one line naming the command's help (not its usage block); an
+    unknown device names the closest the planner knows (it was a traceback)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "jobs/tiny-cpu.yaml", "--device", "h1000"])
+    assert exit_.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("trainmesh plan: argument --device: unknown device 'h1000'; "
+                           "did you mean `h100`? known: a100-40gb, "), line
+    assert line.endswith("(see `trainmesh plan --help`)")
+    with pytest.raises(SystemExit) as exit_:
+        main(["plann", "jobs/tiny-cpu.yaml"])
+    assert exit_.value.code == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_an_unknown_choice_is_one_line_naming_the_closest(capsys):
+    assert main(["validate", "jobs/tiny-cpu.yaml", "--set", "model.preset=tiny_moe"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "model.preset: unknown value 'tiny_moe'; did you mean `tiny-moe`?"]
+    assert main(["validate", "jobs/tiny-cpu.yaml", "--set", "model.preset=zzz"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("model.preset: unknown value 'zzz'; use one of 'tiny', 'small'")

@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from trainmesh.cli.loading import load_spec
+from trainmesh.cli.loading import device_kind, load_spec
 from trainmesh.controller.ray_group import HANG_FLOOR_S, HANG_STEPS, hang_found_after_s
 from trainmesh.planning.cadence import choose, system_mtbf_s
 from trainmesh.planning.failure_costs import MEASURED, SOURCES, Assumptions, MeshCosts, mesh_costs
@@ -27,7 +27,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, action="append", required=True,
                    help="nodes the job is planned on (repeat for several cluster sizes)")
     p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--device", default=None, help="h100, h200, a100-80gb, b200, ... "
+    p.add_argument("--device", default=None, type=device_kind, help="h100, h200, a100-80gb, b200, ... "
                                                   "(default: the spec's topology.device, else h100)")
     rate = p.add_mutually_exclusive_group()
     rate.add_argument("--mtbf-node-hours", type=float,

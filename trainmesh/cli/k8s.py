@@ -7,7 +7,7 @@ import math
 import sys
 from typing import Any
 
-from trainmesh.cli.loading import load_spec
+from trainmesh.cli.loading import device_kind, load_spec
 from trainmesh.deploy.render import MeshSize, RenderOptions, render_rayjob, to_yaml
 from trainmesh.planning.job_plan import PlanError, plan_job
 from trainmesh.planning.topology import Topology
@@ -24,7 +24,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--namespace", default=d.namespace)
     p.add_argument("--nodes", type=int, help="GPU nodes to plan for (default: what the degrees need)")
     p.add_argument("--gpus-per-node", type=int, default=d.gpus_per_node)
-    p.add_argument("--device", default=None, help="h100, h200, a100-80gb, ... (default: the spec's or h100)")
+    p.add_argument("--device", default=None, type=device_kind,
+                   help="h100, h200, a100-80gb, ... (default: the spec's or h100)")
     p.add_argument("--mlflow-secret", default=d.mlflow_secret,
                    help="Secret with key 'uri' (and optional 'username', 'password')")
     p.add_argument("--shared-pvc", default=None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -219,6 +220,8 @@ def _problems_from_pydantic(err: ValidationError) -> list[Problem]:
 def _what(e: dict[str, Any]) -> str:
     if e["type"] == "extra_forbidden":
         return "unknown field"
+    if e["type"] == "literal_error":
+        return f"unknown value {e['input']!r}"
     msg = e["msg"]
     return msg[len("Value error, "):] if msg.startswith("Value error, ") else msg[:1].lower() + msg[1:]
 
@@ -232,7 +235,9 @@ def _fix(e: dict[str, Any], loc: list[str]) -> str:
             return f"did you mean `{close[0]}`?"
         return f"known fields here: {', '.join(known)}"
     if kind == "literal_error":
-        return f"use one of {e['ctx']['expected']}"
+        choices = re.findall(r"'([^']*)'", e["ctx"]["expected"])  # (as pydantic lists them)
+        close = difflib.get_close_matches(str(e["input"]), choices, n=1, cutoff=0.6)
+        return f"did you mean `{close[0]}`?" if close else f"use one of {e['ctx']['expected']}"
     if kind in ("int_parsing", "int_type", "int_from_float"):
         return "give a whole number, e.g. 8"
     if kind in ("float_parsing", "float_type"):
@@ -261,3 +266,16 @@ def _known_fields(loc: list[str]) -> list[str]:
             return []
         model = ann
     return sorted(model.model_fields)
+
+
+def device_kind(name: str) -> str:
+    """``--device``'s type: a kind of the planner's device table, or argparse's one-line error
+    naming the closest kind."""
+    from trainmesh.planning.devices import DEVICES
+
+    key = name.lower()
+    if key in DEVICES:
+        return key
+    close = difflib.get_close_matches(key, list(DEVICES), n=1, cutoff=0.5)
+    hint = f"did you mean `{close[0]}`? " if close else ""
+    raise argparse.ArgumentTypeError(f"unknown device {name!r}; {hint}known: {', '.join(sorted(DEVICES))}")

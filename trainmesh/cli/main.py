@@ -32,8 +32,15 @@ EXIT_BAD_INPUT = 2
 COMMANDS = (validate, run, doctor, plan, goodput, schedule, k8s, submit, jobs, data, evaluate, export)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser (its subcommands' too) whose refusal is one line, naming the help."""
+
+    def error(self, message: str):
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="trainmesh", description="Elastic 3D-parallel training on Ray.")
+    ap = _Parser(prog="trainmesh", description="Elastic 3D-parallel training on Ray.")
     sub = ap.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         command.add_parser(sub).set_defaults(handler=command.run)

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from trainmesh.cli.loading import load_spec
+from trainmesh.cli.loading import device_kind, load_spec
 from trainmesh.planning.job_plan import PlanError, plan_job
 from trainmesh.planning.planner import explain
 from trainmesh.planning.topology import Topology, topology_from_ray
@@ -20,7 +20,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--nodes", type=int, help="plan for a hand-described cluster of N nodes")
     p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--device", default=None, help="h100, h200, a100-40gb, a100-80gb, b200, l40s, cpu")
+    p.add_argument("--device", default=None, type=device_kind,
+                   help="h100, h200, a100-40gb, a100-80gb, b200, l40s, cpu")
     p.add_argument("--top", type=int, default=10, help="rows to show")
     p.add_argument("--json", action="store_true", help="print the plans as JSON (best first)")
     return p

@@ -150,16 +150,23 @@ def export_family(model: dict[str, Any]) -> str:
     if family == "mixtral":
         rules += [("dense_layers", 0, "every block is MoE"),
                   ("normalize_top_k", True, "it renormalises the chosen scores")]
-    misfits = [f"model.moe.{field}={moe[field]!r} ({why})" for field, want, why in rules
-               if moe.get(field, want) != want]
+    wants = {f"model.moe.{field}": (want, moe[field], why) for field, want, why in rules
+             if moe.get(field, want) != want}
     if family == "mixtral" and model.get("head_dim") and model["head_dim"] * model["n_heads"] != model["dim"]:
-        misfits.append(f"model.head_dim={model['head_dim']} (its heads are hidden / heads wide)")
-    if misfits:
+        wants["model.head_dim"] = (None, model["head_dim"], "its heads are hidden / heads wide")
+    if wants:
         name = {"mixtral": "Mixtral", "qwen3_moe": "Qwen3-MoE"}[family]
+        needs = "; ".join(f"{key}={_yaml(want)} (this model's is {_yaml(have)}: {why})"
+                          for key, (want, have, why) in wants.items())
+        sets = " ".join(f"--set {key}={_yaml(want)}" for key, (want, _, _) in wants.items())
         raise HfConfigError(f"no supported Hugging Face format holds this model: {name} needs "
-                            + "; ".join(misfits) + f". Export a model trained with {name}'s "
-                            "settings (e.g. preset tiny-moe)")
+                            f"{needs}. Train it with {name}'s settings to export it: {sets}")
     return family
+
+
+def _yaml(value: Any) -> str:
+    """A spec value as ``--set`` and YAML take it."""
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def config_json(model: dict[str, Any], eos_token_id: int | None = None,
