@@ -254,3 +254,21 @@ def test_a_recovery_interrupted_by_a_failure_times_its_last_attempt_apart(monkey
     parts = ("interrupted_s", "abort_s", "stuck_s", "health_s", "plan_s")
     assert sum(p[k] for k in parts) == pytest.approx(p["decide_s"])
     assert (p["restore_s"], p["first_step_s"]) == pytest.approx((1.0, 0.5))
+
+
+def test_a_recovery_and_a_resize_are_one_console_line_each():
+    """What the person running the job sees as it happens (it was only in summary.json)."""
+    from trainmesh.controller.elastic import Recovery
+
+    lost = Recovery(step=4, cause="RayActorError", downtime_s=6.23, steps_lost=1, mode="warm",
+                    old_mesh={"pp": 2, "dp": 2, "tp": 2, "world_size": 8, "ep": 2},
+                    new_mesh={"pp": 2, "dp": 1, "tp": 2, "world_size": 4}, restored_from="memory")
+    assert lost.line() == ("recovered from a lost rank (its process or node gone): tp2·pp2·dp2·ep2 "
+                           "(8 ranks) → tp2·pp2·dp1 (4 ranks), warm, step 4 restored from peers' "
+                           "in-memory snapshots, 1 step(s) lost, 6.2 s without training")
+    grown = Recovery(step=20, cause="scale-up", downtime_s=11.0, steps_lost=0, mode="cold",
+                     old_mesh={"pp": 1, "dp": 2, "tp": 1, "world_size": 2},
+                     new_mesh={"pp": 1, "dp": 4, "tp": 1, "world_size": 4})
+    assert grown.line() == ("resized onto the nodes that joined: dp2 (2 ranks) → dp4 (4 ranks), "
+                            "cold, step 20 restored from its checkpoint in storage, 11.0 s without "
+                            "training")

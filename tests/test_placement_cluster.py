@@ -175,7 +175,7 @@ def test_doctor_reports_the_cluster_and_each_problem_with_its_fix(gpu_cluster, t
 
 @pytest.mark.timeout(300)
 @everyday("one recovery: a node lost on a simulated cluster, restored warm onto the survivors")
-def test_a_lost_node_restores_from_peers_memory_onto_the_survivors_mesh(gpu_cluster, tmp_path):
+def test_a_lost_node_restores_from_peers_memory_onto_the_survivors_mesh(gpu_cluster, tmp_path, capsys):
     """The in-memory checkpoint tier (last here: it removes a node), with all four axes: an MoE
     model at tp 2 × pp 2 × dp 2 with ep 2 (8 ranks) on the 2 nodes, snapshots every step,
     storage every 6 (the last step here): the node of ranks 4-7 goes as step 5 begins, once
@@ -203,4 +203,11 @@ def test_a_lost_node_restores_from_peers_memory_onto_the_survivors_mesh(gpu_clus
     assert rec["old_mesh"]["ep"] == 2 and "ep" not in rec["new_mesh"]
     assert (rec["new_mesh"]["tp"], rec["new_mesh"]["pp"]) == (2, 2)
     assert s["experts"]["all"]["bias_norm"] > 0
+    # the console's line for it, as it happened
+    from trainmesh.controller.elastic import Recovery
+
+    [line] = [x for x in capsys.readouterr().out.splitlines() if x.startswith(("recovered", "resized"))]
+    assert line == Recovery(**rec).line()
+    assert ("ep2 (8 ranks) → tp2·pp2·dp1 (4 ranks), warm, step 4 restored from peers' in-memory "
+            "snapshots, 0 step(s) lost") in line
     assert_reference_losses(s, tmp_path)

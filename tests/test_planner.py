@@ -627,3 +627,11 @@ def test_hybrid_shard_groups_under_context_parallel_are_whole_nodes():
     plans = plan(request_for(spec), Topology.uniform(32, 8, "h100")).plans
     hybrid = [p.candidate for p in plans if p.candidate.cp > 1 and p.candidate.dp_replicate > 1]
     assert hybrid and {c.dp_shard * c.cp * c.tp for c in hybrid} <= {8, 64}
+
+
+def test_two_different_sizes_in_a_rejection_never_print_alike():
+    from trainmesh.planning.planner import gib_apart
+
+    gib = 1024**3
+    assert gib_apart(72.04 * gib, 72.01 * gib) == ("72.04", "72.01")  # was "72.0 ... 72.0"
+    assert gib_apart(80.5 * gib, 72.0 * gib) == ("80.5", "72.0")

@@ -1,4 +1,5 @@
-"""``trainmesh export``: a checkpoint written as a Hugging Face Llama directory."""
+"""``trainmesh export``: a checkpoint written as a Hugging Face model directory (Llama, Mixtral or
+Qwen3-MoE, whichever holds the model)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import sys
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("export", help="write a checkpoint as a Hugging Face Llama directory")
+    p = sub.add_parser("export", help="write a checkpoint as a Hugging Face model directory "
+                                      "(Llama, Mixtral, Qwen3-MoE)")
     p.add_argument("source", help="a run's output directory (its newest complete checkpoint) "
                                   "or a checkpoint's step-NNNNNN directory")
     p.add_argument("--hf", required=True, metavar="OUT", help="output directory")

@@ -30,8 +30,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         sched = build_schedule(kind, args.pp, args.vpp, args.microbatches)
         shape = pipe_shape(kind, args.pp, args.vpp, args.microbatches)
-    except ValueError as err:
-        print(f"--schedule/--pp/--vpp/--microbatches: {err}", file=sys.stderr)
+    except ValueError as err:  # (a ScheduleMisfit says what would run)
+        fix = "".join(f"; give --{k} {v}" for k, v in getattr(err, "need", {}).items())
+        print(f"--schedule/--pp/--vpp/--microbatches: {err}{fix}", file=sys.stderr)
         return 2
     v = args.vpp
     sim = simulate(sched, args.pp * v, args.microbatches, Costs(1.0, args.backward_cost), shape=shape)

@@ -98,6 +98,7 @@ class Controller:
         self._progress: dict[str, Any] = {"state": "starting", "step": 0,
                                           "steps": self.spec.training.steps}
         self.notices: list[str] = []  # warnings for the person running the job
+        self.events: list[str] = []  # what else the console says as it happens (recoveries)
         self.pid_history: list[list[int]] = []  # the ranks' processes, per (re)start
         self.losses: list[float] = []
         self.experts: dict[str, Any] = {}  # MoE: the last step's statistics (summary.json)
@@ -136,7 +137,7 @@ class Controller:
 
     # -- public ----------------------------------------------------------------------------
     def progress(self) -> dict[str, Any]:  # where the run is, every notice so far (the driver prints new ones)
-        return {**self._progress, "notices": list(self.notices)}
+        return {**self._progress, "notices": list(self.notices), "events": list(self.events)}
 
     def _notice(self, text: str) -> None:
         self.notices.append(text)
@@ -542,6 +543,7 @@ class Controller:
 
     def _recovered(self, state: Running, tracker) -> None:
         rec = self.book.complete(state.stop, state.start, self.dims.as_dict(), state.mode)
+        self.events.append(rec.line())
         tracker.event("recovery", **rec.as_dict())
         tracker.log_metrics({"recovery_downtime_s": rec.downtime_s,
                              "recovery_steps_lost": rec.steps_lost}, step=state.start)

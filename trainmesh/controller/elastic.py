@@ -40,6 +40,32 @@ class Recovery:
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def line(self) -> str:
+        """The console's line for it: what stopped training (a failure, or a resize: a
+        preemption notice, nodes joining), the mesh before and after, warm or cold, where the
+        state came from, the steps lost and the time training stood still."""
+        resize = self.cause in ("preemption", "scale-up")
+        what = {"preemption": "resized after a preemption notice",
+                "scale-up": "resized onto the nodes that joined",
+                "RayActorError": "recovered from a lost rank (its process or node gone)",
+                "RayTaskError": "recovered from a rank's error",
+                "GetTimeoutError": "recovered from a rank past its deadline",
+                "HangDetected": "recovered from a hung rank",
+                "PlacementTimeout": "recovered from a placement that timed out",
+                }.get(self.cause, f"recovered from {self.cause}")
+        source = {"memory": "peers' in-memory snapshots", "storage": "its checkpoint in storage",
+                  "none": "its initialisation"}.get(self.restored_from, self.restored_from)
+        lost = "" if resize else f", {self.steps_lost} step(s) lost"
+        return (f"{what}: {mesh_text(self.old_mesh)} → {mesh_text(self.new_mesh)}, {self.mode}, "
+                f"step {self.step} restored from {source}{lost}, {self.downtime_s:.1f} s without "
+                "training")
+
+
+def mesh_text(mesh: dict) -> str:
+    """A mesh as ``tp2·pp2·dp2·ep2 (8 ranks)``: its degrees above 1 (dp always)."""
+    axes = [f"{k}{mesh[k]}" for k in ("tp", "pp", "dp", "cp", "ep") if mesh.get(k, 1) > 1 or k == "dp"]
+    return f"{'·'.join(axes)} ({mesh.get('world_size', '?')} ranks)"
+
 
 def recovery_phases(marks: dict[str, float]) -> dict[str, float]:
     """Seconds per recovery phase from the wall times marked on the way (``failed``,

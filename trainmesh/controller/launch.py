@@ -213,13 +213,15 @@ def _report(actor, ref, every_s: float = 10.0) -> None:
     notice as it comes."""
     import ray
 
-    seen, last = 0, 0.0
+    seen, told, last = 0, 0, 0.0
     while True:
         done, _ = ray.wait([ref], timeout=1.0)
         p = ray.get(actor.progress.remote())
         for text in p["notices"][seen:]:
             print(f"warning: {text}", file=sys.stderr, flush=True)
-        seen = len(p["notices"])
+        for text in p["events"][told:]:
+            print(text, flush=True)
+        seen, told = len(p["notices"]), len(p["events"])
         if time.monotonic() - last >= every_s and p["step"]:
             loss = f" loss {p['loss']:.4f}" if "loss" in p else ""
             tps = f" {p['tokens_per_s']:,.0f} tok/s" if "tokens_per_s" in p else ""
@@ -246,7 +248,7 @@ def _follow(actor, ref) -> None:
                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
     with Progress(*columns, transient=False) as bar:
         task = bar.add_task("train", total=None, state="starting", loss="-", tps="-")
-        seen = 0
+        seen = told = 0
         while True:
             done, _ = ray.wait([ref], timeout=0.5)
             p = ray.get(actor.progress.remote())
@@ -256,6 +258,8 @@ def _follow(actor, ref) -> None:
                        tps=tps)
             for text in p["notices"][seen:]:
                 bar.console.print(f"[yellow]warning:[/] {text}")
-            seen = len(p["notices"])
+            for text in p["events"][told:]:
+                bar.console.print(text, markup=False, highlight=False)
+            seen, told = len(p["notices"]), len(p["events"])
             if done:
                 break

@@ -386,8 +386,9 @@ def _plan(req: PlanRequest, topo: Topology, long: bool | None) -> PlanResult:
         mem = memory_bytes(req.model, c, req.seq_len, req.compute_bytes,
                            topo.device.framework_gib * 1024**3, fused)
         if mem > limit:
-            rejected.append(Rejection(c, f"memory: {mem / 1024**3:.1f} GiB per rank exceeds "
-                                         f"{limit / 1024**3:.1f} GiB ({MEMORY_HEADROOM:.0%} of "
+            need, have = gib_apart(mem, limit)
+            rejected.append(Rejection(c, f"memory: {need} GiB per rank exceeds "
+                                         f"{have} GiB ({MEMORY_HEADROOM:.0%} of "
                                          f"{topo.device.memory_gib:g} GiB {topo.device.name})"))
             continue
         key = (c.tp, c.world_size)
@@ -508,3 +509,13 @@ def explain(result: PlanResult) -> str:
 
 __all__ = ["PlanRequest", "PlanResult", "RankedPlan", "Rejection", "plan", "explain",
            "SCHEDULES"]
+
+
+def gib_apart(a: float, b: float) -> tuple[str, str]:
+    """Bytes ``a`` and ``b`` as GiB with one decimal, or as many more (up to 4) as it takes for
+    two different sizes not to print alike ("72.0 GiB exceeds 72.0 GiB")."""
+    for digits in range(1, 5):
+        x, y = f"{a / 1024**3:.{digits}f}", f"{b / 1024**3:.{digits}f}"
+        if x != y:
+            break
+    return x, y

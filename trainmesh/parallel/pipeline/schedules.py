@@ -37,21 +37,30 @@ def forward_only(shape: PipeShape, schedule: Schedule) -> Schedule:
     return lower(shape, [[a for a in actions if a.op is Op.FORWARD] for actions in schedule])
 
 
+class ScheduleMisfit(ValueError):
+    """A combination a schedule cannot run; ``need``: the value of ``vpp`` or ``microbatches``
+    that would run (the caller names the setting: a spec field, a command-line flag)."""
+
+    def __init__(self, message: str, need: dict[str, int | str]):
+        super().__init__(message)
+        self.need = need
+
+
 def check(kind: ScheduleKind, pp: int, vpp: int, m: int) -> None:
-    """Refuse combinations a schedule cannot run, naming the fix."""
+    """Refuse combinations a schedule cannot run (``ScheduleMisfit``)."""
     if pp < 1 or vpp < 1 or m < 1:
-        raise ValueError(f"pp={pp}, vpp={vpp}, microbatches={m} must all be at least 1")
+        raise ScheduleMisfit(f"pp={pp}, vpp={vpp}, microbatches={m} must all be at least 1", {})
     if kind is ScheduleKind.INTERLEAVED_1F1B:
         if m < pp:
-            raise ValueError(f"interleaved 1F1B needs at least pp={pp} microbatches, not {m}; "
-                             "raise training.global_batch_size or lower microbatch_size")
+            raise ScheduleMisfit(f"interleaved 1F1B needs at least pp={pp} microbatches, not {m}",
+                                 {"microbatches": pp})
     elif kind is ScheduleKind.ZBV:
         if vpp != 2:
-            raise ValueError(f"zbv places two chunks per rank in a V (vpp=2), not vpp={vpp}; "
-                             "set parallelism.vpp=2")
+            raise ScheduleMisfit(f"zbv places two chunks per rank in a V (vpp=2), not vpp={vpp}",
+                                 {"vpp": 2})
     elif vpp != 1:
-        raise ValueError(f"schedule {kind.value} has one chunk per rank (vpp={vpp}); use "
-                         "interleaved-1f1b or zbv for vpp > 1")
+        raise ScheduleMisfit(f"schedule {kind.value} has one chunk per rank (vpp={vpp}); use "
+                             "interleaved-1f1b or zbv for vpp > 1", {"vpp": 1})
 
 
 def zero_bubble(shape: PipeShape, limit: int) -> list[list[Action]]:
