@@ -322,3 +322,16 @@ def test_an_unknown_choice_is_one_line_naming_the_closest(capsys):
     assert main(["validate", "jobs/tiny-cpu.yaml", "--set", "model.preset=zzz"]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("model.preset: unknown value 'zzz'; use one of 'tiny', 'small'")
+
+
+def test_doctors_writability_probe_leaves_no_directory_it_made_and_its_plan_names_ep(tmp_path):
+    from trainmesh.cli.doctor import _writable, degrees
+    from trainmesh.parallel.dims import ParallelDims
+
+    found = _writable("checkpoints", str(tmp_path / "a" / "b" / "c"), "here", "fix")
+    assert found.ok and not (tmp_path / "a").exists()  # (it left a/b/c behind)
+    (tmp_path / "kept").mkdir()
+    found = _writable("checkpoints", str(tmp_path / "kept"), "here", "fix")
+    assert found.ok and (tmp_path / "kept").is_dir() and not any((tmp_path / "kept").iterdir())
+    assert degrees(ParallelDims(tp=2, dp=2, ep=2)) == "tp=2 pp=1 dp=2 ep=2"
+    assert degrees(ParallelDims(dp=4, cp=2)) == "tp=1 pp=1 dp=4 cp=2"

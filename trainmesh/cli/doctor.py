@@ -9,6 +9,7 @@ checkpoint directory. Exit 0 when nothing is wrong, 1 otherwise.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import urllib.request
@@ -16,6 +17,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainmesh.checkpoint.manifest import is_uri
 from trainmesh.spec.job import JobSpec
 
 
@@ -83,12 +85,18 @@ def cluster(spec: JobSpec) -> list[Finding]:
     try:
         dims, result = plan_job(spec, topo)
         best = result.best
-        found.append(Finding("plan", True, f"tp={dims.tp} pp={dims.pp} dp={dims.dp}: "
-                                           f"{dims.world_size} rank(s), {best.idle} idle"))
+        found.append(Finding("plan", True, f"{degrees(dims)}: {dims.world_size} rank(s), "
+                                           f"{best.idle} idle"))
     except PlanError as err:
         found.append(Finding("plan", False, str(err), "lower the degrees, set "
                                                       "parallelism=auto, or add accelerators"))
     return found
+
+
+def degrees(dims) -> str:
+    """A plan's degrees as ``tp=2 pp=1 dp=4``, with cp and ep where they are above 1."""
+    extra = "".join(f" {k}={getattr(dims, k)}" for k in ("cp", "ep") if getattr(dims, k) > 1)
+    return f"tp={dims.tp} pp={dims.pp} dp={dims.dp}{extra}"
 
 
 def tracking(spec: JobSpec, environ: dict[str, str]) -> list[Finding]:
@@ -138,16 +146,29 @@ def _writable(topic: str, root: str, label: str, fix: str) -> Finding:
                        f"install the fsspec implementation it names ({err.name or 's3fs, gcsfs'}), "
                        "or give a local path")
     try:
+        made = [] if is_uri(root) else _missing_dirs(Path(path))  # (an object store has none)
         fs.makedirs(path, exist_ok=True)
         probe = f"{path}/.trainmesh-doctor-{uuid.uuid4().hex}"
         fs.pipe_file(probe, b"ok")
         fs.rm(probe)
+        for directory in made:  # the directories the probe made, innermost first, if empty
+            with contextlib.suppress(OSError):
+                directory.rmdir()
     except Exception as err:  # noqa: BLE001 - the failure is the finding
         first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
         if root.startswith(("s3://", "s3a://")):
             fix = f"{S3_VARIABLES}; or {fix}"
         return Finding(topic, False, f"{label}: not writable ({first})", fix)
     return Finding(topic, True, f"{label}: writable")
+
+
+def _missing_dirs(path: Path) -> list[Path]:
+    """``path`` and its ancestors that do not exist yet, innermost first."""
+    missing = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
