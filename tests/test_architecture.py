@@ -114,10 +114,13 @@ def test_planning_spec_and_controller_import_no_torch():
 
 
 def test_nothing_imports_cli():
-    """The command line is the top: only it and ``python -m trainmesh`` (``__main__``) use it."""
+    """The command line and the Python API (``api.py``) are the top: only they and ``python -m
+    trainmesh`` (``__main__``) use it, and nothing imports the API."""
     bad = [f"{_module(p)} imports {m}" for p in PKG.rglob("*.py")
-           if p.relative_to(PKG).parts[0] != "cli" and p.name != "__main__.py"
-           for m in _imports(p) if m.split(".")[1] == "cli"]
+           for m in _imports(p) if m == "trainmesh.api" or m.startswith("trainmesh.api.")]
+    bad += [f"{_module(p)} imports {m}" for p in PKG.rglob("*.py")
+            if p.relative_to(PKG).parts[0] != "cli" and p.name not in ("__main__.py", "api.py")
+            for m in _imports(p) if m.split(".")[1] == "cli"]
     assert not bad, bad
 
 

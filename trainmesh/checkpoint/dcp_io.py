@@ -124,6 +124,18 @@ def async_save(directory: str | Path, model: nn.Module, optimizer: torch.optim.O
     return digests
 
 
+def load_full_model(model: nn.Module, directory: str | Path) -> None:
+    """Fill a whole, unsharded model in this one process (no process group) from a checkpoint
+    any mesh wrote: DCP reads each tensor's shards into it."""
+    import warnings
+
+    state = {k: torch.empty_like(v) for k, v in model.state_dict().items()}
+    with warnings.catch_warnings():  # (DCP warns that one process reads: that is the intent)
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load({"model": state}, storage_reader=storage_reader(directory), no_dist=True)
+    model.load_state_dict(state)
+
+
 def load(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
     """Collective: fill ``model`` (and ``optimizer``) in place from ``directory``."""
     if optimizer is None:

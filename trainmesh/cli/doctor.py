@@ -175,7 +175,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("doctor", help="what trainmesh sees (software, Ray cluster, "
                                       "accelerators, tracking, checkpoints), with a fix per problem")
     p.add_argument("spec", nargs="?", default=None, help="job spec YAML (default: the built-in spec)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a field, e.g. --set training.steps=20 (repeatable)")
     return p
 
 

@@ -17,7 +17,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--hf", required=True, metavar="OUT", help="output directory")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="default: bfloat16 if the run trained in bfloat16, else float32")
-    p.add_argument("--max-shard-size", type=int, default=2 << 30, metavar="BYTES")
+    p.add_argument("--max-shard-size", type=int, default=2 << 30, metavar="BYTES",
+                   help="largest safetensors file written")
     p.add_argument("--mlflow", action="store_true", help="also log OUT to the run's MLflow run")
     return p
 

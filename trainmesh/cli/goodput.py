@@ -23,10 +23,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("goodput", help="simulate a job's goodput on a failing cluster: trainmesh "
                                        "(warm, cold) beside restart-from-checkpoint")
     p.add_argument("spec", help="job spec YAML")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a field, e.g. --set training.steps=20 (repeatable)")
     p.add_argument("--nodes", type=int, action="append", required=True,
                    help="nodes the job is planned on (repeat for several cluster sizes)")
-    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpus-per-node", type=int, default=8, help="accelerators per node")
     p.add_argument("--device", default=None, type=device_kind, help="h100, h200, a100-80gb, b200, ... "
                                                   "(default: the spec's topology.device, else h100)")
     rate = p.add_mutually_exclusive_group()
@@ -40,11 +41,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--spare-nodes", type=int, default=0, help="idle nodes beside the job's")
     p.add_argument("--replace-minutes", type=float, default=30.0,
                    help="a failed node is replaced and rejoins after this many minutes")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the simulated failures")
     for f in dataclasses.fields(Assumptions):
         p.add_argument("--" + f.name.replace("_", "-"), type=float, default=None,
                        help=f"cost assumption (default {f.default})")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--png", help="write each strategy's hours lost over time (one panel per "
                    "cluster size) to this PNG")
     return p

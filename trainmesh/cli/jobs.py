@@ -46,10 +46,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     address_arg(p)
     for name, text in (("status", "a job's status"), ("stop", "stop a running job")):
         p = jobs.add_parser(name, help=text)
-        p.add_argument("job_id")
+        p.add_argument("job_id", help="the submission id `trainmesh submit` printed")
         address_arg(p)
     p = jobs.add_parser("logs", help="a job's driver logs")
-    p.add_argument("job_id")
+    p.add_argument("job_id", help="the submission id `trainmesh submit` printed")
     p.add_argument("--follow", action="store_true", help="stream until the job ends")
     address_arg(p)
     return top

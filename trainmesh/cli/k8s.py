@@ -18,12 +18,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
     k8s = sub.add_parser("k8s", help="Kubernetes manifests").add_subparsers(dest="k8s_cmd", required=True)
     p = k8s.add_parser("render", help="print a KubeRay RayJob (ray.io/v1) sized from the plan")
     p.add_argument("spec", help="job spec YAML")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a field, e.g. --set training.steps=20 (repeatable)")
     d = RenderOptions()
     p.add_argument("--image", default=d.image, help="container image with trainmesh installed")
-    p.add_argument("--namespace", default=d.namespace)
+    p.add_argument("--namespace", default=d.namespace, help="Kubernetes namespace of the RayJob")
     p.add_argument("--nodes", type=int, help="GPU nodes to plan for (default: what the degrees need)")
-    p.add_argument("--gpus-per-node", type=int, default=d.gpus_per_node)
+    p.add_argument("--gpus-per-node", type=int, default=d.gpus_per_node, help="accelerators per node")
     p.add_argument("--device", default=None, type=device_kind,
                    help="h100, h200, a100-80gb, ... (default: the spec's or h100)")
     p.add_argument("--mlflow-secret", default=d.mlflow_secret,

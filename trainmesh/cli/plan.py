@@ -17,9 +17,10 @@ from trainmesh.spec.job import JobSpec
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="rank feasible (tp, pp, dp, vpp, ...) plans for a cluster")
     p.add_argument("spec", help="job spec YAML")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a field, e.g. --set training.steps=20 (repeatable)")
     p.add_argument("--nodes", type=int, help="plan for a hand-described cluster of N nodes")
-    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpus-per-node", type=int, default=8, help="accelerators per node")
     p.add_argument("--device", default=None, type=device_kind,
                    help="h100, h200, a100-40gb, a100-80gb, b200, l40s, cpu")
     p.add_argument("--top", type=int, default=10, help="rows to show")

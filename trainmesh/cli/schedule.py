@@ -14,7 +14,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("schedule", help="show a pipeline schedule as a grid (and a PNG)")
     p.add_argument("--pp", type=int, required=True, help="pipeline stages (ranks)")
     p.add_argument("--vpp", type=int, default=1, help="virtual chunks per rank")
-    p.add_argument("--microbatches", type=int, required=True)
+    p.add_argument("--microbatches", type=int, required=True, help="microbatches per step")
     p.add_argument("--schedule", default=None, choices=[k.value for k in ScheduleKind],
                    help="default: interleaved-1f1b when vpp > 1, else 1f1b")
     p.add_argument("--backward-cost", type=float, default=2.0,

@@ -35,11 +35,14 @@ class RopeScaling(_Section):
     low_freq_factor`` are stretched by ``factor``, those shorter than ``... / high_freq_factor``
     kept, the ones between interpolated smoothly."""
 
-    type: Literal["llama3"] = "llama3"
-    factor: float = Field(gt=0)
-    low_freq_factor: float = Field(1.0, gt=0)
-    high_freq_factor: float = Field(4.0, gt=0)
-    original_max_position_embeddings: int = Field(8192, ge=1)
+    type: Literal["llama3"] = Field("llama3", description="the scaling rule (Llama 3.1's)")
+    factor: float = Field(gt=0, description="how much longer wavelengths are stretched")
+    low_freq_factor: float = Field(1.0, gt=0, description="wavelengths above original / this "
+                                   "are stretched by factor")
+    high_freq_factor: float = Field(4.0, gt=0, description="wavelengths below original / this "
+                                    "are kept; those between are blended")
+    original_max_position_embeddings: int = Field(8192, ge=1, description="the context length "
+                                                  "the model was pre-trained at")
 
     @model_validator(mode="after")
     def _ordered(self) -> RopeScaling:
@@ -67,8 +70,10 @@ class MoEConfig(_Section):
         "aux_loss", description="aux_loss: the Switch load-balancing loss × aux_loss_coef; bias: "
         "DeepSeek-V3's aux-loss-free balancing, a per-expert bias added to the scores for "
         "choosing (not weighting) experts, moved by bias_update_rate after each step")
-    aux_loss_coef: float = Field(0.01, ge=0)
-    bias_update_rate: float = Field(1e-3, ge=0)
+    aux_loss_coef: float = Field(0.01, ge=0, description="with balance: aux_loss, the balancing "
+                                 "loss's weight (Switch Transformer's)")
+    bias_update_rate: float = Field(1e-3, ge=0, description="with balance: bias, how far each "
+                                    "expert's routing bias moves per step towards an even load")
     dense_layers: int = Field(0, ge=0, description="leading blocks that keep the dense MLP")
     capacity_factor: float | None = Field(
         None, gt=0, description="null: dropless; a number: each expert takes at most "
@@ -88,7 +93,9 @@ class MoEConfig(_Section):
 class ModelConfig(_Section):
     """Llama-style decoder shape. A preset fills every shape field not given explicitly."""
 
-    preset: Literal[tuple(PRESETS)] | None = "tiny"  # type: ignore[valid-type]
+    preset: Literal[tuple(PRESETS)] | None = Field(  # type: ignore[valid-type]
+        "tiny", description="a named shape (trainmesh/spec/presets.py) filling every shape field "
+        "not given; null: give them all")
     dim: int = Field(0, ge=8, description="hidden size")
     n_layers: int = Field(0, ge=1, description="transformer blocks")
     n_heads: int = Field(0, ge=1, description="attention (query) heads")
@@ -103,10 +110,11 @@ class ModelConfig(_Section):
                            "attention probabilities and on each block's attention and MLP output "
                            "before the residual add (HF Llama's attention_dropout, plus residual); "
                            "0: none. Each rank's random streams are checkpointed")
-    norm_eps: float = Field(1e-5, gt=0)
-    rope_theta: float = Field(10000.0, gt=0)
+    norm_eps: float = Field(1e-5, gt=0, description="RMSNorm's epsilon")
+    rope_theta: float = Field(10000.0, gt=0, description="RoPE's base wavelength")
     rope_scaling: RopeScaling | None = Field(None, description="Llama 3.1 RoPE scaling; none: plain")
-    tie_embeddings: bool = False
+    tie_embeddings: bool = Field(False, description="the output head shares the token "
+                                 "embedding's weight")
     moe: MoEConfig | None = Field(None, description="Mixture of Experts blocks; null: dense")
     init_from: str | None = Field(
         None, description="a Hugging Face Llama directory (config.json, safetensors) to start "
@@ -181,7 +189,8 @@ class EvalConfig(_Section):
 class ParallelismConfig(_Section):
     """Parallel degrees. ``parallelism: auto`` (or ``auto: true``) lets the planner choose."""
 
-    auto: bool = False
+    auto: bool = Field(False, description="the planner chooses every degree for the cluster "
+                       "(also written `parallelism: auto`)")
     tp: int = Field(1, ge=1, description="tensor-parallel degree (inside a node)")
     pp: int = Field(1, ge=1, description="pipeline stages")
     dp: int = Field(1, ge=1, description="data-parallel replicas (ZeRO-3 over this axis)")
@@ -201,7 +210,9 @@ class ParallelismConfig(_Section):
         "ring", description="context parallel: ring (key/value blocks passed round the ring, "
         "each transfer overlapped with a block's attention) or allgather (all-gather the keys "
         "and values, then attend locally: cp× their memory, one collective)")
-    sequence_parallel: bool = False
+    sequence_parallel: bool = Field(False, description="with tp > 1: norms, dropout and the "
+                                    "residual stream split over the sequence between tp's "
+                                    "regions (Megatron's sequence parallel)")
     keep_gathered: bool | None = Field(
         None, description="ZeRO-3: keep each rank's parameters gathered (and gradients "
         "unsharded) across a step's microbatches, reduce-scattering once (less traffic, more "
@@ -224,7 +235,9 @@ class ActivationCheckpointConfig(_Section):
     """Recompute blocks in backward to save memory: ``full`` every block, ``selective`` every
     ``stride``-th block, ``none`` keeps all activations."""
 
-    mode: Literal["none", "full", "selective"] = "none"
+    mode: Literal["none", "full", "selective"] = Field(
+        "none", description="full: every block's activations recomputed in backward; "
+        "selective: every stride-th block's; none: all kept")
     stride: int = Field(2, ge=1, description="with selective: checkpoint every N-th block")
 
 
@@ -239,13 +252,14 @@ class ScheduleConfig(_Section):
 class OptimizerConfig(_Section):
     """AdamW with linear warm-up, cosine decay to ``min_lr_ratio * lr``, and grad clipping."""
 
-    lr: float = Field(3e-3, gt=0)
-    weight_decay: float = Field(0.1, ge=0)
-    beta1: float = Field(0.9, ge=0, lt=1)
-    beta2: float = Field(0.95, ge=0, lt=1)
-    eps: float = Field(1e-8, gt=0)
-    warmup_steps: int = Field(10, ge=0)
-    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    lr: float = Field(3e-3, gt=0, description="peak learning rate (after the warm-up)")
+    weight_decay: float = Field(0.1, ge=0, description="AdamW's decoupled weight decay")
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW's first-moment decay")
+    beta2: float = Field(0.95, ge=0, lt=1, description="AdamW's second-moment decay")
+    eps: float = Field(1e-8, gt=0, description="AdamW's epsilon")
+    warmup_steps: int = Field(10, ge=0, description="steps of linear warm-up from 0 to lr")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="the cosine decay's floor, as a "
+                                "fraction of lr, reached at the last step")
     grad_clip: float = Field(1.0, ge=0, description="max global grad norm; 0 disables")
 
 
@@ -253,12 +267,15 @@ class TrainingConfig(_Section):
     """Steps and batch geometry: the global batch's global_batch_size / microbatch_size
     microbatches are dealt out to the dp replicas (shares differ by at most one)."""
 
-    steps: int = Field(100, ge=1)
+    steps: int = Field(100, ge=1, description="optimizer steps the run trains in all")
     global_batch_size: int = Field(8, ge=1, description="sequences per optimizer step")
     microbatch_size: int = Field(2, ge=1, description="sequences per forward/backward")
-    seq_len: int = Field(64, ge=2)
-    seed: int = Field(0, ge=0)
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    seq_len: int = Field(64, ge=2, description="tokens per training window")
+    seed: int = Field(0, ge=0, description="seeds the initialisation, the data order and every "
+                      "rank's random streams")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="compute dtype (bfloat16: autocast, parameters and optimizer "
+        "state stay float32)")
     float8: Literal["none", "tensorwise", "rowwise"] = Field(
         "none", description="float8 matmuls for the blocks' linear layers (torchao): one scale "
         "per tensor (with ZeRO-3's all-gather in float8) or per row; needs a GPU of compute "
@@ -287,18 +304,25 @@ class CheckpointConfig(_Section):
     async_save: bool = Field(False, description="write in the background: a step's shards are "
                              "copied to host memory, training goes on while a thread writes "
                              "them, and the manifest is committed once every rank is done")
-    resume: Literal["auto", "never"] = "auto"
-    keep_last: int = Field(3, ge=1)
-    save_final: bool = True
+    resume: Literal["auto", "never"] = Field(
+        "auto", description="auto: start from the newest verified checkpoint in dir; never: "
+        "from the initialisation (a dir holding an earlier run's checkpoints is refused); "
+        "recoveries always restore the run's own newest")
+    keep_last: int = Field(3, ge=1, description="verified checkpoints kept (older ones deleted "
+                           "once newer ones verify)")
+    save_final: bool = Field(True, description="save after the last step")
     in_memory: InMemoryConfig = InMemoryConfig()
 
 
 class ElasticConfig(_Section):
     """Bounds on the world size the job may run at, and how often it may restart."""
 
-    min_world_size: int = Field(1, ge=1)
-    max_world_size: int | None = Field(None, ge=1)
-    max_restarts: int = Field(3, ge=0)
+    min_world_size: int = Field(1, ge=1, description="fewest ranks the job goes on with after "
+                                "a failure (below it: the job fails)")
+    max_world_size: int | None = Field(None, ge=1, description="most ranks the job grows to "
+                                       "(null: every accelerator it is given)")
+    max_restarts: int = Field(3, ge=0, description="recoveries from failures the job may make "
+                              "in all (a resize or a preemption notice spends none)")
     hang_timeout_s: float | None = Field(
         None, gt=0, description="a step running longer than this has its stalled ranks (silent, "
         "or furthest behind while none moves) treated as hung: their nodes are dropped and the "
@@ -325,9 +349,10 @@ class ElasticConfig(_Section):
 class TrackingConfig(_Section):
     """MLflow. ``uri: null`` means ``MLFLOW_TRACKING_URI`` if set, else sqlite in OUTPUT."""
 
-    enabled: bool = True
-    uri: str | None = None
-    experiment: str = "trainmesh"
+    enabled: bool = Field(True, description="track the run in MLflow")
+    uri: str | None = Field(None, description="MLflow tracking URI; null: MLFLOW_TRACKING_URI, "
+                            "else sqlite under the output directory")
+    experiment: str = Field("trainmesh", description="MLflow experiment name")
     backlog_in_memory: int = Field(
         10_000, ge=1, description="metric values kept in memory while the tracking server is "
         "unreachable; later ones spill to OUTPUT/mlflow-backlog-RUN_ID.jsonl and are replayed "
@@ -340,10 +365,12 @@ class TopologyConfig(_Section):
 
     device: Literal["h100", "h200", "a100-40gb", "a100-80gb", "b200", "l40s", "cpu"] | None = Field(
         None, description="device kind; default: from Ray's accelerator label (CPU: cpu)")
-    memory_gib: float | None = Field(None, gt=0)
+    memory_gib: float | None = Field(None, gt=0, description="accelerator memory per device")
     peak_tflops: float | None = Field(None, gt=0, description="dense bf16 peak per device")
-    intra_node_gbps: float | None = Field(None, gt=0)
-    inter_node_gbps: float | None = Field(None, gt=0)
+    intra_node_gbps: float | None = Field(None, gt=0, description="bandwidth between devices "
+                                          "of a node, GB/s per device (NVLink)")
+    inter_node_gbps: float | None = Field(None, gt=0, description="bandwidth between nodes, "
+                                          "GB/s per device (InfiniBand, RoCE)")
 
     host_memory_gib: float | None = Field(
         None, gt=0, description="host memory per node (default: what Ray reports); bounds "
@@ -357,14 +384,17 @@ class TopologyConfig(_Section):
 class RuntimeConfig(_Section):
     """Where and how the job runs."""
 
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="auto: each rank's GPU where Ray gave it one, else the CPU")
     ray_address: str = Field("local", description="'local' starts a Ray on this machine; "
                              "host:port, auto or ray://… joins a running cluster. A program "
                              "already connected to Ray (its own ray.init) runs there, and a "
                              "host:port naming another cluster is refused")
     output_dir: str | None = Field(None, description="default: runs/<job name>")
-    collective_timeout_s: float = Field(120.0, gt=0)
-    cpus_per_rank: float = Field(1.0, gt=0)
+    collective_timeout_s: float = Field(120.0, gt=0, description="how long a collective (and "
+                                        "forming a group) may wait for a peer")
+    cpus_per_rank: float = Field(1.0, gt=0, description="Ray CPUs reserved per rank (and its "
+                                 "torch threads)")
     gc_every: int = Field(
         50, ge=0, description="collect Python's garbage on every rank at the same steps: the "
         "young generations every N steps, everything every 10 × N and after each restore, "
@@ -376,7 +406,9 @@ class RuntimeConfig(_Section):
 class JobSpec(_Section):
     """A whole job."""
 
-    name: str = Field("job", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+    name: str = Field("job", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$",
+                      description="the job's name: its output directory runs/NAME and MLflow "
+                      "run name")
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     eval: EvalConfig = EvalConfig()
