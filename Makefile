@@ -62,4 +62,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) runs mlflow.db
+	rm -rf $(VENV) runs mlflow.db mlruns site

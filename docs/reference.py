@@ -118,7 +118,7 @@ def spec_reference() -> str:
                     out.append(f"| `{name}` | {type_text(f.annotation)} | {_default(f, sub)} | "
                                f"{_constraints(f)} | {f.description or ''} |\n")
                 else:
-                    out.append(f"| `{name}` | section | | | [below](#{name.replace('_', '-')}) |\n")
+                    out.append(f"| `{name}` | section | | | [below](#{name}) |\n")
         for p, m in subs:
             section(p, m)
 

@@ -335,34 +335,3 @@ def test_doctors_writability_probe_leaves_no_directory_it_made_and_its_plan_name
     assert found.ok and (tmp_path / "kept").is_dir() and not any((tmp_path / "kept").iterdir())
     assert degrees(ParallelDims(tp=2, dp=2, ep=2)) == "tp=2 pp=1 dp=2 ep=2"
     assert degrees(ParallelDims(dp=4, cp=2)) == "tp=1 pp=1 dp=4 cp=2"
-
-
-def _readme_commands(word: str) -> list[list[str]]:
-    """The README's ``trainmesh WORD ...`` command lines in its code blocks, continuation lines
-    joined, comments and ``[optional]`` parts dropped, split as the shell would."""
-    import re
-    import shlex
-    from pathlib import Path
-
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    commands = []
-    for block in re.findall(r"```[a-z]*\n(.*?)```", text, re.S):
-        joined = re.sub(r"\\\n\s*", " ", "\n".join(line.split("  #")[0] for line in block.splitlines()))
-        for line in joined.splitlines():
-            if line.strip().startswith(f"trainmesh {word} "):
-                commands.append(shlex.split(re.sub(r"\[[^\]]*\]", "", line))[2:])
-    return commands
-
-
-def test_the_readmes_run_examples_each_train_a_run_of_their_own_after_the_demo():
-    """The README's ``trainmesh run`` examples, run in order after ``make demo``: each is a valid
-    spec, and none trains into another's output directory (nor the demo's, complete by then:
-    it would refuse, nothing left to train)."""
-    seen = {load_spec("jobs/tiny-cpu.yaml", []).resolved_output_dir(): "make demo"}
-    runs = [argv for argv in _readme_commands("run") if "--dry-run" not in argv]
-    assert len(runs) >= 3, runs
-    for argv in runs:
-        overrides = [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
-        out = load_spec(argv[0], overrides).resolved_output_dir()
-        assert out not in seen, f"`trainmesh run {' '.join(argv)}` trains into {out}, as {seen[out]}"
-        seen[out] = " ".join(argv)

@@ -174,8 +174,11 @@ def _print(spec: JobSpec, args, a: Assumptions, results: list[dict]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{spec.name}: goodput over {args.days:g} days (seed {args.seed})")
-    cols = ["GPUs", "strategy", "goodput", "vs restart", "tokens (B)", "hits",
+    table = Table(title=f"{spec.name}: goodput over {args.days:g} days (seed {args.seed})",
+                  caption="goodput: the share of wall time that became kept training progress; "
+                  "interruptions: the times training stopped for a fault; the hours: wall "
+                  "time lost, by cause")
+    cols = ["GPUs", "strategy", "goodput", "vs restart", "tokens (B)", "interruptions",
             *[c.replace("_", " ") + " h" for c in CAUSES[1:]]]
     for c in cols:
         table.add_column(c, justify="left" if c == "strategy" else "right")
