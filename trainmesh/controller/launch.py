@@ -52,6 +52,40 @@ def quiet_ray_start_notices() -> None:
         log.addFilter(_RayStartNotice())
 
 
+WORKER_DEATH = "A worker died or was killed"  # how Ray's raylet announces a process it lost
+
+
+@contextlib.contextmanager
+def worker_deaths_logged_not_printed() -> Iterator[None]:
+    """While a job runs, Ray's notices of a dead worker process (a rank trainmesh aborted,
+    killed or lost with its node, and recovered from: the console has trainmesh's own line for
+    that) go to the ``trainmesh.ray`` log instead of the console; Ray's own logs keep them, and
+    every other message Ray prints still reaches the console. (Ray's driver prints them from a
+    thread through ``ray._private.worker.print_to_stdstream``; where that is not there, nothing
+    changes.)"""
+    from ray._private import worker
+
+    printer = getattr(worker, "print_to_stdstream", None)
+    if printer is None:
+        yield
+        return
+    log = logging.getLogger("trainmesh.ray")
+
+    def printed(data, *args, **kwargs):
+        lines = data.get("lines") or []
+        if data.get("pid") == "raylet" and lines and all(str(x).startswith(WORKER_DEATH) for x in lines):
+            for line in lines:
+                log.info("%s", line)
+            return None
+        return printer(data, *args, **kwargs)
+
+    worker.print_to_stdstream = printed
+    try:
+        yield
+    finally:
+        worker.print_to_stdstream = printer
+
+
 @contextlib.contextmanager
 def ray_session(spec: JobSpec) -> Iterator[bool]:
     """Yields True when the cluster is on this machine. Shuts down only what it started."""
@@ -141,7 +175,7 @@ def run_job(spec: JobSpec, environ: Mapping[str, str], show_progress: bool = Tru
 
     ready = prepare_run(spec, environ)
     spec, uri = ready.spec, ready.tracking_uri
-    with ray_session(spec) as local:
+    with ray_session(spec) as local, worker_deaths_logged_not_printed():
         # The controller lives on the driver's node (the head, for submitted jobs): it must
         # outlive the accelerator nodes it recovers from.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
