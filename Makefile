@@ -56,7 +56,7 @@ bench-smoke: $(STAMP)
 
 # On a machine with a CUDA GPU and trainmesh importable (no venv is made: use the GPU's torch).
 gpu-check:
-	PYTHONPATH=$(CURDIR):$$PYTHONPATH $(PY) bench/gpu_check.py --append bench/RESULTS.md
+	PYTHONPATH=$(CURDIR):$$PYTHONPATH $(PY) bench/gpu_check.py --append bench/history/journal.md
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -1,9 +1,9 @@
 """The GPU check kit: what only a GPU can show, in one command, about 9 minutes on one H200
-(561 s, 2026-11-27; the kernels part is half of it), written to bench/RESULTS.md as a dated
+(561 s, 2026-11-27; the kernels part is half of it), written to bench/history/journal.md as a dated
 section part by part (a run cut off keeps the parts it finished). Parts in the order they run
 (``--parts`` picks some):
 
-    make gpu-check            # = python3 bench/gpu_check.py --append bench/RESULTS.md
+    make gpu-check            # = python3 bench/gpu_check.py --append bench/history/journal.md
 
 Where one command may run 10 minutes at most, split it: ``--parts tests,lce,kernels``, then
 ``--parts attention,moe,memory`` (and ``microbatch`` when calibrating the cost model).

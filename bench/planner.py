@@ -17,7 +17,7 @@ from trainmesh.planning.topology import Topology
 
 # One H200, seq 2048, bf16, model.kernels=auto, eager: step seconds and the GPU's busy share by
 # (model, global batch, microbatch size) (`bench/kernels.py --variants auto --microbatch M
-# --global-batch B`; bench/RESULTS.md, "Microbatch size on a GPU", 2026-11-27, and that day's
+# --global-batch B`; bench/history/journal.md, "Microbatch size on a GPU", 2026-11-27, and that day's
 # earlier H200 kit for the 8B-shaped microbatch 2). The cost model's per-microbatch figures
 # are fitted to the first four (devices.py); the rest are runs it was not fitted to.
 H200_STEP_S = {("1b", 16, 1): (0.968, 71), ("1b", 16, 2): (0.568, 100), ("1b", 16, 4): (0.528, 100),

@@ -23,7 +23,7 @@ class DeviceSpec:
     # launch latency and tail, the small ops that never fill it) and the host's time to issue
     # the block's work (Python, autograd, FSDP2's hooks). A microbatch takes the larger of the
     # two, so small microbatches leave a GPU waiting for its host. Fitted to `1b` eager on an
-    # H200 (bench/RESULTS.md, "Microbatch size on a GPU", 2026-11-27: 16 blocks, microbatch 1,
+    # H200 (bench/history/journal.md, "Microbatch size on a GPU", 2026-11-27: 16 blocks, microbatch 1,
     # 2, 4 and 8 of 16 sequences of 2048; bench/planner.py sets the model beside runs it was
     # not fitted to); the other GPUs assume the H200's figures (the host is a host; launch
     # latencies are close). Under model.compile the host issues fewer calls: not measured

@@ -1,7 +1,7 @@
 """What failures, recoveries and checkpoints cost on a mesh: this project's measured figures
 scaled to a cluster by bytes and bandwidth. No torch, no Ray.
 
-The measured part (``Measured``) comes from ``bench/recovery.py`` (bench/RESULTS.md,
+The measured part (``Measured``) comes from ``bench/recovery.py`` (bench/history/journal.md,
 2026-11-22: a tiny model, 8 → 4 ranks on a simulated 2-node cluster) and ``bench/planner.py``.
 What a development machine cannot measure is an assumption (``Assumptions``), every one a
 command-line flag of ``trainmesh goodput``. The scaling, written down:

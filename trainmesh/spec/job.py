@@ -311,7 +311,9 @@ class CheckpointConfig(_Section):
     keep_last: int = Field(3, ge=1, description="verified checkpoints kept (older ones deleted "
                            "once newer ones verify)")
     save_final: bool = Field(True, description="save after the last step")
-    in_memory: InMemoryConfig = InMemoryConfig()
+    in_memory: InMemoryConfig = Field(
+        InMemoryConfig(), description="snapshots in host memory, each copied to a buddy rank on "
+        "another node: what a recovery restores first")
 
 
 class ElasticConfig(_Section):

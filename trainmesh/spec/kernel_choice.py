@@ -51,7 +51,7 @@ class Measurement:
 
 
 MEASURED: dict[str, Measurement] = {
-    # bench/RESULTS.md, "GPU check kit on an H100, 2026-11-27": same shapes, with the rewritten
+    # bench/history/journal.md, "GPU check kit on an H100, 2026-11-27": same shapes, with the rewritten
     # RoPE and fused loss (the entry before them, 2026-11-23: the loss at 0.32× eager, RoPE
     # 1.34×). Against torch.compile SwiGLU ties; the loss is judged against eager (it runs
     # after the compiled blocks).
@@ -60,7 +60,7 @@ MEASURED: dict[str, Measurement] = {
                          "linear_cross_entropy": 1.54},
                         {"rms_norm": 1.62, "swiglu": 1.00, "rope": 1.37,
                          "linear_cross_entropy": 0.95}),
-    # bench/RESULTS.md, "GPU check kit, 2026-11-26": same shapes; each ratio the median of
+    # bench/history/journal.md, "GPU check kit, 2026-11-26": same shapes; each ratio the median of
     # that day's three kernel runs (RoPE: its one run after the rewrite; RMSNorm's ratio to
     # torch.compile ranged 0.77-2.58 between runs). The fused loss, rewritten (rows streamed
     # in 32k blocks, chunks of 8× h), runs at 1.19× eager in 0.05× its memory.
