@@ -75,9 +75,22 @@ def test_every_shipped_job_spec_is_named_in_the_docs():
         assert f"jobs/{job.name}" in text, f"jobs/{job.name} is in no page"
 
 
-def _blocks(lang: str) -> list[tuple[Path, str]]:
-    return [(page, block) for page in PAGES
-            for block in re.findall(rf"```{lang}\n(.*?)```", page.read_text(), re.S)]
+def _blocks(*langs: str) -> list[tuple[Path, str]]:
+    """Every fenced block in the pages whose language is one of ``langs`` ("": none given)."""
+    found = []
+    for page in PAGES:
+        lang, lines = None, []
+        for line in page.read_text().splitlines():
+            if line.startswith("```"):
+                if lang is None:
+                    lang, lines = line[3:].strip(), []
+                else:
+                    if lang in langs:
+                        found.append((page, "\n".join(lines) + "\n"))
+                    lang = None
+            elif lang is not None:
+                lines.append(line)
+    return found
 
 
 def test_the_job_specs_shown_in_the_docs_validate(tmp_path):
@@ -95,8 +108,8 @@ def _commands(word: str) -> list[list[str]]:
     continuation lines joined, comments and ``[optional]`` parts dropped, split as the shell
     would; each once, in page order (a page repeating another's example runs it once)."""
     commands: list[list[str]] = []
-    for _, block in _blocks("bash") + _blocks(""):
-        joined = re.sub(r"\\\n\s*", " ", "\n".join(line.split("  #")[0] for line in block.splitlines()))
+    for _, block in _blocks("bash", ""):
+        joined = re.sub(r"\\\n\s*", " ", "\n".join(re.split(r"\s#", line)[0] for line in block.splitlines()))
         for line in joined.splitlines():
             if line.strip().startswith(f"trainmesh {word} "):
                 argv = shlex.split(re.sub(r"\[[^\]]*\]", "", line))[2:]
@@ -118,6 +131,29 @@ def test_the_run_examples_each_train_a_run_of_their_own_after_the_demo():
         out = load_spec(argv[0], overrides).resolved_output_dir()
         assert out not in seen, f"`trainmesh run {' '.join(argv)}` trains into {out}, as {seen[out]}"
         seen[out] = " ".join(argv)
+
+
+def test_the_plan_schedule_and_validate_examples_run(tmp_path, monkeypatch, capsys):
+    """Every ``trainmesh plan``, ``schedule``, ``validate`` and ``k8s render`` example in the
+    README and the docs — shell blocks and inline — runs and exits 0 (one of the README's plans
+    once named a node count its spec's pinned dp could not hold)."""
+    from trainmesh.cli.main import main
+
+    inline = []
+    for page in PAGES:
+        for code in re.findall(r"`(trainmesh (?:plan|schedule|validate) [^`]*)`", page.read_text()):
+            argv = shlex.split(code)[1:]
+            if argv not in inline:
+                inline.append(argv)
+    examples = [[word, *argv] for word in ("plan", "schedule", "validate") for argv in _commands(word)]
+    examples += [["k8s", *argv] for argv in _commands("k8s")]
+    examples += [argv for argv in inline if argv not in examples]
+    assert any(a[0] == "plan" and "--nodes" in a and "127" in a for a in examples), examples
+    monkeypatch.chdir(tmp_path)  # (the schedule's PNG lands here)
+    for argv in examples:
+        argv = [str(ROOT / a) if a.startswith("jobs/") else a for a in argv]
+        assert main(argv) == 0, (argv, capsys.readouterr().err[-2000:])
+        capsys.readouterr()
 
 
 @pytest.mark.timeout(300)
