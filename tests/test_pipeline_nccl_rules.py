@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from test_pipeline_schedules import _placed_next_to_compute
+from tiers import full
 from torch import nn
 
 from trainmesh.parallel.pipeline.executor import P2PSpec, PipelineExecutor
@@ -105,7 +106,10 @@ def _worker(rank: int, port: int, results) -> None:
     os._exit(0)  # the deadlocked ops are still posted: leave without tearing the group down
 
 
-@pytest.mark.timed  # (its own time bounds: with the Ray tests under `make test`)
+@full("every schedule run on real gloo ranks under NCCL's rules, ~15 s on the Ray tests' worker: "
+      "make test keeps every schedule's deadlock check under the rules model "
+      "(test_pipeline_schedules) and the pipeline parity cases")
+@pytest.mark.timed  # (its own time bounds: with the Ray tests under `make test-all`)
 @pytest.mark.timeout(240)
 def test_every_schedule_gives_the_reference_step_under_nccl_rules_and_the_old_placement_hangs():
     with socket.socket() as s:
