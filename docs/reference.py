@@ -127,7 +127,11 @@ def spec_reference() -> str:
 
 
 def _commands() -> list[tuple[str, argparse.ArgumentParser, str]]:
-    """Every command and subcommand: (its name, its parser, its help)."""
+    """Every command and subcommand: (its name, its parser, its help). The parsers are built
+    without the environment's Ray addresses, which some defaults are read from."""
+    import os
+    from unittest import mock
+
     from trainmesh.cli.main import _parser
 
     found = []
@@ -140,7 +144,9 @@ def _commands() -> list[tuple[str, argparse.ArgumentParser, str]]:
                     found.append((f"{prefix} {name}", sub, helps.get(name, "")))
                     walk(f"{prefix} {name}", sub)
 
-    walk("trainmesh", _parser())
+    clean = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
+    with mock.patch.dict(os.environ, clean, clear=True):
+        walk("trainmesh", _parser())
     return found
 
 

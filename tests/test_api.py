@@ -14,6 +14,7 @@ from trainmesh import api
 def test_a_spec_from_python_with_overrides_and_a_bad_one_naming_the_field():
     spec = api.load_spec("jobs/tiny-cpu.yaml", ["training.steps=20"])
     assert isinstance(spec, api.JobSpec) and spec.training.steps == 20
+    assert api.load_spec("jobs/tiny-cpu.yaml", "training.steps=30").training.steps == 30
     with pytest.raises(api.SpecError) as err:
         api.load_spec(None, ["training.stepz=3"])
     assert [str(p) for p in err.value.problems] == [

@@ -65,6 +65,7 @@ print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))
 """
 
 
+@pytest.mark.timed  # (its own time bound: with the Ray tests under `make test`)
 def test_a_stand_in_rank_process_never_imports_torch():
     """What lets hundreds of stand-ins fit on one machine (a rank process with torch holds ~0.5
     GB): a rank's whole life — start, group, build, a segment, a save, a snapshot, a restore, a

@@ -416,3 +416,29 @@ def test_a_straggler_is_judged_against_the_ranks_doing_the_same_work():
     assert breakdown_metrics(lagging, stages)[1] == {"rank": 3, "forward_s": 1.2,
                                                      "median_forward_s": pytest.approx(0.9)}
     assert breakdown_metrics(lagging, stages, judge=False)[1] is None
+
+
+def test_rays_worker_death_notices_stay_off_the_console_while_jobs_run(capsys):
+    """While jobs run (however many, overlapping), Ray's driver-side notice of a worker process
+    it lost is not printed (trainmesh prints its own recovery line), every other line Ray prints
+    is, and Ray's printer is itself again once the last job ends."""
+    from ray._private import worker
+
+    from trainmesh.controller.launch import WORKER_DEATH, worker_deaths_logged_not_printed
+
+    original = worker.print_to_stdstream  # (what the wrapping needs of Ray is there)
+
+    def say(text: str) -> None:
+        worker.print_to_stdstream({"lines": [text], "pid": "raylet", "is_err": False},
+                                  ignore_prefix=False)
+
+    with worker_deaths_logged_not_printed():
+        with worker_deaths_logged_not_printed():  # a second job in the same process
+            say(f"{WORKER_DEATH} while executing a task by an unexpected system error.")
+        say(f"{WORKER_DEATH} after the second job ended.")
+        say("Some other notice from the raylet.")
+    assert worker.print_to_stdstream is original
+    out = capsys.readouterr().out
+    assert WORKER_DEATH not in out and "Some other notice from the raylet." in out
+    say(f"{WORKER_DEATH} with no job running.")
+    assert WORKER_DEATH in capsys.readouterr().out

@@ -156,6 +156,7 @@ def test_the_plan_schedule_and_validate_examples_run(tmp_path, monkeypatch, caps
         capsys.readouterr()
 
 
+@pytest.mark.timed  # (its own time bound: with the Ray tests under `make test`)
 @pytest.mark.timeout(300)
 def test_the_site_builds_strictly(tmp_path):
     """``mkdocs build --strict``: a broken link or anchor, or a page outside the navigation,

@@ -272,3 +272,6 @@ def test_a_recovery_and_a_resize_are_one_console_line_each():
     assert grown.line() == ("resized onto the nodes that joined: dp2 (2 ranks) → dp4 (4 ranks), "
                             "cold, step 20 restored from its checkpoint in storage, 11.0 s without "
                             "training")
+    both = Recovery(**{**grown.as_dict(), "cause": "scale-up, then preemption"})  # (Stop.then)
+    assert both.line().startswith("resized (scale-up, then preemption): dp2 (2 ranks) → ")
+    assert "lost" not in both.line()

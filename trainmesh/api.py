@@ -22,19 +22,22 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from trainmesh.cli.loading import load_spec as _load_spec
+from trainmesh.controller.elastic import JobFailed
+from trainmesh.planning.job_plan import PlanError
 from trainmesh.spec.job import JobSpec
 from trainmesh.spec.problems import SpecError
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["JobSpec", "SpecError", "evaluate", "export", "load_model", "load_spec", "plan", "run"]
+__all__ = ["JobFailed", "JobSpec", "PlanError", "SpecError", "evaluate", "export", "load_model",
+           "load_spec", "plan", "run"]
 
 
 def load_spec(path: str | None = None, overrides: Sequence[str] = ()) -> JobSpec:
     """A job spec from a YAML file (None: the built-in defaults) with ``section.field=value``
-    overrides, validated as ``trainmesh validate`` does."""
-    return _load_spec(path, list(overrides))
+    overrides (a list; one string is one override), validated as ``trainmesh validate`` does."""
+    return _load_spec(path, [overrides] if isinstance(overrides, str) else list(overrides))
 
 
 def plan(spec: JobSpec, nodes: int | None = None, gpus_per_node: int = 8,
@@ -57,7 +60,8 @@ def run(spec: JobSpec, environ: Mapping[str, str] | None = None,
     """Train ``spec`` to its end on the Ray cluster it names, as ``trainmesh run`` does (a
     program already connected to Ray runs there); returns the run summary (also
     ``OUTPUT/summary.json``). ``environ``: where ``MLFLOW_TRACKING_URI`` and the like are read
-    (default: this process's environment)."""
+    (default: this process's environment, which for a local cluster is then kept on loopback
+    as the command line keeps it: ``GLOO_SOCKET_IFNAME=lo`` where it was not set)."""
     from trainmesh.controller.launch import run_job
 
     return run_job(spec, _environment(spec, environ), show_progress=show_progress)
@@ -105,8 +109,8 @@ def load_model(source: str, device: str = "cpu") -> torch.nn.Module:
     from trainmesh.interop.hf_export import find_checkpoint
 
     directory, manifest = find_checkpoint(source)
-    spec = JobSpec.model_validate({**manifest["spec"], "model": {
-        **manifest["spec"]["model"], "init_from": None}})
+    spec = JobSpec.model_validate({**manifest["spec"], "model": {  # (torch's kernels: any device)
+        **manifest["spec"]["model"], "init_from": None, "kernels": "torch"}})
     model = build_model(spec, torch.device("cpu"))
     load_full_model(model, directory)
     return model.to(device).eval()

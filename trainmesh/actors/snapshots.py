@@ -40,7 +40,8 @@ class Snapshots:
     def take(self, directory: str, rank: int, model, optimizer, buddy, timeout_s: float) -> dict:
         """Snapshot this rank's shards as ``directory``; returns the seconds training waited
         (the last snapshot's save, and the copy) and the bytes copied (0: skipped)."""
-        from trainmesh.checkpoint import dcp_io  # (torch: imported by the ranks that use it)
+        # (torch: imported by the ranks that take snapshots; the save's too, here, not in its thread)
+        from trainmesh.checkpoint import dcp_io, snapshot_io  # noqa: F401
         from trainmesh.checkpoint.host_copy import HostCopy
 
         t0 = time.perf_counter()

@@ -145,20 +145,21 @@ def _writable(topic: str, root: str, label: str, fix: str) -> Finding:
         return Finding(topic, False, f"{label}: no filesystem for it ({err})",
                        f"install the fsspec implementation it names ({err.name or 's3fs, gcsfs'}), "
                        "or give a local path")
+    made = [] if is_uri(root) else _missing_dirs(Path(path))  # (an object store has none)
     try:
-        made = [] if is_uri(root) else _missing_dirs(Path(path))  # (an object store has none)
         fs.makedirs(path, exist_ok=True)
         probe = f"{path}/.trainmesh-doctor-{uuid.uuid4().hex}"
         fs.pipe_file(probe, b"ok")
         fs.rm(probe)
-        for directory in made:  # the directories the probe made, innermost first, if empty
-            with contextlib.suppress(OSError):
-                directory.rmdir()
     except Exception as err:  # noqa: BLE001 - the failure is the finding
         first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
         if root.startswith(("s3://", "s3a://")):
             fix = f"{S3_VARIABLES}; or {fix}"
         return Finding(topic, False, f"{label}: not writable ({first})", fix)
+    finally:
+        for directory in made:  # the directories the probe made, innermost first, if empty
+            with contextlib.suppress(OSError):
+                directory.rmdir()
     return Finding(topic, True, f"{label}: writable")
 
 

@@ -30,8 +30,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def cluster_topology(spec: JobSpec, args: argparse.Namespace) -> Topology:
     device = args.device or spec.topology.device
+    ray_module = sys.modules.get("ray")
     if args.nodes is not None:
         topo = Topology.uniform(args.nodes, args.gpus_per_node, device or "h100")
+    elif ray_module is not None and ray_module.is_initialized():  # (the Python API's caller's)
+        topo = topology_from_ray(device, spec.runtime.cpus_per_rank)
     elif spec.runtime.ray_address == "local":  # this machine, as `trainmesh run` would use it
         ranks = int((os.cpu_count() or 1) // spec.runtime.cpus_per_rank) or 1
         topo = Topology.uniform(1, ranks, device or "cpu")

@@ -44,7 +44,8 @@ class Recovery:
         """The console's line for it: what stopped training (a failure, or a resize: a
         preemption notice, nodes joining), the mesh before and after, warm or cold, where the
         state came from, the steps lost and the time training stood still."""
-        resize = self.cause in ("preemption", "scale-up")
+        causes = self.cause.split(", then ")  # (a stop that came while recovering from another)
+        resize = all(c in ("preemption", "scale-up") for c in causes)
         what = {"preemption": "resized after a preemption notice",
                 "scale-up": "resized onto the nodes that joined",
                 "RayActorError": "recovered from a lost rank (its process or node gone)",
@@ -52,7 +53,7 @@ class Recovery:
                 "GetTimeoutError": "recovered from a rank past its deadline",
                 "HangDetected": "recovered from a hung rank",
                 "PlacementTimeout": "recovered from a placement that timed out",
-                }.get(self.cause, f"recovered from {self.cause}")
+                }.get(self.cause, f"{'resized' if resize else 'recovered'} ({self.cause})")
         source = {"memory": "peers' in-memory snapshots", "storage": "its checkpoint in storage",
                   "none": "its initialisation"}.get(self.restored_from, self.restored_from)
         lost = "" if resize else f", {self.steps_lost} step(s) lost"

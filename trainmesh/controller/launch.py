@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -55,35 +57,46 @@ def quiet_ray_start_notices() -> None:
 WORKER_DEATH = "A worker died or was killed"  # how Ray's raylet announces a process it lost
 
 
+_QUIET = {"jobs": 0, "printer": None}  # the jobs running in this process, Ray's own printer
+_QUIET_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def worker_deaths_logged_not_printed() -> Iterator[None]:
-    """While a job runs, Ray's notices of a dead worker process (a rank trainmesh aborted,
-    killed or lost with its node, and recovered from: the console has trainmesh's own line for
-    that) go to the ``trainmesh.ray`` log instead of the console; Ray's own logs keep them, and
-    every other message Ray prints still reaches the console. (Ray's driver prints them from a
-    thread through ``ray._private.worker.print_to_stdstream``; where that is not there, nothing
-    changes.)"""
+    """While jobs run in this process, Ray's notices of a dead worker process (a rank trainmesh
+    aborted, killed or lost with its node, and recovered from: the console has trainmesh's own
+    line for that, and the MLflow ``failure`` event the error) go to the ``trainmesh.ray`` log
+    at INFO instead of the console; Ray's own logs keep them, and every other message Ray prints
+    still reaches the console. Ray's driver prints them from a thread through
+    ``ray._private.worker.print_to_stdstream``: wrapped once for all the jobs of the process
+    (however they overlap), put back when the last ends; where it is not there, nothing
+    changes."""
     from ray._private import worker
 
-    printer = getattr(worker, "print_to_stdstream", None)
-    if printer is None:
-        yield
-        return
-    log = logging.getLogger("trainmesh.ray")
-
-    def printed(data, *args, **kwargs):
-        lines = data.get("lines") or []
-        if data.get("pid") == "raylet" and lines and all(str(x).startswith(WORKER_DEATH) for x in lines):
-            for line in lines:
-                log.info("%s", line)
-            return None
-        return printer(data, *args, **kwargs)
-
-    worker.print_to_stdstream = printed
+    with _QUIET_LOCK:
+        if _QUIET["jobs"] == 0:
+            printer = getattr(worker, "print_to_stdstream", None)
+            if printer is not None:
+                _QUIET["printer"] = printer
+                worker.print_to_stdstream = functools.partial(_printed, printer)
+        _QUIET["jobs"] += 1
     try:
         yield
     finally:
-        worker.print_to_stdstream = printer
+        with _QUIET_LOCK:
+            _QUIET["jobs"] -= 1
+            if _QUIET["jobs"] == 0 and _QUIET["printer"] is not None:
+                worker.print_to_stdstream, _QUIET["printer"] = _QUIET["printer"], None
+
+
+def _printed(printer, data, *args, **kwargs):
+    lines = data.get("lines") or []
+    if data.get("pid") == "raylet" and lines and all(str(x).startswith(WORKER_DEATH) for x in lines):
+        log = logging.getLogger("trainmesh.ray")
+        for line in lines:
+            log.info("%s", line)
+        return None
+    return printer(data, *args, **kwargs)
 
 
 @contextlib.contextmanager

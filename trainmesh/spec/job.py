@@ -257,9 +257,10 @@ class OptimizerConfig(_Section):
     beta1: float = Field(0.9, ge=0, lt=1, description="AdamW's first-moment decay")
     beta2: float = Field(0.95, ge=0, lt=1, description="AdamW's second-moment decay")
     eps: float = Field(1e-8, gt=0, description="AdamW's epsilon")
-    warmup_steps: int = Field(10, ge=0, description="steps of linear warm-up from 0 to lr")
+    warmup_steps: int = Field(10, ge=0, description="steps of linear warm-up to lr (step k of N "
+                              "at lr·(k+1)/N)")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="the cosine decay's floor, as a "
-                                "fraction of lr, reached at the last step")
+                                "fraction of lr, which it reaches at training.steps")
     grad_clip: float = Field(1.0, ge=0, description="max global grad norm; 0 disables")
 
 
@@ -274,8 +275,9 @@ class TrainingConfig(_Section):
     seed: int = Field(0, ge=0, description="seeds the initialisation, the data order and every "
                       "rank's random streams")
     dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="compute dtype (bfloat16: autocast, parameters and optimizer "
-        "state stay float32)")
+        "float32", description="compute dtype (bfloat16: mixed precision — ZeRO-3's bfloat16 "
+        "compute copies, or autocast under DDP; the parameters and optimizer state stay float32, "
+        "gradients reduced in parallelism.reduce_dtype)")
     float8: Literal["none", "tensorwise", "rowwise"] = Field(
         "none", description="float8 matmuls for the blocks' linear layers (torchao): one scale "
         "per tensor (with ZeRO-3's all-gather in float8) or per row; needs a GPU of compute "
