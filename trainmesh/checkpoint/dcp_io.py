@@ -124,15 +124,20 @@ def async_save(directory: str | Path, model: nn.Module, optimizer: torch.optim.O
     return digests
 
 
-def load_full_model(model: nn.Module, directory: str | Path) -> None:
-    """Fill a whole, unsharded model in this one process (no process group) from a checkpoint
+def load_whole(state: dict[str, Any], directory: str | Path) -> None:
+    """Fill ``state``'s whole tensors in this one process (no process group) from a checkpoint
     any mesh wrote: DCP reads each tensor's shards into it."""
     import warnings
 
-    state = {k: torch.empty_like(v) for k, v in model.state_dict().items()}
     with warnings.catch_warnings():  # (DCP warns that one process reads: that is the intent)
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load({"model": state}, storage_reader=storage_reader(directory), no_dist=True)
+        dcp.load(state, storage_reader=storage_reader(directory), no_dist=True)
+
+
+def load_full_model(model: nn.Module, directory: str | Path) -> None:
+    """Fill a whole, unsharded model in this one process from a checkpoint any mesh wrote."""
+    state = {k: torch.empty_like(v) for k, v in model.state_dict().items()}
+    load_whole({"model": state}, directory)
     model.load_state_dict(state)
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainmesh.checkpoint.manifest import is_uri
+from trainmesh.cli.loading import add_overrides_arg
 from trainmesh.spec.job import JobSpec
 
 
@@ -176,8 +177,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("doctor", help="what trainmesh sees (software, Ray cluster, "
                                       "accelerators, tracking, checkpoints), with a fix per problem")
     p.add_argument("spec", nargs="?", default=None, help="job spec YAML (default: the built-in spec)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a field, e.g. --set training.steps=20 (repeatable)")
+    add_overrides_arg(p)
     return p
 
 

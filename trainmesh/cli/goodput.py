@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from trainmesh.cli.loading import device_kind, load_spec
+from trainmesh.cli.loading import add_overrides_arg, device_kind, load_spec
 from trainmesh.controller.ray_group import HANG_FLOOR_S, HANG_STEPS, hang_found_after_s
 from trainmesh.planning.cadence import choose, system_mtbf_s
 from trainmesh.planning.failure_costs import MEASURED, SOURCES, Assumptions, MeshCosts, mesh_costs
@@ -23,8 +23,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("goodput", help="simulate a job's goodput on a failing cluster: trainmesh "
                                        "(warm, cold) beside restart-from-checkpoint")
     p.add_argument("spec", help="job spec YAML")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a field, e.g. --set training.steps=20 (repeatable)")
+    add_overrides_arg(p)
     p.add_argument("--nodes", type=int, action="append", required=True,
                    help="nodes the job is planned on (repeat for several cluster sizes)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="accelerators per node")

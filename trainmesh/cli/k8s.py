@@ -7,7 +7,7 @@ import math
 import sys
 from typing import Any
 
-from trainmesh.cli.loading import device_kind, load_spec
+from trainmesh.cli.loading import add_overrides_arg, device_kind, load_spec
 from trainmesh.deploy.render import MeshSize, RenderOptions, render_rayjob, to_yaml
 from trainmesh.planning.job_plan import PlanError, plan_job
 from trainmesh.planning.topology import Topology
@@ -18,8 +18,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     k8s = sub.add_parser("k8s", help="Kubernetes manifests").add_subparsers(dest="k8s_cmd", required=True)
     p = k8s.add_parser("render", help="print a KubeRay RayJob (ray.io/v1) sized from the plan")
     p.add_argument("spec", help="job spec YAML")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a field, e.g. --set training.steps=20 (repeatable)")
+    add_overrides_arg(p)
     d = RenderOptions()
     p.add_argument("--image", default=d.image, help="container image with trainmesh installed")
     p.add_argument("--namespace", default=d.namespace, help="Kubernetes namespace of the RayJob")

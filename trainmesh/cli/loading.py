@@ -25,6 +25,11 @@ from trainmesh.spec.validate import problems as spec_problems
 def add_spec_args(p: argparse.ArgumentParser) -> None:
     """A command's job spec argument and its ``--set`` overrides (read by :func:`load_spec`)."""
     p.add_argument("spec", help="job spec YAML")
+    add_overrides_arg(p)
+
+
+def add_overrides_arg(p: argparse.ArgumentParser) -> None:
+    """``--set KEY=VALUE`` (repeatable), into ``overrides``."""
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a field, e.g. --set training.steps=20 (repeatable)")
 

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from trainmesh.cli.loading import device_kind, load_spec
+from trainmesh.cli.loading import add_overrides_arg, device_kind, load_spec
 from trainmesh.planning.job_plan import PlanError, plan_job
 from trainmesh.planning.planner import explain
 from trainmesh.planning.topology import Topology, topology_from_ray
@@ -17,8 +17,7 @@ from trainmesh.spec.job import JobSpec
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="rank feasible (tp, pp, dp, vpp, ...) plans for a cluster")
     p.add_argument("spec", help="job spec YAML")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a field, e.g. --set training.steps=20 (repeatable)")
+    add_overrides_arg(p)
     p.add_argument("--nodes", type=int, help="plan for a hand-described cluster of N nodes")
     p.add_argument("--gpus-per-node", type=int, default=8, help="accelerators per node")
     p.add_argument("--device", default=None, type=device_kind,

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 
-from trainmesh.checkpoint.dcp_io import storage_reader
+from trainmesh.checkpoint.dcp_io import load_whole, storage_reader
 from trainmesh.checkpoint.manifest import MANIFEST, CheckpointStore
 from trainmesh.interop.hf_config import (
     HfConfigError,
@@ -126,9 +124,7 @@ def _plan_shards(names: list[str], meta: dict, dtype: torch.dtype, limit: int) -
 def _load(ckpt: str, names: list[str], meta: dict) -> dict[str, torch.Tensor]:
     """Just these tensors, whole, on CPU (DCP gathers them from every rank's shard file)."""
     state = {"model": {n: torch.empty(meta[n].size, dtype=meta[n].properties.dtype) for n in names}}
-    with warnings.catch_warnings():  # (DCP warns that one process reads: that is the intent)
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load(state, storage_reader=storage_reader(ckpt), no_dist=True)
+    load_whole(state, ckpt)
     return state["model"]
 
 
