@@ -28,7 +28,8 @@ def _calls(directory) -> list[dict]:
 @pytest.mark.timeout(300)
 def test_a_40_step_job_calls_each_rank_once_per_segment(ray_local, tmp_path):
     """dp 2, 40 steps, one checkpoint, at step 25: three segments (the first step alone; then to
-    the checkpoint; then to the end), one call per rank each. Every call a rank receives — its
+    the checkpoint; then to the end; another where the checkpoint's digests came in late, or at
+    a segment's time cap on a slow machine), one call per rank each. Every call a rank receives — its
     start, the segments, the save (its files' sizes with its answer, their digests with the
     next segment's), its end — is at most 0.25 per rank per step, rank 0's reports aside:
     those are read once a second (``ray_group.POLL_S``) whatever the ranks and the steps, and
@@ -41,6 +42,7 @@ def test_a_40_step_job_calls_each_rank_once_per_segment(ray_local, tmp_path):
 
     from trainmesh.actors.rank_worker import RankWorker
     from trainmesh.controller.ray_group import POLL_S
+    from trainmesh.planning.cadence import SEGMENT_S
 
     calls_dir = tmp_path / "calls"
     calls_dir.mkdir()
@@ -52,12 +54,20 @@ def test_a_40_step_job_calls_each_rank_once_per_segment(ray_local, tmp_path):
                 job_env={CALLS_DIR_ENV: str(calls_dir)})
     wall_s = time.monotonic() - t0
     assert s["status"] == "FINISHED" and s["steps_done"] == 40
-    assert s["control"]["segments"] == 3 and s["control"]["steps"] == 40
+    # Three segments ran to their planned boundary; one more may end where the checkpoint's
+    # digests (taken in a thread while training goes on) are in, on a machine slow enough that
+    # they were not by step 26's start, and a segment may end at its time cap (SEGMENT_S): both
+    # said in "ended", nothing else ends one.
+    control = s["control"]
+    extra = control["ended"].get("save_written", 0) + control["ended"].get("time", 0)
+    assert set(control["ended"]) <= {"steps", "save_written", "time"}, control["ended"]
+    assert control["ended"].get("steps") == 3 and extra <= 1 + wall_s // SEGMENT_S, control["ended"]
+    assert control["segments"] == 3 + extra and control["steps"] == 40, control
     counted = _calls(calls_dir)
     assert sorted(c["rank"] for c in counted) == [0, 1]
     for c in counted:
         calls = c["calls"]
-        assert calls["train_segment"] == 3 and "train_step" not in calls, calls
+        assert calls["train_segment"] == 3 + extra and "train_step" not in calls, calls
         assert "saved_files" not in calls and calls["save"] == 1, calls
     print(json.dumps({c["rank"]: c["calls"] for c in counted}), f"{wall_s:.1f} s")
     per_rank_step = sum(sum(n for m, n in c["calls"].items() if m != "reports")

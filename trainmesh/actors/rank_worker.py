@@ -265,19 +265,23 @@ class RankWorker:
         yet to commit) is written everywhere (its commit is the controller's, at the boundary).
         Returns ``{"steps": n, "reported": [...], "last": ...}``:
         rank 0 (the reporter) gives every step's stats, every rank its last step's (the save's
-        status, the breakdown, the experts': what the controller reads at a boundary)."""
+        status, the breakdown, the experts': what the controller reads at a boundary) with why
+        the segment ended (``ended``: "steps" — all were run —, "notice", "asked", "time" or
+        "save_written"; rank 0's is the job's)."""
         if self.rank == 0:
             self._reported, self._reported_segment = [], segment
         t_end = time.monotonic() + until_s
         watching = save_pending  # a write to see end
         last: dict = {}
-        done = 0
+        done, ended = 0, "steps"
         for i in range(steps):
+            stop, late = self.rank == 0 and self._stop_segment == segment, time.monotonic() >= t_end
             notice, asked, writing = self._agree([
-                int(self.preempted),
-                int(self.rank == 0 and (self._stop_segment == segment or time.monotonic() >= t_end)),
+                int(self.preempted), int(self.rank == 0 and (stop or late)),
                 int(self.save_status() == "running")])
             if i > 0 and (notice or asked or (watching and not writing)):
+                ended = ("notice" if notice else "asked" if stop else "time" if asked
+                         else "save_written")
                 break
             watching = watching or bool(writing)
             t0 = time.perf_counter()
@@ -287,7 +291,7 @@ class RankWorker:
             done += 1
             if self.rank == 0:  # (the files of a finished save: at the boundary, not per step)
                 self._reported.append({k: v for k, v in last.items() if k != "saved_files"})
-        last.update(preempted=self.preempted, **self.save_report())  # (as of the boundary)
+        last.update(preempted=self.preempted, ended=ended, **self.save_report())  # (as of the boundary)
         return {"steps": done, "reported": list(self._reported) if self.rank == 0 else [],
                 "last": last}
 

@@ -106,8 +106,9 @@ class Controller(TrainingLoop):
         self._grow_asked = False  # a segment ended early for a scale-up (``_end_segment_early``)
         # What the control plane cost (summary.json "control"; bench/control_plane.py): this
         # thread's CPU seconds over the training loops, their segments and steps, the seconds
-        # from the run's start to its first step, each save's and snapshot's coordination.
-        self.control: dict[str, Any] = {"cpu_s": 0.0, "segments": 0, "steps": 0,
+        # from the run's start to its first step, each save's and snapshot's coordination, what
+        # ended the segments (``RankWorker.train_segment``'s reasons, counted).
+        self.control: dict[str, Any] = {"cpu_s": 0.0, "segments": 0, "steps": 0, "ended": {},
                                         "first_step_s": None, "save_s": [], "snapshot_s": [],
                                         "boundary_cpu_s": []}
         self._t_run = time.monotonic()

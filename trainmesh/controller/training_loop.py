@@ -71,6 +71,8 @@ class TrainingLoop:
                 self.control["boundary_cpu_s"].append(group.issued_cpu_s - back_cpu)
             back_cpu = time.thread_time()
             self.control["segments"] += 1
+            why = stats[0].get("ended", "steps")
+            self.control["ended"][why] = self.control["ended"].get(why, 0) + 1
             self.control["steps"] += stats[0]["step"] - step
             if self.control["first_step_s"] is None:
                 self.control["first_step_s"] = time.monotonic() - self._t_run
