@@ -37,6 +37,15 @@ CASES = {  # largest meshes first: the rank pool then only shrinks
     # tp rank, each rank's gradient from its heads only: summed over tp like the MoE block's).
     "ep2-tp2-dp2-sp-qk-norm": (ParallelDims(tp=2, dp=2, ep=2), [
         "parallelism.sequence_parallel=true", "model.head_dim=32", "model.qk_norm=true"]),
+    # DeepSeek-V3's architecture (tiny-dsv3): latent attention's heads split over tp (its
+    # latent projections whole on each tp rank, the shared rotary key's gradient summed over
+    # tp), group-limited sigmoid routing with the moving bias, a shared expert, a dense block.
+    "dsv3-ep2-tp2-dp2-sp": (ParallelDims(tp=2, dp=2, ep=2), [
+        "model.preset=tiny-dsv3", "parallelism.sequence_parallel=true",
+        "model.moe.bias_update_rate=0.01"]),
+    # ... on two pipeline stages (the dense block and an MoE one on the first), 1F1B.
+    "dsv3-pp2-ep2-dp2": (ParallelDims(pp=2, dp=2, ep=2), [
+        "model.preset=tiny-dsv3", "model.moe.bias_update_rate=0.01"]),
     # A zero-bubble schedule: each backward split into its input half (the all-to-alls run
     # backward there) and its weight half; the first stage holds no MoE block.
     "pp2-ep2-dp2-zb-h1-dense-stage": (ParallelDims(pp=2, dp=2, ep=2), [

@@ -373,8 +373,8 @@ class Engine:
         """The local shards only, filled from each parameter's global name (or read from
         ``model.init_from``), and the buffers."""
         self.model.to_empty(device=self.device)
+        self.model.init_buffers()  # (first: an import may fill some, e.g. a routing bias)
         self.imported_bytes = init_weights(self.model, self.spec)  # read from model.init_from
-        self.model.init_buffers()
         if hooks.before_microbatch is not None:  # e.g. a balancing loss's weight
             hooks.before_microbatch(self.weight)
 

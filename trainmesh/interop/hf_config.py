@@ -1,4 +1,4 @@
-"""A Hugging Face Llama, Mixtral or Qwen3-MoE ``config.json`` ↔ the spec's ``model`` fields;
+"""A Hugging Face Llama, Mixtral, Qwen3-MoE or DeepSeek-V3 ``config.json`` ↔ the spec's ``model`` fields;
 and the parameter names and RoPE layouts of the formats. No torch here: the spec loader uses it.
 
 Mixtral is the Llama decoder with every MLP a Mixture of Experts (softmax top-k router, the
@@ -26,13 +26,16 @@ _FIELDS = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "nu
            "n_kv_heads": "num_key_value_heads", "ffn_dim": "intermediate_size",
            "vocab_size": "vocab_size", "max_seq_len": "max_position_embeddings",
            "norm_eps": "rms_norm_eps", "tie_embeddings": "tie_word_embeddings"}
-SHAPE_FIELDS = (*_FIELDS, "rope_theta", "rope_scaling", "moe", "head_dim", "qk_norm")
+SHAPE_FIELDS = (*_FIELDS, "rope_theta", "rope_scaling", "moe", "head_dim", "qk_norm", "mla")
 # What a Mixture-of-Experts config fixes about the model (the rest of model.moe is training).
 MOE_STRUCTURE = ("experts", "top_k", "expert_ffn_dim", "shared_experts", "router",
-                 "normalize_top_k", "dense_layers")
+                 "normalize_top_k", "dense_layers", "n_group", "topk_group", "routed_scaling_factor")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM"}
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 _SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+_YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+              "mscale_all_dim")
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 # trainmesh parameter name pattern → Hugging Face name
 _NAMES = [("tok_embeddings.weight", "model.embed_tokens.weight"),
@@ -47,9 +50,22 @@ _FAMILY_LAYER = {
     "mixtral": {"feed_forward.router.weight": "block_sparse_moe.gate.weight"},
     "qwen3_moe": {"feed_forward.router.weight": "mlp.gate.weight",
                   "attention.q_norm.weight": "self_attn.q_norm.weight",
-                  "attention.k_norm.weight": "self_attn.k_norm.weight"}}
+                  "attention.k_norm.weight": "self_attn.k_norm.weight"},
+    "deepseek_v3": {"attention.wq_a.weight": "self_attn.q_a_proj.weight",
+                    "attention.q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+                    "attention.wq_b.weight": "self_attn.q_b_proj.weight",
+                    "attention.wkv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
+                    "attention.kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+                    "attention.wkv_b.weight": "self_attn.kv_b_proj.weight",
+                    "feed_forward.router.weight": "mlp.gate.weight",
+                    # the balancing bias (a buffer here): DeepSeek's e_score_correction_bias
+                    "feed_forward.expert_bias": "mlp.gate.e_score_correction_bias",
+                    "feed_forward.shared.w1.weight": "mlp.shared_experts.gate_proj.weight",
+                    "feed_forward.shared.w3.weight": "mlp.shared_experts.up_proj.weight",
+                    "feed_forward.shared.w2.weight": "mlp.shared_experts.down_proj.weight"}}
 _EXPERTS = {"mixtral": ("block_sparse_moe.experts", {"w1": "w1", "w2": "w2", "w3": "w3"}),
-            "qwen3_moe": ("mlp.experts", {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"})}
+            "qwen3_moe": ("mlp.experts", {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}),
+            "deepseek_v3": ("mlp.experts", {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"})}
 _EXPERT_RE = re.compile(r"^layers\.(\d+)\.feed_forward\.experts\.(w[123])$")
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
 
@@ -81,7 +97,10 @@ def model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     out.setdefault("n_kv_heads", out.get("n_heads"))
     out.setdefault("tie_embeddings", False)
     head_dim = cfg.get("head_dim")
-    if head_dim is not None and head_dim * out["n_heads"] != out["dim"]:
+    if kind == "deepseek_v3":
+        out["mla"] = _deepseek_mla(cfg)
+        out["n_kv_heads"] = out["n_heads"]
+    elif head_dim is not None and head_dim * out["n_heads"] != out["dim"]:
         out["head_dim"] = head_dim  # its own head size (Qwen3: 128 beside a 2048 hidden)
     if kind == "qwen3_moe":
         out["qk_norm"] = True
@@ -95,14 +114,52 @@ def model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         if missing:
             raise HfConfigError(f"llama3 RoPE scaling without {', '.join(missing)}")
         out["rope_scaling"] = {"type": "llama3", **{k: rope[k] for k in _SCALING_KEYS}}
+    elif kind == "yarn":
+        if "factor" not in rope or "original_max_position_embeddings" not in rope:
+            raise HfConfigError("yarn RoPE scaling without factor and "
+                                "original_max_position_embeddings")
+        if rope.get("attention_factor") is not None:
+            raise HfConfigError("yarn RoPE scaling with attention_factor: trainmesh derives it "
+                                "from mscale and mscale_all_dim")
+        out["rope_scaling"] = {"type": "yarn", **{k: rope[k] for k in _YARN_KEYS
+                                                  if rope.get(k) is not None}}
     elif kind == "default":
         out["rope_scaling"] = None
     else:
-        raise HfConfigError(f"rope_type {kind!r}: only default and llama3 RoPE are supported")
+        raise HfConfigError(f"rope_type {kind!r}: only default, llama3 and yarn RoPE are supported")
     family = cfg["model_type"]
-    out["moe"] = (_mixtral_moe(cfg) if family == "mixtral" else _qwen3_moe(cfg)
-                  if family == "qwen3_moe" else None)
+    out["moe"] = {"mixtral": _mixtral_moe, "qwen3_moe": _qwen3_moe, "deepseek_v3": _deepseek_moe,
+                  "llama": lambda c: None}[family](cfg)
     return out
+
+
+def _deepseek_mla(cfg: dict[str, Any]) -> dict[str, Any]:
+    if not cfg.get("rope_interleave", True):
+        raise HfConfigError("rope_interleave=false: trainmesh takes DeepSeek's interleaved "
+                            "rotary layout (its released checkpoints')")
+    return {f: cfg.get(f) for f in MLA_FIELDS}
+
+
+def _deepseek_moe(cfg: dict[str, Any]) -> dict[str, Any]:
+    n, dense = cfg["num_hidden_layers"], cfg.get("first_k_dense_replace", 0)
+    if cfg.get("moe_layer_freq", 1) != 1:
+        raise HfConfigError(f"moe_layer_freq={cfg['moe_layer_freq']}: trainmesh's dense blocks "
+                            "are the leading ones, every later block MoE")
+    if dense >= n:
+        raise HfConfigError("every block is dense (first_k_dense_replace ≥ num_hidden_layers): "
+                            "trainmesh imports DeepSeek-V3 as a Mixture of Experts")
+    if not cfg.get("n_shared_experts"):
+        raise HfConfigError("n_shared_experts=0: DeepSeek-V3's blocks have a shared expert")
+    return {"experts": cfg["n_routed_experts"], "top_k": cfg["num_experts_per_tok"],
+            "expert_ffn_dim": cfg["moe_intermediate_size"],
+            "shared_experts": cfg["n_shared_experts"], "router": "sigmoid",
+            "normalize_top_k": bool(cfg.get("norm_topk_prob", True)), "dense_layers": dense,
+            "n_group": cfg.get("n_group") or 1, "topk_group": cfg.get("topk_group") or 1,
+            "routed_scaling_factor": float(cfg.get("routed_scaling_factor", 1.0)),
+            "balance": "bias"}
+
+
+_NO_GROUPS = {"n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0}
 
 
 def _qwen3_moe(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -118,7 +175,7 @@ def _qwen3_moe(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"experts": experts, "top_k": cfg["num_experts_per_tok"],
             "expert_ffn_dim": cfg["moe_intermediate_size"], "shared_experts": 0,
             "router": "softmax", "normalize_top_k": bool(cfg.get("norm_topk_prob", False)),
-            "dense_layers": len(dense),
+            "dense_layers": len(dense), **_NO_GROUPS,
             "aux_loss_coef": float(cfg.get("router_aux_loss_coef", 0.001))}
 
 
@@ -128,7 +185,7 @@ def _mixtral_moe(cfg: dict[str, Any]) -> dict[str, Any]:
                             "whole sequence (Mixtral 8x7B v0.1 and 8x22B have none)")
     return {"experts": cfg["num_local_experts"], "top_k": cfg["num_experts_per_tok"],
             "expert_ffn_dim": cfg["intermediate_size"], "shared_experts": 0,
-            "router": "softmax", "normalize_top_k": True, "dense_layers": 0,
+            "router": "softmax", "normalize_top_k": True, "dense_layers": 0, **_NO_GROUPS,
             "aux_loss_coef": float(cfg.get("router_aux_loss_coef", 0.02))}
 
 
@@ -137,6 +194,8 @@ def export_family(model: dict[str, Any]) -> str:
     mixtral for an MoE one Mixtral can express, qwen3_moe for one with per-head q/k norms;
     otherwise what does not fit, and the fix."""
     moe, qk_norm = model.get("moe"), bool(model.get("qk_norm"))
+    if model.get("mla") is not None:
+        return _deepseek_family(model)
     if moe is None:
         if qk_norm:
             raise HfConfigError("no supported Hugging Face format holds this model: "
@@ -146,7 +205,9 @@ def export_family(model: dict[str, Any]) -> str:
     family = "qwen3_moe" if qk_norm else "mixtral"
     rules = [("shared_experts", 0, "it has no shared expert"),
              ("router", "softmax", "its router is a softmax"),
-             ("balance", "aux_loss", "its router has no routing bias")]
+             ("balance", "aux_loss", "its router has no routing bias"),
+             ("n_group", 1, "its routing has no expert groups"),
+             ("routed_scaling_factor", 1.0, "its routed weights are not rescaled")]
     if family == "mixtral":
         rules += [("dense_layers", 0, "every block is MoE"),
                   ("normalize_top_k", True, "it renormalises the chosen scores")]
@@ -162,6 +223,30 @@ def export_family(model: dict[str, Any]) -> str:
         raise HfConfigError(f"no supported Hugging Face format holds this model: {name} needs "
                             f"{needs}. Train it with {name}'s settings to export it: {sets}")
     return family
+
+
+def _deepseek_family(model: dict[str, Any]) -> str:
+    """A latent-attention model is exported as DeepSeek-V3, which has MoE blocks after the
+    leading dense ones, each with a sigmoid router and a shared expert."""
+    moe = model.get("moe")
+    if moe is None:
+        raise HfConfigError("no supported Hugging Face format holds this model: model.mla without "
+                            "model.moe (DeepSeek-V3's blocks after the leading dense ones are MoE). "
+                            "Train it with model.moe set to export it")
+    wants = []
+    if moe.get("router", "softmax") != "sigmoid":
+        wants.append(("model.moe.router", "sigmoid", moe.get("router", "softmax")))
+    if not moe.get("shared_experts"):
+        wants.append(("model.moe.shared_experts", 1, moe.get("shared_experts", 0)))
+    if moe.get("dense_layers", 0) >= model["n_layers"]:
+        wants.append(("model.moe.dense_layers", model["n_layers"] - 1, moe["dense_layers"]))
+    if wants:
+        needs = "; ".join(f"{key}={_yaml(want)} (this model's is {_yaml(have)})"
+                          for key, want, have in wants)
+        sets = " ".join(f"--set {key}={_yaml(want)}" for key, want, _ in wants)
+        raise HfConfigError(f"no supported Hugging Face format holds this model: DeepSeek-V3 "
+                            f"needs {needs}. Train it with DeepSeek-V3's settings to export it: {sets}")
+    return "deepseek_v3"
 
 
 def _yaml(value: Any) -> str:
@@ -182,7 +267,22 @@ def config_json(model: dict[str, Any], eos_token_id: int | None = None,
                            "bos_token_id": bos_token_id, "eos_token_id": eos_token_id,
                            "dtype": dtype, "torch_dtype": dtype}  # the latter: transformers < 4.56
     s = model.get("rope_scaling")
-    cfg["rope_scaling"] = {"rope_type": "llama3", **{k: s[k] for k in _SCALING_KEYS}} if s else None
+    if s and s.get("type") == "yarn":
+        cfg["rope_scaling"] = {"rope_type": "yarn", "type": "yarn", "rope_theta": model["rope_theta"],
+                               **{k: s[k] for k in _YARN_KEYS if k in s}}
+    else:
+        cfg["rope_scaling"] = {"rope_type": "llama3", **{k: s[k] for k in _SCALING_KEYS}} if s else None
+    if family == "deepseek_v3":
+        moe, mla = model["moe"], model["mla"]
+        cfg.update(**{f: mla[f] for f in MLA_FIELDS}, rope_interleave=True,
+                   head_dim=mla["qk_rope_head_dim"], n_routed_experts=moe["experts"],
+                   num_experts_per_tok=moe["top_k"], moe_intermediate_size=moe["expert_ffn_dim"],
+                   n_shared_experts=moe["shared_experts"], norm_topk_prob=moe["normalize_top_k"],
+                   first_k_dense_replace=moe["dense_layers"], n_group=moe.get("n_group", 1),
+                   topk_group=moe.get("topk_group", 1),
+                   routed_scaling_factor=moe.get("routed_scaling_factor", 1.0),
+                   num_mtp_layers=0, attention_dropout=0.0)
+        del cfg["mlp_bias"]
     if family == "mixtral":
         moe = model["moe"]
         cfg.update(num_local_experts=moe["experts"], num_experts_per_tok=moe["top_k"],
@@ -226,10 +326,11 @@ def hf_expert_names(name: str, experts: int, family: str) -> list[str] | None:
             for j in range(experts)]
 
 
-def rope_permuted(name: str) -> bool:
+def rope_permuted(name: str, family: str = "llama") -> bool:
     """Whether a parameter's rows are in a different RoPE layout in the two formats (the q/k
-    projections, and the per-head q/k norms: one head's dimensions)."""
-    return name.endswith(("attention.wq.weight", "attention.wk.weight", "attention.q_norm.weight",
+    projections, and the per-head q/k norms: one head's dimensions). DeepSeek's rotary
+    dimensions are interleaved pairs, as trainmesh's: none."""
+    return family != "deepseek_v3" and name.endswith(("attention.wq.weight", "attention.wk.weight", "attention.q_norm.weight",
                           "attention.k_norm.weight"))
 
 

@@ -62,15 +62,15 @@ def export(source: str, out: str | Path, dtype: str | None = None,
     model = spec["model"]
     dtype = dtype or ("bfloat16" if spec["training"]["dtype"] == "bfloat16" else "float32")
     reader = storage_reader(ckpt)
-    # Parameters only: the balancing bias is a buffer (zero here: export_family refuses a
-    # model balanced by it).
-    names = [k.removeprefix("model.") for k in reader.read_metadata().state_dict_metadata
-             if k.startswith("model.") and not k.endswith(".expert_bias")]
-    metadata = reader.read_metadata().state_dict_metadata
     try:
         family = export_family(model)  # before anything is written
     except HfConfigError as err:
         raise ExportError(str(err)) from None
+    # Parameters, and DeepSeek-V3's balancing bias (a buffer; zero in a model the other
+    # formats hold: export_family refuses one balanced by it).
+    names = [k.removeprefix("model.") for k in reader.read_metadata().state_dict_metadata
+             if k.startswith("model.") and (family == "deepseek_v3" or not k.endswith(".expert_bias"))]
+    metadata = reader.read_metadata().state_dict_metadata
     experts = model["moe"]["experts"] if model.get("moe") else 0
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -85,12 +85,13 @@ def export(source: str, out: str | Path, dtype: str | None = None,
         hf = {}
         for name in group:
             t = tensors.pop(name)
-            if rope_permuted(name):
+            if rope_permuted(name, family):
                 t = _to_hf_rows(t, head_dim)
             per_expert = hf_expert_names(name, experts, family)
             parts = zip(per_expert, t, strict=True) if per_expert else [(hf_name(name, family), t)]
             for theirs, part in parts:  # a stacked expert weight: one tensor per expert
-                hf[theirs] = part.to(DTYPES[dtype]).contiguous()
+                keep = name.endswith(".expert_bias")  # float32, as DeepSeek's checkpoints
+                hf[theirs] = part.to(torch.float32 if keep else DTYPES[dtype]).contiguous()
                 total += hf[theirs].numel() * hf[theirs].element_size()
         _save(hf, out / fname)
         weight_map.update(dict.fromkeys(hf, fname))

@@ -1,5 +1,5 @@
 """Fill a model part — plain, or TP/EP/FSDP-sharded DTensors, any pipeline stages — from a
-Hugging Face Llama or Mixtral directory: each rank reads only the rows and columns it holds
+Hugging Face Llama, Mixtral, Qwen3-MoE or DeepSeek-V3 directory: each rank reads only the rows and columns it holds
 (safetensors slices; of stacked expert weights, only its experts' tensors), with ``wq``/``wk``
 rows mapped from the half-split RoPE layout (``hf_config``)."""
 
@@ -75,7 +75,7 @@ def load_into(model: nn.Module, path: str | Path) -> int:
                 if local.numel() == 0:
                     continue
                 block = _read_block(sl, offset, tuple(local.shape),
-                                    head_dim if rope_permuted(name) else 0)
+                                    head_dim if rope_permuted(name, family) else 0)
             else:  # this rank's experts (rows of dim 0), each its own tensor in the file
                 if local.numel() == 0:
                     continue
@@ -85,6 +85,10 @@ def load_into(model: nn.Module, path: str | Path) -> int:
                     for e in range(offset[0], offset[0] + local.shape[0])])
             local.copy_(block.to(local.dtype))
             read += block.numel() * block.element_size()
+        for name, b in model.named_buffers():  # DeepSeek's routing bias: whole on every rank
+            if name.endswith(".expert_bias") and family == "deepseek_v3":
+                b.copy_(tensor(hf_name(name, family), name, tuple(b.shape))[:].to(b.dtype))
+                read += b.numel() * b.element_size()
     finally:
         handles.clear()
     return read

@@ -30,25 +30,39 @@ class _Section(BaseModel):
 
 
 class RopeScaling(_Section):
-    """Llama 3.1's long-context RoPE ("llama3" in Hugging Face's ``rope_scaling`` /
-    ``rope_parameters``): wavelengths longer than ``original_max_position_embeddings /
+    """Long-context RoPE (Hugging Face's ``rope_scaling`` / ``rope_parameters``). ``llama3``
+    (Llama 3.1): wavelengths longer than ``original_max_position_embeddings /
     low_freq_factor`` are stretched by ``factor``, those shorter than ``... / high_freq_factor``
-    kept, the ones between interpolated smoothly."""
+    kept, the ones between interpolated smoothly. ``yarn`` (DeepSeek-V3): frequencies of fewer
+    than ``beta_slow`` turns over the original context divided by ``factor``, of more than
+    ``beta_fast`` kept, a linear ramp between; the softmax scale grows with ``mscale_all_dim``."""
 
-    type: Literal["llama3"] = Field("llama3", description="the scaling rule (Llama 3.1's)")
+    type: Literal["llama3", "yarn"] = Field("llama3", description="the scaling rule: llama3 "
+                                            "(Llama 3.1's) or yarn (DeepSeek-V3's)")
     factor: float = Field(gt=0, description="how much longer wavelengths are stretched")
-    low_freq_factor: float = Field(1.0, gt=0, description="wavelengths above original / this "
-                                   "are stretched by factor")
-    high_freq_factor: float = Field(4.0, gt=0, description="wavelengths below original / this "
-                                    "are kept; those between are blended")
+    low_freq_factor: float = Field(1.0, gt=0, description="llama3: wavelengths above original "
+                                   "/ this are stretched by factor")
+    high_freq_factor: float = Field(4.0, gt=0, description="llama3: wavelengths below original "
+                                    "/ this are kept; those between are blended")
     original_max_position_embeddings: int = Field(8192, ge=1, description="the context length "
                                                   "the model was pre-trained at")
+    beta_fast: float = Field(32.0, gt=0, description="yarn: dimensions turning more than this "
+                             "many times over the original context keep their frequency")
+    beta_slow: float = Field(1.0, gt=0, description="yarn: dimensions turning fewer times are "
+                             "divided by factor; those between ramp linearly")
+    mscale: float = Field(1.0, ge=0, description="yarn: the cos/sin tables are scaled by "
+                          "(0.1·mscale·ln factor + 1) / (0.1·mscale_all_dim·ln factor + 1)")
+    mscale_all_dim: float = Field(0.0, ge=0, description="yarn: the softmax scale is multiplied "
+                                  "by (0.1·mscale_all_dim·ln factor + 1)²; 0: not")
 
     @model_validator(mode="after")
     def _ordered(self) -> RopeScaling:
-        if self.high_freq_factor <= self.low_freq_factor:
+        if self.type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
             raise ValueError(f"high_freq_factor ({self.high_freq_factor}) must exceed "
                              f"low_freq_factor ({self.low_freq_factor})")
+        if self.type == "yarn" and self.beta_fast < self.beta_slow:
+            raise ValueError(f"beta_fast ({self.beta_fast}) is below beta_slow ({self.beta_slow}); "
+                             "give beta_fast ≥ beta_slow")
         return self
 
 
@@ -75,6 +89,15 @@ class MoEConfig(_Section):
     bias_update_rate: float = Field(1e-3, ge=0, description="with balance: bias, how far each "
                                     "expert's routing bias moves per step towards an even load")
     dense_layers: int = Field(0, ge=0, description="leading blocks that keep the dense MLP")
+    n_group: int = Field(1, ge=1, description="group-limited routing (DeepSeek-V3): the experts "
+                         "in n_group equal groups, each scored by its two best (biased) scores; "
+                         "1: no groups")
+    topk_group: int = Field(1, ge=1, description="with n_group > 1, a token's experts are chosen "
+                            "from its topk_group best groups only (where groups map onto nodes, "
+                            "its all-to-all reaches at most that many)")
+    routed_scaling_factor: float = Field(1.0, gt=0, description="the routed experts' weights "
+                                         "(after normalize_top_k) are multiplied by this "
+                                         "(DeepSeek-V3: 2.5)")
     capacity_factor: float | None = Field(
         None, gt=0, description="null: dropless; a number: each expert takes at most "
         "ceil(capacity_factor × tokens × top_k / experts) assignments of a microbatch, dropping "
@@ -87,6 +110,44 @@ class MoEConfig(_Section):
         if self.top_k > self.experts:
             raise ValueError(f"top_k={self.top_k} exceeds experts={self.experts}; choose at "
                              "most that many")
+        if self.experts % self.n_group:
+            raise ValueError(f"n_group={self.n_group} does not divide experts={self.experts}; "
+                             "use a divisor of experts (1: no groups)")
+        if self.n_group > 1 and self.experts // self.n_group < 2:
+            raise ValueError(f"n_group={self.n_group} leaves one expert a group (a group scores "
+                             "by its two best experts); use at most experts / 2 groups")
+        if self.topk_group > self.n_group:
+            raise ValueError(f"topk_group={self.topk_group} exceeds n_group={self.n_group}; "
+                             "use at most n_group")
+        if self.n_group > 1 and self.top_k > self.topk_group * (self.experts // self.n_group):
+            raise ValueError(f"top_k={self.top_k} exceeds the experts of topk_group="
+                             f"{self.topk_group} groups ({self.topk_group * (self.experts // self.n_group)}"
+                             "); raise topk_group or lower top_k")
+        return self
+
+
+class MLAConfig(_Section):
+    """Multi-head Latent Attention (DeepSeek-V2/V3): queries through a low-rank projection,
+    keys and values through one compressed latent expanded per head, and a rotary key shared
+    by every head beside each head's unrotated part."""
+
+    q_lora_rank: int | None = Field(None, ge=1, description="the query's low-rank projection "
+                                    "size (with its RMSNorm); null: a full projection "
+                                    "(DeepSeek-V2-Lite)")
+    kv_lora_rank: int = Field(ge=1, description="the compressed key/value latent's size (with "
+                              "its RMSNorm)")
+    qk_nope_head_dim: int = Field(ge=1, description="each head's query/key dimensions without "
+                                  "RoPE")
+    qk_rope_head_dim: int = Field(ge=2, description="the rotary dimensions: of each query head, "
+                                  "and of the one key shared across heads; even")
+    v_head_dim: int = Field(ge=1, description="each head's value size (may differ from the "
+                            "query/key head's, qk_nope_head_dim + qk_rope_head_dim)")
+
+    @model_validator(mode="after")
+    def _even(self) -> MLAConfig:
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim={self.qk_rope_head_dim} is odd; RoPE rotates "
+                             "pairs of dimensions: use an even number")
         return self
 
 
@@ -116,6 +177,9 @@ class ModelConfig(_Section):
     tie_embeddings: bool = Field(False, description="the output head shares the token "
                                  "embedding's weight")
     moe: MoEConfig | None = Field(None, description="Mixture of Experts blocks; null: dense")
+    mla: MLAConfig | None = Field(None, description="Multi-head Latent Attention in place of "
+                                  "grouped-query attention (DeepSeek-V2/V3; n_kv_heads and "
+                                  "head_dim then unused); null: GQA")
     init_from: str | None = Field(
         None, description="a Hugging Face Llama directory (config.json, safetensors) to start "
         "from; each rank reads only its slices. Shape fields not given come from its config.json")
@@ -156,6 +220,11 @@ class ModelConfig(_Section):
             raise ValueError(f"without a preset these fields are required: {', '.join(missing)}"
                              "; set model.preset (e.g. tiny) or give them all")
         if self.n_kv_heads == 0:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        if self.mla is not None and self.qk_norm:
+            raise ValueError("qk_norm=true beside mla: MLA normalises its latents, not each "
+                             "head; set model.qk_norm=false")
+        if self.mla is not None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         if self.moe is not None and self.moe.dense_layers > self.n_layers:
             raise ValueError(f"moe.dense_layers={self.moe.dense_layers} exceeds n_layers="

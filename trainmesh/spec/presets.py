@@ -6,6 +6,15 @@ _LLAMA31_ROPE = dict(rope_theta=500000.0, rope_scaling=dict(
     original_max_position_embeddings=8192))
 _LLAMA32_ROPE = dict(rope_theta=500000.0, rope_scaling={**_LLAMA31_ROPE["rope_scaling"], "factor": 32.0})
 
+# DeepSeek-V2/V3's YaRN RoPE (4K pre-training context stretched 40×) and V3's latent attention.
+_DSV2_ROPE = dict(rope_theta=10000.0, rope_scaling=dict(
+    type="yarn", factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
+    mscale=0.707, mscale_all_dim=0.707))
+_DSV3_ROPE = dict(rope_theta=10000.0, rope_scaling={**_DSV2_ROPE["rope_scaling"], "mscale": 1.0,
+                                                     "mscale_all_dim": 1.0})
+_DSV3_MLA = dict(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                 v_head_dim=128)
+
 PRESETS: dict[str, dict[str, object]] = {
     # Tests and the CPU demo: ~0.2M parameters, byte-level vocabulary (256 bytes + EOS, padded).
     "tiny": dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=176, vocab_size=264,
@@ -44,6 +53,40 @@ PRESETS: dict[str, dict[str, object]] = {
                           qk_norm=True, ffn_dim=6144, vocab_size=151936, max_seq_len=40960,
                           rope_theta=1e6, moe=dict(experts=128, top_k=8, expert_ffn_dim=768,
                                                    aux_loss_coef=0.001)),
+    # DeepSeek-V3's architecture, small enough for tests and the CPU demo: Multi-head Latent
+    # Attention, one dense block then MoE blocks of 8 experts in 4 groups (a token's 2 from its
+    # best 2 groups) with a sigmoid router, aux-loss-free balancing and a shared expert.
+    # Exports to DeepseekV3ForCausalLM.
+    "tiny-dsv3": dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=4, ffn_dim=176, vocab_size=264,
+                      max_seq_len=256,
+                      mla=dict(q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+                               qk_rope_head_dim=8, v_head_dim=16),
+                      moe=dict(experts=8, top_k=2, expert_ffn_dim=32, shared_experts=1,
+                               router="sigmoid", balance="bias", dense_layers=1, n_group=4,
+                               topk_group=2, routed_scaling_factor=2.5)),
+    # DeepSeek-V2-Lite (16B, 2.4B active): a full query projection, softmax routing.
+    "deepseek-v2-lite": dict(dim=2048, n_layers=27, n_heads=16, n_kv_heads=16, ffn_dim=10944,
+                             vocab_size=102400, max_seq_len=163840, norm_eps=1e-6, **_DSV2_ROPE,
+                             mla=dict(q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
+                                      qk_rope_head_dim=64, v_head_dim=128),
+                             moe=dict(experts=64, top_k=6, expert_ffn_dim=1408, shared_experts=2,
+                                      normalize_top_k=False, dense_layers=1, aux_loss_coef=0.001)),
+    # DeepSeek-V3 (671B, 37B active; R1 and V3.1 share it).
+    "deepseek-v3-671b": dict(dim=7168, n_layers=61, n_heads=128, n_kv_heads=128, ffn_dim=18432,
+                             vocab_size=129280, max_seq_len=163840, norm_eps=1e-6, **_DSV3_ROPE,
+                             mla=_DSV3_MLA,
+                             moe=dict(experts=256, top_k=8, expert_ffn_dim=2048, shared_experts=1,
+                                      router="sigmoid", balance="bias", dense_layers=3, n_group=8,
+                                      topk_group=4, routed_scaling_factor=2.5)),
+    # Kimi K2 (1T, 32B active): DeepSeek-V3's architecture, 384 experts, 64 heads.
+    "kimi-k2": dict(dim=7168, n_layers=61, n_heads=64, n_kv_heads=64, ffn_dim=18432,
+                    vocab_size=163840, max_seq_len=131072, norm_eps=1e-6, rope_theta=50000.0,
+                    rope_scaling=dict(type="yarn", factor=32.0, original_max_position_embeddings=4096,
+                                      beta_fast=1.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+                    mla=_DSV3_MLA,
+                    moe=dict(experts=384, top_k=8, expert_ffn_dim=2048, shared_experts=1,
+                             router="sigmoid", balance="bias", dense_layers=1,
+                             routed_scaling_factor=2.827)),
     # Qwen3-235B-A22B.
     "qwen3-235b-a22b": dict(dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, head_dim=128,
                             qk_norm=True, ffn_dim=12288, vocab_size=151936, max_seq_len=40960,

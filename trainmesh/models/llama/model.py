@@ -21,6 +21,7 @@ from trainmesh.kernels.launch import waited
 from trainmesh.models.hooks import ModelHooks
 from trainmesh.models.llama import model_math
 from trainmesh.models.llama.init import fill_normal_
+from trainmesh.models.llama.mla import MLAArgs, MLAttention
 from trainmesh.models.moe.moe import MoE, MoEArgs, moe_hooks
 
 
@@ -42,10 +43,16 @@ class LlamaArgs:
     head_dim: int | None = None  # per-head size; None: dim // n_heads
     qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3)
     dropout: float = 0.0  # attention-probability and residual dropout while training
+    mla: MLAArgs | None = None  # Multi-head Latent Attention (DeepSeek-V2/V3); None: GQA
 
     def __post_init__(self) -> None:
         if not self.head_dim:
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+
+    @property
+    def rope_dim(self) -> int:
+        """The rotated dimensions of a head: all of it, or MLA's decoupled part."""
+        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
 
     @property
     def ops(self) -> KernelSet:
@@ -59,6 +66,7 @@ class LlamaArgs:
         if hasattr(fields["rope_scaling"], "model_dump"):
             fields["rope_scaling"] = fields["rope_scaling"].model_dump()
         fields["moe"] = MoEArgs.from_config(fields["moe"])
+        fields["mla"] = MLAArgs.from_config(fields["mla"])
         return cls(**fields, kernels=resolve(getattr(cfg, "kernels", "auto"), device_type,
                                              bool(getattr(cfg, "compile", False))))
 
@@ -81,25 +89,61 @@ class RMSNorm(nn.Module):
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float,
                 scaling: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (max_seq_len, head_dim // 2); ``scaling``: Llama 3.1's "llama3"
-    long-context frequencies (the kernels take these tables as they are)."""
+    """cos, sin of shape (max_seq_len, head_dim // 2); ``scaling``: Llama 3.1's "llama3" or
+    YaRN's long-context frequencies (YaRN's tables scaled by its attention factor; the kernels
+    take these tables as they are)."""
     inv_freq = rope_frequencies(head_dim, theta, scaling)
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
-    return angles.cos().float(), angles.sin().float()
+    factor = 1.0
+    if scaling is not None and scaling.get("type") == "yarn":
+        factor = (yarn_mscale(scaling["factor"], scaling.get("mscale", 1.0))
+                  / yarn_mscale(scaling["factor"], scaling.get("mscale_all_dim", 0.0) or 1.0))
+    return (angles.cos() * factor).float(), (angles.sin() * factor).float()
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
     """The rotation frequency of each pair of dimensions (float64)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    return inv_freq if scaling is None else _llama3_frequencies(inv_freq, scaling)
+    if scaling is None:
+        return inv_freq
+    if scaling.get("type", "llama3") == "yarn":
+        return _yarn_frequencies(inv_freq, head_dim, theta, scaling)
+    return _llama3_frequencies(inv_freq, scaling)
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's magnitude correction for a context stretched ``factor`` times."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def softmax_scale(qk_head_dim: int, scaling: dict | None) -> float:
+    """The attention logits' scale: 1/√(query head size), × YaRN's mscale(mscale_all_dim)²."""
+    scale = qk_head_dim ** -0.5
+    if scaling is not None and scaling.get("type") == "yarn" and scaling.get("mscale_all_dim"):
+        scale *= yarn_mscale(scaling["factor"], scaling["mscale_all_dim"]) ** 2
+    return scale
+
+
+def _yarn_frequencies(inv_freq: torch.Tensor, head_dim: int, theta: float, s: dict) -> torch.Tensor:
+    """YaRN: a pair that turns fewer than ``beta_slow`` times over the original context has its
+    frequency divided by ``factor``, one that turns more than ``beta_fast`` times keeps it,
+    and the pairs between (bounds rounded outwards) ramp linearly from one to the other."""
+    context = s["original_max_position_embeddings"]
+
+    def pair_of(turns: float) -> float:  # the (fractional) pair index turning ``turns`` times
+        return head_dim * math.log(context / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(pair_of(s.get("beta_fast", 32.0))), 0)
+    high = min(math.ceil(pair_of(s.get("beta_slow", 1.0))), head_dim - 1)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low)
+            / max(high - low, 1e-3)).clamp(0.0, 1.0)
+    return inv_freq / s["factor"] * ramp + inv_freq * (1 - ramp)
 
 
 def _llama3_frequencies(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     """Llama 3.1's RoPE scaling: a wavelength longer than original context / low_freq_factor
     is divided by ``factor``; shorter than original context / high_freq_factor, kept; between
     the two, blended linearly in (original context / wavelength)."""
-    if s.get("type", "llama3") != "llama3":
-        raise ValueError(f"model.rope_scaling.type {s['type']!r}: only 'llama3' is supported")
     context, factor = s["original_max_position_embeddings"], s["factor"]
     low, high = s["low_freq_factor"], s["high_freq_factor"]
     wavelen = 2 * math.pi / inv_freq
@@ -164,7 +208,7 @@ class TransformerBlock(nn.Module):
     def __init__(self, args: LlamaArgs, layer: int = 0):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps, args.ops)
-        self.attention = Attention(args)
+        self.attention = Attention(args) if args.mla is None else MLAttention(args, RMSNorm)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps, args.ops)
         moe = args.moe
         if moe is not None and moe.is_moe_layer(layer):
@@ -226,7 +270,7 @@ class Llama(nn.Module):
         # sequence, whose global positions index the RoPE tables, and the ring it attends over.
         self.rope_positions: torch.Tensor | None = None
         self.context = None
-        cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta, args.rope_scaling)
+        cos, sin = rope_tables(args.rope_dim, args.max_seq_len, args.rope_theta, args.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -248,7 +292,7 @@ class Llama(nn.Module):
         """(Re)compute the RoPE tables on the buffers' device: after a meta-device build and
         ``to_empty`` they hold garbage."""
         a = self.args
-        cos, sin = rope_tables(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling)
+        cos, sin = rope_tables(a.rope_dim, a.max_seq_len, a.rope_theta, a.rope_scaling)
         if self.rope_positions is not None:  # rows in the rank's token order
             cos, sin = cos[self.rope_positions], sin[self.rope_positions]
         device = self.rope_cos.device

@@ -29,13 +29,36 @@ def head_dim(shape) -> int:
     return getattr(shape, "head_dim", None) or shape.dim // shape.n_heads
 
 
+def attention_params(shape) -> int:
+    """Grouped-query attention's (with per-head q/k norms if any), or Multi-head Latent
+    Attention's: the query's low-rank pair and its norm (or one full projection), the key/value
+    latent with the shared rotary key and its norm, the per-head expansion, the output."""
+    d, h, mla = shape.dim, shape.n_heads, getattr(shape, "mla", None)
+    if mla is None:
+        hd = head_dim(shape)
+        qk_norm = 2 * hd if getattr(shape, "qk_norm", False) else 0
+        return 2 * d * h * hd + 2 * d * shape.n_kv_heads * hd + qk_norm
+    qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+    qr = mla.q_lora_rank
+    q = d * h * qk if qr is None else d * qr + qr + qr * h * qk
+    kv = d * (mla.kv_lora_rank + mla.qk_rope_head_dim) + mla.kv_lora_rank + (
+        mla.kv_lora_rank * h * (mla.qk_nope_head_dim + mla.v_head_dim))
+    return q + kv + h * mla.v_head_dim * d
+
+
 def layer_params(shape, layer: int | None = None, active: bool = False) -> int:
-    """Parameters of one transformer block: attention (with per-head q/k norms if any), MLP
+    """Parameters of one transformer block: attention (``attention_params``), MLP
     (``mlp_params``), two norms."""
-    d, hd = shape.dim, head_dim(shape)
-    q, kv = shape.n_heads * hd, shape.n_kv_heads * hd
-    qk_norm = 2 * hd if getattr(shape, "qk_norm", False) else 0
-    return 2 * d * q + 2 * d * kv + qk_norm + mlp_params(shape, layer, active) + 2 * d
+    return attention_params(shape) + mlp_params(shape, layer, active) + 2 * shape.dim
+
+
+def attention_width(shape) -> float:
+    """What one query token's attention costs per key, over the heads, in multiply-adds / 2:
+    n_heads × (query/key head size + value head size) / 2 (GQA's n_heads × head_dim)."""
+    mla = getattr(shape, "mla", None)
+    if mla is None:
+        return shape.n_heads * head_dim(shape)
+    return shape.n_heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim + mla.v_head_dim) / 2
 
 
 def num_params(shape, include_embedding: bool = True, active: bool = False) -> int:
@@ -55,10 +78,11 @@ def num_params(shape, include_embedding: bool = True, active: bool = False) -> i
 def flops_per_token(shape, seq_len: int) -> float:
     """Training FLOPs per token: 6 × (matmul parameters a token uses — the active experts
     only — the output head included) for forward and backward, plus 6 × n_layers × (n_heads ×
-    head_dim) × seq_len for attention scores and values under the causal mask (half of the
+    head_dim; MLA: ``attention_width``) × seq_len for attention scores and values under the
+    causal mask (half of the
     unmasked 12 × …: what causal kernels, and context parallel's skipped blocks, compute; at
     131K tokens the unmasked count would double the step's FLOPs and report MFU above 80%)."""
     matmul_params = num_params(shape, include_embedding=False, active=True)
     if shape.tie_embeddings:
         matmul_params += shape.vocab_size * shape.dim  # the tied head is still a matmul
-    return 6.0 * matmul_params + 6.0 * shape.n_layers * shape.n_heads * head_dim(shape) * seq_len
+    return 6.0 * matmul_params + 6.0 * shape.n_layers * attention_width(shape) * seq_len

@@ -48,12 +48,12 @@ def apply_tensor_parallel(model: Llama, tp_mesh: DeviceMesh, sequence_parallel: 
                                         use_local_output=False)
     parallelize_module(model, tp_mesh, top)
     for block in model.layers.values():
-        plan: dict[str, object] = {
+        plan: dict[str, object] = (_mla_plan(a.mla, between) if a.mla is not None else {
             "attention": PrepareModuleInput(input_layouts=(between, None, None),
                                             desired_input_layouts=(Replicate(), None, None)),
             "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(output_layouts=between),
-        }
+        })
         if isinstance(block.feed_forward, MoE):
             plan["feed_forward"] = PrepareModuleInputOutput(
                 input_layouts=(between,), desired_input_layouts=(Shard(1),), use_local_input=True,
@@ -68,7 +68,24 @@ def apply_tensor_parallel(model: Llama, tp_mesh: DeviceMesh, sequence_parallel: 
             plan["attention_norm"] = SequenceParallel()
             plan["ffn_norm"] = SequenceParallel()
         parallelize_module(block, tp_mesh, plan)
+        if a.mla is not None:
+            block.attention.tp_mesh = tp_mesh
     return model
+
+
+def _mla_plan(mla, between) -> dict[str, object]:
+    """Multi-head Latent Attention's heads split: the per-head up-projections (``wq`` or
+    ``wq_b``, ``wkv_b``) by columns, ``wo`` by rows. The block's input is gathered whole and the
+    latent projections and their norms are not split: every tp rank computes them whole, and
+    their gradients are whole too — the up-projections' inputs are summed over tp in backward
+    (as a column-parallel input is), and so is the shared rotary key's (``MLAttention.tp_mesh``)."""
+    return {
+        "attention": PrepareModuleInput(input_layouts=(between, None, None),
+                                        desired_input_layouts=(Replicate(), None, None),
+                                        use_local_output=True),
+        "attention.wq" if mla.q_lora_rank is None else "attention.wq_b": ColwiseParallel(),
+        "attention.wkv_b": ColwiseParallel(), "attention.wo": RowwiseParallel(output_layouts=between),
+    }
 
 
 def tp_partial_params(model: nn.Module) -> list[nn.Parameter]:
@@ -77,9 +94,9 @@ def tp_partial_params(model: nn.Module) -> list[nn.Parameter]:
     (its tp rank's share of the tokens) and the per-head q/k norms (its heads)."""
     out = [p for _, moe in moe_layers(model) for p in moe.parameters()]
     for block in model.layers.values():
-        for norm in (block.attention.q_norm, block.attention.k_norm):
-            if norm is not None:
-                out.append(norm.weight)
+        for name in ("q_norm", "k_norm"):
+            if getattr(block.attention, name, None) is not None:
+                out.append(getattr(block.attention, name).weight)
     return out
 
 

@@ -36,6 +36,9 @@ class MoEArgs:
     bias_update_rate: float = 1e-3
     dense_layers: int = 0
     capacity_factor: float | None = None
+    n_group: int = 1  # group-limited routing: a token's experts from its topk_group best groups
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
 
     @classmethod
     def from_config(cls, cfg: Any) -> MoEArgs | None:
@@ -187,6 +190,19 @@ class _AddAuxLoss(torch.autograd.Function):
         return grad, scale.to(torch.float32), None
 
 
+def limit_to_groups(choose: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
+    """DeepSeek-V3's group-limited routing: the experts (columns of ``choose``, the scores
+    that choose them) in ``n_group`` equal groups, each scored by the sum of its two best; a
+    token keeps its ``topk_group`` best groups (ties to the lower group) and the experts of the
+    others are never chosen (their scores set to -inf)."""
+    n, experts = choose.shape
+    grouped = choose.view(n, n_group, experts // n_group)
+    group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+    best = torch.sort(group_scores, dim=-1, descending=True, stable=True).indices[:, :topk_group]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+    return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(n, experts)
+
+
 class MoE(nn.Module):
     """(B, T, D) → (B, T, D): each token's top-k experts, weighted by its router scores, plus
     the shared expert."""
@@ -240,12 +256,16 @@ class MoE(nn.Module):
         a = self.args
         logits = self.router(x_ND).float()
         scores = logits.softmax(-1) if a.router == "softmax" else logits.sigmoid()
-        choose = scores + self.expert_bias if a.balance == "bias" else scores
+        choose = (scores + self.expert_bias if a.balance == "bias" else scores).detach()
+        if a.n_group > 1:
+            choose = limit_to_groups(choose, a.n_group, a.topk_group)
         # A stable sort: equal scores go to the lower expert index, on every mesh.
-        idx = torch.sort(choose.detach(), dim=-1, descending=True, stable=True).indices[:, :a.top_k]
+        idx = torch.sort(choose, dim=-1, descending=True, stable=True).indices[:, :a.top_k]
         weights = scores.gather(1, idx)
         if a.normalize_top_k:
             weights = weights / weights.sum(-1, keepdim=True)
+        if a.routed_scaling_factor != 1.0:
+            weights = weights * a.routed_scaling_factor
         return scores, idx, weights
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:

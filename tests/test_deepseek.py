@@ -1,0 +1,156 @@
+"""DeepSeek-V3's architecture: Multi-head Latent Attention (low-rank or full queries, the
+compressed key/value latent, the rotary key shared by the heads, a value head of its own size,
+YaRN's frequencies and softmax scale), group-limited sigmoid routing with the correction bias
+and ``routed_scaling_factor``, a shared expert and leading dense blocks. Against transformers'
+``DeepseekV3ForCausalLM``: imported, the logits are its own; exported, transformers loads every
+tensor with the same logits. On real ranks, the tiny preset trains as one process does
+(``test_expert_parallel.py``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_hf_interop import _committed_checkpoint, _relative_error
+
+from trainmesh.cli.loading import SpecError, load_spec
+from trainmesh.cli.main import main
+from trainmesh.engine.engine import build_model
+from trainmesh.models.moe.moe import limit_to_groups
+
+transformers = pytest.importorskip("transformers")  # a dev dependency: installed by .ci/run
+
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+        "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0,
+        "mscale": 0.9, "mscale_all_dim": 0.8}
+
+
+def _deepseek(path, seed: int = 0, **kw):
+    """A small random ``DeepseekV3ForCausalLM`` saved to ``path``, with its norms, routing
+    biases and scores away from their initial values (so that their layouts matter)."""
+    torch.manual_seed(seed)
+    cfg = transformers.DeepseekV3Config(**{
+        "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "n_shared_experts": 1, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4,
+        "topk_group": 2, "routed_scaling_factor": 2.5, "first_k_dense_replace": 1,
+        "q_lora_rank": 24, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+        "v_head_dim": 12, "vocab_size": 264, "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-6, "rope_parameters": YARN, "num_mtp_layers": 0, **kw})
+    model = transformers.DeepseekV3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("gate.weight"):
+                p.normal_(0.0, 0.3)  # scores spread apart: no near-ties between experts
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.uniform_(-0.1, 0.1)
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.mark.parametrize("kw", [{}, {"q_lora_rank": None, "rope_parameters": {
+    "rope_type": "default", "rope_theta": 10000.0}}], ids=["low-rank-q-yarn", "full-q-plain-rope"])
+def test_deepseek_v3_imports_and_exports_with_transformers_logits(tmp_path, kw):
+    theirs = _deepseek(tmp_path / "hf", **kw)
+    spec = load_spec(None, [f"model.init_from={tmp_path / 'hf'}", f"runtime.output_dir={tmp_path}"])
+    m = spec.model
+    assert m.mla.v_head_dim == 12 and m.mla.q_lora_rank == kw.get("q_lora_rank", 24)
+    assert (m.moe.router, m.moe.balance, m.moe.n_group, m.moe.topk_group, m.moe.dense_layers,
+            m.moe.shared_experts, m.moe.routed_scaling_factor) == ("sigmoid", "bias", 4, 2, 1, 1, 2.5)
+    ours = build_model(spec, torch.device("cpu")).eval()
+    bias = theirs.model.layers[1].mlp.gate.e_score_correction_bias
+    assert torch.equal(ours.layers["1"].feed_forward.expert_bias, bias)  # the buffer came too
+    x = torch.randint(0, 264, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = theirs(x).logits
+        assert _relative_error(ours(x), want) < 1e-5
+    step_dir = _committed_checkpoint(ours, spec, tmp_path / "ckpt", 1)
+    assert main(["export", step_dir, "--hf", str(tmp_path / "out")]) == 0
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["model_type"] == "deepseek_v3" and config["num_mtp_layers"] == 0
+    back, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out",
+                                                                   output_loading_info=True)
+    assert type(back).__name__ == "DeepseekV3ForCausalLM" and not any(info.values()), info
+    with torch.no_grad():
+        assert _relative_error(back.eval()(x).logits, want) < 1e-5
+    # The per-expert tensors as DeepSeek's checkpoints hold them, the bias in float32.
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "model.layers.2.mlp.experts.7.down_proj.weight" in index
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" in index
+
+
+def test_group_limited_routing_is_transformers_router(tmp_path):
+    """Over random tokens, the experts and weights trainmesh's router chooses are those of
+    ``DeepseekV3TopkRouter`` (groups scored by their two best biased scores, a token's experts
+    from its best groups, the chosen sigmoid scores normalised and scaled)."""
+    theirs = _deepseek(tmp_path / "hf")
+    spec = load_spec(None, [f"model.init_from={tmp_path / 'hf'}"])
+    ours = build_model(spec, torch.device("cpu")).eval()
+    x = torch.randn(512, 64, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        _, w_theirs, i_theirs = theirs.model.layers[2].mlp.gate(x)
+        _, i_ours, w_ours = ours.layers["2"].feed_forward.route(x)
+    order_t, order_o = i_theirs.sort(-1), i_ours.sort(-1)
+    assert torch.equal(order_t.values, order_o.values)
+    torch.testing.assert_close(w_ours.gather(1, order_o.indices), w_theirs.gather(1, order_t.indices),
+                               rtol=1e-6, atol=1e-7)
+    # every token's experts lie in 2 of the 4 groups, and the routing used more than 2 groups
+    groups = i_ours // 2
+    assert all(len(set(g.tolist())) <= 2 for g in groups) and len(set(groups.flatten().tolist())) == 4
+
+
+def test_limit_to_groups_keeps_the_best_groups_ties_to_the_lower():
+    choose = torch.tensor([[0.25, 0.75, 0.5, 0.25, 0.5, 0.5, 0.0, 0.125],
+                           [0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5]])
+    out = limit_to_groups(choose, n_group=4, topk_group=2)
+    inf = float("-inf")
+    # groups scored 1, 0.75, 1, 0.125: the first and the third kept
+    assert out[0].tolist() == [0.25, 0.75, inf, inf, 0.5, 0.5, inf, inf]
+    assert out[1].tolist() == [0.5, 0.5, 0.5, 0.5, inf, inf, inf, inf]  # all tied: 0 and 1
+
+
+@pytest.mark.parametrize("setting, field, words", [
+    (["model.moe.n_group=3"], "model.moe", "n_group=3 does not divide experts=8"),
+    (["model.moe.topk_group=5"], "model.moe", "topk_group=5 exceeds n_group=4"),
+    (["model.moe.top_k=5", "model.moe.topk_group=2"], "model.moe", "top_k=5 exceeds the experts"),
+    (["model.mla.qk_rope_head_dim=7"], "model.mla", "qk_rope_head_dim=7 is odd"),
+    (["model.qk_norm=true"], "model", "qk_norm=true beside mla"),
+    (["data.document_mask=true"], "data.document_mask", "beside model.mla"),
+])
+def test_a_deepseek_spec_that_cannot_run_is_refused_naming_the_field(setting, field, words):
+    with pytest.raises(SpecError) as err:
+        load_spec(None, ["model.preset=tiny-dsv3", "runtime.device=cpu", *setting])
+    text = str(err.value)
+    assert field in text and words in text, text
+
+
+def test_context_parallel_beside_latent_attention_is_not_run(capsys, tmp_path):
+    """Valid (a reference spec for a larger layout stays checkable) but not built: ``trainmesh
+    run`` refuses it in one line naming the field and the fix."""
+    args = ["model.preset=tiny-dsv3", "parallelism.cp=2", "runtime.device=cpu",
+            f"runtime.output_dir={tmp_path}"]
+    sets = [x for a in args for x in ("--set", a)]
+    assert main(["validate", "jobs/tiny-cpu.yaml", *sets]) == 0
+    capsys.readouterr()
+    assert main(["run", "jobs/tiny-cpu.yaml", *sets]) == 2
+    err = capsys.readouterr().err
+    assert "parallelism.cp: cp=2 beside model.mla" in err and "set parallelism.cp=1" in err, err
+
+
+def test_deepseek_presets_count_their_published_parameters():
+    """DeepSeek-V3: 671B, 37B active (its MTP module aside); Kimi K2: 1.03T, 32B active;
+    DeepSeek-V2-Lite: 15.7B."""
+    from trainmesh.models.llama.model_math import num_params
+
+    def billions(preset: str, active: bool = False) -> float:
+        return num_params(load_spec(None, [f"model.preset={preset}"]).model, active=active) / 1e9
+
+    assert billions("deepseek-v3-671b") == pytest.approx(671.0, abs=0.1)
+    assert billions("deepseek-v3-671b", active=True) == pytest.approx(37.5, abs=0.1)
+    assert billions("kimi-k2") == pytest.approx(1026.4, abs=0.1)
+    assert billions("kimi-k2", active=True) == pytest.approx(32.9, abs=0.1)
+    assert billions("deepseek-v2-lite") == pytest.approx(15.7, abs=0.05)

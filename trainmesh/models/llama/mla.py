@@ -1,0 +1,108 @@
+"""Multi-head Latent Attention (DeepSeek-V2/V3). Knows nothing of meshes.
+
+Queries come through a low-rank projection (``wq_a``, its RMSNorm ``q_a_norm``, ``wq_b``) or a
+full one (``wq``); keys and values through one compressed latent per token (``wkv_a``, its
+RMSNorm ``kv_a_norm``) expanded per head (``wkv_b``). ``wkv_a`` also gives one rotary key that
+every head shares (decoupled RoPE), beside each head's unrotated key. A head's query/key has
+``qk_nope_head_dim + qk_rope_head_dim`` dimensions, its value ``v_head_dim``.
+
+Tensor parallel splits the heads: ``wq``/``wq_b`` and ``wkv_b`` by columns, ``wo`` by rows; the
+latent projections and their norms are whole on every tp rank, and so are their gradients: the
+column-parallel up-projections sum their inputs' gradients over tp, and the shared rotary key,
+used by this rank's heads alone, has its gradient summed here (``tp_mesh``).
+
+RoPE rotates interleaved pairs (2i, 2i+1) here, as DeepSeek's weights are laid out
+(``rope_interleave``), so Hugging Face's rows need no permutation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class MLAArgs:
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> MLAArgs | None:
+        """From an ``MLAConfig`` (or a dict with its fields); None stays None (GQA)."""
+        if cfg is None or isinstance(cfg, MLAArgs):
+            return cfg
+        get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
+        return cls(kv_lora_rank=get("kv_lora_rank"), qk_nope_head_dim=get("qk_nope_head_dim"),
+                   qk_rope_head_dim=get("qk_rope_head_dim"), v_head_dim=get("v_head_dim"),
+                   q_lora_rank=get("q_lora_rank"))
+
+
+class MLAttention(nn.Module):
+    """(B, T, D) → (B, T, D), with the model's RoPE tables of ``qk_rope_head_dim``."""
+
+    def __init__(self, args, norm_cls):
+        super().__init__()
+        m: MLAArgs = args.mla
+        self.mla, self.ops, self.dropout = m, args.ops, args.dropout
+        from trainmesh.models.llama.model import softmax_scale
+
+        self.scale = softmax_scale(m.qk_head_dim, args.rope_scaling)
+        h, d = args.n_heads, args.dim
+        if m.q_lora_rank is None:
+            self.wq = nn.Linear(d, h * m.qk_head_dim, bias=False)
+        else:
+            self.wq_a = nn.Linear(d, m.q_lora_rank, bias=False)
+            self.q_a_norm = norm_cls(m.q_lora_rank, args.norm_eps, args.ops)
+            self.wq_b = nn.Linear(m.q_lora_rank, h * m.qk_head_dim, bias=False)
+        self.wkv_a = nn.Linear(d, m.kv_lora_rank + m.qk_rope_head_dim, bias=False)
+        self.kv_a_norm = norm_cls(m.kv_lora_rank, args.norm_eps, args.ops)
+        self.wkv_b = nn.Linear(m.kv_lora_rank, h * (m.qk_nope_head_dim + m.v_head_dim), bias=False)
+        self.wo = nn.Linear(h * m.v_head_dim, d, bias=False)
+        self.context = None  # context parallel: refused beside MLA (spec.validate)
+        self.tp_mesh = None  # tensor parallel (``parallelize._mla_plan``): the heads' mesh
+
+    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                docs: torch.Tensor | None = None) -> torch.Tensor:
+        m = self.mla
+        B, T, _ = x_BTD.shape
+        q = self.wq(x_BTD) if m.q_lora_rank is None else self.wq_b(self.q_a_norm(self.wq_a(x_BTD)))
+        # -1 for the head count: under tensor parallel each rank holds a slice of the heads.
+        q = q.view(B, T, -1, m.qk_head_dim)
+        q_nope, q_rope = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+        latent, k_rope = self.wkv_a(x_BTD).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+        kv = self.wkv_b(self.kv_a_norm(latent)).view(B, T, -1, m.qk_nope_head_dim + m.v_head_dim)
+        k_nope, v = kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
+        # the tables sliced here, where T is the whole sequence even under sequence parallel
+        q_rope = self.ops.rope(q_rope.contiguous(), cos[:T], sin[:T])
+        k_rope = self.ops.rope(k_rope.reshape(B, T, 1, m.qk_rope_head_dim), cos[:T], sin[:T])
+        if self.tp_mesh is not None:
+            k_rope = _summed_in_backward(k_rope, self.tp_mesh)
+        q = torch.cat([q_nope, q_rope], dim=-1)
+        k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
+        if docs is not None:
+            raise ValueError("document masks beside model.mla are not built; set "
+                             "data.document_mask=false")
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             is_causal=True, scale=self.scale,
+                                             dropout_p=self.dropout if self.training else 0.0)
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+
+
+def _summed_in_backward(t: torch.Tensor, mesh) -> torch.Tensor:
+    """``t`` unchanged; its gradient summed over ``mesh`` in backward (each tp rank's heads
+    give a part of it): a replicated DTensor whose local gradient is declared partial."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    return DTensor.from_local(t, mesh, [Replicate()], run_check=False).to_local(
+        grad_placements=[Partial()])
