@@ -191,13 +191,17 @@ def preset_reference() -> str:
     out = [HEADER, "# Model presets\n\n",
            "`model.preset` fills every shape field not given (`trainmesh/spec/presets.py`); "
            "`--set model.FIELD=value` changes one.\n\n",
-           "| preset | dim | layers | heads | kv heads | ffn | vocab | max seq | experts (top-k, ffn) |\n",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---|\n"]
+           "| preset | dim | layers | heads | attention | ffn | vocab | max seq | experts (top-k, ffn) |\n",
+           "|---|---:|---:|---:|---|---:|---:|---:|---|\n"]
     for name, p in PRESETS.items():
-        moe = p.get("moe")
+        moe, mla = p.get("moe"), p.get("mla")
         experts = f"{moe['experts']} (top-{moe['top_k']}, {moe['expert_ffn_dim']})" if moe else "dense"
+        if moe and moe.get("n_group", 1) > 1:
+            experts += f", {moe['topk_group']} of {moe['n_group']} groups"
+        attention = (f"MLA (kv latent {mla['kv_lora_rank']}, q {mla['q_lora_rank'] or 'full'})"
+                     if mla else f"GQA ({p.get('n_kv_heads', p['n_heads'])} kv heads)")
         out.append(f"| `{name}` | {p['dim']} | {p['n_layers']} | {p['n_heads']} | "
-                   f"{p.get('n_kv_heads', p['n_heads'])} | {p['ffn_dim']} | {p['vocab_size']} | "
+                   f"{attention} | {p['ffn_dim']} | {p['vocab_size']} | "
                    f"{p['max_seq_len']} | {experts} |\n")
     return "".join(out)
 

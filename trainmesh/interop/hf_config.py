@@ -330,8 +330,9 @@ def rope_permuted(name: str, family: str = "llama") -> bool:
     """Whether a parameter's rows are in a different RoPE layout in the two formats (the q/k
     projections, and the per-head q/k norms: one head's dimensions). DeepSeek's rotary
     dimensions are interleaved pairs, as trainmesh's: none."""
-    return family != "deepseek_v3" and name.endswith(("attention.wq.weight", "attention.wk.weight", "attention.q_norm.weight",
-                          "attention.k_norm.weight"))
+    return family != "deepseek_v3" and name.endswith((
+        "attention.wq.weight", "attention.wk.weight", "attention.q_norm.weight",
+        "attention.k_norm.weight"))
 
 
 def hf_row(row: int, head_dim: int) -> int:

@@ -53,6 +53,11 @@ PRESETS: dict[str, dict[str, object]] = {
                           qk_norm=True, ffn_dim=6144, vocab_size=151936, max_seq_len=40960,
                           rope_theta=1e6, moe=dict(experts=128, top_k=8, expert_ffn_dim=768,
                                                    aux_loss_coef=0.001)),
+    # Qwen3-235B-A22B.
+    "qwen3-235b-a22b": dict(dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, head_dim=128,
+                            qk_norm=True, ffn_dim=12288, vocab_size=151936, max_seq_len=40960,
+                            rope_theta=1e6, moe=dict(experts=128, top_k=8, expert_ffn_dim=1536,
+                                                     aux_loss_coef=0.001)),
     # DeepSeek-V3's architecture, small enough for tests and the CPU demo: Multi-head Latent
     # Attention, one dense block then MoE blocks of 8 experts in 4 groups (a token's 2 from its
     # best 2 groups) with a sigmoid router, aux-loss-free balancing and a shared expert.
@@ -87,9 +92,4 @@ PRESETS: dict[str, dict[str, object]] = {
                     moe=dict(experts=384, top_k=8, expert_ffn_dim=2048, shared_experts=1,
                              router="sigmoid", balance="bias", dense_layers=1,
                              routed_scaling_factor=2.827)),
-    # Qwen3-235B-A22B.
-    "qwen3-235b-a22b": dict(dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, head_dim=128,
-                            qk_norm=True, ffn_dim=12288, vocab_size=151936, max_seq_len=40960,
-                            rope_theta=1e6, moe=dict(experts=128, top_k=8, expert_ffn_dim=1536,
-                                                     aux_loss_coef=0.001)),
 }
