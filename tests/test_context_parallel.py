@@ -1,7 +1,8 @@
 """Context parallel (ring and all-gather attention over 2·cp load-balanced chunks) alone and
 with ZeRO-3 over dp × cp, TP + SP, PP (1F1B), expert parallel and document masks, on real ranks
 over gloo (point-to-point under NCCL's rules: the rank pool's ProbedRank), against the
-single-process model at seq_len 256 with grouped-query attention (tiny: 4 heads, 2 KV heads)."""
+single-process model at seq_len 256 with grouped-query attention (tiny: 4 heads, 2 KV heads)
+and Multi-head Latent Attention (tiny-dsv3)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,16 @@ CASES = {  # largest meshes first: the rank pool then only shrinks
     "cp2-ring-documents-full-ac": (ParallelDims(cp=2), [DOCS, "activation_checkpoint.mode=full"]),
     "cp2-allgather-documents": (ParallelDims(cp=2), [DOCS, "parallelism.cp_mode=allgather"]),
     "documents-alone": (ParallelDims(), [DOCS]),
+    # Multi-head Latent Attention (tiny-dsv3): query/key heads of 24 beside values of 16 (the
+    # ring moves them padded to one width), YaRN's softmax scale; its MoE blocks' experts over
+    # an EP group of one ring
+    "dsv3-cp2-dp2-ring-yarn": (ParallelDims(cp=2, dp=2), [
+        "model.preset=tiny-dsv3", "parallelism.ep=2", "model.rope_scaling.type=yarn",
+        "model.rope_scaling.factor=4", "model.rope_scaling.original_max_position_embeddings=64",
+        "model.rope_scaling.mscale_all_dim=1"]),
+    "dsv3-cp2-tp2-sp-allgather-documents": (ParallelDims(cp=2, tp=2), [
+        "model.preset=tiny-dsv3", "parallelism.sequence_parallel=true",
+        "parallelism.cp_mode=allgather", DOCS]),
 }
 
 

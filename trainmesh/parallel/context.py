@@ -118,16 +118,17 @@ class ContextParallel:
     # -- attention -----------------------------------------------------------------------
     @torch.compiler.disable  # point-to-point and host syncs: eager between compiled graphs
     def attend(self, q_BTHD: torch.Tensor, k_BTHD: torch.Tensor, v_BTHD: torch.Tensor,
-               docs_BT: torch.Tensor | None = None) -> torch.Tensor:
+               docs_BT: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
         """Causal attention of this rank's queries over the whole sequence's keys (the
         rank's own tokens in local chunk order, shapes (B, T_local, heads, head_dim)), within
-        documents given ``docs_BT``; (B, T_local, n_heads, head_dim) out."""
+        documents given ``docs_BT``, the scores scaled by ``scale`` (None: 1/√head_dim);
+        (B, T_local, n_heads, head_dim) out."""
         B, T, H, D = q_BTHD.shape
         Hkv = k_BTHD.shape[2]
         q = q_BTHD.view(B, T, Hkv, H // Hkv, D).permute(0, 2, 3, 1, 4)
         k = k_BTHD.unsqueeze(3).permute(0, 2, 3, 1, 4)
         v = v_BTHD.unsqueeze(3).permute(0, 2, 3, 1, 4)
-        out = _Attention.apply(q, k, v, docs_BT, self)  # (B, Hkv, rep, T, D)
+        out = _Attention.apply(q, k, v, docs_BT, self, scale)  # (B, Hkv, rep, T, D)
         return out.permute(0, 3, 1, 2, 4).reshape(B, T, H, D)
 
     def pairs(self, owner: int, docs_q: torch.Tensor | None, docs_k: torch.Tensor | None,
@@ -234,10 +235,10 @@ class _Attention(torch.autograd.Function):
     its gradients as one fp32 buffer: one message per hop and direction, one collective."""
 
     @staticmethod
-    def forward(ctx, q, k, v, docs, cpx: ContextParallel):
+    def forward(ctx, q, k, v, docs, cpx: ContextParallel, scale: float | None):
         T = q.shape[3]
         c = T // 2
-        scale = 1.0 / math.sqrt(q.shape[-1])
+        scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
         qs = (q[..., :c, :], q[..., c:, :])
         acc: list[tuple | None] = [None, None]
         travel = [torch.stack([k, v])] + ([] if docs is None else [docs])
@@ -301,4 +302,4 @@ class _Attention(torch.autograd.Function):
                     cur = nxt
                 cpx.timed(_wait, cpx.exchange([dkv], [arrived]))
                 dkv = arrived
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None

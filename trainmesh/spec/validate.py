@@ -124,10 +124,7 @@ def layout_problems(work: Workload, lay: LayoutLike, runnable: bool = True) -> l
                            f"parallelism.vpp={lay.vpp}", "set parallelism.vpp=2"))
     if runnable:
         out += runnable_problems(m, lay.tp, lay.pp, lay.sequence_parallel)
-        if getattr(m, "mla", None) is not None and lay.cp > 1:
-            out.append(Problem("parallelism.cp", f"cp={lay.cp} beside model.mla: context-parallel "
-                               "latent attention is not built yet", "set parallelism.cp=1 (or "
-                               "let the planner choose: parallelism.auto)"))
+
     return out
 
 
@@ -151,9 +148,6 @@ def field_problems(spec) -> list[Problem]:
     need(not gqa or hd % 2 == 0, "model.head_dim" if m.head_dim else "model.dim",
          f"head dim {hd} is odd",
          "RoPE needs an even head dim: change model.dim or model.n_heads (or model.head_dim)")
-    need(gqa or not spec.data.document_mask, "data.document_mask",
-         "document masks beside model.mla are not built yet",
-         "set data.document_mask=false (or train a GQA model: model.mla=null)")
     need(spec.data.path is not None or m.vocab_size >= BYTE_TOKENIZER_VOCAB, "model.vocab_size",
          f"{m.vocab_size} is smaller than the byte tokenizer's {BYTE_TOKENIZER_VOCAB} tokens",
          f"use at least {BYTE_TOKENIZER_VOCAB} (264 keeps it divisible by 8)")

@@ -69,7 +69,7 @@ class MLAttention(nn.Module):
         self.kv_a_norm = norm_cls(m.kv_lora_rank, args.norm_eps, args.ops)
         self.wkv_b = nn.Linear(m.kv_lora_rank, h * (m.qk_nope_head_dim + m.v_head_dim), bias=False)
         self.wo = nn.Linear(h * m.v_head_dim, d, bias=False)
-        self.context = None  # context parallel: refused beside MLA (spec.validate)
+        self.context = None  # context parallel / document masks (``_attend_in_context``)
         self.tp_mesh = None  # tensor parallel (``parallelize._mla_plan``): the heads' mesh
 
     def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -90,13 +90,23 @@ class MLAttention(nn.Module):
             k_rope = _summed_in_backward(k_rope, self.tp_mesh)
         q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
-        if docs is not None:
-            raise ValueError("document masks beside model.mla are not built; set "
-                             "data.document_mask=false")
+        if self.context is not None:  # context parallel and/or document masks
+            return self.wo(self._attend_in_context(q, k, v, docs).reshape(B, T, -1))
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              is_causal=True, scale=self.scale,
                                              dropout_p=self.dropout if self.training else 0.0)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+
+    def _attend_in_context(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           docs: torch.Tensor | None) -> torch.Tensor:
+        """Over the context-parallel ring (``parallel/context.py``), which moves a block's
+        keys and values as one buffer: the narrower of the query/key and value heads is padded
+        with zeros to the wider (zero query/key dimensions add nothing to a score, zero value
+        dimensions give zero outputs, cut off here), the scale given as MLA's."""
+        width = max(q.shape[-1], v.shape[-1])
+        q, k = (F.pad(t, (0, width - t.shape[-1])) for t in (q, k))
+        out = self.context.attend(q, k, F.pad(v, (0, width - v.shape[-1])), docs, scale=self.scale)
+        return out[..., :v.shape[-1]]
 
 
 def _summed_in_backward(t: torch.Tensor, mesh) -> torch.Tensor:
