@@ -200,17 +200,21 @@ def _no_spare(cluster):
 
 
 @pytest.mark.timeout(300)
-def test_a_node_lost_from_an_ep4_cp2_moe_job_replans_to_ep2_with_the_same_losses(cluster, tmp_path):
+@pytest.mark.parametrize("preset", ["tiny-moe", "tiny-dsv3"])
+def test_a_node_lost_from_an_ep4_cp2_moe_job_replans_to_ep2_with_the_same_losses(cluster, tmp_path,
+                                                                                 preset):
     """Expert and context parallel through a real node loss: an MoE job at dp 2 × cp 2 with
     ep 4 over both (4 ranks, 2 per node, the spare taken away first) loses the node of ranks
     2-3 mid-forward; the 2 survivors re-plan to dp 1 × cp 2 (the pinned cp kept) with ep 2 and
     restore experts, their AdamW moments and the balancing bias from the survivors' memory
-    (each expert now on another rank), and the job ends with the single process's losses."""
+    (each expert now on another rank), and the job ends with the single process's losses.
+    Mixtral's block (tiny-moe) and DeepSeek-V3's (tiny-dsv3: latent attention, group-limited
+    sigmoid routing, a shared expert, a dense block)."""
     from servers import MEMORY_ARGS, assert_reference_losses, run_losing_nodes
 
     with _no_spare(cluster):  # the job must shrink
         s = run_losing_nodes(cluster, tmp_path, [
-            *MEMORY_ARGS, "model.preset=tiny-moe", "model.moe.balance=bias",
+            *MEMORY_ARGS, f"model.preset={preset}", "model.moe.balance=bias",
             "model.moe.bias_update_rate=0.01", "parallelism.dp=2", "parallelism.cp=2",
             "parallelism.ep=4", "training.steps=4", "checkpoint.every=4", "elastic.max_world_size=4"],
             ["wait@rank=2,step=2,phase=forward", "wait@rank=3,step=2,phase=forward"])
