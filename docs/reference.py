@@ -46,6 +46,8 @@ def type_text(annotation) -> str:
         return " \\| ".join(type_text(a) for a in typing.get_args(annotation))
     if origin is typing.Annotated:
         return type_text(typing.get_args(annotation)[0])
+    if origin is list:
+        return f"list of {type_text(typing.get_args(annotation)[0])}"
     if origin is dict:
         k, v = typing.get_args(annotation)
         return f"mapping of {type_text(k)} to {type_text(v)}"

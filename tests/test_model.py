@@ -291,3 +291,19 @@ def test_adamw_steps_each_dtensor_shard_as_dtensor_would():
         assert len(opt.state) == len(got)
     finally:
         dist.destroy_process_group()
+
+
+def test_stage_split_is_even_or_puts_the_extra_blocks_between_the_first_and_last_stage():
+    """Pipeline stages of unequal size (``model_math.stage_split``): DeepSeek-V3's 61 blocks
+    over 16 stages, Llama 3.1 405B's 126 over 16; a pinned split is kept while it has one count
+    per stage; a rank holds its chunks' blocks."""
+    from trainmesh.models.llama.model_math import rank_blocks, stage_blocks, stage_split
+
+    assert stage_split(8, 4) == [2, 2, 2, 2]
+    assert stage_split(61, 16) == [3, *[4] * 13, 3, 3] and sum(stage_split(61, 16)) == 61
+    assert stage_split(126, 16) == [7, *[8] * 14, 7]
+    assert stage_split(5, 2) == [3, 2] and stage_split(5, 4) == [1, 2, 1, 1]
+    assert stage_split(7, 3) == [2, 3, 2] and stage_split(8, 3) == [3, 3, 2]
+    assert stage_split(5, 2, pinned=[1, 4]) == [1, 4] and stage_split(5, 4, pinned=[1, 4]) == [1, 2, 1, 1]
+    assert [list(stage_blocks(5, 4, s)) for s in range(4)] == [[0], [1, 2], [3], [4]]
+    assert rank_blocks(5, 2, 2) == 3 and rank_blocks(61, 16) == 4

@@ -4,8 +4,11 @@ the rank pool's ProbedRank), against the single-process model."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
+from ray import cloudpickle  # the ranks cannot import this test module: functions go by value
 from reference import reference_grad_norms, reference_run
 from test_tensor_parallel import BASE, UNEVEN, _close, _parallel_run, _same_norm
 from tiers import cases
@@ -13,6 +16,7 @@ from tiers import cases
 from trainmesh.cli.loading import load_spec
 from trainmesh.data.shards import ensure_tiny_corpus
 from trainmesh.parallel.dims import ParallelDims
+from trainmesh.testing import probes
 
 ZB_BATCH = "training.global_batch_size=32"
 CASES = {  # largest meshes first: the rank pool then only shrinks
@@ -47,6 +51,13 @@ CASES = {  # largest meshes first: the rank pool then only shrinks
                                                   "parallelism.vpp=2", "model.n_layers=8"]),
     "zb-h1-pp2-dp2": (ParallelDims(pp=2, dp=2), ["schedule.name=zb-h1", ZB_BATCH]),
     "zbv-pp2-dp2": (ParallelDims(pp=2, dp=2), ["schedule.name=zbv", "parallelism.vpp=2", ZB_BATCH]),
+    # Stages of unequal size: 5 blocks over 2 stages (3 and 2), over 2 × 2 interleaved chunks
+    # (1, 2, 1, 1), and a pinned split (1 and 3) beside ZeRO-3
+    "pp2-1f1b-5-blocks": (ParallelDims(pp=2), ["schedule.name=1f1b", "model.n_layers=5"]),
+    "pp2-vpp2-interleaved-5-blocks": (ParallelDims(pp=2), [
+        "schedule.name=interleaved-1f1b", "parallelism.vpp=2", "model.n_layers=5"]),
+    "pp2-dp2-zb-h1-pinned-1-3": (ParallelDims(pp=2, dp=2), [
+        "schedule.name=zb-h1", ZB_BATCH, "parallelism.stage_layers=[1, 3]"]),
     "pp2-gpipe": (ParallelDims(pp=2), ["schedule.name=gpipe"]),
     "pp2-1f1b": (ParallelDims(pp=2), ["schedule.name=1f1b"]),
     "pp2-vpp2-interleaved": (ParallelDims(pp=2), ["schedule.name=interleaved-1f1b",
@@ -98,3 +109,32 @@ def test_a_rank_dying_mid_schedule_makes_the_others_raise(ray_local, tmp_path):
         assert time.monotonic() - t0 < 30
     finally:
         group.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpoint_of_one_split_restores_on_another_with_the_same_losses(rank_pool, tmp_path):
+    """5 blocks: saved at pp 2 split 3 + 2 (the default), restored at pp 2 split 1 + 4
+    (pinned): checkpoints name blocks by their global index, so each rank reads the blocks its
+    stage now holds, and the losses and parameters are the single process's."""
+    from test_tensor_parallel import resumed_elsewhere
+
+    from trainmesh.models.llama.model_math import stage_split
+
+    args = [*BASE, "model.n_layers=5", "parallelism.pp=2", "schedule.name=1f1b",
+            f"runtime.output_dir={tmp_path}", "training.steps=4"]
+    before = load_spec(None, args)
+    after = load_spec(None, [*args, "parallelism.stage_layers=[1, 4]"])
+    assert stage_split(5, 2) == [3, 2]
+
+    def holding(blocks):
+        def check(group):
+            cloudpickle.register_pickle_by_value(sys.modules[__name__])
+            assert probes.execute(group, _blocks_held) == blocks
+        return check
+
+    resumed_elsewhere(rank_pool, tmp_path, (before, ParallelDims(pp=2)), (after, ParallelDims(pp=2)),
+                      check=holding([[0, 1, 2], [3, 4]]), check_after=holding([[0], [1, 2, 3, 4]]))
+
+
+def _blocks_held(engine) -> list[int]:
+    return sorted(int(i) for i in engine.model.layers)

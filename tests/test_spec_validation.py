@@ -59,7 +59,11 @@ BAD_SPECS = [
     ("parallelism: {tp: 0}", "parallelism.tp"),
     ("parallelism: {tp: 3}", "parallelism.tp"),
     ("model: {vocab_size: 263}\nparallelism: {tp: 2}", "parallelism.tp"),  # vocab-parallel
-    ("parallelism: {pp: 3}", "parallelism.pp"),
+    ("parallelism: {pp: 5}", "parallelism.pp"),  # stages beyond tiny's 4 blocks
+    # an uneven split that does not add up to the blocks, or has not one count per stage
+    ("parallelism: {pp: 2, stage_layers: [1, 2]}", "parallelism.stage_layers"),
+    ("parallelism: {pp: 2, stage_layers: [2, 1, 1]}", "parallelism.stage_layers"),
+    ("parallelism: {pp: 2, stage_layers: [4, 0]}", "parallelism.stage_layers.1"),
     ("parallelism: {vpp: 2}", "parallelism.vpp"),
     ("parallelism: {dp: two}", "parallelism.dp"),
     ("parallelism: manual", "parallelism"),

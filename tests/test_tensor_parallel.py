@@ -209,18 +209,19 @@ def _ddp_resumed(rank_pool, tmp_path, ddp_first: bool) -> None:
                       (spec_at(3, not ddp_first), ParallelDims(dp=3)), check=plain)
 
 
-def resumed_elsewhere(rank_pool, tmp_path, before, after, check=None) -> None:
+def resumed_elsewhere(rank_pool, tmp_path, before, after, check=None, check_after=None) -> None:
     """Two steps on ``before`` ((spec, dims)), saved; restored on ``after`` and two more steps
     from the same data position: the four losses and the final parameters are the single
-    process's. ``check(group)`` looks at the first mesh once it is built."""
+    process's. ``check(group)`` looks at the first mesh once it is built, ``check_after`` at
+    the second."""
     data_dir = str(ensure_tiny_corpus(tmp_path / "data"))
     losses = []
     for i, (spec, dims) in enumerate((before, after)):
         group = rank_pool.group_for(spec, dims)
         try:
             group.build(spec.model_dump_json(), dims, data_dir)
-            if i == 0 and check is not None:
-                check(group)
+            if (check, check_after)[i] is not None:
+                (check, check_after)[i](group)
             if i == 1:
                 group.load(str(tmp_path / "saved"), 2, None)
             losses += [group.train_step()[0]["loss"] for _ in range(2)]

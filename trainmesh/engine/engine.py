@@ -285,7 +285,8 @@ class Engine:
         with torch.device("meta"):
             self.model, stage_ids = rank_model(
                 LlamaArgs.from_config(self.spec.model, self.device.type), mesh.coord(Axis.PP), pp,
-                self.vpp, self.shape.stages_of(mesh.coord(Axis.PP)) if self.shape else None)
+                self.vpp, self.shape.stages_of(mesh.coord(Axis.PP)) if self.shape else None,
+                self.spec.parallelism.stage_layers)
         return stage_ids
 
     def _parallelize(self, eos: int | None) -> ExpertSharding | None:
@@ -360,7 +361,8 @@ class Engine:
         elif pp == 1:
             apply_zero3(self.model, mesh.zero_mesh, self.zero, experts)
         else:
-            stages = {s: PipelineStage(self.model, s, pp * par.vpp) for s in stage_ids}
+            stages = {s: PipelineStage(self.model, s, pp * par.vpp, par.stage_layers)
+                      for s in stage_ids}
             # FSDP2 at dp = 1 shards nothing, it only casts (mixed precision): a stage that needs
             # neither is not wrapped, its hooks would be overhead on every microbatch.
             wrap = mesh.replicas > 1 or dtype != torch.float32

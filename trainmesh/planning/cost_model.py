@@ -68,7 +68,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from trainmesh.models.llama.model_math import flops_per_token
+from trainmesh.models.llama.model_math import flops_per_token, rank_blocks, stage_split
 from trainmesh.parallel.dims import replicates
 from trainmesh.parallel.pipeline.ir import splits_backward
 from trainmesh.planning.devices import DeviceSpec
@@ -121,6 +121,15 @@ class Candidate:
     cp: int = 1  # context parallel: each sequence over cp ranks (ZeRO-3 over dp × cp)
     cp_mode: str = "ring"  # ring | allgather
     recompute_stride: int = 2  # with selective recomputation: every N-th block of a rank
+
+    def blocks(self, model) -> int:
+        """The most blocks a pipeline rank holds (``model_math.rank_blocks``: uneven where
+        pp × vpp does not divide them)."""
+        return rank_blocks(model.n_layers, self.pp, self.vpp)
+
+    def chunk_blocks(self, model) -> int:
+        """The most blocks one model chunk (pipeline stage) holds."""
+        return max(stage_split(model.n_layers, self.pp * self.vpp))
 
     def recomputed(self, layers: int) -> float:
         """The fraction of a rank's ``layers`` blocks recomputed in backward (selective: the
@@ -310,19 +319,19 @@ def rank_memory(model, c: Candidate, seq_len: int, pp_rank: int = 0, compute_byt
         grads = 4 * local + reduce_unit
         end_of_step = 4 * local
     else:
-        root = rp.gathered(c.tp, c.ep) - (model.n_layers // c.pp) * layer_gathered
+        root = rp.gathered(c.tp, c.ep) - c.blocks(model) * layer_gathered
         gathered = compute_bytes * (2 * layer_gathered + root)
         grads = 4 * local + reduce_unit
         end_of_step = 4 * local
     tokens = seq_len // c.cp * c.microbatch_size  # a context-parallel rank's part of each sequence
     sbh = tokens * model.dim
     sp = c.sequence_parallel and c.tp > 1
-    f = c.recomputed(model.n_layers // c.pp)
+    f = c.recomputed(c.blocks(model))
     kept = activation_units(model, c.tp, sp, "none", fused_head, c.ep, c.cp)
     units = (1 - f) * kept + f * activation_units(model, c.tp, sp, "full", fused_head, c.ep, c.cp) \
         if f > 0 else kept
     per_layer = units * sbh * compute_bytes
-    layers_per_chunk = model.n_layers // (c.pp * c.vpp)
+    layers_per_chunk = c.chunk_blocks(model)
     chunks = in_flight_chunks(c.schedule, c.pp, c.vpp, c.num_microbatches, pp_rank)
     acts = per_layer * layers_per_chunk * chunks
     transient = 0.0
@@ -370,7 +379,7 @@ def _tensors(model, c: Candidate, pp_rank: int) -> int:
     last = holds_head(c.schedule, c.pp, pp_rank)
     moe = getattr(model, "moe", None)
     per_block = 9 if moe is None else 10 + 3 * (moe.shared_experts > 0)
-    return (per_block * (model.n_layers // c.pp) + (pp_rank == 0)
+    return (per_block * c.blocks(model) + (pp_rank == 0)
             + (last and 1 + (not (model.tie_embeddings and pp_rank == 0))))
 
 
@@ -426,7 +435,7 @@ def _zero3_exposed(model, c: Candidate, device: DeviceSpec, per_node: int, compu
     gathers = 1 if c.keep_gathered else 2 * c.num_microbatches
     reduces = 1 if c.keep_gathered else c.num_microbatches
     per_element = gathers * compute_bytes + reduces * c.reduce_bytes
-    units = model.n_layers // c.pp + 1
+    units = c.blocks(model) + 1
     time, latency = 0.0, 0.0
     hidden = 0.5 * compute if device.streams else 0.0
     bw = device.intra_node_gbps if shard_inside else device.inter_node_gbps
@@ -517,7 +526,7 @@ def cp_exposed(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: 
     bw = (device.intra_node_gbps if inside else device.inter_node_gbps) * 1e9
     part = seq_len // c.cp * c.microbatch_size
     block = 2 * part * _kv_dim(model) / c.tp  # elements of one rank's K and V
-    forwards = 1 + c.recomputed(model.n_layers // c.pp)
+    forwards = 1 + c.recomputed(c.blocks(model))
     if c.cp_mode == "allgather":
         moved = (c.cp - 1) * block * ((forwards + 1) * compute_bytes + 4)
         per_layer = moved / bw + (forwards + 2) * _ring_latency(c.cp, not inside)
@@ -529,7 +538,7 @@ def cp_exposed(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: 
         bwd = (c.cp - 1) * max(hop - 2 * attn_s, PP_LATENCY_S)
         grads = c.cp * (block * 4 / bw + PP_LATENCY_S)
         per_layer = forwards * fwd + bwd + grads
-    return per_layer * (model.n_layers // c.pp) * c.num_microbatches
+    return per_layer * c.blocks(model) * c.num_microbatches
 
 
 def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: int,
@@ -538,7 +547,7 @@ def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: in
     tokens = (c.dp * c.num_microbatches - c.padding) * c.microbatch_size * seq_len
     flops = flops_per_token(model, seq_len) * tokens
     computed = flops * c.dp * c.num_microbatches / (c.dp * c.num_microbatches - c.padding)
-    h, layers = model.dim, model.n_layers // c.pp
+    h, layers = model.dim, c.blocks(model)
     ideal = computed / (c.world_size * device.peak_tflops * 1e12 * MATMUL_EFFICIENCY)
     again = 1.0 + c.recomputed(layers) / 3.0  # one more forward per recomputed block
     # Per block and microbatch: the device's fixed cost, and the host issuing the work.
@@ -564,7 +573,7 @@ def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: in
         per_a2a = (seq_len // c.cp * c.microbatch_size / c.tp * moe.top_k * h * compute_bytes
                    * (c.ep - 1) / c.ep)
         bw = device.intra_node_gbps if c.ep * c.tp <= per_node else device.inter_node_gbps
-        calls = 4 + 2 * c.recomputed(model.n_layers // c.pp)
+        calls = 4 + 2 * c.recomputed(c.blocks(model))
         ep_comm = calls * per_a2a / (bw * 1e9) * moe_layers * c.num_microbatches
     if moe is not None and moe.capacity_factor is not None and c.tp * c.cp > 1:
         # Capacity decided over the whole microbatch: its tp × cp ranks all-gather its
@@ -573,7 +582,7 @@ def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: in
         g = c.tp * c.cp
         gathered = seq_len * c.microbatch_size * moe.top_k * 8 * (g - 1) / g
         bw = device.intra_node_gbps if g <= per_node else device.inter_node_gbps
-        calls = 1 + c.recomputed(model.n_layers // c.pp)
+        calls = 1 + c.recomputed(c.blocks(model))
         ep_comm += calls * gathered / (bw * 1e9) * moe_layers * c.num_microbatches
     dp_exposed = 0.0
     if c.dp * c.cp > 1:

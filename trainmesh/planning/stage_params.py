@@ -10,7 +10,7 @@ import contextlib
 import threading
 from dataclasses import dataclass
 
-from trainmesh.models.llama.model_math import layer_params, mlp_params
+from trainmesh.models.llama.model_math import layer_params, mlp_params, stage_split
 
 
 def holds_head(schedule: str, pp: int, pp_rank: int) -> bool:
@@ -86,8 +86,9 @@ def rank_params(model, pp: int, pp_rank: int, schedule: str = "1f1b") -> RankPar
 
 def _rank_params(model, pp: int, pp_rank: int, last: bool) -> RankParams:
     d, V = model.dim, model.vocab_size
-    layers = model.n_layers // pp
-    first_layer = pp_rank * layers  # stages own contiguous layers (chunk order aside)
+    counts = stage_split(model.n_layers, pp)  # (uneven where pp does not divide the blocks)
+    layers = counts[pp_rank]
+    first_layer = sum(counts[:pp_rank])  # stages own contiguous layers (chunk order aside)
     # the stage's dense blocks come first (the model's first moe.dense_layers), then its MoE
     # blocks; blocks of a kind are alike (counted once: the planner asks this ~10^5 times)
     moe = getattr(model, "moe", None)

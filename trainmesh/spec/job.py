@@ -270,6 +270,12 @@ class ParallelismConfig(_Section):
         "dense model without tp, pp or cp whose whole state fits each rank; beside ep > 1 each "
         "group's replicas a multiple of ep / cp)")
     vpp: int = Field(1, ge=1, description="virtual pipeline chunks per stage (interleaving)")
+    stage_layers: list[Annotated[int, Field(ge=1)]] | None = Field(
+        None, description="the blocks of each of the pp × vpp pipeline stages (model chunks), "
+        "in model order, e.g. [3, 4, 4, 3]; null: an even split, or where pp × vpp does not "
+        "divide n_layers the extra blocks on the stages between the first (embedding) and the "
+        "last (head and loss). Used while pp × vpp is its length (a re-plan to other degrees "
+        "splits evenly)")
     ep: int = Field(1, ge=1, description="expert-parallel degree: each group of ep data-parallel "
                     "ranks splits the experts among them (needs model.moe; divides dp)")
     cp: int = Field(1, ge=1, description="context-parallel degree: each sequence split over cp "

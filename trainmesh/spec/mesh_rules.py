@@ -53,12 +53,13 @@ def tp_problems(m: ModelShape, tp: int) -> list[Problem]:
 
 
 def pp_problems(m: ModelShape, pp: int, vpp: int) -> list[Problem]:
-    """pp × vpp model chunks share the layers evenly; vpp > 1 needs stages to interleave."""
+    """pp × vpp model chunks share the layers (unevenly where they do not divide them:
+    ``model_math.stage_split``), each at least one; vpp > 1 needs stages to interleave."""
     out = []
-    if m.n_layers % (pp * vpp):
-        out.append(Problem("parallelism.pp", f"n_layers={m.n_layers} is not divisible by pp × vpp "
-                           f"= {pp}×{vpp}", "choose pp and vpp whose product divides model.n_layers",
-                           DIVISIBILITY))
+    if m.n_layers < pp * vpp:
+        out.append(Problem("parallelism.pp", f"pp × vpp = {pp}×{vpp} stages exceed "
+                           f"n_layers={m.n_layers} (each stage holds a block at least)",
+                           f"choose pp × vpp ≤ {m.n_layers}", DIVISIBILITY))
     if vpp > 1 and pp == 1:
         out.append(Problem("parallelism.vpp", "vpp > 1 needs pp > 1",
                            "set parallelism.vpp=1 or parallelism.pp>1", DIVISIBILITY))

@@ -148,6 +148,13 @@ def field_problems(spec) -> list[Problem]:
     need(not gqa or hd % 2 == 0, "model.head_dim" if m.head_dim else "model.dim",
          f"head dim {hd} is odd",
          "RoPE needs an even head dim: change model.dim or model.n_heads (or model.head_dim)")
+    split, par = spec.parallelism.stage_layers, spec.parallelism
+    need(split is None or sum(split) == m.n_layers, "parallelism.stage_layers",
+         f"{split} holds {sum(split or [])} blocks, the model {m.n_layers}",
+         f"give counts that add up to model.n_layers={m.n_layers}")
+    need(split is None or par.auto or len(split) == par.pp * par.vpp, "parallelism.stage_layers",
+         f"{len(split or [])} stages, but pp × vpp = {par.pp}×{par.vpp}",
+         f"give {par.pp * par.vpp} counts (one per model chunk, in model order)")
     need(spec.data.path is not None or m.vocab_size >= BYTE_TOKENIZER_VOCAB, "model.vocab_size",
          f"{m.vocab_size} is smaller than the byte tokenizer's {BYTE_TOKENIZER_VOCAB} tokens",
          f"use at least {BYTE_TOKENIZER_VOCAB} (264 keeps it divisible by 8)")

@@ -7,6 +7,8 @@ Mixture-of-Experts blocks.
 
 from __future__ import annotations
 
+import functools
+
 
 def _moe(shape, layer: int | None):
     moe = getattr(shape, "moe", None)
@@ -86,3 +88,42 @@ def flops_per_token(shape, seq_len: int) -> float:
     if shape.tie_embeddings:
         matmul_params += shape.vocab_size * shape.dim  # the tied head is still a matmul
     return 6.0 * matmul_params + 6.0 * shape.n_layers * attention_width(shape) * seq_len
+
+
+def stage_split(n_layers: int, num_stages: int, pinned=None) -> list[int]:
+    """The blocks of each of ``num_stages`` pipeline stages (pp × vpp model chunks, in model
+    order): ``pinned`` (``parallelism.stage_layers``) when it has one count per stage, else an
+    even split, and where the stages do not divide the blocks the extra ones go to the stages
+    between the first (the embedding) and the last (the norm, the head and the loss), then to
+    the first, then to the last."""
+    return list(_split(n_layers, num_stages, tuple(pinned) if pinned else None))
+
+
+@functools.lru_cache(maxsize=4096)  # (the planner asks for ~10^5 candidates)
+def _split(n_layers: int, num_stages: int, pinned: tuple[int, ...] | None) -> tuple[int, ...]:
+    if pinned and len(pinned) == num_stages:
+        return pinned
+    per, extra = divmod(n_layers, num_stages)
+    counts = [per] * num_stages
+    order = [*range(1, num_stages - 1), 0, num_stages - 1] if num_stages > 1 else [0]
+    for s in order[:extra]:
+        counts[s] += 1
+    return tuple(counts)
+
+
+def stage_blocks(n_layers: int, num_stages: int, stage: int, pinned=None) -> range:
+    """The global block indices of ``stage`` (``stage_split``'s counts, contiguous)."""
+    counts = stage_split(n_layers, num_stages, pinned)
+    start = sum(counts[:stage])
+    return range(start, start + counts[stage])
+
+
+def rank_blocks(n_layers: int, pp: int, vpp: int = 1, pinned=None) -> int:
+    """The most blocks a pipeline rank holds: its vpp chunks, stage s on rank s mod pp."""
+    return _rank_blocks(n_layers, pp, vpp, tuple(pinned) if pinned else None)
+
+
+@functools.lru_cache(maxsize=4096)
+def _rank_blocks(n_layers: int, pp: int, vpp: int, pinned: tuple[int, ...] | None) -> int:
+    counts = _split(n_layers, pp * vpp, pinned)
+    return max(sum(counts[c * pp + r] for c in range(vpp)) for r in range(pp))

@@ -8,22 +8,24 @@ import torch
 from torch import nn
 
 from trainmesh.models.llama.model import Llama, decoder_forward
+from trainmesh.models.llama.model_math import stage_blocks
 
 
-def stage_layers(n_layers: int, num_stages: int, stage: int) -> range:
-    """The global layer indices of ``stage`` (an even split)."""
-    if n_layers % num_stages:
-        raise ValueError(f"n_layers={n_layers} is not divisible by pp × vpp = {num_stages}")
-    per = n_layers // num_stages
-    return range(stage * per, (stage + 1) * per)
+def stage_layers(n_layers: int, num_stages: int, stage: int, split=None) -> range:
+    """The global layer indices of ``stage`` (``model_math.stage_split``: ``split`` — the
+    spec's ``parallelism.stage_layers`` — or an even split, the extra blocks of an uneven one
+    on the stages between the first and the last)."""
+    if n_layers < num_stages:
+        raise ValueError(f"n_layers={n_layers} is fewer than pp × vpp = {num_stages} stages")
+    return stage_blocks(n_layers, num_stages, stage, split)
 
 
 class PipelineStage(nn.Module):
-    def __init__(self, model: Llama, stage: int, num_stages: int):
+    def __init__(self, model: Llama, stage: int, num_stages: int, split=None):
         super().__init__()
         self.stage, self.num_stages = stage, num_stages
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
-        ids = stage_layers(model.args.n_layers, num_stages, stage)
+        ids = stage_layers(model.args.n_layers, num_stages, stage, split)
         self.tok_embeddings = model.tok_embeddings if self.is_first else None
         self.layers = nn.ModuleList([model.layers[str(i)] for i in ids])
         self.norm = model.norm if self.is_last else None
@@ -47,12 +49,12 @@ class PipelineStage(nn.Module):
 
 
 def rank_model(model_args, pp_rank: int, pp: int, vpp: int,
-               stages: list[int] | None = None) -> tuple[Llama, list[int]]:
+               stages: list[int] | None = None, split=None) -> tuple[Llama, list[int]]:
     """The Llama holding exactly this rank's stages: ``stages``, by default round-robin (stage
-    s on rank s % pp)."""
+    s on rank s % pp), of ``split``'s blocks (``stage_layers``)."""
     num_stages = pp * vpp
     stages = stages if stages is not None else [c * pp + pp_rank for c in range(vpp)]
-    ids = [i for s in stages for i in stage_layers(model_args.n_layers, num_stages, s)]
+    ids = [i for s in stages for i in stage_layers(model_args.n_layers, num_stages, s, split)]
     if model_args.tie_embeddings and pp > 1:
         raise ValueError("model.tie_embeddings needs the embedding on the last stage; set it "
                          "to false when parallelism.pp > 1")
