@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainmesh.models.llama.rope import softmax_scale
+
 
 @dataclass(frozen=True)
 class MLAArgs:
@@ -55,8 +57,6 @@ class MLAttention(nn.Module):
         super().__init__()
         m: MLAArgs = args.mla
         self.mla, self.ops, self.dropout = m, args.ops, args.dropout
-        from trainmesh.models.llama.model import softmax_scale
-
         self.scale = softmax_scale(m.qk_head_dim, args.rope_scaling)
         h, d = args.n_heads, args.dim
         if m.q_lora_rank is None:
