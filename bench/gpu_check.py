@@ -6,7 +6,7 @@ section part by part (a run cut off keeps the parts it finished). Parts in the o
     make gpu-check            # = python3 bench/gpu_check.py --append bench/history/journal.md
 
 Where one command may run 10 minutes at most, split it: ``--parts tests,lce,kernels``, then
-``--parts attention,moe,memory`` (and ``microbatch`` when calibrating the cost model).
+``--parts attention,moe,mla,memory`` (and ``microbatch`` when calibrating the cost model).
 
 1. tests: the GPU test modules (Triton kernels compiled for real against the torch
    references; the step's breakdown on CUDA events).
@@ -26,15 +26,19 @@ Where one command may run 10 minutes at most, split it: ``--parts tests,lce,kern
    slices (fp32, document masks), and whole SDPA; times, peak memory, and the fused path's
    error against the float32 math.
 5. moe: ``torch._grouped_mm`` (what an MoE block uses on CUDA) against the per-expert loop
-   (what it uses elsewhere), forward + backward at Mixtral 8x7B's expert shapes in bf16, with
-   the tokens spread evenly and skewed (half of them to one expert).
-6. memory: planned vs measured CUDA memory: one rank builds the `1b` preset the way a job
+   (what it uses elsewhere), forward + backward at Mixtral 8x7B's expert shapes and
+   DeepSeek-V3's (2048 × 7168, 32 experts: a rank's at ep 8) in bf16, with the tokens spread
+   evenly and skewed (half of them to one expert).
+6. mla: Multi-head Latent Attention's SDPA at DeepSeek-V3's heads (query/key 192, value
+   128; and the values padded to 192, as context parallel moves them) on each backend (flash,
+   efficient, cuDNN, math) that takes it, beside 128-wide heads (added 2026-11-29: not run yet).
+7. memory: planned vs measured CUDA memory: one rank builds the `1b` preset the way a job
    does (meta build, FSDP2 over a 1-rank mesh, bf16, seq 2048) and runs two steps
    (activations counted in the first, the peak of the second: steady state, no counting
    hooks), for both ZeRO-3 policies and both kernel sets; its tensors' peak (torch's max
    allocated) and the activations autograd saved are set beside the cost model's prediction.
    A 1-rank mesh: NCCL runs, but no collective crosses a device.
-7. microbatch (asked for by name, ``--parts microbatch``, about 100 s on an H200): `1b` with
+8. microbatch (asked for by name, ``--parts microbatch``, about 100 s on an H200): `1b` with
    `auto`, eager, at microbatch 1, 2, 4 and 8 of a global batch of 16, and 2 and 4 of 8: the
    step time and the GPU's busy share the cost model's per-microbatch device and host terms
    are fitted to (``planning/devices.py``; ``bench/planner.py`` sets them side by side).
@@ -192,13 +196,22 @@ def memory_check() -> list[str]:
 
 def moe_gemm() -> list[str]:
     """Grouped GEMM vs the per-expert loop (see the module docstring)."""
+    lines = []
+    # Mixtral 8x7B's experts; DeepSeek-V3's (2048 × 7168), 32 of them: one rank's at ep 8,
+    # the 8192 tokens' top-8 copies of an ep group's ranks arriving there
+    for model, (experts, dim, ffn, tokens, k) in (("Mixtral 8x7B", (8, 4096, 14336, 8192, 2)),
+                                                  ("DeepSeek-V3", (32, 7168, 2048, 8192, 8))):
+        lines += [*_grouped_vs_loop(model, experts, dim, ffn, tokens, k), ""]
+    return lines[:-1]
+
+
+def _grouped_vs_loop(model: str, experts: int, dim: int, ffn: int, tokens: int, k: int) -> list[str]:
     import torch
     from triton.testing import do_bench
 
     from trainmesh.kernels import kernel_set
     from trainmesh.models.moe.moe import expert_swiglu
 
-    experts, dim, ffn, tokens, k = 8, 4096, 14336, 8192, 2
     g = torch.Generator(device="cuda").manual_seed(0)
     def weight(*shape):
         return (torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -210,8 +223,8 @@ def moe_gemm() -> list[str]:
     spreads = {"even": [rows // experts] * experts,
                "skewed": [rows // 2] + [rows // 2 // (experts - 1)] * (experts - 2)
                + [rows // 2 - rows // 2 // (experts - 1) * (experts - 2)]}
-    lines = [f"{experts} experts, dim {dim}, expert ffn {ffn}, {tokens} tokens × top-{k}, bf16, "
-             "forward + backward (ms, median):", "",
+    lines = [f"{model}: {experts} experts, dim {dim}, expert ffn {ffn}, {tokens} tokens × top-{k}, "
+             "bf16, forward + backward (ms, median):", "",
              "| spread | per-expert loop | grouped GEMM | loop / grouped |", "|---|---:|---:|---:|"]
     for name, counts in spreads.items():
         x = torch.randn(sum(counts), dim, device="cuda", dtype=torch.bfloat16, generator=g,
@@ -290,12 +303,53 @@ def attention_lse() -> list[str]:
     return lines
 
 
+def mla_attention() -> list[str]:
+    """Multi-head Latent Attention's attention on CUDA (see the module docstring, 6): SDPA over
+    DeepSeek-V3's heads — 128 of them, query/key 192 wide (128 + 64 rotary), values 128 — at
+    seq 4096, bf16, forward + backward, on each backend that takes it, and with the values
+    padded to 192 (what context parallel's ring moves), against GQA's 128-wide heads."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from triton.testing import do_bench
+
+    B, H, T = 1, 128, 4096
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def tensors(qk: int, v: int):
+        q, k = (torch.randn(B, H, T, qk, device="cuda", dtype=torch.bfloat16, generator=g)
+                .requires_grad_() for _ in range(2))
+        return q, k, torch.randn(B, H, T, v, device="cuda", dtype=torch.bfloat16,
+                                 generator=g).requires_grad_()
+
+    cases = {"MLA (qk 192, v 128)": (192, 128), "MLA, v padded (192, 192)": (192, 192),
+             "GQA-like (128, 128)": (128, 128)}
+    backends = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+    lines = [f"{H} heads, seq {T}, causal, bf16, forward + backward (ms, median; - : the backend "
+             "does not take it)", "", "| heads | " + " | ".join(backends) + " |",
+             "|---|" + "---:|" * len(backends)]
+    for name, (qk, v) in cases.items():
+        q, k, val = tensors(qk, v)
+        cells = []
+        for backend in backends.values():
+            def step(backend=backend, q=q, k=k, val=val):
+                with sdpa_kernel([backend]):
+                    torch.nn.functional.scaled_dot_product_attention(
+                        q, k, val, is_causal=True).sum().backward()
+            try:
+                cells.append(f"{do_bench(step, warmup=2, rep=10, return_mode='median'):.2f}")
+            except RuntimeError:
+                cells.append("-")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--append", metavar="FILE", help="append the section to FILE (RESULTS.md)")
-    ap.add_argument("--parts", default="tests,lce,kernels,attention,moe,memory",
-                    help="comma-separated subset of tests, lce, kernels, attention, moe, memory, "
-                         "microbatch, microbatch-compile")
+    ap.add_argument("--parts", default="tests,lce,kernels,attention,moe,mla,memory",
+                    help="comma-separated subset of tests, lce, kernels, attention, moe, mla, "
+                         "memory, microbatch, microbatch-compile")
     args = ap.parse_args()
     import torch
 
@@ -320,6 +374,7 @@ def main() -> None:
              "memory": ("1b memory: planned vs measured (one rank, bf16, seq 2048, microbatch 2 × 4)",
                         memory_check),
              "moe": ("MoE experts: grouped GEMM vs the per-expert loop", moe_gemm),
+             "mla": ("Multi-head Latent Attention's attention: SDPA backends", mla_attention),
              "attention": ("Context parallel's attention block with its log-sum-exp",
                            attention_lse),
              "microbatch": ("1b's step by microbatch size", microbatch_sweep),

@@ -13,6 +13,7 @@ import json
 import pytest
 import torch
 from test_hf_interop import _assert_round_trip
+from tiers import full
 
 from trainmesh.cli.loading import SpecError, load_spec
 from trainmesh.engine.engine import build_model
@@ -133,3 +134,61 @@ def test_deepseek_presets_count_their_published_parameters():
     assert billions("kimi-k2") == pytest.approx(1026.4, abs=0.1)
     assert billions("kimi-k2", active=True) == pytest.approx(32.9, abs=0.1)
     assert billions("deepseek-v2-lite") == pytest.approx(15.7, abs=0.05)
+
+
+@full("inductor compiles DeepSeek-V3's blocks (latent attention, a dense and an MoE block): "
+      "tens of CPU-s; make test keeps the compiled Llama blocks' parity on ranks")
+def test_compiled_deepseek_blocks_equal_the_eager_model(tmp_path):
+    """``model.compile`` on tiny-dsv3: every block compiled in place (its latent attention, its
+    MoE block's dispatch eager between graphs) gives the eager model's loss, gradients and
+    parameters over two steps, the routing bias moving."""
+    from reference import reference_run
+    from test_tensor_parallel import _close
+
+    from trainmesh.data.shards import ensure_tiny_corpus
+    from trainmesh.models.llama.parallelize import apply_compile
+
+    spec = load_spec(None, ["model.preset=tiny-dsv3", "training.global_batch_size=4",
+                            "training.microbatch_size=2", "training.seq_len=32",
+                            "optimizer.warmup_steps=1", "runtime.device=cpu",
+                            "model.moe.bias_update_rate=0.01"])
+    data_dir = str(ensure_tiny_corpus(tmp_path / "data"))
+    want, want_params, want_grads = reference_run(spec, data_dir, steps=2, grads_after=1)
+    got, got_params, got_grads = reference_run(spec, data_dir, steps=2, grads_after=1,
+                                               prepare=apply_compile)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
+    _close(got_grads, want_grads)
+    _close(got_params, want_params, rtol=1e-5, atol=5e-5)
+    assert any(k.endswith("expert_bias") and v.abs().sum() > 0 for k, v in got_params.items())
+
+
+@pytest.mark.timeout(300)
+def test_deepseek_v3_imported_onto_ep2_dp2_reads_each_ranks_share_and_trains_as_one_process(
+        rank_pool, tmp_path):
+    """Each rank reads its own slices of a ``DeepseekV3ForCausalLM`` directory (of the experts,
+    its own; the routing biases whole), and two steps from the import give the single
+    process's losses."""
+    from reference import reference_run
+
+    from trainmesh.data.shards import ensure_tiny_corpus
+    from trainmesh.parallel.dims import ParallelDims
+
+    theirs = _deepseek(tmp_path / "hf")
+    dims = ParallelDims(dp=2, ep=2)
+    spec = load_spec(None, [f"model.init_from={tmp_path / 'hf'}", "parallelism.dp=2",
+                            "parallelism.ep=2", "training.seq_len=32",
+                            "training.global_batch_size=4", "training.microbatch_size=1",
+                            "optimizer.warmup_steps=1", "tracking.enabled=false",
+                            "runtime.device=cpu", f"runtime.output_dir={tmp_path}"])
+    data_dir = str(ensure_tiny_corpus(tmp_path / "data"))
+    group = rank_pool.group_for(spec, dims)
+    try:
+        group.build(spec.model_dump_json(), dims, data_dir)
+        read = [r["imported"] for r in group.memory_reports()]
+        losses = [group.train_step()[0]["loss"] for _ in range(2)]
+    finally:
+        rank_pool.release(group)
+    whole = sum(p.numel() * 4 for p in theirs.parameters())
+    assert sum(read) >= whole and max(read) < 0.6 * whole, (read, whole)
+    ref, _ = reference_run(spec, data_dir, steps=2)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=0)
