@@ -102,6 +102,11 @@ def _run(spec: JobSpec, data_dir: str, steps: int, grads_after: int | None, prep
         for x, y in mbs:
             if model_loss:
                 mean = model(x, y) / len(mbs)
+            elif spec.model.mtp is not None:
+                main, ahead = _with_multi_token_prediction(model, x, y, spec.model.mtp)
+                (main + ahead).div(len(mbs)).backward()
+                loss += float(main.detach()) / len(mbs)
+                continue
             else:
                 mean = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()) / len(mbs)
             mean.backward()
@@ -117,6 +122,27 @@ def _run(spec: JobSpec, data_dir: str, steps: int, grads_after: int | None, prep
             grads = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
     params = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return ((losses, params) if grads_after is None else (losses, params, grads)), norms
+
+
+def _with_multi_token_prediction(model, x, y, mtp) -> tuple[torch.Tensor, torch.Tensor]:
+    """The next-token loss and what DeepSeek-V3's multi-token prediction adds, written out
+    from the modules (one forward of the model's blocks): module k, over the positions with a
+    token k + 1 ahead, takes the previous hidden state (the model's normalised output for the
+    first) and the embedding of the token k ahead, and its loss against the token k + 1 ahead
+    is averaged over the modules, × loss_weight."""
+    T = x.shape[1]
+    h = model.tok_embeddings(x)
+    for block in model.layers.values():
+        h = block(h, model.rope_cos, model.rope_sin)
+    h = model.norm(h)
+    main = F.cross_entropy(model.output(h).flatten(0, 1).float(), y.flatten())
+    losses = []
+    for k, module in enumerate(model.mtp.values(), start=1):
+        e = model.tok_embeddings(y[:, k - 1:T - 1])  # the tokens k ahead of positions 0 … T-k-1
+        z = module.eh_proj(torch.cat([module.enorm(e), module.hnorm(h[:, :T - k])], dim=-1))
+        h = module.norm(module.block(z, model.rope_cos, model.rope_sin))
+        losses.append(F.cross_entropy(model.output(h).flatten(0, 1).float(), y[:, k:].flatten()))
+    return main, mtp.loss_weight * torch.stack(losses).mean()
 
 
 def _lr_factor(step: int, total: int, o) -> float:

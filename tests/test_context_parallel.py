@@ -52,9 +52,8 @@ CASES = {  # largest meshes first: the rank pool then only shrinks
         "model.preset=tiny-dsv3", "parallelism.ep=2", "model.rope_scaling.type=yarn",
         "model.rope_scaling.factor=4", "model.rope_scaling.original_max_position_embeddings=64",
         "model.rope_scaling.mscale_all_dim=1"]),
-    "dsv3-cp2-tp2-sp-allgather-documents": (ParallelDims(cp=2, tp=2), [
-        "model.preset=tiny-dsv3", "parallelism.sequence_parallel=true",
-        "parallelism.cp_mode=allgather", DOCS]),
+    "dsv3-cp2-allgather-documents": (ParallelDims(cp=2), [
+        "model.preset=tiny-dsv3", "parallelism.cp_mode=allgather", DOCS]),
 }
 
 

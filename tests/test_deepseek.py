@@ -192,3 +192,95 @@ def test_deepseek_v3_imported_onto_ep2_dp2_reads_each_ranks_share_and_trains_as_
     assert sum(read) >= whole and max(read) < 0.6 * whole, (read, whole)
     ref, _ = reference_run(spec, data_dir, steps=2)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=0)
+
+
+def test_multi_token_prediction_exports_as_deepseeks_layers_with_transformers_mtp_logits(
+        tmp_path, monkeypatch):
+    """``model.mtp``: the module exported as DeepSeek's checkpoints hold it (layer n_layers of
+    the safetensors, its own norms and projection, its block, the embedding and head copied
+    under it; ``num_mtp_layers`` 1). transformers loads the model with every tensor but that
+    layer's, and its ``MtpModel`` loads the layer and predicts the token two ahead with
+    trainmesh's logits; imported back, trainmesh predicts the same."""
+    from test_hf_interop import _committed_checkpoint, _relative_error
+
+    from trainmesh.cli.main import main
+    from trainmesh.engine.engine import build_model
+    from trainmesh.models.llama.model import LlamaArgs
+
+    spec = load_spec(None, ["model.preset=tiny-dsv3", "model.mtp.depth=1", "runtime.device=cpu",
+                            "model.moe.bias_update_rate=0.01", f"runtime.output_dir={tmp_path}"])
+    ours = build_model(spec, torch.device("cpu")).eval()
+    with torch.no_grad():  # a routing bias of its own in the module's block, and scores
+        ours.mtp["0"].block.feed_forward.expert_bias.uniform_(-0.1, 0.1)  # spread apart (no
+        for name, p in ours.named_parameters():  # near-ties between experts)
+            if name.endswith("router.weight"):
+                p.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(len(name)))
+    assert ours.args == LlamaArgs.from_config(spec.model) and len(ours.mtp) == 1
+    step_dir = _committed_checkpoint(ours, spec, tmp_path / "ckpt", 1)
+    assert main(["export", step_dir, "--hf", str(tmp_path / "out")]) == 0
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["num_mtp_layers"] == 1
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())["weight_map"]
+    layer = [k for k in index if k.startswith("model.layers.4.")]
+    assert {"model.layers.4.eh_proj.weight", "model.layers.4.shared_head.norm.weight",
+            "model.layers.4.embed_tokens.weight", "model.layers.4.shared_head.head.weight",
+            "model.layers.4.self_attn.kv_b_proj.weight",
+            "model.layers.4.mlp.experts.7.up_proj.weight"} <= set(layer)
+    # transformers ignores DeepSeek-V3's multi-token layer by its number there (61): this
+    # model's is 4
+    monkeypatch.setattr(transformers.DeepseekV3ForCausalLM, "_keys_to_ignore_on_load_unexpected",
+                        [r"model\.layers\.4\..*"])
+    back, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out",
+                                                                   output_loading_info=True)
+    assert not info["missing_keys"] and not info["mismatched_keys"], info
+    from transformers.modeling_layers import MtpModel
+
+    theirs = MtpModel.from_pretrained(back.eval()).eval()
+    x = torch.randint(0, 264, (2, 40), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        hidden = back.model(x).last_hidden_state
+        h = theirs.forward_layer(0, hidden[:, :-1], torch.arange(39)[None], None,
+                                 input_ids=x[:, 1:])
+        want = theirs._project_to_logits(h)
+        [got] = ours.predict_ahead(x)
+        assert got.shape == want.shape == (2, 39, 264)
+        assert _relative_error(got, want) < 1e-5
+        again = build_model(load_spec(None, [f"model.init_from={tmp_path / 'out'}",
+                                             "model.mtp.depth=1"]), torch.device("cpu")).eval()
+        assert _relative_error(again.predict_ahead(x)[0], want) < 1e-5
+        # a directory without the module: it keeps its seeded initialisation
+        assert build_model(load_spec(None, [f"model.init_from={tmp_path / 'out'}",
+                                            "model.mtp.depth=2"]), torch.device("cpu")).mtp["1"] is not None
+
+
+def test_multi_token_prediction_is_refused_where_it_is_not_built(capsys, tmp_path):
+    """Beside pipeline, tensor or context parallel, and in a format other than DeepSeek-V3's:
+    one line naming the field and the fix."""
+    from trainmesh.cli.main import main
+
+    sets = ["--set", "model.preset=tiny-dsv3", "--set", "model.mtp.depth=1", "--set",
+            f"runtime.output_dir={tmp_path}"]
+    for extra, field in ((["parallelism.pp=2", "parallelism.dp=1"], "parallelism.pp"),
+                         (["parallelism.tp=2", "parallelism.dp=1"], "parallelism.tp")):
+        assert main(["run", "jobs/tiny-cpu.yaml", *sets,
+                     *[x for e in extra for x in ("--set", e)]]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"{field}: ") and "model.mtp" in err, err
+    from trainmesh.interop.hf_config import HfConfigError, export_family
+
+    spec = load_spec(None, ["model.preset=tiny-moe", "model.mtp.depth=1"])
+    with pytest.raises(HfConfigError, match="model.mtp=null"):
+        export_family(spec.model.model_dump())
+
+
+
+def test_a_steps_metrics_carry_the_models_auxiliary_losses():
+    """What rank 0 reports of a step with multi-token prediction (``StepStats.losses``) is
+    logged beside the loss, by name (the per-step MLflow metrics)."""
+    from trainmesh.controller.hooks import step_metrics
+
+    spec = load_spec(None, ["model.preset=tiny-dsv3", "model.mtp.depth=2"])
+    stats = {"loss": 5.0, "lr": 1e-3, "grad_norm": 1.0,
+             "losses": {"mtp_loss": 5.5, "mtp_loss/depth1": 5.25, "mtp_loss/depth2": 5.75}}
+    got = step_metrics(spec, peak_tflops=1.0)(stats, 0.5)
+    assert got["loss"] == 5.0 and got["mtp_loss"] == 5.5 and got["mtp_loss/depth2"] == 5.75

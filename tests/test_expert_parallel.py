@@ -43,6 +43,10 @@ CASES = {  # largest meshes first: the rank pool then only shrinks
     "dsv3-ep2-tp2-dp2-sp": (ParallelDims(tp=2, dp=2, ep=2), [
         "model.preset=tiny-dsv3", "parallelism.sequence_parallel=true",
         "model.moe.bias_update_rate=0.01"]),
+    # ... with multi-token prediction, 2 modules (each an MoE block of its own, its experts
+    # over ep and ZeRO-3 like the model's; the embedding and head shared)
+    "dsv3-mtp2-ep2-dp2": (ParallelDims(dp=2, ep=2), [
+        "model.preset=tiny-dsv3", "model.mtp.depth=2", "model.moe.bias_update_rate=0.01"]),
     # ... on two pipeline stages (the dense block and an MoE one on the first), 1F1B.
     "dsv3-pp2-ep2-dp2": (ParallelDims(pp=2, dp=2, ep=2), [
         "model.preset=tiny-dsv3", "model.moe.bias_update_rate=0.01"]),
@@ -114,6 +118,10 @@ def test_expert_parallel_matches_single_process(rank_pool, tmp_path, case):
         assert held and all(len(n) == 1 for n in held.values()), held
         first = group.train_step()  # (a rank of a stage without MoE blocks has no experts)
         losses = [first[0]["loss"]]
+        if spec.model.mtp is not None:  # each depth's loss reported beside the loss
+            mtp = first[0]["losses"]
+            depths = [mtp[f"mtp_loss/depth{k + 1}"] for k in range(spec.model.mtp.depth)]
+            assert mtp["mtp_loss"] == pytest.approx(sum(depths) / len(depths)) and min(depths) > 0
         dropped = sum(b["dropped"] for r in first for b in (r["experts"] or {}).values())
         grads = probes.full_grads(group)
         losses += [group.train_step()[0]["loss"] for _ in range(2)]

@@ -352,3 +352,23 @@ def test_qwen3_moe_imports_and_exports_with_transformers_logits(tmp_path):
     m = spec.model
     assert (m.head_dim, m.qk_norm, m.moe.dense_layers, m.moe.normalize_top_k) == (32, True, 1, False)
     _assert_round_trip(theirs, spec, tmp_path, "Qwen3MoeForCausalLM")
+
+
+def test_qwen3_dense_imports_and_exports_with_transformers_logits(tmp_path):
+    """``Qwen3ForCausalLM``: the dense Qwen3 (per-head q/k norms, 32-wide heads beside a 64
+    hidden size); exported back, transformers loads every tensor with the same logits."""
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, vocab_size=264, max_position_embeddings=256,
+        rms_norm_eps=1e-6, tie_word_embeddings=False)
+    theirs = transformers.Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():  # norms away from 1, so their layout matters
+        for name, p in theirs.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(0.5, 1.5)
+    theirs.save_pretrained(tmp_path / "hf")
+    spec = load_spec(None, [f"model.init_from={tmp_path / 'hf'}", f"runtime.output_dir={tmp_path}"])
+    assert (spec.model.head_dim, spec.model.qk_norm, spec.model.moe) == (32, True, None)
+    out = _assert_round_trip(theirs, spec, tmp_path, "Qwen3ForCausalLM")
+    assert json.loads((out / "config.json").read_text())["model_type"] == "qwen3"

@@ -51,9 +51,8 @@ CASES = {  # largest meshes first: the rank pool then only shrinks
                                                   "parallelism.vpp=2", "model.n_layers=8"]),
     "zb-h1-pp2-dp2": (ParallelDims(pp=2, dp=2), ["schedule.name=zb-h1", ZB_BATCH]),
     "zbv-pp2-dp2": (ParallelDims(pp=2, dp=2), ["schedule.name=zbv", "parallelism.vpp=2", ZB_BATCH]),
-    # Stages of unequal size: 5 blocks over 2 stages (3 and 2), over 2 × 2 interleaved chunks
-    # (1, 2, 1, 1), and a pinned split (1 and 3) beside ZeRO-3
-    "pp2-1f1b-5-blocks": (ParallelDims(pp=2), ["schedule.name=1f1b", "model.n_layers=5"]),
+    # Stages of unequal size: 5 blocks over 2 × 2 interleaved chunks (1, 2, 1, 1), and a pinned
+    # split (1 and 3) beside ZeRO-3 (5 blocks over 2 stages, 3 and 2: the checkpoint test below)
     "pp2-vpp2-interleaved-5-blocks": (ParallelDims(pp=2), [
         "schedule.name=interleaved-1f1b", "parallelism.vpp=2", "model.n_layers=5"]),
     "pp2-dp2-zb-h1-pinned-1-3": (ParallelDims(pp=2, dp=2), [

@@ -90,7 +90,7 @@ def _shape_from_init(raw: dict[str, Any]) -> None:
     try:
         theirs = model_fields(read_config(src))
     except (HfConfigError, OSError, ValueError) as err:
-        raise SpecError([Problem("model.init_from", str(err), "give a Hugging Face Llama "
+        raise SpecError([Problem("model.init_from", str(err), "give a Hugging Face model "
                                  "directory (config.json + model.safetensors)")]) from None
     given = {**PRESETS.get(model.get("preset") or "", {}), **model}
     training: dict[str, Any] = {}

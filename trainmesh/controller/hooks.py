@@ -36,7 +36,8 @@ Hook = Callable[[AfterStep], Stop | None]
 
 def step_metrics(spec: JobSpec, peak_tflops: float) -> Callable[[dict[str, Any], float], dict]:
     """What a step logs, from rank 0's stats and the step's seconds: loss, lr, grad norm, speed
-    and MFU (``peak_tflops``: the whole mesh's). The FLOPs per token are counted once."""
+    and MFU (``peak_tflops``: the whole mesh's), and the model's auxiliary losses (multi-token
+    prediction's ``mtp_loss``). The FLOPs per token are counted once."""
     tr = spec.training
     tokens, flops = tr.global_batch_size * tr.seq_len, flops_per_token(spec.model, tr.seq_len)
 
@@ -44,7 +45,7 @@ def step_metrics(spec: JobSpec, peak_tflops: float) -> Callable[[dict[str, Any],
         tps = tokens / step_s
         return {"loss": stats["loss"], "lr": stats["lr"], "grad_norm": stats["grad_norm"],
                 "tokens_per_s": tps, "tokens_per_s_per_gpu": tps / world, "step_time_s": step_s,
-                "mfu": flops * tps / (peak_tflops * 1e12)}
+                "mfu": flops * tps / (peak_tflops * 1e12), **(stats.get("losses") or {})}
 
     return metrics
 

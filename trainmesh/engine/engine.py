@@ -182,6 +182,8 @@ def init_weights(model: Llama, spec: JobSpec) -> int:
     if spec.model.init_from:
         from trainmesh.interop.hf_import import load_into
 
+        if getattr(model, "mtp", None) is not None:  # seeded first: modules the directory
+            model.init_weights(spec.training.seed)  # does not hold keep these
         return load_into(model, spec.model.init_from)
     model.init_weights(spec.training.seed)
     return 0
@@ -450,8 +452,9 @@ class Engine:
         self.forward_timer.start(None)  # evaluations between steps are not timed
         if self.context is not None:
             self.context.start(None)
+        losses = {k: self._dp_mean(v) for k, v in (stats.losses or {}).items()} or None
         return StepStats(loss=loss, grad_norm=stats.grad_norm, lr=stats.lr, tokens=stats.tokens,
-                         experts=stats.experts, breakdown=breakdown)
+                         experts=stats.experts, losses=losses, breakdown=breakdown)
 
     def _padded(self, mbs: list) -> tuple[list, list[float]]:
         """This replica's microbatches and their weights, padded to the step's ``n_micro``

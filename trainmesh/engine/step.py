@@ -27,6 +27,7 @@ class StepStats:
     lr: float
     tokens: int  # tokens this rank processed
     experts: dict | None = None  # per MoE block: load, balancing loss, dropped, bias norm
+    losses: dict | None = None  # auxiliary losses by name (``ModelHooks.losses``), as ``loss``
     breakdown: dict | None = None  # where the rank's step went (``Engine.train_step``)
 
 
@@ -293,6 +294,7 @@ def finish_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, g
                               across)
     optimizer.step()
     scheduler.step()
-    after = hooks.model.after_update
+    after, losses = hooks.model.after_update, hooks.model.losses
     return StepStats(loss=loss, grad_norm=norm, lr=lr, tokens=tokens,
-                     experts=(after() if after is not None else None) or None)
+                     experts=(after() if after is not None else None) or None,
+                     losses=losses() if losses is not None else None)

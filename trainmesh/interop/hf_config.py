@@ -1,5 +1,6 @@
-"""A Hugging Face Llama, Mixtral, Qwen3-MoE or DeepSeek-V3 ``config.json`` ↔ the spec's ``model`` fields;
-and the parameter names and RoPE layouts of the formats. No torch here: the spec loader uses it.
+"""A Hugging Face Llama, Qwen3, Mixtral, Qwen3-MoE or DeepSeek-V3 ``config.json`` ↔ the spec's
+``model`` fields; and the parameter names and RoPE layouts of the formats. No torch here: the
+spec loader uses it. Qwen3 is the Llama decoder with an RMSNorm over each query and key head.
 
 Mixtral is the Llama decoder with every MLP a Mixture of Experts (softmax top-k router, the
 chosen scores renormalised, no shared expert, no routing bias). Qwen3-MoE adds an RMSNorm over
@@ -30,8 +31,9 @@ SHAPE_FIELDS = (*_FIELDS, "rope_theta", "rope_scaling", "moe", "head_dim", "qk_n
 # What a Mixture-of-Experts config fixes about the model (the rest of model.moe is training).
 MOE_STRUCTURE = ("experts", "top_k", "expert_ffn_dim", "shared_experts", "router",
                  "normalize_top_k", "dense_layers", "n_group", "topk_group", "routed_scaling_factor")
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "deepseek_v3": "DeepseekV3ForCausalLM"}
 _SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 _YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
               "mscale_all_dim")
@@ -47,6 +49,8 @@ _LAYER = {"attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight
           "ffn_norm.weight": "post_attention_layernorm.weight"}
 _FAMILY_LAYER = {
     "llama": {},
+    "qwen3": {"attention.q_norm.weight": "self_attn.q_norm.weight",
+              "attention.k_norm.weight": "self_attn.k_norm.weight"},
     "mixtral": {"feed_forward.router.weight": "block_sparse_moe.gate.weight"},
     "qwen3_moe": {"feed_forward.router.weight": "mlp.gate.weight",
                   "attention.q_norm.weight": "self_attn.q_norm.weight",
@@ -89,7 +93,7 @@ def model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     or 5) describes."""
     kind = cfg.get("model_type")
     if kind not in ARCHITECTURES:
-        raise HfConfigError(f"model_type {kind!r}: trainmesh imports {' and '.join(ARCHITECTURES)}")
+        raise HfConfigError(f"model_type {kind!r}: trainmesh imports {', '.join(ARCHITECTURES)}")
     for key, want in (("attention_bias", False), ("mlp_bias", False), ("hidden_act", "silu")):
         if cfg.get(key, want) != want:
             raise HfConfigError(f"{key}={cfg[key]!r}: trainmesh's Llama has {key}={want!r}")
@@ -102,7 +106,7 @@ def model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         out["n_kv_heads"] = out["n_heads"]
     elif head_dim is not None and head_dim * out["n_heads"] != out["dim"]:
         out["head_dim"] = head_dim  # its own head size (Qwen3: 128 beside a 2048 hidden)
-    if kind == "qwen3_moe":
+    if kind in ("qwen3", "qwen3_moe"):
         out["qk_norm"] = True
         if cfg.get("use_sliding_window"):
             raise HfConfigError("use_sliding_window=true: trainmesh attends over the whole sequence")
@@ -129,7 +133,7 @@ def model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         raise HfConfigError(f"rope_type {kind!r}: only default, llama3 and yarn RoPE are supported")
     family = cfg["model_type"]
     out["moe"] = {"mixtral": _mixtral_moe, "qwen3_moe": _qwen3_moe, "deepseek_v3": _deepseek_moe,
-                  "llama": lambda c: None}[family](cfg)
+                  "llama": lambda c: None, "qwen3": lambda c: None}[family](cfg)
     return out
 
 
@@ -196,12 +200,13 @@ def export_family(model: dict[str, Any]) -> str:
     moe, qk_norm = model.get("moe"), bool(model.get("qk_norm"))
     if model.get("mla") is not None:
         return _deepseek_family(model)
+    if model.get("mtp") is not None:
+        raise HfConfigError("no supported Hugging Face format holds this model: multi-token "
+                            "prediction (model.mtp) is DeepSeek-V3's, which also has latent "
+                            "attention (model.mla). Train it with model.mtp=null (or as "
+                            "DeepSeek-V3) to export it")
     if moe is None:
-        if qk_norm:
-            raise HfConfigError("no supported Hugging Face format holds this model: "
-                                "model.qk_norm=true without model.moe (a dense Qwen3) is not "
-                                "exported; train it with model.qk_norm=false")
-        return "llama"
+        return "qwen3" if qk_norm else "llama"
     family = "qwen3_moe" if qk_norm else "mixtral"
     rules = [("shared_experts", 0, "it has no shared expert"),
              ("router", "softmax", "its router is a softmax"),
@@ -281,7 +286,10 @@ def config_json(model: dict[str, Any], eos_token_id: int | None = None,
                    first_k_dense_replace=moe["dense_layers"], n_group=moe.get("n_group", 1),
                    topk_group=moe.get("topk_group", 1),
                    routed_scaling_factor=moe.get("routed_scaling_factor", 1.0),
-                   num_mtp_layers=0, attention_dropout=0.0)
+                   num_mtp_layers=(model.get("mtp") or {}).get("depth", 0), attention_dropout=0.0)
+        del cfg["mlp_bias"]
+    if family == "qwen3":
+        cfg.update(use_sliding_window=False, sliding_window=None)
         del cfg["mlp_bias"]
     if family == "mixtral":
         moe = model["moe"]
@@ -302,9 +310,42 @@ def config_json(model: dict[str, Any], eos_token_id: int | None = None,
     return cfg
 
 
-def hf_name(name: str, family: str = "llama") -> str:
+_MTP_RE = re.compile(r"^mtp\.(\d+)\.(.+)$")
+# a multi-token prediction module's own parameters → DeepSeek's names under its layer
+_MTP_OWN = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight",
+            "eh_proj.weight": "eh_proj.weight", "norm.weight": "shared_head.norm.weight"}
+
+
+def _mtp_as_layer(name: str, n_layers: int | None) -> tuple[str, str | None]:
+    """A multi-token prediction module's parameter (``mtp.k.…``) as DeepSeek's checkpoints
+    number it: module k is layer n_layers + k, its block's parameters that layer's (the name
+    to map as a block's) or its own (the Hugging Face name, second)."""
+    m = _MTP_RE.match(name)
+    if m is None or n_layers is None:
+        return name, None
+    layer, rest = n_layers + int(m.group(1)), m.group(2)
+    if rest in _MTP_OWN:
+        return name, f"model.layers.{layer}.{_MTP_OWN[rest]}"
+    return f"layers.{layer}.{rest.removeprefix('block.')}", None
+
+
+def mtp_copies(family: str, n_layers: int, depth: int) -> dict[str, list[str]]:
+    """The tensors DeepSeek's checkpoints hold once more under each multi-token prediction
+    layer (the embedding and the head, which the modules share with the model)."""
+    if family != "deepseek_v3" or not depth:
+        return {}
+    layers = range(n_layers, n_layers + depth)
+    return {"tok_embeddings.weight": [f"model.layers.{i}.embed_tokens.weight" for i in layers],
+            "output.weight": [f"model.layers.{i}.shared_head.head.weight" for i in layers]}
+
+
+def hf_name(name: str, family: str = "llama", n_layers: int | None = None) -> str:
     """The Hugging Face name of a trainmesh parameter (not a stacked expert weight: see
-    ``hf_expert_names``)."""
+    ``hf_expert_names``); ``n_layers``: the model's, numbering multi-token prediction modules
+    after its blocks."""
+    name, own = _mtp_as_layer(name, n_layers)
+    if own is not None:
+        return own
     for ours, theirs in _NAMES:
         if name == ours:
             return theirs
@@ -315,10 +356,11 @@ def hf_name(name: str, family: str = "llama") -> str:
     raise KeyError(f"no Hugging Face {family} name for parameter {name!r}")
 
 
-def hf_expert_names(name: str, experts: int, family: str) -> list[str] | None:
+def hf_expert_names(name: str, experts: int, family: str,
+                    n_layers: int | None = None) -> list[str] | None:
     """For a stacked expert weight (``layers.i.feed_forward.experts.w1``: expert-major), the
     tensor of each expert in ``family``'s format, in order; None for any other parameter."""
-    m = _EXPERT_RE.match(name)
+    m = _EXPERT_RE.match(_mtp_as_layer(name, n_layers)[0])
     if m is None:
         return None
     prefix, names = _EXPERTS[family]

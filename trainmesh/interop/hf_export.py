@@ -20,6 +20,7 @@ from trainmesh.interop.hf_config import (
     hf_expert_names,
     hf_name,
     hf_row,
+    mtp_copies,
     rope_permuted,
 )
 from trainmesh.interop.hf_import import INDEX
@@ -76,6 +77,8 @@ def export(source: str, out: str | Path, dtype: str | None = None,
     out.mkdir(parents=True, exist_ok=True)
     tok = _tokenizer_files(spec, out)  # first: a problem with it leaves no half-written export
     head_dim = model.get("head_dim") or model["dim"] // model["n_heads"]
+    depth = (model.get("mtp") or {}).get("depth", 0)  # DeepSeek's copies under its MTP layers
+    copies = mtp_copies(family, model["n_layers"], depth)
     weight_map: dict[str, str] = {}
     shards = _plan_shards(names, {n: metadata[f"model.{n}"] for n in names}, DTYPES[dtype], max_shard_bytes)
     total = 0
@@ -87,8 +90,10 @@ def export(source: str, out: str | Path, dtype: str | None = None,
             t = tensors.pop(name)
             if rope_permuted(name, family):
                 t = _to_hf_rows(t, head_dim)
-            per_expert = hf_expert_names(name, experts, family)
-            parts = zip(per_expert, t, strict=True) if per_expert else [(hf_name(name, family), t)]
+            per_expert = hf_expert_names(name, experts, family, model["n_layers"])
+            parts = (zip(per_expert, t, strict=True) if per_expert else
+                     [(hf_name(name, family, model["n_layers"]), t),
+                      *((theirs, t.clone()) for theirs in copies.get(name, []))])
             for theirs, part in parts:  # a stacked expert weight: one tensor per expert
                 keep = name.endswith(".expert_bias")  # float32, as DeepSeek's checkpoints
                 hf[theirs] = part.to(torch.float32 if keep else DTYPES[dtype]).contiguous()

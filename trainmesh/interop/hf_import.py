@@ -49,9 +49,16 @@ def load_into(model: nn.Module, path: str | Path) -> int:
 
     files = weight_files(path)
     family = read_config(str(path)).get("model_type", "llama")
-    head_dim = model.args.head_dim
+    head_dim, n_layers = model.args.head_dim, model.args.n_layers
     experts = model.args.moe.experts if model.args.moe is not None else 0
     handles: dict[Path, object] = {}
+
+    def absent_module(name: str) -> bool:
+        """A multi-token prediction module the directory does not hold (none of its own
+        tensors): it keeps its seeded initialisation (``engine.init_weights``)."""
+        if not name.startswith("mtp."):
+            return False
+        return hf_name(".".join(name.split(".")[:2]) + ".eh_proj.weight", family, n_layers) not in files
 
     def tensor(theirs: str, name: str, shape: tuple[int, ...]):
         if theirs not in files:
@@ -68,10 +75,12 @@ def load_into(model: nn.Module, path: str | Path) -> int:
     read = 0
     try:
         for name, p in model.named_parameters():
+            if absent_module(name):
+                continue
             local, offset = local_slice(p)
-            per_expert = hf_expert_names(name, experts, family)
+            per_expert = hf_expert_names(name, experts, family, n_layers)
             if per_expert is None:
-                sl = tensor(hf_name(name, family), name, tuple(p.shape))
+                sl = tensor(hf_name(name, family, n_layers), name, tuple(p.shape))
                 if local.numel() == 0:
                     continue
                 block = _read_block(sl, offset, tuple(local.shape),
@@ -86,8 +95,8 @@ def load_into(model: nn.Module, path: str | Path) -> int:
             local.copy_(block.to(local.dtype))
             read += block.numel() * block.element_size()
         for name, b in model.named_buffers():  # DeepSeek's routing bias: whole on every rank
-            if name.endswith(".expert_bias") and family == "deepseek_v3":
-                b.copy_(tensor(hf_name(name, family), name, tuple(b.shape))[:].to(b.dtype))
+            if name.endswith(".expert_bias") and family == "deepseek_v3" and not absent_module(name):
+                b.copy_(tensor(hf_name(name, family, n_layers), name, tuple(b.shape))[:].to(b.dtype))
                 read += b.numel() * b.element_size()
     finally:
         handles.clear()

@@ -133,7 +133,9 @@ def apply_zero3(model: nn.Module, dp_mesh: DeviceMesh, policy: ZeroPolicy,
     ``policy.param_dtype`` and gradients reduced in ``policy.reduce_dtype``."""
     mp = MixedPrecisionPolicy(param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype)
     shards = dp_mesh.size(dp_mesh.ndim - 1)  # HSDP (2-D mesh): shards over the last dim
-    blocks = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
+    blocks = [*(model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers),
+              *(m.block for m in (getattr(model, "mtp", None) or {}).values())]
+    # (multi-token prediction's blocks: units of their own too)
     for block in blocks:
         routed = getattr(block.feed_forward, "experts", None)
         if experts is not None and routed is not None:

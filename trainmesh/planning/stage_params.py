@@ -10,7 +10,7 @@ import contextlib
 import threading
 from dataclasses import dataclass
 
-from trainmesh.models.llama.model_math import layer_params, mlp_params, stage_split
+from trainmesh.models.llama.model_math import layer_params, mlp_params, mtp_params, stage_split
 
 
 def holds_head(schedule: str, pp: int, pp_rank: int) -> bool:
@@ -106,5 +106,6 @@ def _rank_params(model, pp: int, pp_rank: int, last: bool) -> RankParams:
         replicated += d
         if not (model.tie_embeddings and first):
             sharded += V * d
+        sharded += mtp_params(model)  # (multi-token prediction: with the head, pp = 1)
     lt, lr, le = _block_parts(model, None)
     return RankParams(sharded, replicated, layer_params(model), experts, lt, lr, le)

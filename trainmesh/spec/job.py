@@ -126,6 +126,20 @@ class MoEConfig(_Section):
         return self
 
 
+class MTPConfig(_Section):
+    """DeepSeek-V3's multi-token prediction: after the model, ``depth`` modules in a chain, the
+    k-th predicting the token k + 1 ahead of each position from the previous module's hidden
+    state (the model's, normalised, for the first) and the embedding of the token k ahead,
+    through one more block of the model's kind; the embedding and the output head are the
+    model's own."""
+
+    depth: int = Field(1, ge=1, description="prediction modules (DeepSeek-V3: 1)")
+    loss_weight: float = Field(0.3, gt=0, description="the modules' losses are averaged and "
+                               "added × this to the next-token loss (DeepSeek-V3: 0.3, then "
+                               "0.1); the logged loss stays the next-token one, the modules' as "
+                               "mtp_loss")
+
+
 class MLAConfig(_Section):
     """Multi-head Latent Attention (DeepSeek-V2/V3): queries through a low-rank projection,
     keys and values through one compressed latent expanded per head, and a rotary key shared
@@ -177,12 +191,15 @@ class ModelConfig(_Section):
     tie_embeddings: bool = Field(False, description="the output head shares the token "
                                  "embedding's weight")
     moe: MoEConfig | None = Field(None, description="Mixture of Experts blocks; null: dense")
+    mtp: MTPConfig | None = Field(None, description="multi-token prediction modules after "
+                                  "the model (DeepSeek-V3); null: none")
     mla: MLAConfig | None = Field(None, description="Multi-head Latent Attention in place of "
                                   "grouped-query attention (DeepSeek-V2/V3; n_kv_heads and "
                                   "head_dim then unused); null: GQA")
     init_from: str | None = Field(
-        None, description="a Hugging Face Llama directory (config.json, safetensors) to start "
-        "from; each rank reads only its slices. Shape fields not given come from its config.json")
+        None, description="a Hugging Face directory (config.json, safetensors: Llama, Qwen3, "
+        "Mixtral, Qwen3-MoE or DeepSeek-V3) to start from; each rank reads only its slices. "
+        "Shape fields not given come from its config.json")
     kernels: Literal["auto", "triton", "torch"] | dict[str, Literal["triton", "torch"]] = Field(
         "auto", description="fused ops (rms_norm, swiglu, rope, linear_cross_entropy): Triton "
         "kernels or the torch references, for every op or per op (a mapping; ops not named: "

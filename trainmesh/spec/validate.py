@@ -124,6 +124,13 @@ def layout_problems(work: Workload, lay: LayoutLike, runnable: bool = True) -> l
                            f"parallelism.vpp={lay.vpp}", "set parallelism.vpp=2"))
     if runnable:
         out += runnable_problems(m, lay.tp, lay.pp, lay.sequence_parallel)
+        if getattr(m, "mtp", None) is not None:
+            for axis, degree in (("pp", lay.pp), ("tp", lay.tp), ("cp", lay.cp)):
+                if degree > 1:
+                    out.append(Problem(f"parallelism.{axis}", f"{axis}={degree} beside model.mtp: "
+                                       "multi-token prediction is built for data and expert "
+                                       "parallel (ZeRO-3, HSDP) only so far",
+                                       f"set parallelism.{axis}=1, or model.mtp=null"))
 
     return out
 
@@ -148,6 +155,9 @@ def field_problems(spec) -> list[Problem]:
     need(not gqa or hd % 2 == 0, "model.head_dim" if m.head_dim else "model.dim",
          f"head dim {hd} is odd",
          "RoPE needs an even head dim: change model.dim or model.n_heads (or model.head_dim)")
+    need(m.mtp is None or not spec.data.document_mask, "model.mtp",
+         "multi-token prediction beside document masks is not built",
+         "set data.document_mask=false, or model.mtp=null")
     split, par = spec.parallelism.stage_layers, spec.parallelism
     need(split is None or sum(split) == m.n_layers, "parallelism.stage_layers",
          f"{split} holds {sum(split or [])} blocks, the model {m.n_layers}",

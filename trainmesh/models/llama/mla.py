@@ -27,6 +27,11 @@ from torch import nn
 from trainmesh.models.llama.rope import softmax_scale
 
 
+# The latents' RMSNorm epsilon: DeepSeek's (its code and transformers' fix it, whatever the
+# model's rms_norm_eps)
+LATENT_NORM_EPS = 1e-6
+
+
 @dataclass(frozen=True)
 class MLAArgs:
     kv_lora_rank: int
@@ -63,10 +68,10 @@ class MLAttention(nn.Module):
             self.wq = nn.Linear(d, h * m.qk_head_dim, bias=False)
         else:
             self.wq_a = nn.Linear(d, m.q_lora_rank, bias=False)
-            self.q_a_norm = norm_cls(m.q_lora_rank, args.norm_eps, args.ops)
+            self.q_a_norm = norm_cls(m.q_lora_rank, LATENT_NORM_EPS, args.ops)
             self.wq_b = nn.Linear(m.q_lora_rank, h * m.qk_head_dim, bias=False)
         self.wkv_a = nn.Linear(d, m.kv_lora_rank + m.qk_rope_head_dim, bias=False)
-        self.kv_a_norm = norm_cls(m.kv_lora_rank, args.norm_eps, args.ops)
+        self.kv_a_norm = norm_cls(m.kv_lora_rank, LATENT_NORM_EPS, args.ops)
         self.wkv_b = nn.Linear(m.kv_lora_rank, h * (m.qk_nope_head_dim + m.v_head_dim), bias=False)
         self.wo = nn.Linear(h * m.v_head_dim, d, bias=False)
         self.context = None  # context parallel / document masks (``_attend_in_context``)

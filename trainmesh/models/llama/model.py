@@ -27,6 +27,20 @@ from trainmesh.models.moe.moe import MoE, MoEArgs, moe_hooks
 
 
 @dataclass(frozen=True)
+class MTPArgs:
+    depth: int
+    loss_weight: float
+
+    @classmethod
+    def from_config(cls, cfg) -> MTPArgs | None:
+        """From an ``MTPConfig`` (or a dict with its fields); None stays None."""
+        if cfg is None or isinstance(cfg, MTPArgs):
+            return cfg
+        get = cfg.get if isinstance(cfg, dict) else lambda k: getattr(cfg, k)
+        return cls(depth=get("depth"), loss_weight=get("loss_weight"))
+
+
+@dataclass(frozen=True)
 class LlamaArgs:
     dim: int
     n_layers: int
@@ -45,6 +59,7 @@ class LlamaArgs:
     qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3)
     dropout: float = 0.0  # attention-probability and residual dropout while training
     mla: MLAArgs | None = None  # Multi-head Latent Attention (DeepSeek-V2/V3); None: GQA
+    mtp: MTPArgs | None = None  # multi-token prediction modules (DeepSeek-V3); None: none
 
     def __post_init__(self) -> None:
         if not self.head_dim:
@@ -68,6 +83,7 @@ class LlamaArgs:
             fields["rope_scaling"] = fields["rope_scaling"].model_dump()
         fields["moe"] = MoEArgs.from_config(fields["moe"])
         fields["mla"] = MLAArgs.from_config(fields["mla"])
+        fields["mtp"] = MTPArgs.from_config(fields["mtp"])
         return cls(**fields, kernels=resolve(getattr(cfg, "kernels", "auto"), device_type,
                                              bool(getattr(cfg, "compile", False))))
 
@@ -186,6 +202,26 @@ class TransformerBlock(nn.Module):
         return _seeded_dropout(y, self.dropout, seeds[i])
 
 
+class MTPModule(nn.Module):
+    """DeepSeek-V3's multi-token prediction module: the previous hidden state (normalised,
+    ``hnorm``) and the embedding of the token ahead (``enorm``) side by side, projected back to
+    the model's width (``eh_proj``), through one block of the model's kind (numbered after the
+    model's), then normalised (``norm``: DeepSeek's ``shared_head.norm``) for the shared head."""
+
+    def __init__(self, args: LlamaArgs, layer: int):
+        super().__init__()
+        self.enorm = RMSNorm(args.dim, args.norm_eps, args.ops)
+        self.hnorm = RMSNorm(args.dim, args.norm_eps, args.ops)
+        self.eh_proj = nn.Linear(2 * args.dim, args.dim, bias=False)
+        self.block = TransformerBlock(args, layer)
+        self.norm = RMSNorm(args.dim, args.norm_eps, args.ops)
+
+    def forward(self, embedded: torch.Tensor, previous: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> torch.Tensor:
+        h = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(previous)], dim=-1))
+        return self.norm(self.block(h, cos, sin))
+
+
 class Llama(nn.Module):
     """Tokens (B, T) → logits (B, T, vocab). Stage-aware: any of embedding/head may be None."""
 
@@ -201,6 +237,15 @@ class Llama(nn.Module):
         if has_head and not args.tie_embeddings:
             self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.ops = args.ops
+        # Multi-token prediction: with the embedding and the head (no pipeline: the spec's rule)
+        self.mtp = None
+        if args.mtp is not None and has_embedding and has_head:
+            self.mtp = nn.ModuleDict({str(k): MTPModule(args, args.n_layers + k)
+                                      for k in range(args.mtp.depth)})
+        # (detached, × each microbatch's weight: the step's multi-token losses, per depth)
+        self.register_buffer("mtp_losses", torch.zeros(args.mtp.depth if args.mtp else 0,
+                                                        dtype=torch.float64), persistent=False)
+        self._mtp_weight = 1.0
         # Context parallel (``parallelize.apply_context_parallel``): the rank's part of each
         # sequence, whose global positions index the RoPE tables, and the ring it attends over.
         self.rope_positions: torch.Tensor | None = None
@@ -236,6 +281,7 @@ class Llama(nn.Module):
         for m in self.modules():
             if isinstance(m, MoE):
                 m.reset_buffers()
+        self.mtp_losses.zero_()
 
     def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits, or with ``targets`` the mean next-token loss (what training calls: the fused
@@ -247,7 +293,44 @@ class Llama(nn.Module):
         """What training this model (or this rank's part of it) adds to the step
         (``models/hooks.py``): its MoE blocks' balancing. ``sum_over_ranks`` sums a tensor over
         the ranks that share the step's tokens, ``replicas`` of them hold a whole batch share."""
-        return moe_hooks(self, sum_over_ranks, replicas)
+        hooks = moe_hooks(self, sum_over_ranks, replicas)
+        if self.mtp is None:
+            return hooks
+        moe_before = hooks.before_microbatch
+
+        def before_microbatch(weight: float) -> None:
+            self._mtp_weight = weight
+            if moe_before is not None:
+                moe_before(weight)
+
+        return ModelHooks(before_microbatch, hooks.after_update, self._take_mtp_losses)
+
+    def _take_mtp_losses(self) -> dict[str, float]:
+        """The step's multi-token losses (this rank's microbatches, weighted as the loss is),
+        their mean as ``mtp_loss`` and each depth's beyond one; then zeroed."""
+        losses = self.mtp_losses.tolist()
+        self.mtp_losses.zero_()
+        out = {"mtp_loss": sum(losses) / len(losses)}
+        if len(losses) > 1:
+            out.update({f"mtp_loss/depth{k + 1}": v for k, v in enumerate(losses)})
+        return out
+
+    def predict_ahead(self, tokens: torch.Tensor) -> list[torch.Tensor]:
+        """The multi-token modules' logits for ``tokens`` (B, T): the k-th module's (B, T − k,
+        vocab), at position i the prediction of token i + k + 1 (as in training, from the
+        tokens of the sequence, not drafted ones)."""
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, self.rope_cos, self.rope_sin)
+        head = self.output if self.output is not None else self.tok_embeddings
+        return [F.linear(h_k, head.weight) for h_k in _mtp_hidden(self, self.norm(h), tokens[:, 1:])]
+
+
+def mtp_blocks(model: nn.Module) -> list[nn.Module]:
+    """The blocks of ``model``'s multi-token prediction modules (none without them, or on a
+    pipeline stage)."""
+    mtp = getattr(model, "mtp", None)
+    return [m.block for m in mtp.values()] if mtp is not None else []
 
 
 @torch.compiler.disable
@@ -274,10 +357,47 @@ def decoder_forward(parts: nn.Module, layers, h: torch.Tensor,
         return h
     h = parts.norm(h)
     head = parts.output if parts.output is not None else parts.tok_embeddings
+    loss = _head_loss(parts, head, h, targets)
+    if targets is None or getattr(parts, "mtp", None) is None or not torch.is_grad_enabled():
+        return loss  # (evaluation: the next-token loss alone)
+    return loss + _mtp_term(parts, head, h, targets)
+
+
+def _head_loss(parts: nn.Module, head: nn.Module, h: torch.Tensor,
+               targets: torch.Tensor | None) -> torch.Tensor:
+    """The head's logits, or with ``targets`` the mean next-token loss."""
     if targets is not None and parts.ops.linear_cross_entropy is not None:
         return parts.ops.linear_cross_entropy(h, head.weight, targets)
     logits = parts.output(h) if parts.output is not None else F.linear(h, head.weight)
     return logits if targets is None else cross_entropy_loss(logits, targets)
+
+
+def _mtp_hidden(model: nn.Module, h: torch.Tensor, ahead: torch.Tensor):
+    """Each multi-token module's hidden states, in order: the k-th over positions 0 … T − k − 1
+    (those with a token k + 1 ahead), from the previous one's (``h``: the model's normalised
+    output) and the embedding of the tokens k ahead (``ahead``: the tokens 1 ahead, whose
+    first T − k the k-th takes from position k − 1 on). Causal: cutting the positions after
+    changes none before."""
+    T = h.shape[1]
+    for k, module in enumerate(model.mtp.values(), start=1):
+        n = T - k
+        h = module(model.tok_embeddings(ahead[:, k - 1:k - 1 + n]), h[:, :n],
+                   model.rope_cos, model.rope_sin)
+        yield h
+
+
+def _mtp_term(model: nn.Module, head: nn.Module, h: torch.Tensor,
+              targets: torch.Tensor) -> torch.Tensor:
+    """What the multi-token modules add to the loss: their mean loss × ``loss_weight``, whose
+    value is left out of what is returned (its gradient kept: ``t − t.detach()``), so the loss
+    the step reports stays the next-token one; each depth's loss, × the microbatch's weight,
+    is added to ``model.mtp_losses`` for the step's metrics."""
+    losses = [_head_loss(model, head, h_k, targets[:, k:])
+              for k, h_k in enumerate(_mtp_hidden(model, h, targets), start=1)]
+    with torch.no_grad():
+        model.mtp_losses += torch.stack(losses).detach().double() * model._mtp_weight
+    term = model.args.mtp.loss_weight * torch.stack(losses).mean()
+    return term - term.detach()
 
 
 def cross_entropy_loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:

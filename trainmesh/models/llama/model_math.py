@@ -73,13 +73,25 @@ def num_params(shape, include_embedding: bool = True, active: bool = False) -> i
         (n - dense) * layer_params(shape, n - 1, active) if n > dense else 0)
     emb = shape.vocab_size * d
     head = 0 if shape.tie_embeddings else emb
-    total = blocks + d + head + emb
+    total = blocks + d + head + emb + mtp_params(shape, active)
     return total if include_embedding else total - emb
+
+
+def mtp_params(shape, active: bool = False) -> int:
+    """The multi-token prediction modules' (``model.mtp``): each a projection of the two
+    normalised inputs, three norms and one block of the model's last kind (embedding and head
+    shared with the model)."""
+    mtp = getattr(shape, "mtp", None)
+    if mtp is None:
+        return 0
+    d = shape.dim
+    return mtp.depth * (2 * d * d + 3 * d + layer_params(shape, shape.n_layers, active))
 
 
 def flops_per_token(shape, seq_len: int) -> float:
     """Training FLOPs per token: 6 × (matmul parameters a token uses — the active experts
-    only — the output head included) for forward and backward, plus 6 × n_layers × (n_heads ×
+    only — the output head included, and multi-token prediction's modules with their use of
+    the head) for forward and backward, plus 6 × n_layers × (n_heads ×
     head_dim; MLA: ``attention_width``) × seq_len for attention scores and values under the
     causal mask (half of the
     unmasked 12 × …: what causal kernels, and context parallel's skipped blocks, compute; at
@@ -87,7 +99,10 @@ def flops_per_token(shape, seq_len: int) -> float:
     matmul_params = num_params(shape, include_embedding=False, active=True)
     if shape.tie_embeddings:
         matmul_params += shape.vocab_size * shape.dim  # the tied head is still a matmul
-    return 6.0 * matmul_params + 6.0 * shape.n_layers * attention_width(shape) * seq_len
+    mtp = getattr(shape, "mtp", None)
+    depth = mtp.depth if mtp is not None else 0  # each module's block and its use of the head
+    matmul_params += depth * shape.vocab_size * shape.dim
+    return 6.0 * matmul_params + 6.0 * (shape.n_layers + depth) * attention_width(shape) * seq_len
 
 
 def stage_split(n_layers: int, num_stages: int, pinned=None) -> list[int]:

@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from trainmesh.models.llama.model import Llama
+from trainmesh.models.llama.model import Llama, mtp_blocks
 from trainmesh.models.moe.moe import MoE, moe_layers
 from trainmesh.spec.mesh_rules import runnable_problems, tp_problems
 
@@ -120,7 +120,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, stride: int = 1)
     ``none``: keep all activations. Names are unchanged (no wrapper modules)."""
     if mode not in ("none", "full", "selective"):
         raise ValueError(f"activation checkpointing mode {mode!r}; use none, full or selective")
-    for i, block in enumerate(model.layers.values()):
+    for i, block in enumerate([*model.layers.values(), *mtp_blocks(model)]):
         block.recompute = mode == "full" or (mode == "selective" and i % stride == 0)
     return model
 
@@ -147,7 +147,7 @@ def apply_compile(model: nn.Module, split_backward: bool = False) -> nn.Module:
     not donate its buffers to the first part (a process-wide torch setting)."""
     if split_backward:
         torch._functorch.config.donated_buffer = False
-    for block in model.layers.values():
+    for block in [*model.layers.values(), *mtp_blocks(model)]:
         block.compile()
     return model
 
