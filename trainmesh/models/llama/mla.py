@@ -26,7 +26,6 @@ from torch import nn
 
 from trainmesh.models.llama.rope import softmax_scale
 
-
 # The latents' RMSNorm epsilon: DeepSeek's (its code and transformers' fix it, whatever the
 # model's rms_norm_eps)
 LATENT_NORM_EPS = 1e-6
