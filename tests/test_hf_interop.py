@@ -372,3 +372,29 @@ def test_qwen3_dense_imports_and_exports_with_transformers_logits(tmp_path):
     assert (spec.model.head_dim, spec.model.qk_norm, spec.model.moe) == (32, True, None)
     out = _assert_round_trip(theirs, spec, tmp_path, "Qwen3ForCausalLM")
     assert json.loads((out / "config.json").read_text())["model_type"] == "qwen3"
+
+
+def test_qwen3_with_yarn_scaling_and_a_quantised_checkpoint_refused(tmp_path):
+    """YaRN on a grouped-query model as transformers reads it (no mscale given: its own
+    0.1·ln(factor) + 1 on the tables): the logits are transformers'. A checkpoint whose
+    config.json has a quantization_config (DeepSeek's block-FP8 releases) is refused naming
+    it, not read as if its weights were unquantised."""
+    from trainmesh.interop.hf_config import HfConfigError, model_fields
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, vocab_size=264, max_position_embeddings=256,
+        rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 16})
+    theirs = transformers.Qwen3ForCausalLM(cfg).eval()
+    theirs.save_pretrained(tmp_path / "hf")
+    spec = load_spec(None, [f"model.init_from={tmp_path / 'hf'}", f"runtime.output_dir={tmp_path}"])
+    assert spec.model.rope_scaling.type == "yarn"
+    _assert_round_trip(theirs, spec, tmp_path, "Qwen3ForCausalLM")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                     "weight_block_size": [128, 128]}
+    with pytest.raises(HfConfigError, match="quantization_config \\(fp8\\).*dequantise"):
+        model_fields(config)

@@ -171,3 +171,45 @@ def test_the_dry_run_table_uses_a_unit_that_fits_its_numbers():
     assert "(MiB; built, no step)" in tiny and "     1.2 " in tiny and "471.0" in tiny
     big = format_rows([row(4.25)], stepped=True)
     assert "(GiB; after one step)" in big and "4.250" in big
+
+
+def test_latent_attention_activations_count_every_heads_keys_and_values_and_the_latents():
+    """Multi-head Latent Attention saves the query, every head's expanded key (the shared
+    rotary key in each) and value and the attention's output — split by tp — and the latents
+    with their norms' outputs, which every tp rank holds whole (DeepSeek-V3: 11.4 + 0.58 units
+    of the width per token, against grouped-query attention's 5 at the same width)."""
+    from trainmesh.cli.loading import load_spec
+    from trainmesh.planning.cost_model import activation_units, mla_activation_units
+
+    dsv3 = load_spec(None, ["model.preset=deepseek-v3-671b"]).model
+    heads, latent = mla_activation_units(dsv3)
+    assert heads == pytest.approx((2 * 128 * 192 + 2 * 128 * 128) / 7168)
+    assert latent == pytest.approx((2 * 1536 + 2 * 512 + 64) / 7168)
+    gqa = dsv3.model_copy(update={"mla": None, "n_kv_heads": 128})
+    for tp, sp in ((1, False), (8, False), (8, True)):
+        got = activation_units(dsv3, tp, sp, "none")
+        want = activation_units(gqa, tp, sp, "none") + (heads - 5.0) / tp + latent
+        assert got == pytest.approx(want), (tp, sp)
+
+
+def test_uneven_stages_are_planned_for_the_rank_holding_the_most_blocks():
+    """Where pp × vpp do not divide the blocks, the middle ranks hold the extra ones: a rank's
+    parameters count its own chunks' blocks (interleaved too), and the memory checked against
+    the device is the heaviest rank's of all (DeepSeek-V3 at pp 32: rank 2, the first with two
+    MoE blocks, not the first or the last)."""
+    from trainmesh.cli.loading import load_spec
+    from trainmesh.planning.cost_model import Candidate, memory_bytes, rank_memory
+    from trainmesh.planning.stage_params import _block_parts, rank_params
+
+    m = load_spec(None, ["model.preset=tiny", "model.n_layers=5"]).model
+    t = _block_parts(m, 0)[0]
+    V, d = m.vocab_size, m.dim
+    # 5 blocks over pp 2 × vpp 2: stages 1, 2, 1, 1; rank 0 holds stages 0 and 2, rank 1 1 and 3
+    assert rank_params(m, 2, 0, "interleaved-1f1b", 2).tp_sharded == 2 * t + V * d
+    assert rank_params(m, 2, 1, "interleaved-1f1b", 2).tp_sharded == 3 * t + V * d
+    dsv3 = load_spec(None, ["model.preset=deepseek-v3-671b"]).model
+    c = Candidate(tp=2, pp=32, dp=32, vpp=1, schedule="1f1b", microbatch_size=1,
+                  num_microbatches=480, recompute="selective", sequence_parallel=True, ep=4)
+    every = [rank_memory(dsv3, c, 4096, r).total for r in range(32)]
+    assert memory_bytes(dsv3, c, 4096) == max(every) and max(every) > max(every[0], every[-1])
+    assert min(rank_memory(dsv3, c, 4096, r).gathered for r in range(32)) > 0

@@ -64,6 +64,8 @@ BAD_SPECS = [
     ("parallelism: {pp: 2, stage_layers: [1, 2]}", "parallelism.stage_layers"),
     ("parallelism: {pp: 2, stage_layers: [2, 1, 1]}", "parallelism.stage_layers"),
     ("parallelism: {pp: 2, stage_layers: [4, 0]}", "parallelism.stage_layers.1"),
+    # zbv's V with stages of unequal size
+    ("model: {n_layers: 6}\nparallelism: {pp: 2, vpp: 2}\nschedule: {name: zbv}", "parallelism.pp"),
     ("parallelism: {vpp: 2}", "parallelism.vpp"),
     ("parallelism: {dp: two}", "parallelism.dp"),
     ("parallelism: manual", "parallelism"),

@@ -94,6 +94,11 @@ def model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     kind = cfg.get("model_type")
     if kind not in ARCHITECTURES:
         raise HfConfigError(f"model_type {kind!r}: trainmesh imports {', '.join(ARCHITECTURES)}")
+    if cfg.get("quantization_config"):
+        method = cfg["quantization_config"].get("quant_method", "?")
+        raise HfConfigError(f"quantization_config ({method}): trainmesh reads unquantised weights "
+                            "(bf16/fp32); dequantise the checkpoint first (DeepSeek's block-FP8 "
+                            "releases: its fp8_cast_bf16 script)")
     for key, want in (("attention_bias", False), ("mlp_bias", False), ("hidden_act", "silu")):
         if cfg.get(key, want) != want:
             raise HfConfigError(f"{key}={cfg[key]!r}: trainmesh's Llama has {key}={want!r}")
@@ -122,9 +127,10 @@ def model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         if "factor" not in rope or "original_max_position_embeddings" not in rope:
             raise HfConfigError("yarn RoPE scaling without factor and "
                                 "original_max_position_embeddings")
-        if rope.get("attention_factor") is not None:
-            raise HfConfigError("yarn RoPE scaling with attention_factor: trainmesh derives it "
-                                "from mscale and mscale_all_dim")
+        if rope.get("attention_factor") is not None or rope.get("truncate", True) is False:
+            raise HfConfigError("yarn RoPE scaling with attention_factor or truncate=false: "
+                                "trainmesh derives the factor from mscale and mscale_all_dim and "
+                                "rounds YaRN's ramp bounds")
         out["rope_scaling"] = {"type": "yarn", **{k: rope[k] for k in _YARN_KEYS
                                                   if rope.get(k) is not None}}
     elif kind == "default":

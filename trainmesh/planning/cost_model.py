@@ -68,7 +68,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from trainmesh.models.llama.model_math import flops_per_token, rank_blocks, stage_split
+from trainmesh.models.llama.model_math import flops_per_token, fullest_ranks, rank_blocks, stage_split
 from trainmesh.parallel.dims import replicates
 from trainmesh.parallel.pipeline.ir import splits_backward
 from trainmesh.planning.devices import DeviceSpec
@@ -255,14 +255,29 @@ def activation_units(model, tp: int, sequence_parallel: bool, recompute: str,
         return 1.0 / tp if sequence_parallel and tp > 1 else 1.0
     f = model.ffn_dim / model.dim
     attn = 5.0 if cp == 1 else 3.0 + 2.0 * model.n_kv_heads / model.n_heads
+    latent = 0.0  # what tensor parallel does not split (each tp rank computes it whole)
+    if getattr(model, "mla", None) is not None:
+        attn, latent = mla_activation_units(model)
     norm = 1 if _runs(fused, "rms_norm") else 2  # per norm, besides the output the next matmul keeps
     mlp = (3 if _runs(fused, "swiglu") else 4) * f
     moe = getattr(model, "moe", None)
     if moe is not None:  # the MoE block: its tp rank's share of the tokens, as the MLP's
         mlp = moe_activation_units(model, ep, tp)
     if sequence_parallel and tp > 1:
-        return 2 + (2 * norm + attn + mlp) / tp
-    return 2 + 2 * norm + (attn + mlp) / tp
+        return 2 + (2 * norm + attn + mlp) / tp + latent
+    return 2 + 2 * norm + (attn + mlp) / tp + latent
+
+
+def mla_activation_units(model) -> tuple[float, float]:
+    """Multi-head Latent Attention's saved activations of one layer, in s·b·h elements: the
+    heads' part (split by tp: the query, the expanded keys with the shared rotary key in each,
+    the values and the attention's output) and the latents' (whole on every tp rank: the
+    query's and the key/value latent with their norms' outputs, the rotary key)."""
+    m, h = model.mla, model.n_heads
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    heads = (2 * h * qk + 2 * h * m.v_head_dim) / model.dim
+    latent = (2 * (m.q_lora_rank or 0) + 2 * m.kv_lora_rank + m.qk_rope_head_dim) / model.dim
+    return heads, latent
 
 
 # Dropless routing gives no bound on an expert's tokens: memory is planned for the busiest rank
@@ -294,7 +309,7 @@ def rank_memory(model, c: Candidate, seq_len: int, pp_rank: int = 0, compute_byt
     """Peak bytes of rank ``pp_rank`` of the pipeline (any dp/tp coordinate); ``fused_head``:
     the Triton kernels run — all of them (True) or the set of ops that do (RMSNorm, SwiGLU,
     RoPE, the fused linear + cross-entropy)."""
-    rp = rank_params(model, c.pp, pp_rank, c.schedule)
+    rp = rank_params(model, c.pp, pp_rank, c.schedule, c.vpp)
     reduce_bytes = c.reduce_bytes
     local = rp.local(c.tp, c.zero_shards)
     layer_gathered = rp.layer_gathered(c.tp, c.ep)
@@ -319,7 +334,8 @@ def rank_memory(model, c: Candidate, seq_len: int, pp_rank: int = 0, compute_byt
         grads = 4 * local + reduce_unit
         end_of_step = 4 * local
     else:
-        root = rp.gathered(c.tp, c.ep) - c.blocks(model) * layer_gathered
+        held = sum(stage_split(model.n_layers, c.pp * c.vpp)[k * c.pp + pp_rank] for k in range(c.vpp))
+        root = max(0.0, rp.gathered(c.tp, c.ep) - held * layer_gathered)  # (this rank's blocks')
         gathered = compute_bytes * (2 * layer_gathered + root)
         grads = 4 * local + reduce_unit
         end_of_step = 4 * local
@@ -365,10 +381,11 @@ def snapshot_host_bytes(model, c: Candidate, pp_rank: int | None = None) -> floa
     one being written, a buddy's two copies and the one arriving (DCP files: each the fp32
     parameter and AdamW shards, 12 bytes per local parameter, and DCP's framing of each
     tensor), and the host copy the snapshot is written from."""
-    ranks = {0, c.pp - 1} if pp_rank is None else {pp_rank}
+    ranks = ({0, c.pp - 1, *fullest_ranks(model.n_layers, c.pp, c.vpp, _dense_layers(model))}
+             if pp_rank is None else {pp_rank})
 
     def one(r: int) -> float:
-        state = 12 * rank_params(model, c.pp, r, c.schedule).local(c.tp, c.zero_shards)
+        state = 12 * rank_params(model, c.pp, r, c.schedule, c.vpp).local(c.tp, c.zero_shards)
         return 6 * (state + 3 * DCP_ENTRY_BYTES * _tensors(model, c, r)) + state
     return max(one(r) for r in ranks)
 
@@ -400,8 +417,9 @@ def uses_fused_kernels(kernels, device_name: str, compiled: bool = False) -> fro
 def memory_bytes(model, c: Candidate, seq_len: int, compute_bytes: int = 2,
                  framework_bytes: float = FRAMEWORK_BYTES, fused: Fused = False) -> float:
     """Peak bytes on the heaviest rank: the first pipeline rank (embedding, most activations
-    in flight) or the last (head, logits)."""
-    ranks = {0, c.pp - 1}
+    in flight), the last (head, logits), or where the stages are uneven the first of those
+    holding the most blocks and the first of those holding the most MoE blocks."""
+    ranks = {0, c.pp - 1, *fullest_ranks(model.n_layers, c.pp, c.vpp, _dense_layers(model))}
     return max(rank_memory(model, c, seq_len, r, compute_bytes, framework_bytes, fused).total
                for r in ranks)
 
@@ -423,7 +441,7 @@ def _zero3_exposed(model, c: Candidate, device: DeviceSpec, per_node: int, compu
     a node uses intra-node bandwidth. Overlapped with compute except what exceeds half of it;
     each collective's latency (one hop per other participant of its ring) is paid per FSDP
     unit, not hidden."""
-    rp = rank_params(model, c.pp, 0, c.schedule)
+    rp = rank_params(model, c.pp, 0, c.schedule, c.vpp)
     s, r = c.zero_shards, c.dp_replicate
     # Under expert parallel the experts (split over ep) are FSDP units of their own, one per
     # MoE block, sharded over the rest of the shard group: s / ep ranks.
@@ -489,8 +507,23 @@ def _ddp_exposed(model, c: Candidate, device: DeviceSpec, per_node: int, compute
     return max(total - 2 / 3 * compute / c.num_microbatches, ring(last) + latency)
 
 
+def _dense_layers(model) -> int:
+    moe = getattr(model, "moe", None)
+    return moe.dense_layers if moe is not None else 0
+
+
 def _kv_dim(model) -> int:
-    return model.n_kv_heads * (getattr(model, "head_dim", None) or model.dim // model.n_heads)
+    return model.n_kv_heads * _head_width(model)
+
+
+def _head_width(model) -> int:
+    """A head's width as context parallel moves it: GQA's head_dim, or Multi-head Latent
+    Attention's query/key and value heads padded to the wider (its key/value heads: every
+    head, ``n_kv_heads = n_heads``)."""
+    mla = getattr(model, "mla", None)
+    if mla is not None:
+        return max(mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.v_head_dim)
+    return getattr(model, "head_dim", None) or model.dim // model.n_heads
 
 
 def cp_transient_bytes(model, c: Candidate, seq_len: int, compute_bytes: int) -> float:
@@ -503,8 +536,7 @@ def cp_transient_bytes(model, c: Candidate, seq_len: int, compute_bytes: int) ->
         return 0.0
     part = seq_len // c.cp * c.microbatch_size
     block = 2 * part * _kv_dim(model) / c.tp  # K and V elements
-    hd = getattr(model, "head_dim", None) or model.dim // model.n_heads
-    queries = 4 * part * model.n_heads * hd / c.tp  # fp32, q-sized
+    queries = 4 * part * model.n_heads * _head_width(model) / c.tp  # fp32, q-sized
     if c.cp_mode == "allgather":
         return queries + c.cp * block * (compute_bytes + 4)
     return queries + block * (2 * compute_bytes + 2 * 4)

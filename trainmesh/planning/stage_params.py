@@ -73,29 +73,33 @@ def memoized():
             _memo.rank_params = None
 
 
-def rank_params(model, pp: int, pp_rank: int, schedule: str = "1f1b") -> RankParams:
+def rank_params(model, pp: int, pp_rank: int, schedule: str = "1f1b", vpp: int = 1) -> RankParams:
+    """The parameters of pipeline rank ``pp_rank``: its blocks (its vpp chunks' of the
+    pp × vpp stages, ``model_math.stage_split``), the embedding on the first, the head where
+    the schedule puts it."""
     cache = getattr(_memo, "rank_params", None)
     if cache is None:
-        return _rank_params(model, pp, pp_rank, holds_head(schedule, pp, pp_rank))
-    key = (id(model), pp, pp_rank, holds_head(schedule, pp, pp_rank))
+        return _rank_params(model, pp, pp_rank, holds_head(schedule, pp, pp_rank), vpp)
+    key = (id(model), pp, pp_rank, holds_head(schedule, pp, pp_rank), vpp)
     hit = cache.get(key)
     if hit is None or hit[0] is not model:  # (the model is kept: its id stays its own)
-        hit = cache[key] = (model, _rank_params(model, pp, pp_rank, key[3]))
+        hit = cache[key] = (model, _rank_params(model, pp, pp_rank, key[3], vpp))
     return hit[1]
 
 
-def _rank_params(model, pp: int, pp_rank: int, last: bool) -> RankParams:
+def _rank_params(model, pp: int, pp_rank: int, last: bool, vpp: int = 1) -> RankParams:
     d, V = model.dim, model.vocab_size
-    counts = stage_split(model.n_layers, pp)  # (uneven where pp does not divide the blocks)
-    layers = counts[pp_rank]
-    first_layer = sum(counts[:pp_rank])  # stages own contiguous layers (chunk order aside)
-    # the stage's dense blocks come first (the model's first moe.dense_layers), then its MoE
-    # blocks; blocks of a kind are alike (counted once: the planner asks this ~10^5 times)
+    counts = stage_split(model.n_layers, pp * vpp)  # (uneven where pp × vpp do not divide)
+    starts = [sum(counts[:s]) for s in range(len(counts))]
+    chunks = [c * pp + pp_rank for c in range(vpp)]  # round-robin (zbv's V: even splits only)
+    layers = sum(counts[s] for s in chunks)
+    # the model's dense blocks come first (its moe.dense_layers), then its MoE blocks; blocks
+    # of a kind are alike (counted once: the planner asks this ~10^5 times)
     moe = getattr(model, "moe", None)
     dense_end = model.n_layers if moe is None else moe.dense_layers
-    n_dense = max(0, min(first_layer + layers, dense_end) - first_layer)
+    n_dense = sum(max(0, min(starts[s] + counts[s], dense_end) - starts[s]) for s in chunks)
     sharded = replicated = experts = 0
-    for n, layer in ((n_dense, first_layer), (layers - n_dense, first_layer + layers - 1)):
+    for n, layer in ((n_dense, 0), (layers - n_dense, model.n_layers - 1)):  # (a block of each kind)
         if n:
             t, r, e = _block_parts(model, layer)
             sharded, replicated, experts = sharded + n * t, replicated + n * r, experts + n * e

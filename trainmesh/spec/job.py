@@ -51,7 +51,8 @@ class RopeScaling(_Section):
     beta_slow: float = Field(1.0, gt=0, description="yarn: dimensions turning fewer times are "
                              "divided by factor; those between ramp linearly")
     mscale: float = Field(1.0, ge=0, description="yarn: the cos/sin tables are scaled by "
-                          "(0.1·mscale·ln factor + 1) / (0.1·mscale_all_dim·ln factor + 1)")
+                          "(0.1·mscale·ln factor + 1) / (0.1·mscale_all_dim·ln factor + 1) where "
+                          "both mscales are given, else by 0.1·ln factor + 1")
     mscale_all_dim: float = Field(0.0, ge=0, description="yarn: the softmax scale is multiplied "
                                   "by (0.1·mscale_all_dim·ln factor + 1)²; 0: not")
 

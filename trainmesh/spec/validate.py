@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from trainmesh.spec.mesh_rules import (
+    DIVISIBILITY,
     ModelShape,
     cp_problems,
     dp_problems,
@@ -122,6 +123,11 @@ def layout_problems(work: Workload, lay: LayoutLike, runnable: bool = True) -> l
     if lay.schedule == "zbv" and lay.pp > 1 and lay.vpp != 2:
         out.append(Problem("parallelism.vpp", f"zbv places two chunks per rank in a V, but "
                            f"parallelism.vpp={lay.vpp}", "set parallelism.vpp=2"))
+    if lay.schedule == "zbv" and lay.pp > 1 and m.n_layers % (lay.pp * lay.vpp):
+        out.append(Problem("parallelism.pp", f"zbv with stages of unequal size (n_layers="
+                           f"{m.n_layers} over pp × vpp = {lay.pp}×{lay.vpp}) is not built: its V "
+                           "places stages r and 2·pp−1−r on rank r", "choose pp × vpp dividing "
+                           "model.n_layers, or another schedule", DIVISIBILITY))
     if runnable:
         out += runnable_problems(m, lay.tp, lay.pp, lay.sequence_parallel)
         if getattr(m, "mtp", None) is not None:

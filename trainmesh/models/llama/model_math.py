@@ -142,3 +142,17 @@ def rank_blocks(n_layers: int, pp: int, vpp: int = 1, pinned=None) -> int:
 def _rank_blocks(n_layers: int, pp: int, vpp: int, pinned: tuple[int, ...] | None) -> int:
     counts = _split(n_layers, pp * vpp, pinned)
     return max(sum(counts[c * pp + r] for c in range(vpp)) for r in range(pp))
+
+
+@functools.lru_cache(maxsize=4096)
+def fullest_ranks(n_layers: int, pp: int, vpp: int = 1, dense_layers: int = 0) -> tuple[int, ...]:
+    """The first pipeline rank holding the most blocks and the first holding the most of the
+    blocks after ``dense_layers`` (MoE ones), with the default split: a pipeline's earlier
+    ranks hold more microbatches' activations, so of ranks alike the first is the heaviest."""
+    counts = _split(n_layers, pp * vpp, None)
+    starts = [sum(counts[:s]) for s in range(len(counts))]
+    chunks = [[c * pp + r for c in range(vpp)] for r in range(pp)]
+    held = [sum(counts[s] for s in ch) for ch in chunks]
+    later = [sum(max(0, starts[s] + counts[s] - max(starts[s], dense_layers)) for s in ch)
+             for ch in chunks]
+    return (held.index(max(held)), later.index(max(later)))

@@ -18,8 +18,10 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float,
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
     factor = 1.0
     if scaling is not None and scaling.get("type") == "yarn":
-        factor = (yarn_mscale(scaling["factor"], scaling.get("mscale", 1.0))
-                  / yarn_mscale(scaling["factor"], scaling.get("mscale_all_dim", 0.0) or 1.0))
+        f, m, m_all = scaling["factor"], scaling.get("mscale", 1.0), scaling.get("mscale_all_dim", 0.0)
+        # YaRN's table scale: the ratio of the two mscales where both are given (DeepSeek's),
+        # else its own 0.1·ln(factor) + 1 (as transformers and the YaRN paper have it)
+        factor = yarn_mscale(f, m) / yarn_mscale(f, m_all) if m and m_all else yarn_mscale(f, 1.0)
     return (angles.cos() * factor).float(), (angles.sin() * factor).float()
 
 
