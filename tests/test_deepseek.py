@@ -168,30 +168,9 @@ def test_deepseek_v3_imported_onto_ep2_dp2_reads_each_ranks_share_and_trains_as_
     """Each rank reads its own slices of a ``DeepseekV3ForCausalLM`` directory (of the experts,
     its own; the routing biases whole), and two steps from the import give the single
     process's losses."""
-    from reference import reference_run
+    from test_hf_interop import assert_imported_onto_ep2_dp2
 
-    from trainmesh.data.shards import ensure_tiny_corpus
-    from trainmesh.parallel.dims import ParallelDims
-
-    theirs = _deepseek(tmp_path / "hf")
-    dims = ParallelDims(dp=2, ep=2)
-    spec = load_spec(None, [f"model.init_from={tmp_path / 'hf'}", "parallelism.dp=2",
-                            "parallelism.ep=2", "training.seq_len=32",
-                            "training.global_batch_size=4", "training.microbatch_size=1",
-                            "optimizer.warmup_steps=1", "tracking.enabled=false",
-                            "runtime.device=cpu", f"runtime.output_dir={tmp_path}"])
-    data_dir = str(ensure_tiny_corpus(tmp_path / "data"))
-    group = rank_pool.group_for(spec, dims)
-    try:
-        group.build(spec.model_dump_json(), dims, data_dir)
-        read = [r["imported"] for r in group.memory_reports()]
-        losses = [group.train_step()[0]["loss"] for _ in range(2)]
-    finally:
-        rank_pool.release(group)
-    whole = sum(p.numel() * 4 for p in theirs.parameters())
-    assert sum(read) >= whole and max(read) < 0.6 * whole, (read, whole)
-    ref, _ = reference_run(spec, data_dir, steps=2)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=0)
+    assert_imported_onto_ep2_dp2(rank_pool, tmp_path / "hf", _deepseek(tmp_path / "hf"), tmp_path)
 
 
 def test_multi_token_prediction_exports_as_deepseeks_layers_with_transformers_mtp_logits(

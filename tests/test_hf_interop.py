@@ -312,6 +312,13 @@ def test_export_refuses_an_moe_model_no_format_holds_naming_the_value_needed_and
 def test_mixtral_imported_onto_ep2_dp2_reads_only_each_ranks_experts(rank_pool, mixtral,
                                                                      tmp_path):
     path, theirs = mixtral
+    assert_imported_onto_ep2_dp2(rank_pool, path, theirs, tmp_path)
+
+
+def assert_imported_onto_ep2_dp2(rank_pool, path, theirs, tmp_path) -> None:
+    """The Hugging Face directory ``path`` (of ``theirs``) imported onto dp 2 × ep 2: the ranks
+    read it all between them, none more than 0.6 of it (of the experts, each its own), and two
+    steps give the single process's losses."""
     dims = ParallelDims(dp=2, ep=2)
     spec = load_spec(None, [f"model.init_from={path}", "parallelism.dp=2", "parallelism.ep=2",
                             "training.seq_len=32", "training.global_batch_size=4",
@@ -332,6 +339,18 @@ def test_mixtral_imported_onto_ep2_dp2_reads_only_each_ranks_experts(rank_pool, 
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=0)
 
 
+def _saved_with_spread_qk_norms(model, path):
+    """``model`` (eval) saved to ``path`` with its per-head q/k norms away from 1, so that their
+    layout matters; returns it."""
+    model = model.eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(path)
+    return model
+
+
 def test_qwen3_moe_imports_and_exports_with_transformers_logits(tmp_path):
     """``Qwen3MoeForCausalLM``: 32-wide heads beside a 64 hidden size, per-head q/k norms (in
     the same RoPE layout mapping as the projections), unnormalised top-k scores and a leading
@@ -342,12 +361,7 @@ def test_qwen3_moe_imports_and_exports_with_transformers_logits(tmp_path):
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8,
         num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[0], vocab_size=264,
         max_position_embeddings=256, rms_norm_eps=1e-6)
-    theirs = transformers.Qwen3MoeForCausalLM(cfg).eval()
-    with torch.no_grad():  # norms away from 1, so their layout matters
-        for name, p in theirs.named_parameters():
-            if name.endswith(("q_norm.weight", "k_norm.weight")):
-                p.uniform_(0.5, 1.5)
-    theirs.save_pretrained(tmp_path / "hf")
+    theirs = _saved_with_spread_qk_norms(transformers.Qwen3MoeForCausalLM(cfg), tmp_path / "hf")
     spec = load_spec(None, [f"model.init_from={tmp_path / 'hf'}", f"runtime.output_dir={tmp_path}"])
     m = spec.model
     assert (m.head_dim, m.qk_norm, m.moe.dense_layers, m.moe.normalize_top_k) == (32, True, 1, False)
@@ -362,12 +376,7 @@ def test_qwen3_dense_imports_and_exports_with_transformers_logits(tmp_path):
         hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32, vocab_size=264, max_position_embeddings=256,
         rms_norm_eps=1e-6, tie_word_embeddings=False)
-    theirs = transformers.Qwen3ForCausalLM(cfg).eval()
-    with torch.no_grad():  # norms away from 1, so their layout matters
-        for name, p in theirs.named_parameters():
-            if name.endswith(("q_norm.weight", "k_norm.weight")):
-                p.uniform_(0.5, 1.5)
-    theirs.save_pretrained(tmp_path / "hf")
+    theirs = _saved_with_spread_qk_norms(transformers.Qwen3ForCausalLM(cfg), tmp_path / "hf")
     spec = load_spec(None, [f"model.init_from={tmp_path / 'hf'}", f"runtime.output_dir={tmp_path}"])
     assert (spec.model.head_dim, spec.model.qk_norm, spec.model.moe) == (32, True, None)
     out = _assert_round_trip(theirs, spec, tmp_path, "Qwen3ForCausalLM")

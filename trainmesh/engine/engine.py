@@ -452,7 +452,7 @@ class Engine:
         self.forward_timer.start(None)  # evaluations between steps are not timed
         if self.context is not None:
             self.context.start(None)
-        losses = {k: self._dp_mean(v) for k, v in (stats.losses or {}).items()} or None
+        losses = self._dp_means(stats.losses) if stats.losses else None
         return StepStats(loss=loss, grad_norm=stats.grad_norm, lr=stats.lr, tokens=stats.tokens,
                          experts=stats.experts, losses=losses, breakdown=breakdown)
 
@@ -523,12 +523,16 @@ class Engine:
     def _dp_mean(self, value: float) -> float:
         """The mean over the replicas and their context-parallel peers: each cp rank's loss is
         the mean over its equal share of every sequence's tokens."""
+        return self._dp_means({"": value})[""]
+
+    def _dp_means(self, values: dict[str, float]) -> dict[str, float]:
+        """``_dp_mean`` of each value (the same names on every rank), in one all-reduce."""
         group = self.mesh.replica_group()
         if group is None:
-            return value
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+            return dict(values)
+        t = torch.tensor(list(values.values()), dtype=torch.float64, device=self.device)
         dist.all_reduce(t, group=group)
-        return float(t.item()) / self.mesh.replicas
+        return {k: v / self.mesh.replicas for k, v in zip(values, t.tolist(), strict=True)}
 
     def save(self, directory: str) -> dcp_io.Saved:
         return dcp_io.save(directory, self.model, self.optimizer)

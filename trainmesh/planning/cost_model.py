@@ -68,7 +68,13 @@ import functools
 import math
 from dataclasses import dataclass
 
-from trainmesh.models.llama.model_math import flops_per_token, fullest_ranks, rank_blocks, stage_split
+from trainmesh.models.llama.model_math import (
+    blocks_held,
+    flops_per_token,
+    fullest_ranks,
+    rank_blocks,
+    stage_split,
+)
 from trainmesh.parallel.dims import replicates
 from trainmesh.parallel.pipeline.ir import splits_backward
 from trainmesh.planning.devices import DeviceSpec
@@ -334,7 +340,7 @@ def rank_memory(model, c: Candidate, seq_len: int, pp_rank: int = 0, compute_byt
         grads = 4 * local + reduce_unit
         end_of_step = 4 * local
     else:
-        held = sum(stage_split(model.n_layers, c.pp * c.vpp)[k * c.pp + pp_rank] for k in range(c.vpp))
+        held = blocks_held(model.n_layers, c.pp, c.vpp)[pp_rank]
         root = max(0.0, rp.gathered(c.tp, c.ep) - held * layer_gathered)  # (this rank's blocks')
         gathered = compute_bytes * (2 * layer_gathered + root)
         grads = 4 * local + reduce_unit

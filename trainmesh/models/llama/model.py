@@ -394,9 +394,10 @@ def _mtp_term(model: nn.Module, head: nn.Module, h: torch.Tensor,
     is added to ``model.mtp_losses`` for the step's metrics."""
     losses = [_head_loss(model, head, h_k, targets[:, k:])
               for k, h_k in enumerate(_mtp_hidden(model, h, targets), start=1)]
+    stacked = torch.stack(losses)
     with torch.no_grad():
-        model.mtp_losses += torch.stack(losses).detach().double() * model._mtp_weight
-    term = model.args.mtp.loss_weight * torch.stack(losses).mean()
+        model.mtp_losses += stacked.detach().double() * model._mtp_weight
+    term = model.args.mtp.loss_weight * stacked.mean()
     return term - term.detach()
 
 

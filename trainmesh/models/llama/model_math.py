@@ -134,14 +134,19 @@ def stage_blocks(n_layers: int, num_stages: int, stage: int, pinned=None) -> ran
 
 
 def rank_blocks(n_layers: int, pp: int, vpp: int = 1, pinned=None) -> int:
-    """The most blocks a pipeline rank holds: its vpp chunks, stage s on rank s mod pp."""
-    return _rank_blocks(n_layers, pp, vpp, tuple(pinned) if pinned else None)
+    """The most blocks a pipeline rank holds (``blocks_held``)."""
+    return max(blocks_held(n_layers, pp, vpp, pinned))
+
+
+def blocks_held(n_layers: int, pp: int, vpp: int = 1, pinned=None) -> tuple[int, ...]:
+    """The blocks each pipeline rank holds: its vpp chunks, stage s on rank s mod pp."""
+    return _held(n_layers, pp, vpp, tuple(pinned) if pinned else None)
 
 
 @functools.lru_cache(maxsize=4096)
-def _rank_blocks(n_layers: int, pp: int, vpp: int, pinned: tuple[int, ...] | None) -> int:
+def _held(n_layers: int, pp: int, vpp: int, pinned: tuple[int, ...] | None) -> tuple[int, ...]:
     counts = _split(n_layers, pp * vpp, pinned)
-    return max(sum(counts[c * pp + r] for c in range(vpp)) for r in range(pp))
+    return tuple(sum(counts[c * pp + r] for c in range(vpp)) for r in range(pp))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -152,7 +157,7 @@ def fullest_ranks(n_layers: int, pp: int, vpp: int = 1, dense_layers: int = 0) -
     counts = _split(n_layers, pp * vpp, None)
     starts = [sum(counts[:s]) for s in range(len(counts))]
     chunks = [[c * pp + r for c in range(vpp)] for r in range(pp)]
-    held = [sum(counts[s] for s in ch) for ch in chunks]
+    held = list(blocks_held(n_layers, pp, vpp))
     later = [sum(max(0, starts[s] + counts[s] - max(starts[s], dense_layers)) for s in ch)
              for ch in chunks]
     return (held.index(max(held)), later.index(max(later)))
