@@ -162,6 +162,15 @@ def expert_swiglu(x: torch.Tensor, counts: list[int] | torch.Tensor, w1: torch.T
         gate = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)
         up = torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
         return torch._grouped_mm(swiglu(gate, up), w2.transpose(-2, -1), offs=offs)
+    return _expert_loop(x, counts, w1, w2, w3, swiglu)
+
+
+@torch.compiler.disable
+def _expert_loop(x: torch.Tensor, counts: list[int] | torch.Tensor, w1: torch.Tensor,
+                 w2: torch.Tensor, w3: torch.Tensor, swiglu) -> torch.Tensor:
+    """The loop over experts, eager even inside a compiled block: its splits are sized by the
+    routing's counts on the host, which a graph would specialise on (one recompile per
+    routing until dynamo gives up)."""
     if isinstance(counts, torch.Tensor):
         counts = counts.tolist()
     outs = []
