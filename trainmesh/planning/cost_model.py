@@ -78,7 +78,7 @@ from trainmesh.models.llama.model_math import (
 from trainmesh.parallel.dims import replicates
 from trainmesh.parallel.pipeline.ir import splits_backward
 from trainmesh.planning.devices import DeviceSpec
-from trainmesh.planning.stage_params import holds_head, rank_params
+from trainmesh.planning.stage_params import holds_head, memo, rank_params
 from trainmesh.spec.kernel_choice import fused_ops
 
 GIB = 1024**3
@@ -314,7 +314,34 @@ def rank_memory(model, c: Candidate, seq_len: int, pp_rank: int = 0, compute_byt
                 ) -> MemoryBreakdown:
     """Peak bytes of rank ``pp_rank`` of the pipeline (any dp/tp coordinate); ``fused_head``:
     the Triton kernels run — all of them (True) or the set of ops that do (RMSNorm, SwiGLU,
-    RoPE, the fused linear + cross-entropy)."""
+    RoPE, the fused linear + cross-entropy). Its two parts, the state (parameters, gradients,
+    optimizer, gathered copies) and the activations, each read a few of the candidate's
+    fields: a plan's search keeps them for the candidates that share those (``memo``)."""
+    last = holds_head(c.schedule, c.pp, pp_rank)
+    ddp = runs_ddp(model, c)
+    unwrapped = c.pp > 1 and c.dp * c.cp == 1 and compute_bytes == 4
+    state_key = (c.pp, pp_rank, last, c.vpp, c.tp, c.zero_shards, c.ep, c.reduce_bytes,
+                 compute_bytes, ddp, unwrapped, c.keep_gathered, c.num_microbatches > 1)
+    params, grads, gathered, end_of_step = memo(
+        "state", model, state_key,
+        lambda: _state_bytes(model, c, pp_rank, compute_bytes, ddp, unwrapped))
+    sp = c.sequence_parallel and c.tp > 1
+    act_key = (seq_len, c.cp, c.cp_mode, c.microbatch_size, c.tp, sp, c.recompute,
+               c.recompute_stride, fused_head, c.ep, c.pp, c.vpp, last, compute_bytes)
+    per_chunk, head, transient, head_transient = memo(
+        "activations", model, act_key,
+        lambda: _activation_bytes(model, c, seq_len, compute_bytes, fused_head, sp, last))
+    chunks = in_flight_chunks(c.schedule, c.pp, c.vpp, c.num_microbatches, pp_rank)
+    return MemoryBreakdown(params=params, grads=grads, optimizer=2 * params,
+                           gathered=gathered, activations=per_chunk * chunks + head,
+                           transient=transient + head_transient,
+                           end_of_step=end_of_step, framework=framework_bytes)
+
+
+def _state_bytes(model, c: Candidate, pp_rank: int, compute_bytes: int, ddp: bool,
+                 unwrapped: bool) -> tuple[float, float, float, float]:
+    """(fp32 parameters, gradients while microbatches run, gathered copies, the step's end)
+    of rank ``pp_rank``; the two Adam moments are twice the parameters."""
     rp = rank_params(model, c.pp, pp_rank, c.schedule, c.vpp)
     reduce_bytes = c.reduce_bytes
     local = rp.local(c.tp, c.zero_shards)
@@ -325,12 +352,12 @@ def rank_memory(model, c: Candidate, seq_len: int, pp_rank: int = 0, compute_byt
     # dtype. AdamW's fused step updates in place: the optimizer step adds nothing beyond
     # the gradients (the foreach step made one parameter-sized fp32 temporary).
     reduce_unit = (compute_bytes + reduce_bytes) * layer_gathered
-    if runs_ddp(model, c):  # DDP: one dtype (float32 weights), gradients viewing its buckets;
+    if ddp:  # DDP: one dtype (float32 weights), gradients viewing its buckets;
         # under a narrower compute dtype autocast keeps each weight's cast for backward
         gathered = compute_bytes * local if compute_bytes < 4 else 0.0
         grads, end_of_step = 4 * local, 4 * local
-    elif c.pp > 1 and c.dp * c.cp == 1 and compute_bytes == 4:  # stages not wrapped (nothing to shard
-        gathered, grads, end_of_step = 0.0, 4 * local, 4 * local  # or cast): plain fp32 grads
+    elif unwrapped:  # stages not wrapped (nothing to shard or cast): plain fp32 grads
+        gathered, grads, end_of_step = 0.0, 4 * local, 4 * local
     elif c.keep_gathered and c.num_microbatches > 1:
         gathered = compute_bytes * rp.gathered(c.tp, c.ep)
         grads = reduce_bytes * rp.gathered(c.tp, c.ep) + compute_bytes * layer_gathered
@@ -345,34 +372,37 @@ def rank_memory(model, c: Candidate, seq_len: int, pp_rank: int = 0, compute_byt
         gathered = compute_bytes * (2 * layer_gathered + root)
         grads = 4 * local + reduce_unit
         end_of_step = 4 * local
+    return 4 * local, grads, gathered, end_of_step
+
+
+def _activation_bytes(model, c: Candidate, seq_len: int, compute_bytes: int, fused_head: Fused,
+                      sp: bool, last: bool) -> tuple[float, float, float, float]:
+    """(activations of one microbatch-chunk in flight, the last stage's extra (final norm,
+    logits or the fused loss's gradients), the transients of a block's backward, the head's)
+    on one rank."""
     tokens = seq_len // c.cp * c.microbatch_size  # a context-parallel rank's part of each sequence
     sbh = tokens * model.dim
-    sp = c.sequence_parallel and c.tp > 1
     f = c.recomputed(c.blocks(model))
     kept = activation_units(model, c.tp, sp, "none", fused_head, c.ep, c.cp)
     units = (1 - f) * kept + f * activation_units(model, c.tp, sp, "full", fused_head, c.ep, c.cp) \
         if f > 0 else kept
-    per_layer = units * sbh * compute_bytes
-    layers_per_chunk = c.chunk_blocks(model)
-    chunks = in_flight_chunks(c.schedule, c.pp, c.vpp, c.num_microbatches, pp_rank)
-    acts = per_layer * layers_per_chunk * chunks
+    per_chunk = units * sbh * compute_bytes * c.chunk_blocks(model)
     transient = 0.0
     if f > 0:  # one block's activations exist while it is recomputed
         transient += kept * sbh * compute_bytes
     transient += cp_transient_bytes(model, c, seq_len, compute_bytes)
-    if holds_head(c.schedule, c.pp, pp_rank):
+    head = head_transient = 0.0
+    if last:
         norm = 1 if _runs(fused_head, "rms_norm") else 2
-        acts += (norm / c.tp + 1 if sp else norm + 1) * sbh * compute_bytes  # final norm
+        head += (norm / c.tp + 1 if sp else norm + 1) * sbh * compute_bytes  # final norm
         if _runs(fused_head, "linear_cross_entropy"):  # the fused loss computes its gradients
             # in forward and keeps them
-            acts += (sbh / (c.tp if sp else 1) + model.vocab_size * model.dim / c.tp) * compute_bytes
+            head += (sbh / (c.tp if sp else 1) + model.vocab_size * model.dim / c.tp) * compute_bytes
         else:  # fp32 log-probabilities (saved), then their gradient in and out in backward
             logprobs = 4.0 * tokens * model.vocab_size / c.tp
-            acts += logprobs
-            transient += 2 * logprobs
-    return MemoryBreakdown(params=4 * local, grads=grads, optimizer=8 * local,
-                           gathered=gathered, activations=acts, transient=transient,
-                           end_of_step=end_of_step, framework=framework_bytes)
+            head += logprobs
+            head_transient += 2 * logprobs
+    return per_chunk, head, transient, head_transient
 
 
 # What torch Distributed Checkpoint adds to each tensor an uncoordinated save writes, its framing
@@ -580,7 +610,10 @@ def cp_exposed(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: 
 
 
 def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: int,
-             compute_bytes: int = 2, fused: Fused = False) -> Estimate:
+             compute_bytes: int = 2, fused: Fused = False,
+             memory: float | None = None) -> Estimate:
+    """``c``'s step time and throughput (module docstring) and its memory per rank
+    (``memory``: the bytes ``memory_bytes`` gave for it, where the caller has them)."""
     # Every replica computes num_microbatches; the padding's tokens are not trained on.
     tokens = (c.dp * c.num_microbatches - c.padding) * c.microbatch_size * seq_len
     flops = flops_per_token(model, seq_len) * tokens
@@ -630,8 +663,8 @@ def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: in
     step = compute + tp_comm + pp_comm + dp_exposed + ep_comm + cp_comm
     achieved = flops / step / c.world_size
     return Estimate(
-        memory_per_rank_gib=memory_bytes(model, c, seq_len, compute_bytes,
-                                         device.framework_gib * GIB, fused) / GIB,
+        memory_per_rank_gib=(memory if memory is not None else memory_bytes(
+            model, c, seq_len, compute_bytes, device.framework_gib * GIB, fused)) / GIB,
         step_time_s=step, tokens_per_s=tokens / step, tflops_per_gpu=achieved / 1e12,
         mfu=achieved / (device.peak_tflops * 1e12), bubble_fraction=bubble, compute_s=compute,
         tp_comm_s=tp_comm, pp_comm_s=pp_comm, dp_exposed_s=dp_exposed, ep_comm_s=ep_comm,

@@ -411,7 +411,7 @@ def _plan(req: PlanRequest, topo: Topology, long: bool | None) -> PlanResult:
             layouts[key] = topo.allocate(c.tp, c.world_size)
         node_ranks = layouts[key]
         est = estimate(req.model, c, req.seq_len, topo.device, node_ranks[0], req.compute_bytes,
-                       fused)
+                       fused, mem)
         ranked.append(RankedPlan(c, est, topo.world_size - c.world_size, node_ranks))
     # Every accelerator that can be used is used (fewest idle first), then the fastest: the
     # cost model has no fixed per-step costs, so for small models it would otherwise trade

@@ -61,8 +61,9 @@ _memo = threading.local()  # rank_params' results while ``memoized`` (per thread
 
 @contextlib.contextmanager
 def memoized():
-    """Within it, ``rank_params`` keeps what it computed for each model and stage: a plan's
-    search asks the same ~10^5 times. The models asked about must not change meanwhile."""
+    """Within it, ``rank_params`` (and what the cost model keeps through ``memo``) keeps what
+    it computed for each model and stage: a plan's search asks the same ~10^5 times. The
+    models asked about must not change meanwhile."""
     outer = getattr(_memo, "rank_params", None)
     if outer is None:
         _memo.rank_params = {}
@@ -73,18 +74,26 @@ def memoized():
             _memo.rank_params = None
 
 
+def memo(kind: str, model, key: tuple, compute):
+    """``compute()``, kept under (``kind``, the model, ``key``) while ``memoized``: the cost
+    model's parts that many candidates share (``key`` holds every other input they read)."""
+    cache = getattr(_memo, "rank_params", None)
+    if cache is None:
+        return compute()
+    full = (kind, id(model), *key)
+    hit = cache.get(full)
+    if hit is None or hit[0] is not model:  # (the model is kept: its id stays its own)
+        hit = cache[full] = (model, compute())
+    return hit[1]
+
+
 def rank_params(model, pp: int, pp_rank: int, schedule: str = "1f1b", vpp: int = 1) -> RankParams:
     """The parameters of pipeline rank ``pp_rank``: its blocks (its vpp chunks' of the
     pp × vpp stages, ``model_math.stage_split``), the embedding on the first, the head where
     the schedule puts it."""
-    cache = getattr(_memo, "rank_params", None)
-    if cache is None:
-        return _rank_params(model, pp, pp_rank, holds_head(schedule, pp, pp_rank), vpp)
-    key = (id(model), pp, pp_rank, holds_head(schedule, pp, pp_rank), vpp)
-    hit = cache.get(key)
-    if hit is None or hit[0] is not model:  # (the model is kept: its id stays its own)
-        hit = cache[key] = (model, _rank_params(model, pp, pp_rank, key[3], vpp))
-    return hit[1]
+    last = holds_head(schedule, pp, pp_rank)
+    return memo("rank_params", model, (pp, pp_rank, last, vpp),
+                lambda: _rank_params(model, pp, pp_rank, last, vpp))
 
 
 def _rank_params(model, pp: int, pp_rank: int, last: bool, vpp: int = 1) -> RankParams:
