@@ -34,6 +34,36 @@ def test_the_reference_pages_are_what_the_code_generates():
         assert page.read_text() == make(), f"docs/reference/{name} is stale: run python docs/reference.py"
 
 
+def test_the_guides_generated_sections_are_what_the_code_gives_and_trainmesh_goodput_prints(
+        capsys):
+    """The goodput guide's table is what ``docs/reference.py`` computes, and its figures are
+    those the documented ``trainmesh goodput`` command prints for the same configuration."""
+    import json
+
+    from trainmesh.cli.main import main
+
+    ref = _reference()
+    for page, name, make in ref.SECTIONS:
+        text = (ROOT / "docs" / page).read_text()
+        assert ref.with_section(text, name, make()) == text, (
+            f"the {name} of docs/{page} is stale: run python docs/reference.py")
+    label, flags = ref.GOODPUT_CONFIGS[1]
+    capsys.readouterr()
+    assert main([*ref.GOODPUT_COMMAND, *flags, "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)["results"]
+    rows = [line for line in (ROOT / "docs" / "guides" / "goodput.md").read_text().splitlines()
+            if line.startswith("| ") and "steps |" in line]
+    start = next(i for i, line in enumerate(rows) if line.startswith(f"| {label} |"))
+    for row, result in zip(rows[start:start + 2], printed, strict=True):
+        cells = [c.strip() for c in row.split("|")[1:-1]]
+        by = {o["strategy"]: o["goodput"] for o in result["outcomes"]}
+        assert cells[1] == f"{result['gpus']:,}"
+        assert cells[2] == f"{result['checkpoint_every_steps']} steps"
+        assert cells[3:6] == [f"{by[s]:.1%}" for s in ("trainmesh warm", "trainmesh cold", "restart")]
+    with pytest.raises(ValueError, match="no generated section 'x'"):
+        ref.with_section("text\n", "x", "")
+
+
 def test_every_spec_field_command_and_flag_is_documented():
     from pydantic import BaseModel
 

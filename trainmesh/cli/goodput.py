@@ -56,41 +56,12 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(problem, file=sys.stderr)
         return 2
-    a = Assumptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Assumptions)
-                       if getattr(args, f.name) is not None})
-    horizon = args.days * 86400
-    trace = _read_trace(args.trace) if args.trace else None
-    results = []
-    for nodes in args.nodes:
-        hours = spec.elastic.mtbf_node_hours if args.mtbf_node_hours is None else args.mtbf_node_hours
-        total = nodes + args.spare_nodes
-        if args.failures_per_day:
-            hours = total * 24 / args.failures_per_day
-        cluster = Cluster(nodes, args.spare_nodes, hours, args.replace_minutes * 60)
-        if trace and max(f.node for f in trace) >= cluster.total:
-            print(f"--trace: node {max(f.node for f in trace)} is not in a cluster of "
-                  f"{cluster.total} nodes (numbered from 0); fix the trace or add --nodes",
-                  file=sys.stderr)
-            return 2
-        plan = _planner(spec, args.gpus_per_node, args.device, a)
-        try:
-            every = _cadence(spec, hours)
-            faults = trace or poisson_faults(cluster, horizon, args.seed, a)
-            first = plan(nodes)
-            hang = hang_found_after_s(spec.elastic.hang_timeout_s or max(
-                HANG_FLOOR_S, HANG_STEPS * first.step_s)) if first is not None else None
-            outs = [simulate(s, cluster, faults, horizon, plan, every,
-                             spec.runtime.collective_timeout_s, a=a, hang_s=hang) for s in STRATEGIES]
-        except ValueError as err:
-            print(f"--nodes {nodes}: {err}", file=sys.stderr)
-            return 2
-        first = plan(nodes)
-        results.append({"nodes": nodes, "gpus": nodes * args.gpus_per_node,
-                        "mtbf_node_hours": hours, "faults": len(faults),
-                        "mesh": first.label, "step_s": first.step_s,
-                        "control_s_per_step": first.control_s,
-                        "checkpoint_every_steps": every(first),
-                        "outcomes": [o.as_dict() for o in outs]})
+    a = assumptions(args)
+    try:
+        results = simulate_sizes(spec, args, a)
+    except ValueError as err:
+        print(err, file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps({"assumptions": dataclasses.asdict(a), "measured": {
                               k: {"value": v, "source": SOURCES[k]}
@@ -102,6 +73,48 @@ def run(args: argparse.Namespace) -> int:
         _plot(results, args.png)
         print(f"wrote {args.png}")
     return 0
+
+
+def assumptions(args: argparse.Namespace) -> Assumptions:
+    """The cost assumptions the flags give (the rest at their defaults)."""
+    return Assumptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Assumptions)
+                          if getattr(args, f.name) is not None})
+
+
+def simulate_sizes(spec: JobSpec, args: argparse.Namespace, a: Assumptions) -> list[dict]:
+    """Each ``--nodes`` cluster's simulation: its first mesh, the faults and every strategy's
+    outcome (what ``--json`` prints under ``results``). A ValueError says which flag to fix."""
+    horizon = args.days * 86400
+    trace = _read_trace(args.trace) if args.trace else None
+    results = []
+    for nodes in args.nodes:
+        hours = spec.elastic.mtbf_node_hours if args.mtbf_node_hours is None else args.mtbf_node_hours
+        total = nodes + args.spare_nodes
+        if args.failures_per_day:
+            hours = total * 24 / args.failures_per_day
+        cluster = Cluster(nodes, args.spare_nodes, hours, args.replace_minutes * 60)
+        if trace and max(f.node for f in trace) >= cluster.total:
+            raise ValueError(f"--trace: node {max(f.node for f in trace)} is not in a cluster of "
+                             f"{cluster.total} nodes (numbered from 0); fix the trace or add --nodes")
+        plan = _planner(spec, args.gpus_per_node, args.device, a)
+        try:
+            every = _cadence(spec, hours)
+            faults = trace or poisson_faults(cluster, horizon, args.seed, a)
+            first = plan(nodes)
+            hang = hang_found_after_s(spec.elastic.hang_timeout_s or max(
+                HANG_FLOOR_S, HANG_STEPS * first.step_s)) if first is not None else None
+            outs = [simulate(s, cluster, faults, horizon, plan, every,
+                             spec.runtime.collective_timeout_s, a=a, hang_s=hang) for s in STRATEGIES]
+        except ValueError as err:
+            raise ValueError(f"--nodes {nodes}: {err}") from None
+        first = plan(nodes)
+        results.append({"nodes": nodes, "gpus": nodes * args.gpus_per_node,
+                        "mtbf_node_hours": hours, "faults": len(faults),
+                        "mesh": first.label, "step_s": first.step_s,
+                        "control_s_per_step": first.control_s,
+                        "checkpoint_every_steps": every(first),
+                        "outcomes": [o.as_dict() for o in outs]})
+    return results
 
 
 def _bad_args(args: argparse.Namespace) -> str | None:
