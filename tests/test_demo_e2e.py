@@ -17,15 +17,34 @@ pytestmark = [pytest.mark.cluster,  # every test here starts Ray,
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.timeout(400)
-@everyday("the demo: the README's first command, through the CLI, read back from MLflow")
+def _readme_commands_on_the_demo() -> list[list[str]]:
+    """The README's commands that read the demo's run (its spec's checkpoint, its directory),
+    in the README's order, as a user types them after ``make demo``."""
+    from test_docs import _commands
+
+    found = []
+    for word in ("eval", "export"):
+        found += [[word, *argv] for argv in _commands(word)
+                  if argv and argv[0] in ("jobs/tiny-cpu.yaml", "runs/tiny-cpu")]
+    text = (REPO / "README.md").read_text()
+    return sorted(found, key=lambda argv: text.index(f"trainmesh {' '.join(argv[:2])}"))
+
+
+def _trainmesh(argv: list[str], cwd: Path, env: dict, timeout: int) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trainmesh.cli.main", *argv],
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+
+
+@pytest.mark.timeout(500)
+@everyday("the demo: the README's first command, through the CLI, read back from MLflow, "
+          "then the README's commands on its run (eval, export) in order")
 def test_demo_job_through_cli_lands_in_mlflow(tmp_path):
-    out = tmp_path / "demo"
+    # As make demo runs it, from a directory holding the repository's jobs/: the run lands
+    # in runs/tiny-cpu there
+    (tmp_path / "jobs").symlink_to(REPO / "jobs")
+    out = tmp_path / "runs" / "tiny-cpu"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "trainmesh.cli.main", "run", str(REPO / "jobs/tiny-cpu.yaml"),
-         "--set", f"runtime.output_dir={out}", "--no-progress"],
-        capture_output=True, text=True, timeout=380, env=env, cwd=tmp_path)
+    proc = _trainmesh(["run", "jobs/tiny-cpu.yaml", "--no-progress"], tmp_path, env, 380)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     # Ray's start-up notice (token authentication on, its default) is not trainmesh's output.
@@ -86,13 +105,28 @@ def test_demo_job_through_cli_lands_in_mlflow(tmp_path):
     # The README's next command, as a new user types it after the demo: fewer steps than the
     # demo's checkpoint holds. It says so at once (no rank started), names the ways out and
     # trains nothing.
-    again = subprocess.run(
-        [sys.executable, "-m", "trainmesh.cli.main", "run", str(REPO / "jobs/tiny-cpu.yaml"),
-         "--set", f"runtime.output_dir={out}", "--set", "training.steps=20", "--no-progress"],
-        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    again = _trainmesh(["run", "jobs/tiny-cpu.yaml", "--set", "training.steps=20", "--no-progress"],
+                       tmp_path, env, 300)
     assert again.returncode == 2, again.stderr[-3000:]
     assert ("training.steps: 20, but its newest checkpoint is at step 150: nothing to train"
             in again.stderr)
     assert "Ray" not in again.stderr  # nothing started
     # (not resume=never: a directory holding an earlier run's checkpoints is refused under it)
     assert "another runtime.output_dir" in again.stderr and "done:" not in again.stdout
+
+    # The README's commands on the demo's run, in its order, each as written there: the
+    # held-out loss of the newest checkpoint (the run's own last evaluation), then its export.
+    commands = _readme_commands_on_the_demo()
+    assert [argv[0] for argv in commands] == ["eval", "export"], commands
+    for argv in commands:
+        done = _trainmesh(argv, tmp_path, env, 300)
+        assert done.returncode == 0, (argv, done.stderr[-3000:])
+        assert "Traceback" not in done.stderr
+        if argv[0] == "eval":
+            line = done.stdout.strip().splitlines()[-1]
+            assert line.startswith("eval loss ") and "(step 150)" in line, line
+            assert float(line.split()[2]) == pytest.approx(summary["eval"][-1]["loss"], abs=1e-4)
+        else:
+            hf = tmp_path / argv[argv.index("--hf") + 1]
+            assert "exported step 150" in done.stdout, done.stdout
+            assert (hf / "config.json").is_file() and list(hf.glob("*.safetensors"))

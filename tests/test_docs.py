@@ -164,7 +164,7 @@ def test_the_run_examples_each_train_a_run_of_their_own_after_the_demo():
 
 
 def test_the_plan_schedule_and_validate_examples_run(tmp_path, monkeypatch, capsys):
-    """Every ``trainmesh plan``, ``schedule``, ``validate`` and ``k8s render`` example in the
+    """Every ``trainmesh plan``, ``schedule``, ``validate``, ``goodput`` and ``k8s render`` example in the
     README and the docs — shell blocks and inline — runs and exits 0 (one of the README's plans
     once named a node count its spec's pinned dp could not hold)."""
     from trainmesh.cli.main import main
@@ -175,7 +175,8 @@ def test_the_plan_schedule_and_validate_examples_run(tmp_path, monkeypatch, caps
             argv = shlex.split(code)[1:]
             if argv not in inline:
                 inline.append(argv)
-    examples = [[word, *argv] for word in ("plan", "schedule", "validate") for argv in _commands(word)]
+    examples = [[word, *argv] for word in ("plan", "schedule", "validate", "goodput")
+                for argv in _commands(word)]
     examples += [["k8s", *argv] for argv in _commands("k8s")]
     examples += [argv for argv in inline if argv not in examples]
     assert any(a[0] == "plan" and "--nodes" in a and "127" in a for a in examples), examples
