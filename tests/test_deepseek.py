@@ -263,3 +263,30 @@ def test_a_steps_metrics_carry_the_models_auxiliary_losses():
              "losses": {"mtp_loss": 5.5, "mtp_loss/depth1": 5.25, "mtp_loss/depth2": 5.75}}
     got = step_metrics(spec, peak_tflops=1.0)(stats, 0.5)
     assert got["loss"] == 5.0 and got["mtp_loss"] == 5.5 and got["mtp_loss/depth2"] == 5.75
+
+
+@pytest.mark.timeout(300)
+def test_the_shipped_deepseek_v3_job_trains_on_its_mesh_as_one_process_and_exports(
+        ray_local, tmp_path):
+    """``jobs/tiny-dsv3-cpu.yaml`` through the real run path on its own mesh (dp 2 with the
+    experts over ep 2): the single process's losses; its checkpoint exports as a
+    ``DeepseekV3ForCausalLM`` directory."""
+    from pathlib import Path
+
+    from reference import reference_run
+
+    from trainmesh.cli.main import main
+    from trainmesh.controller.launch import run_job
+
+    job = Path(__file__).resolve().parents[1] / "jobs" / "tiny-dsv3-cpu.yaml"
+    spec = load_spec(job, ["training.steps=3", "optimizer.warmup_steps=1", "eval.every=0",
+                           "checkpoint.every=0", "tracking.enabled=false",
+                           "elastic.ready_ranks_per_node=0", f"runtime.output_dir={tmp_path}"])
+    assert spec.model.mla is not None and spec.parallelism.ep == 2
+    summary = run_job(spec, environ={}, show_progress=False)
+    assert summary["status"] == "FINISHED" and summary["mesh"]["dp"] == 2
+    want, _ = reference_run(spec, str(tmp_path / "data" / "tiny-corpus"), steps=3)
+    torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(want), rtol=1e-5, atol=0)
+    assert main(["export", str(tmp_path), "--hf", str(tmp_path / "hf")]) == 0
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["model_type"] == "deepseek_v3" and config["n_routed_experts"] == 8
