@@ -213,3 +213,33 @@ def test_uneven_stages_are_planned_for_the_rank_holding_the_most_blocks():
     every = [rank_memory(dsv3, c, 4096, r).total for r in range(32)]
     assert memory_bytes(dsv3, c, 4096) == max(every) and max(every) > max(every[0], every[-1])
     assert min(rank_memory(dsv3, c, 4096, r).gathered for r in range(32)) > 0
+
+
+@pytest.mark.parametrize("preset", ["tiny-dsv3", "tiny-moe", "tiny"])
+def test_a_blocks_tp_split_and_whole_parameters_are_the_tensor_parallel_plans(preset):
+    """What the cost model counts as split over tp and as whole on every tp rank in a block is
+    what the TP plan splits: the modules it names (column- and row-wise) against the rest
+    (norms, Multi-head Latent Attention's latent projections and their norms, per-head q/k
+    norms, an MoE block's router, experts and shared expert)."""
+    import torch
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from trainmesh.engine.engine import build_model
+    from trainmesh.models.llama.parallelize import block_plan
+    from trainmesh.planning.stage_params import _block_parts
+
+    qk_norm = [] if preset == "tiny-dsv3" else ["model.qk_norm=true"]  # (Qwen3's q/k norms)
+    spec = load_spec(None, [f"model.preset={preset}", *qk_norm, "runtime.device=cpu"])
+    model = build_model(spec, torch.device("cpu"))
+    args = spec.model
+    for i in (0, args.n_layers - 1):  # (DeepSeek-V3's: a dense block and an MoE one)
+        block = model.layers[str(i)]
+        split = {name for name, style in block_plan(args, block, Replicate(), True).items()
+                 if isinstance(style, ColwiseParallel | RowwiseParallel)}
+        experts = sum(p.numel() for n, p in block.named_parameters()
+                      if n.startswith("feed_forward.experts."))
+        sharded = sum(p.numel() for n, p in block.named_parameters()
+                      if n.rsplit(".", 1)[0] in split)
+        whole = sum(p.numel() for p in block.parameters()) - sharded - experts
+        assert _block_parts(args, i) == (sharded, whole, experts), (preset, i)

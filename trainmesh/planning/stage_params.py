@@ -10,7 +10,13 @@ import contextlib
 import threading
 from dataclasses import dataclass
 
-from trainmesh.models.llama.model_math import layer_params, mlp_params, mtp_params, stage_split
+from trainmesh.models.llama.model_math import (
+    attention_replicated,
+    layer_params,
+    mlp_params,
+    mtp_params,
+    stage_split,
+)
 
 
 def holds_head(schedule: str, pp: int, pp_rank: int) -> bool:
@@ -45,15 +51,18 @@ class RankParams:
 
 
 def _block_parts(model, layer: int | None) -> tuple[int, int, int]:
-    """(tp-sharded, replicated, expert) elements of block ``layer`` (None: the heaviest)."""
+    """(tp-sharded, replicated, expert) elements of block ``layer`` (None: the heaviest): the
+    norms, what the attention keeps whole on each tp rank (``attention_replicated``) and an MoE
+    block's router and shared experts are replicated."""
     d = model.dim
     total = layer_params(model, layer)
+    whole = 2 * d + attention_replicated(model)
     moe = getattr(model, "moe", None)
     if moe is None or (layer is not None and layer < moe.dense_layers):
-        return total - 2 * d, 2 * d, 0
+        return total - whole, whole, 0
     experts = moe.experts * 3 * d * moe.expert_ffn_dim
-    attention = total - 2 * d - mlp_params(model, layer)
-    return attention, total - attention - experts, experts
+    mlp = mlp_params(model, layer)
+    return total - 2 * d - mlp - attention_replicated(model), whole + mlp - experts, experts
 
 
 _memo = threading.local()  # rank_params' results while ``memoized`` (per thread)

@@ -48,6 +48,18 @@ def attention_params(shape) -> int:
     return q + kv + h * mla.v_head_dim * d
 
 
+def attention_replicated(shape) -> int:
+    """The attention's parameters that tensor parallel leaves whole on every tp rank: the
+    per-head q/k norms, or Multi-head Latent Attention's latent projections with their norms
+    (each tp rank computes the latents whole: ``parallelize._mla_plan``)."""
+    mla = getattr(shape, "mla", None)
+    if mla is None:
+        return 2 * head_dim(shape) if getattr(shape, "qk_norm", False) else 0
+    qr = mla.q_lora_rank
+    q = 0 if qr is None else shape.dim * qr + qr
+    return q + shape.dim * (mla.kv_lora_rank + mla.qk_rope_head_dim) + mla.kv_lora_rank
+
+
 def layer_params(shape, layer: int | None = None, active: bool = False) -> int:
     """Parameters of one transformer block: attention (``attention_params``), MLP
     (``mlp_params``), two norms."""

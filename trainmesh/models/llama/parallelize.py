@@ -48,29 +48,36 @@ def apply_tensor_parallel(model: Llama, tp_mesh: DeviceMesh, sequence_parallel: 
                                         use_local_output=False)
     parallelize_module(model, tp_mesh, top)
     for block in model.layers.values():
-        plan: dict[str, object] = (_mla_plan(a.mla, between) if a.mla is not None else {
-            "attention": PrepareModuleInput(input_layouts=(between, None, None),
-                                            desired_input_layouts=(Replicate(), None, None)),
-            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(output_layouts=between),
-        })
-        if isinstance(block.feed_forward, MoE):
-            plan["feed_forward"] = PrepareModuleInputOutput(
-                input_layouts=(between,), desired_input_layouts=(Shard(1),), use_local_input=True,
-                output_layouts=(Shard(1),), desired_output_layouts=(between,))
-        else:
-            plan.update({
-                "feed_forward": PrepareModuleInput(input_layouts=(between,),
-                                                   desired_input_layouts=(Replicate(),)),
-                "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(output_layouts=between)})
-        if sequence_parallel:
-            plan["attention_norm"] = SequenceParallel()
-            plan["ffn_norm"] = SequenceParallel()
-        parallelize_module(block, tp_mesh, plan)
+        parallelize_module(block, tp_mesh, block_plan(a, block, between, sequence_parallel))
         if a.mla is not None:
             block.attention.tp_mesh = tp_mesh
     return model
+
+
+def block_plan(a, block: nn.Module, between, sequence_parallel: bool) -> dict[str, object]:
+    """One block's tensor-parallel plan (``between``: the activations' layout between blocks).
+    What it splits (``ColwiseParallel``, ``RowwiseParallel``) the cost model counts as divided
+    over tp; the rest of the block stays whole on every tp rank (``stage_params._block_parts``)."""
+    plan: dict[str, object] = (_mla_plan(a.mla, between) if a.mla is not None else {
+        "attention": PrepareModuleInput(input_layouts=(between, None, None),
+                                        desired_input_layouts=(Replicate(), None, None)),
+        "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(output_layouts=between),
+    })
+    if isinstance(block.feed_forward, MoE):
+        plan["feed_forward"] = PrepareModuleInputOutput(
+            input_layouts=(between,), desired_input_layouts=(Shard(1),), use_local_input=True,
+            output_layouts=(Shard(1),), desired_output_layouts=(between,))
+    else:
+        plan.update({
+            "feed_forward": PrepareModuleInput(input_layouts=(between,),
+                                               desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=between)})
+    if sequence_parallel:
+        plan["attention_norm"] = SequenceParallel()
+        plan["ffn_norm"] = SequenceParallel()
+    return plan
 
 
 def _mla_plan(mla, between) -> dict[str, object]:
