@@ -36,6 +36,9 @@ PLANS = {  # every plan on 4 ranks
                                     "schedule.name=interleaved-1f1b"],
     "pp2-gpipe-tp2-reshard": ["parallelism.pp=2", "parallelism.tp=2", "schedule.name=gpipe",
                               "parallelism.keep_gathered=false"],
+    # DeepSeek-V3's blocks with a multi-token module (its experts over ep, its logits)
+    "dsv3-mtp-ep2-dp4": ["model.preset=tiny-dsv3", "model.mtp.depth=1", "parallelism.dp=4",
+                         "parallelism.ep=2"],
 }
 
 

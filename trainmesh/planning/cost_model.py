@@ -78,7 +78,7 @@ from trainmesh.models.llama.model_math import (
 from trainmesh.parallel.dims import replicates
 from trainmesh.parallel.pipeline.ir import splits_backward
 from trainmesh.planning.devices import DeviceSpec
-from trainmesh.planning.stage_params import holds_head, memo, rank_params
+from trainmesh.planning.stage_params import block_tensors, holds_head, memo, rank_params
 from trainmesh.spec.kernel_choice import fused_ops
 
 GIB = 1024**3
@@ -395,12 +395,17 @@ def _activation_bytes(model, c: Candidate, seq_len: int, compute_bytes: int, fus
     if last:
         norm = 1 if _runs(fused_head, "rms_norm") else 2
         head += (norm / c.tp + 1 if sp else norm + 1) * sbh * compute_bytes  # final norm
+        # Multi-token prediction (pp = tp = cp = 1): each module's two input norms, their
+        # concatenation, its block (kept whole) and its norm, and a head's output of its own
+        depth = getattr(getattr(model, "mtp", None), "depth", 0)
+        head += depth * (3 * norm + 2 + kept) * sbh * compute_bytes
         if _runs(fused_head, "linear_cross_entropy"):  # the fused loss computes its gradients
             # in forward and keeps them
-            head += (sbh / (c.tp if sp else 1) + model.vocab_size * model.dim / c.tp) * compute_bytes
+            head += (1 + depth) * (sbh / (c.tp if sp else 1)
+                                   + model.vocab_size * model.dim / c.tp) * compute_bytes
         else:  # fp32 log-probabilities (saved), then their gradient in and out in backward
             logprobs = 4.0 * tokens * model.vocab_size / c.tp
-            head += logprobs
+            head += (1 + depth) * logprobs
             head_transient += 2 * logprobs
     return per_chunk, head, transient, head_transient
 
@@ -427,13 +432,14 @@ def snapshot_host_bytes(model, c: Candidate, pp_rank: int | None = None) -> floa
 
 
 def _tensors(model, c: Candidate, pp_rank: int) -> int:
-    """Parameter tensors of a pipeline rank's part (9 per dense block, 10 per MoE block and 3
-    more with a shared expert; embedding, final norm, head)."""
+    """Parameter tensors of a pipeline rank's part: its blocks (``block_tensors``), its
+    multi-token modules (two input norms, the projection, the output norm and a block each),
+    the embedding, the final norm and head."""
+    rp = rank_params(model, c.pp, pp_rank, c.schedule, c.vpp)
     last = holds_head(c.schedule, c.pp, pp_rank)
-    moe = getattr(model, "moe", None)
-    per_block = 9 if moe is None else 10 + 3 * (moe.shared_experts > 0)
-    return (per_block * c.blocks(model) + (pp_rank == 0)
-            + (last and 1 + (not (model.tie_embeddings and pp_rank == 0))))
+    return (block_tensors(model, False) * rp.dense_blocks + block_tensors(model, True) * rp.moe_blocks
+            + rp.mtp_modules * (4 + block_tensors(model, has_moe_blocks(model)))
+            + (pp_rank == 0) + (last and 1 + (not (model.tie_embeddings and pp_rank == 0))))
 
 
 Fused = bool | frozenset  # every op fused (True), none (False), or the ops that are

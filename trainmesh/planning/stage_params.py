@@ -14,7 +14,6 @@ from trainmesh.models.llama.model_math import (
     attention_replicated,
     layer_params,
     mlp_params,
-    mtp_params,
     stage_split,
 )
 
@@ -37,6 +36,10 @@ class RankParams:
     layer_tp_sharded: int = 0
     layer_replicated: int = 0
     layer_experts: int = 0
+    # What the part holds: its dense and MoE blocks, its multi-token prediction modules
+    dense_blocks: int = 0
+    moe_blocks: int = 0
+    mtp_modules: int = 0
 
     def local(self, tp: int, dp: int) -> float:
         """Elements of this rank's ZeRO-3 shards (experts: over ep, then the rest of dp)."""
@@ -124,10 +127,32 @@ def _rank_params(model, pp: int, pp_rank: int, last: bool, vpp: int = 1) -> Rank
     first = pp_rank == 0
     if first:
         sharded += V * d
+    depth = getattr(getattr(model, "mtp", None), "depth", 0)
     if last:
         replicated += d
         if not (model.tie_embeddings and first):
             sharded += V * d
-        sharded += mtp_params(model)  # (multi-token prediction: with the head, pp = 1)
+        if depth:  # multi-token prediction's modules, with the head (pp = 1): each a block of
+            # the model's last kind (its experts over ep), its projection and three norms
+            t, r, e = _block_parts(model, model.n_layers)
+            sharded += depth * (t + 2 * d * d)
+            replicated += depth * (r + 3 * d)
+            experts += depth * e
     lt, lr, le = _block_parts(model, None)
-    return RankParams(sharded, replicated, layer_params(model), experts, lt, lr, le)
+    return RankParams(sharded, replicated, layer_params(model), experts, lt, lr, le,
+                      n_dense, layers - n_dense, depth if last else 0)
+
+
+def block_tensors(model, moe_block: bool) -> int:
+    """Parameter tensors of one block: its two norms, the attention's (GQA: q, k, v, o and any
+    per-head q/k norms; Multi-head Latent Attention: the query's one or three, the key/value
+    latent's three, the output), the MLP's three, or an MoE block's router, three stacked
+    expert tensors and a shared expert's three."""
+    mla = getattr(model, "mla", None)
+    if mla is None:
+        attention = 4 + 2 * bool(getattr(model, "qk_norm", False))
+    else:
+        attention = (1 if mla.q_lora_rank is None else 3) + 3 + 1
+    moe = getattr(model, "moe", None)
+    mlp = 3 if not moe_block or moe is None else 4 + 3 * (moe.shared_experts > 0)
+    return 2 + attention + mlp
