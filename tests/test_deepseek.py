@@ -285,6 +285,7 @@ def test_the_shipped_deepseek_v3_job_trains_on_its_mesh_as_one_process_and_expor
     assert spec.model.mla is not None and spec.parallelism.ep == 2
     summary = run_job(spec, environ={}, show_progress=False)
     assert summary["status"] == "FINISHED" and summary["mesh"]["dp"] == 2
+    assert summary["mesh"].get("ep") == 2, summary["mesh"]  # (its experts over both ranks)
     want, _ = reference_run(spec, str(tmp_path / "data" / "tiny-corpus"), steps=3)
     torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(want), rtol=1e-5, atol=0)
     assert main(["export", str(tmp_path), "--hf", str(tmp_path / "hf")]) == 0

@@ -125,7 +125,8 @@ def test_demo_job_through_cli_lands_in_mlflow(tmp_path):
         if argv[0] == "eval":
             line = done.stdout.strip().splitlines()[-1]
             assert line.startswith("eval loss ") and "(step 150)" in line, line
-            assert float(line.split()[2]) == pytest.approx(summary["eval"][-1]["loss"], abs=1e-4)
+            # (printed to 4 decimals)
+            assert float(line.split()[2]) == pytest.approx(summary["eval"][-1]["loss"], abs=2e-4)
         else:
             hf = tmp_path / argv[argv.index("--hf") + 1]
             assert "exported step 150" in done.stdout, done.stdout

@@ -47,9 +47,12 @@ def test_the_guides_generated_sections_are_what_the_code_gives_and_trainmesh_goo
         text = (ROOT / "docs" / page).read_text()
         assert ref.with_section(text, name, make()) == text, (
             f"the {name} of docs/{page} is stale: run python docs/reference.py")
+    # (the command the guide shows, its optional parts dropped)
+    assert ref.GOODPUT_COMMAND[1:] in _commands("goodput"), "the guide's goodput command changed"
     label, flags = ref.GOODPUT_CONFIGS[1]
     capsys.readouterr()
-    assert main([*ref.GOODPUT_COMMAND, *flags, "--json"]) == 0
+    argv = [str(ROOT / a) if a.startswith("jobs/") else a for a in ref.GOODPUT_COMMAND]
+    assert main([*argv, *flags, "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)["results"]
     rows = [line for line in (ROOT / "docs" / "guides" / "goodput.md").read_text().splitlines()
             if line.startswith("| ") and "steps |" in line]

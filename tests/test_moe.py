@@ -146,6 +146,26 @@ def test_a_compiled_block_trains_the_router_with_its_balancing_loss_at_each_micr
     assert not torch.allclose(by_share[0.25], by_share[0.0], rtol=1e-3)
 
 
+def test_a_compiled_block_is_not_recompiled_for_each_routing():
+    """The per-expert loop (no grouped GEMM: its splits sized by the routing's counts on the
+    host) runs eagerly inside a compiled block: after the first calls (dynamo marks the
+    changing sizes dynamic once), new routings reuse the graphs; compiled, the loop recompiled
+    for every routing until dynamo gave up on the block."""
+    moe = _moe(aux_loss_coef=0.5)
+    moe.compile(backend="aot_eager")
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(6)
+    for _ in range(2):  # warm-up: the first graphs, then their dynamic-shape versions
+        moe(torch.randn(2, 5, 16, generator=g)).sum().backward()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        counts = set()
+        for _ in range(4):  # other routings of the same batch
+            moe.reset_counters()
+            moe(torch.randn(2, 5, 16, generator=g)).sum().backward()
+            counts.add(tuple(moe.routed.tolist()))
+    assert len(counts) > 1, counts  # (the routings did differ)
+
+
 def test_the_balancing_loss_trains_the_router_as_if_added_to_the_loss():
     """Its gradient is injected in backward (so it works on any pipeline stage); it must equal
     adding coef × E/k × Σ f·P, times the microbatch's share, to the loss."""

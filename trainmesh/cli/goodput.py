@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     a = assumptions(args)
     try:
         results = simulate_sizes(spec, args, a)
-    except ValueError as err:
+    except Refused as err:
         print(err, file=sys.stderr)
         return 2
     if args.json:
@@ -75,6 +75,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+class Refused(ValueError):
+    """What a simulation cannot be run for, naming the flag to fix."""
+
+
 def assumptions(args: argparse.Namespace) -> Assumptions:
     """The cost assumptions the flags give (the rest at their defaults)."""
     return Assumptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Assumptions)
@@ -83,7 +87,7 @@ def assumptions(args: argparse.Namespace) -> Assumptions:
 
 def simulate_sizes(spec: JobSpec, args: argparse.Namespace, a: Assumptions) -> list[dict]:
     """Each ``--nodes`` cluster's simulation: its first mesh, the faults and every strategy's
-    outcome (what ``--json`` prints under ``results``). A ValueError says which flag to fix."""
+    outcome (what ``--json`` prints under ``results``). ``Refused`` says which flag to fix."""
     horizon = args.days * 86400
     trace = _read_trace(args.trace) if args.trace else None
     results = []
@@ -94,8 +98,8 @@ def simulate_sizes(spec: JobSpec, args: argparse.Namespace, a: Assumptions) -> l
             hours = total * 24 / args.failures_per_day
         cluster = Cluster(nodes, args.spare_nodes, hours, args.replace_minutes * 60)
         if trace and max(f.node for f in trace) >= cluster.total:
-            raise ValueError(f"--trace: node {max(f.node for f in trace)} is not in a cluster of "
-                             f"{cluster.total} nodes (numbered from 0); fix the trace or add --nodes")
+            raise Refused(f"--trace: node {max(f.node for f in trace)} is not in a cluster of "
+                          f"{cluster.total} nodes (numbered from 0); fix the trace or add --nodes")
         plan = _planner(spec, args.gpus_per_node, args.device, a)
         try:
             every = _cadence(spec, hours)
@@ -106,7 +110,7 @@ def simulate_sizes(spec: JobSpec, args: argparse.Namespace, a: Assumptions) -> l
             outs = [simulate(s, cluster, faults, horizon, plan, every,
                              spec.runtime.collective_timeout_s, a=a, hang_s=hang) for s in STRATEGIES]
         except ValueError as err:
-            raise ValueError(f"--nodes {nodes}: {err}") from None
+            raise Refused(f"--nodes {nodes}: {err}") from None
         first = plan(nodes)
         results.append({"nodes": nodes, "gpus": nodes * args.gpus_per_node,
                         "mtbf_node_hours": hours, "faults": len(faults),

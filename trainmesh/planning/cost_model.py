@@ -78,7 +78,13 @@ from trainmesh.models.llama.model_math import (
 from trainmesh.parallel.dims import replicates
 from trainmesh.parallel.pipeline.ir import splits_backward
 from trainmesh.planning.devices import DeviceSpec
-from trainmesh.planning.stage_params import block_tensors, holds_head, memo, rank_params
+from trainmesh.planning.stage_params import (
+    block_tensors,
+    holds_head,
+    memo,
+    mtp_block_is_moe,
+    rank_params,
+)
 from trainmesh.spec.kernel_choice import fused_ops
 
 GIB = 1024**3
@@ -367,8 +373,9 @@ def _state_bytes(model, c: Candidate, pp_rank: int, compute_bytes: int, ddp: boo
         grads = 4 * local + reduce_unit
         end_of_step = 4 * local
     else:
-        held = blocks_held(model.n_layers, c.pp, c.vpp)[pp_rank]
-        root = max(0.0, rp.gathered(c.tp, c.ep) - held * layer_gathered)  # (this rank's blocks')
+        held = blocks_held(model.n_layers, c.pp, c.vpp)[pp_rank] + rp.mtp_modules
+        root = max(0.0, rp.gathered(c.tp, c.ep) - held * layer_gathered)  # (this rank's blocks'
+        # and multi-token modules' blocks: FSDP units of their own)
         gathered = compute_bytes * (2 * layer_gathered + root)
         grads = 4 * local + reduce_unit
         end_of_step = 4 * local
@@ -396,9 +403,15 @@ def _activation_bytes(model, c: Candidate, seq_len: int, compute_bytes: int, fus
         norm = 1 if _runs(fused_head, "rms_norm") else 2
         head += (norm / c.tp + 1 if sp else norm + 1) * sbh * compute_bytes  # final norm
         # Multi-token prediction (pp = tp = cp = 1): each module's two input norms, their
-        # concatenation, its block (kept whole) and its norm, and a head's output of its own
+        # concatenation, its block (recomputed as ``apply_activation_checkpointing`` picks the
+        # blocks after the model's), its norm and the input its head's matmul keeps
         depth = getattr(getattr(model, "mtp", None), "depth", 0)
-        head += depth * (3 * norm + 2 + kept) * sbh * compute_bytes
+        for k in range(depth):
+            again = c.recompute == "full" or (
+                c.recompute == "selective" and (model.n_layers + k) % c.recompute_stride == 0)
+            block = (activation_units(model, c.tp, sp, "full", fused_head, c.ep, c.cp) if again
+                     else kept)
+            head += (3 * norm + 3 + block) * sbh * compute_bytes
         if _runs(fused_head, "linear_cross_entropy"):  # the fused loss computes its gradients
             # in forward and keeps them
             head += (1 + depth) * (sbh / (c.tp if sp else 1)
@@ -438,7 +451,7 @@ def _tensors(model, c: Candidate, pp_rank: int) -> int:
     rp = rank_params(model, c.pp, pp_rank, c.schedule, c.vpp)
     last = holds_head(c.schedule, c.pp, pp_rank)
     return (block_tensors(model, False) * rp.dense_blocks + block_tensors(model, True) * rp.moe_blocks
-            + rp.mtp_modules * (4 + block_tensors(model, has_moe_blocks(model)))
+            + rp.mtp_modules * (4 + block_tensors(model, mtp_block_is_moe(model)))
             + (pp_rank == 0) + (last and 1 + (not (model.tie_embeddings and pp_rank == 0))))
 
 

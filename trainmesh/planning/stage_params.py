@@ -156,3 +156,10 @@ def block_tensors(model, moe_block: bool) -> int:
     moe = getattr(model, "moe", None)
     mlp = 3 if not moe_block or moe is None else 4 + 3 * (moe.shared_experts > 0)
     return 2 + attention + mlp
+
+
+def mtp_block_is_moe(model) -> bool:
+    """Whether the multi-token modules' blocks are MoE blocks: built after the model's last
+    (layer n_layers and on), they are wherever the model has experts at all."""
+    moe = getattr(model, "moe", None)
+    return moe is not None and model.n_layers >= moe.dense_layers
