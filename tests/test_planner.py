@@ -635,3 +635,25 @@ def test_two_different_sizes_in_a_rejection_never_print_alike():
     gib = 1024**3
     assert gib_apart(72.04 * gib, 72.01 * gib) == ("72.04", "72.01")  # was "72.0 ... 72.0"
     assert gib_apart(80.5 * gib, 72.0 * gib) == ("80.5", "72.0")
+
+
+def test_a_layout_whose_largest_ep_does_not_fit_rejects_its_smaller_ones_unpriced_and_rightly():
+    """Expert-parallel degrees ≥ 2 are weighed largest first, and one that does not fit rejects
+    the layout's smaller ones by its bytes without pricing them: each so rejected does exceed
+    the device when priced (so the plans found are those a pricing of every candidate finds),
+    and ep 1 is priced on its own (its activations are not bounded by a larger ep's)."""
+    m = load_spec(None, ["model.preset=deepseek-v2-lite"]).model
+    req = PlanRequest(m, global_batch_size=128, seq_len=4096)
+    topo = Topology.uniform(2, 8, "h100")
+    result = plan(req, topo)
+    limit = topo.device.memory_gib * MEMORY_HEADROOM * 1024**3
+    fused = cost_model.uses_fused_kernels(req.kernels, topo.device.name)
+    bound = [r for r in result.rejected if "as at a larger ep" in r.reason]
+    assert bound and all(r.candidate.ep >= 2 for r in bound)
+    # priced, every one of them exceeds the device: the plans are those of pricing them all
+    with stage_params.memoized():
+        for r in bound:
+            assert cost_model.memory_bytes(m, r.candidate, req.seq_len, req.compute_bytes,
+                                           topo.device.framework_gib * 1024**3, fused) > limit
+    priced = [r for r in result.rejected if r.reason.startswith("memory") and r not in bound]
+    assert any(r.candidate.ep == 1 for r in priced) and result.plans

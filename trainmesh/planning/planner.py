@@ -362,7 +362,7 @@ def _ep_choices(req: PlanRequest, dp: int, cp: int = 1) -> list[int]:
     valid = [e for e in ep_degrees(req.model, dp * cp) if e == 1 or e % cp == 0]
     if "max_ep" in fixed:
         return [max(e for e in valid if e <= int(fixed["max_ep"]))]
-    return valid
+    return valid[::-1]  # largest first: where it does not fit, no smaller ep ≥ 2 does (_plan)
 
 
 def plan(req: PlanRequest, topo: Topology) -> PlanResult:
@@ -384,9 +384,22 @@ def _plan(req: PlanRequest, topo: Topology, long: bool | None) -> PlanResult:
     ranked, rejected = [], []
     layouts: dict[tuple[int, int], tuple[int, ...]] = {}
     work, checked = req.workload, {}
+    # Expert parallel degrees ≥ 2 of one layout come largest first (``_ep_choices``), and a
+    # rank's memory does not grow with ep there: the experts' gathered copies shrink with it;
+    # their shards (over all of dp) and the activations (planned at the imbalance bound or
+    # the capacity, whatever ep) do not change. So once one does not fit, the smaller ones
+    # are rejected by its bytes, a bound (``too_big``: the layout without ep → those bytes).
+    too_big: dict[tuple, float] = {}  # (_without_ep)
     for c in candidates(req, topo, long):
         if isinstance(c, Rejection):
             rejected.append(c)
+            continue
+        without_ep = _without_ep(c) if c.ep > 1 else None
+        if without_ep in too_big:
+            need, have = gib_apart(too_big[without_ep], limit)
+            rejected.append(Rejection(c, f"memory: {need} GiB per rank or more (as at a larger ep) "
+                                         f"exceeds {have} GiB ({MEMORY_HEADROOM:.0%} of "
+                                         f"{topo.device.memory_gib:g} GiB {topo.device.name})"))
             continue
         # The spec's own rules, so that what is planned can be pinned: once per layout (the
         # candidates of one differ in recomputation, ZeRO-3 policy and cp mode only)
@@ -401,6 +414,8 @@ def _plan(req: PlanRequest, topo: Topology, long: bool | None) -> PlanResult:
         mem = memory_bytes(req.model, c, req.seq_len, req.compute_bytes,
                            topo.device.framework_gib * 1024**3, fused)
         if mem > limit:
+            if without_ep is not None:
+                too_big[without_ep] = mem
             need, have = gib_apart(mem, limit)
             rejected.append(Rejection(c, f"memory: {need} GiB per rank exceeds "
                                          f"{have} GiB ({MEMORY_HEADROOM:.0%} of "
@@ -418,6 +433,13 @@ def _plan(req: PlanRequest, topo: Topology, long: bool | None) -> PlanResult:
     # accelerators the user gave the job for a prediction it cannot make precisely.
     ranked.sort(key=lambda p: (p.idle, -p.estimate.tokens_per_s, p.estimate.memory_per_rank_gib))
     return PlanResult(ranked, rejected, req.model, topo.device)
+
+
+def _without_ep(c: Candidate) -> tuple:
+    """Every field of ``c`` but its expert-parallel degree."""
+    return (c.tp, c.pp, c.dp, c.vpp, c.schedule, c.microbatch_size, c.num_microbatches,
+            c.recompute, c.sequence_parallel, c.keep_gathered, c.reduce_dtype, c.padding,
+            c.dp_replicate, c.cp, c.cp_mode, c.recompute_stride)
 
 
 def _microbatch_choice(result: PlanResult, best: RankedPlan, device: DeviceSpec) -> list[str]:
