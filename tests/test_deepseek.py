@@ -291,3 +291,30 @@ def test_the_shipped_deepseek_v3_job_trains_on_its_mesh_as_one_process_and_expor
     assert main(["export", str(tmp_path), "--hf", str(tmp_path / "hf")]) == 0
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["model_type"] == "deepseek_v3" and config["n_routed_experts"] == 8
+
+
+def test_an_export_cut_into_shards_keeps_each_file_within_the_limit_with_mtp_copies(tmp_path):
+    """``max_shard_bytes`` bounds what each safetensors file holds as written: the embedding
+    and head copied under each multi-token layer and the float32 routing biases counted (a
+    tensor bigger than the limit alone in its file); the index's total is the files' tensors."""
+    from safetensors import safe_open
+    from test_hf_interop import _committed_checkpoint
+
+    from trainmesh.interop.hf_export import export
+
+    spec = load_spec(None, ["model.preset=tiny-dsv3", "model.mtp.depth=1", "runtime.device=cpu",
+                            f"runtime.output_dir={tmp_path}"])
+    step_dir = _committed_checkpoint(build_model(spec, torch.device("cpu")), spec,
+                                     tmp_path / "ckpt", 1)
+    # the largest tensor as written: the embedding (or head) with its copy under the MTP layer
+    limit = 2 * spec.model.vocab_size * spec.model.dim * 4 + 1024
+    done = export(step_dir, tmp_path / "out", dtype="float32", max_shard_bytes=limit)
+    assert done["shards"] > 3
+    total = 0
+    for path in sorted((tmp_path / "out").glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            held = sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())
+        assert held <= limit, (path.name, held, limit)
+        total += held
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == total == done["bytes"]

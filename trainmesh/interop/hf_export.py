@@ -80,7 +80,11 @@ def export(source: str, out: str | Path, dtype: str | None = None,
     depth = (model.get("mtp") or {}).get("depth", 0)  # DeepSeek's copies under its MTP layers
     copies = mtp_copies(family, model["n_layers"], depth)
     weight_map: dict[str, str] = {}
-    shards = _plan_shards(names, {n: metadata[f"model.{n}"] for n in names}, DTYPES[dtype], max_shard_bytes)
+    size = torch.empty((), dtype=DTYPES[dtype]).element_size()
+    written = {n: int(torch.Size(metadata[f"model.{n}"].size).numel())  # (the routing bias in
+               * (4 if n.endswith(".expert_bias") else size)            # float32; DeepSeek's
+               * (1 + len(copies.get(n, []))) for n in names}           # MTP copies)
+    shards = _plan_shards(names, written, max_shard_bytes)
     total = 0
     for i, group in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
@@ -112,13 +116,13 @@ def export(source: str, out: str | Path, dtype: str | None = None,
             "tokenizer": tok.get("files", []), "mlflow_run_id": manifest.get("mlflow_run_id")}
 
 
-def _plan_shards(names: list[str], meta: dict, dtype: torch.dtype, limit: int) -> list[list[str]]:
-    """Tensors in order, cut into files of at most ``limit`` bytes (a bigger tensor alone)."""
-    size = torch.empty((), dtype=dtype).element_size()
+def _plan_shards(names: list[str], written: dict[str, int], limit: int) -> list[list[str]]:
+    """Tensors in order, cut into files of at most ``limit`` bytes (``written``: what each
+    tensor becomes in the files, its copies included; a bigger one alone)."""
     groups: list[list[str]] = [[]]
     used = 0
     for n in names:
-        nbytes = size * int(torch.Size(meta[n].size).numel())
+        nbytes = written[n]
         if groups[-1] and used + nbytes > limit:
             groups.append([])
             used = 0
