@@ -231,9 +231,7 @@ def _hours(lost: dict[str, float], top: int) -> str:
 
 def goodput_table() -> str:
     """The table of ``docs/guides/goodput.md``: what ``trainmesh goodput`` computes for each
-    configuration (run from the repository's root, whose ``jobs/`` it reads)."""
-    import os
-
+    configuration (its spec read from the repository's ``jobs/``, wherever this runs)."""
     from trainmesh.cli import goodput
     from trainmesh.cli.loading import load_spec
     from trainmesh.cli.main import _parser
@@ -241,21 +239,16 @@ def goodput_table() -> str:
     out = ["| configuration | GPUs | checkpoint every | trainmesh warm | trainmesh cold | restart "
            "| where the time goes (trainmesh warm; restart) |\n",
            "|---|---:|---:|---:|---:|---:|---|\n"]
-    here = os.getcwd()
-    os.chdir(ROOT.parent)
-    try:
-        for label, flags in GOODPUT_CONFIGS:
-            args = _parser().parse_args([*GOODPUT_COMMAND, *flags])
-            spec = load_spec(args.spec, args.overrides)
-            for n, r in enumerate(goodput.simulate_sizes(spec, args, goodput.assumptions(args))):
-                by = {o["strategy"]: o for o in r["outcomes"]}
-                warm, cold, restart = (by[s] for s in ("trainmesh warm", "trainmesh cold", "restart"))
-                out.append(f"| {label if n == 0 else ''} | {r['gpus']:,} | "
-                           f"{r['checkpoint_every_steps']} steps | {warm['goodput']:.1%} | "
-                           f"{cold['goodput']:.1%} | {restart['goodput']:.1%} | "
-                           f"{_hours(warm['hours_lost'], 3)}; {_hours(restart['hours_lost'], 2)} |\n")
-    finally:
-        os.chdir(here)
+    for label, flags in GOODPUT_CONFIGS:
+        args = _parser().parse_args([*GOODPUT_COMMAND, *flags])
+        spec = load_spec(str(ROOT.parent / args.spec), args.overrides)
+        for n, r in enumerate(goodput.simulate_sizes(spec, args, goodput.assumptions(args))):
+            by = {o["strategy"]: o for o in r["outcomes"]}
+            warm, cold, restart = (by[s] for s in ("trainmesh warm", "trainmesh cold", "restart"))
+            out.append(f"| {label if n == 0 else ''} | {r['gpus']:,} | "
+                       f"{r['checkpoint_every_steps']} steps | {warm['goodput']:.1%} | "
+                       f"{cold['goodput']:.1%} | {restart['goodput']:.1%} | "
+                       f"{_hours(warm['hours_lost'], 3)}; {_hours(restart['hours_lost'], 2)} |\n")
     return "".join(out)
 
 
