@@ -33,6 +33,11 @@ CASES = {  # largest meshes first: the rank pool then only shrinks
     # every microbatch, all-reduced across the groups at the last.
     "ep2-cp2-dp4-hsdp2-regather": (ParallelDims(dp=4, cp=2, ep=2), [
         "parallelism.dp_replicate=2", "parallelism.keep_gathered=false"]),
+    # Multi-token prediction under a pipeline (tiny-dsv3, 2 modules): the prediction modules
+    # with the head on the last of 4 stages, which holds a copy of the first's embedding
+    # (gradients summed between the two; the middle stages take no part); ZeRO-3 and EP.
+    "dsv3-mtp2-pp4-ep2-dp2": (ParallelDims(pp=4, dp=2, ep=2), [
+        "model.preset=tiny-dsv3", "model.mtp.depth=2", "model.moe.bias_update_rate=0.01"]),
     # Qwen3's attention too: heads wider than dim / n_heads, per-head q/k norms (whole on each
     # tp rank, each rank's gradient from its heads only: summed over tp like the MoE block's).
     "ep2-tp2-dp2-sp-qk-norm": (ParallelDims(tp=2, dp=2, ep=2), [
@@ -126,6 +131,10 @@ def test_expert_parallel_matches_single_process(rank_pool, tmp_path, case):
         grads = probes.full_grads(group)
         losses += [group.train_step()[0]["loss"] for _ in range(2)]
         params = probes.full_state(group)
+        if spec.model.mtp is not None and dims.pp > 1:  # the embedding's two copies: equal
+            copies = [s["tok_embeddings.weight"] for s in probes.execute(group, probes._full_state)
+                      if "tok_embeddings.weight" in s]
+            assert len(copies) == 2 * dims.dp and all(torch.equal(c, copies[0]) for c in copies)
     finally:
         rank_pool.release(group)
     if spec.model.moe.capacity_factor is not None:
@@ -236,3 +245,19 @@ def test_all_tokens_to_one_expert_finishes_and_matches(rank_pool, tmp_path):
         assert stats["load_max_over_mean"] == pytest.approx(8.0), (block, stats)
     assert (grads["layers.0.feed_forward.experts.w1"][1:] == 0).all()
     assert grads["layers.0.feed_forward.experts.w1"][0].abs().sum() > 0
+
+
+@pytest.mark.timeout(300)
+def test_a_pipelined_multi_token_job_restores_on_one_stage_at_another_ep(rank_pool, tmp_path):
+    """tiny-dsv3 with two prediction modules at pp 2 × dp 2 (the embedding held by both stages,
+    written once: a checkpoint deduplicates equal shards) restores at pp 1 × dp 2 × ep 2 (one
+    embedding, the experts split): four losses and the final parameters (router biases and
+    prediction modules included) are the single process's."""
+    from test_tensor_parallel import resumed_elsewhere
+
+    args = [*BASE, "model.preset=tiny-dsv3", "model.mtp.depth=2", "model.moe.bias_update_rate=0.01",
+            "training.steps=4", f"runtime.output_dir={tmp_path}"]
+    before = load_spec(None, [*args, "parallelism.pp=2", "parallelism.dp=2"])
+    after = load_spec(None, [*args, "parallelism.dp=2", "parallelism.ep=2"])
+    resumed_elsewhere(rank_pool, tmp_path, (before, ParallelDims(pp=2, dp=2)),
+                      (after, ParallelDims(dp=2, ep=2)))

@@ -39,6 +39,9 @@ PLANS = {  # every plan on 4 ranks
     # DeepSeek-V3's blocks with a multi-token module (its experts over ep, its logits)
     "dsv3-mtp-ep2-dp4": ["model.preset=tiny-dsv3", "model.mtp.depth=1", "parallelism.dp=4",
                          "parallelism.ep=2"],
+    # ... on two pipeline stages: the module, the head and a copy of the embedding on the last
+    "dsv3-mtp-pp2-dp2": ["model.preset=tiny-dsv3", "model.mtp.depth=1", "parallelism.pp=2",
+                         "parallelism.dp=2", "schedule.name=1f1b"],
 }
 
 
@@ -216,6 +219,29 @@ def test_uneven_stages_are_planned_for_the_rank_holding_the_most_blocks():
     every = [rank_memory(dsv3, c, 4096, r).total for r in range(32)]
     assert memory_bytes(dsv3, c, 4096) == max(every) and max(every) > max(every[0], every[-1])
     assert min(rank_memory(dsv3, c, 4096, r).gathered for r in range(32)) > 0
+
+
+@pytest.mark.parametrize("pp,vpp,schedule", [(1, 1, "1f1b"), (2, 1, "1f1b"), (4, 1, "1f1b"),
+                                              (2, 2, "interleaved-1f1b")])
+def test_each_pipeline_ranks_counted_parameters_are_the_ones_it_builds(pp, vpp, schedule):
+    """DeepSeek-V3's blocks with two multi-token modules: what the cost model counts for each
+    pipeline rank (its dense and MoE blocks, the embedding on the first, the head, the modules
+    and, without the first stage, a copy of the embedding on the last) is what the rank builds."""
+    import torch
+
+    from trainmesh.models.llama.model import LlamaArgs
+    from trainmesh.models.llama.stage import rank_model
+    from trainmesh.planning.stage_params import rank_params
+
+    m = load_spec(None, ["model.preset=tiny-dsv3", "model.mtp.depth=2", "model.n_layers=6",
+                         "runtime.device=cpu"]).model
+    for r in range(pp):
+        with torch.device("meta"):
+            built, _ = rank_model(LlamaArgs.from_config(m, "cpu"), r, pp, vpp)
+        rp = rank_params(m, pp, r, schedule, vpp)
+        assert rp.tp_sharded + rp.replicated + rp.experts == sum(
+            p.numel() for p in built.parameters()), (r, rp)
+        assert rp.mtp_modules == (2 if r == pp - 1 else 0)
 
 
 @pytest.mark.parametrize("preset", ["tiny-dsv3", "tiny-moe", "tiny"])

@@ -56,6 +56,7 @@ from trainmesh.parallel.mesh import Mesh
 from trainmesh.parallel.pipeline.executor import P2PSpec, PipelineExecutor
 from trainmesh.parallel.pipeline.ir import PipeShape, splits_backward
 from trainmesh.parallel.pipeline.schedules import build_schedule, forward_only, pipe_shape
+from trainmesh.parallel.pipeline.shared import SharedAcrossStages, embedding_across_stages
 from trainmesh.parallel.zero import (
     ExpertSharding,
     ReplicatePolicy,
@@ -222,9 +223,15 @@ class Engine:
         self._materialise(model_hooks)
         # (the parameters as ZeRO-3 left them: it replaces the ones it shards)
         partial = tp_partial_params(self.model) if mesh.size(Axis.TP) > 1 else []
-        self.hooks = StepHooks(
-            model=model_hooks,
-            before_clip=lambda: sum_partial_grads_over_tp(partial, mesh[Axis.TP] if partial else None))
+        shared = self._shared_across_stages()
+
+        def before_clip() -> None:
+            sum_partial_grads_over_tp(partial, mesh[Axis.TP] if partial else None)
+            if shared is not None:
+                shared.sum_grads()
+
+        self.hooks = StepHooks(model=model_hooks, before_clip=before_clip,
+                               uncounted=(shared.param,) if shared and not shared.counted else ())
         self.optimizer = build_optimizer(self.model, spec.optimizer)
         self.scheduler = build_lr_scheduler(self.optimizer, spec.optimizer, tr.steps)
         self.step = 0  # optimizer steps done
@@ -232,6 +239,19 @@ class Engine:
         self.rng.seeded(self.step)
         self.activation_peak = 0  # bytes saved for backward, from the last measured step
         self._bubble_s = 0.0  # the last step's pipeline idle time
+
+    def _shared_across_stages(self) -> SharedAcrossStages | None:
+        """Multi-token prediction under a pipeline: the embedding's copies on the first and the
+        last stage's ranks, kept equal (``parallel/pipeline/shared.py``)."""
+        if self.shape is None:
+            return None
+        mesh, dims = self.mesh, self.mesh.dims
+        c = dims.coords(mesh.rank)
+        timeout = timedelta(seconds=self.spec.runtime.collective_timeout_s)
+        return embedding_across_stages(
+            self.model, self.shape.rank_of(0), self.shape.rank_of(self.shape.num_stages - 1),
+            mesh.coord(Axis.PP), lambda pp: dims.rank_of(pp, c[Axis.DP], c[Axis.TP], c[Axis.CP]),
+            mesh[Axis.PP].get_group(), self._post(timeout))
 
     def _random_streams(self) -> RankStreams:
         """This rank's random streams (``engine/rng.py``); the blocks' residual dropout draws
@@ -473,6 +493,8 @@ class Engine:
         self._bubble_s = max(0.0, time.perf_counter() - t0 - spans)
         pp_group = self.mesh[Axis.PP].get_group()
         dist.all_reduce(loss, group=pp_group)  # only the last stage holds a loss
+        if self.model.mtp_losses.numel():  # ... and the multi-token modules' (zeros elsewhere)
+            dist.all_reduce(self.model.mtp_losses, group=pp_group)
         tokens = sum(y.numel() for (_, y), w in zip(mbs, weights, strict=True) if w)
         return finish_step(self.model, self.optimizer, self.scheduler,
                            self.spec.optimizer.grad_clip, float(loss), tokens, across=pp_group,

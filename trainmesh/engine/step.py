@@ -181,17 +181,22 @@ def shard_squares(grads: Sequence[DTensor]) -> torch.Tensor | None:
 
 
 def grad_norm_and_clip(params: Sequence[torch.Tensor], max_norm: float,
-                       across: dist.ProcessGroup | None = None) -> float:
-    """Global L2 gradient norm over every shard, clipped to ``max_norm`` when it is positive.
+                       across: dist.ProcessGroup | None = None,
+                       uncounted: Sequence[torch.Tensor] = ()) -> float:
+    """Global L2 gradient norm over every shard, clipped to ``max_norm`` when it is positive;
+    ``uncounted``: parameters clipped with the rest but left out of the norm (another rank's
+    copy counts them: ``parallel/pipeline/shared.py``).
 
     DTensor gradients may live on different meshes (a TP-sharded weight on (dp, tp), a
     replicated norm weight on (dp,), experts on (ep, ...)): each mesh's squares are summed on
     its own mesh (``shard_squares``), then added up, and summed again ``across`` a group
     holding other parameters (the pipeline stages)."""
     by_mesh: dict[object, list[torch.Tensor]] = {}
+    skip = {id(p) for p in uncounted}
     for p in params:
-        key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
-        by_mesh.setdefault(key, []).append(p.grad)
+        if id(p) not in skip:
+            key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+            by_mesh.setdefault(key, []).append(p.grad)
     device = params[0].device if params else torch.device("cpu")
     parts = [torch.zeros((), dtype=torch.float64, device=device)]
     for mesh, grads in by_mesh.items():
@@ -213,7 +218,9 @@ def grad_norm_and_clip(params: Sequence[torch.Tensor], max_norm: float,
         # the whole list in Python.
         with torch.no_grad():
             torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g
-                                 for grads in by_mesh.values() for g in grads], coef)
+                                 for g in [*(g for grads in by_mesh.values() for g in grads),
+                                           *(p.grad for p in uncounted if p.grad is not None)]],
+                                coef)
     return total
 
 
@@ -269,10 +276,12 @@ class StepHooks:
     """What the step runs besides itself: the model family's hooks (``models/hooks.py``: a
     microbatch's weight for its auxiliary losses, updates after the optimizer with their
     statistics), and the layout's ``before_clip``, which finishes gradients the data-parallel
-    reduction did not (an MoE block's over tensor-parallel token shares)."""
+    reduction did not (an MoE block's over tensor-parallel token shares, an embedding that two
+    pipeline stages use)."""
 
     model: ModelHooks = ModelHooks()
     before_clip: Callable[[], None] = lambda: None
+    uncounted: tuple = ()  # parameters whose gradient another rank's norm counts
 
 
 def default_hooks(model: nn.Module) -> StepHooks:
@@ -291,7 +300,7 @@ def finish_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, g
     lr = optimizer.param_groups[0]["lr"]
     hooks.before_clip()
     norm = grad_norm_and_clip([p for p in model.parameters() if p.grad is not None], grad_clip,
-                              across)
+                              across, hooks.uncounted)
     optimizer.step()
     scheduler.step()
     after, losses = hooks.model.after_update, hooks.model.losses

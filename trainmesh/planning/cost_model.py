@@ -70,6 +70,7 @@ from dataclasses import dataclass
 
 from trainmesh.models.llama.model_math import (
     blocks_held,
+    chunk_kinds,
     flops_per_token,
     fullest_ranks,
     rank_blocks,
@@ -257,8 +258,9 @@ class MemoryBreakdown:
 
 
 def activation_units(model, tp: int, sequence_parallel: bool, recompute: str,
-                     fused: Fused = False, ep: int = 1, cp: int = 1) -> float:
-    """Saved activations of one layer and microbatch, in s·b·h elements (module docstring).
+                     fused: Fused = False, ep: int = 1, cp: int = 1, moe_block: bool = True) -> float:
+    """Saved activations of one layer and microbatch, in s·b·h elements (module docstring);
+    ``moe_block``: of an MoE model's MoE block (False: one of its leading dense blocks).
     ``fused``: the Triton kernels (all, or the set of ops that run them), whose RMSNorm keeps
     only its input (not the normalised copy) and whose SwiGLU keeps gate and up only.
     ``cp`` > 1: the context-parallel attention keeps the key/value heads unexpanded (q, k, v:
@@ -273,7 +275,7 @@ def activation_units(model, tp: int, sequence_parallel: bool, recompute: str,
     norm = 1 if _runs(fused, "rms_norm") else 2  # per norm, besides the output the next matmul keeps
     mlp = (3 if _runs(fused, "swiglu") else 4) * f
     moe = getattr(model, "moe", None)
-    if moe is not None:  # the MoE block: its tp rank's share of the tokens, as the MLP's
+    if moe is not None and moe_block:  # the MoE block: its tp rank's share of the tokens
         mlp = moe_activation_units(model, ep, tp)
     if sequence_parallel and tp > 1:
         return 2 + (2 * norm + attn + mlp) / tp + latent
@@ -332,11 +334,12 @@ def rank_memory(model, c: Candidate, seq_len: int, pp_rank: int = 0, compute_byt
         "state", model, state_key,
         lambda: _state_bytes(model, c, pp_rank, compute_bytes, ddp, unwrapped))
     sp = c.sequence_parallel and c.tp > 1
+    kinds = chunk_kinds(model.n_layers, c.pp, c.vpp, pp_rank, _dense_layers(model))
     act_key = (seq_len, c.cp, c.cp_mode, c.microbatch_size, c.tp, sp, c.recompute,
-               c.recompute_stride, fused_head, c.ep, c.pp, c.vpp, last, compute_bytes)
+               c.recompute_stride, fused_head, c.ep, c.pp, c.vpp, last, compute_bytes, kinds)
     per_chunk, head, transient, head_transient = memo(
         "activations", model, act_key,
-        lambda: _activation_bytes(model, c, seq_len, compute_bytes, fused_head, sp, last))
+        lambda: _activation_bytes(model, c, seq_len, compute_bytes, fused_head, sp, last, kinds))
     chunks = in_flight_chunks(c.schedule, c.pp, c.vpp, c.num_microbatches, pp_rank)
     return MemoryBreakdown(params=params, grads=grads, optimizer=2 * params,
                            gathered=gathered, activations=per_chunk * chunks + head,
@@ -383,26 +386,29 @@ def _state_bytes(model, c: Candidate, pp_rank: int, compute_bytes: int, ddp: boo
 
 
 def _activation_bytes(model, c: Candidate, seq_len: int, compute_bytes: int, fused_head: Fused,
-                      sp: bool, last: bool) -> tuple[float, float, float, float]:
-    """(activations of one microbatch-chunk in flight, the last stage's extra (final norm,
-    logits or the fused loss's gradients), the transients of a block's backward, the head's)
-    on one rank."""
+                      sp: bool, last: bool, kinds: tuple[tuple[int, int], ...]
+                      ) -> tuple[float, float, float, float]:
+    """(activations of one microbatch-chunk in flight — the rank's heaviest chunk of those
+    ``kinds`` (dense, MoE blocks) —, the last stage's extra (final norm, logits or the fused
+    loss's gradients), the transients of a block's backward, the head's) on one rank."""
     tokens = seq_len // c.cp * c.microbatch_size  # a context-parallel rank's part of each sequence
     sbh = tokens * model.dim
     f = c.recomputed(c.blocks(model))
     kept = activation_units(model, c.tp, sp, "none", fused_head, c.ep, c.cp)
-    units = (1 - f) * kept + f * activation_units(model, c.tp, sp, "full", fused_head, c.ep, c.cp) \
-        if f > 0 else kept
-    per_chunk = units * sbh * compute_bytes * c.chunk_blocks(model)
+    full = activation_units(model, c.tp, sp, "full", fused_head, c.ep, c.cp) if f > 0 else 0.0
+    dense = (activation_units(model, c.tp, sp, "none", fused_head, c.ep, c.cp, moe_block=False)
+             if any(d for d, _ in kinds) else kept)
+    per_chunk = max((1 - f) * (d * dense + m * kept) + f * full * (d + m) for d, m in kinds)
+    per_chunk *= sbh * compute_bytes
     transient = 0.0
     if f > 0:  # one block's activations exist while it is recomputed
-        transient += kept * sbh * compute_bytes
+        transient += max(kept, dense) * sbh * compute_bytes
     transient += cp_transient_bytes(model, c, seq_len, compute_bytes)
     head = head_transient = 0.0
     if last:
         norm = 1 if _runs(fused_head, "rms_norm") else 2
         head += (norm / c.tp + 1 if sp else norm + 1) * sbh * compute_bytes  # final norm
-        # Multi-token prediction (pp = tp = cp = 1): each module's two input norms, their
+        # Multi-token prediction (tp = cp = 1; the last stage): each module's two input norms, their
         # concatenation, its block (recomputed as ``apply_activation_checkpointing`` picks the
         # blocks after the model's), its norm and the input its head's matmul keeps
         depth = getattr(getattr(model, "mtp", None), "depth", 0)

@@ -132,10 +132,11 @@ def _rank_params(model, pp: int, pp_rank: int, last: bool, vpp: int = 1) -> Rank
         replicated += d
         if not (model.tie_embeddings and first):
             sharded += V * d
-        if depth:  # multi-token prediction's modules, with the head (pp = 1): each a block of
-            # the model's last kind (its experts over ep), its projection and three norms
+        if depth:  # multi-token prediction's modules, with the head: each a block of the
+            # model's last kind (its experts over ep), its projection and three norms; on a
+            # stage without the embedding, a copy of it (``parallel/pipeline/shared.py``)
             t, r, e = _block_parts(model, model.n_layers)
-            sharded += depth * (t + 2 * d * d)
+            sharded += depth * (t + 2 * d * d) + (0 if first else V * d)
             replicated += depth * (r + 3 * d)
             experts += depth * e
     lt, lr, le = _block_parts(model, None)

@@ -230,16 +230,20 @@ class Llama(nn.Module):
         super().__init__()
         self.args = args
         ids = range(args.n_layers) if layer_ids is None else layer_ids
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim) if has_embedding else None
+        # Multi-token prediction's modules go with the head; they embed the tokens ahead, so a
+        # part with the head and not the embedding (the last pipeline stage) holds a copy of it
+        # under the same name, its gradient summed with the first stage's (``Engine``).
+        mtp = args.mtp is not None and has_head
+        self.tok_embeddings = (nn.Embedding(args.vocab_size, args.dim)
+                               if has_embedding or mtp else None)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in ids})
         self.norm = RMSNorm(args.dim, args.norm_eps, args.ops) if has_head else None
         self.output = None
         if has_head and not args.tie_embeddings:
             self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.ops = args.ops
-        # Multi-token prediction: with the embedding and the head (no pipeline: the spec's rule)
         self.mtp = None
-        if args.mtp is not None and has_embedding and has_head:
+        if mtp:
             self.mtp = nn.ModuleDict({str(k): MTPModule(args, args.n_layers + k)
                                       for k in range(args.mtp.depth)})
         # (detached, × each microbatch's weight: the step's multi-token losses, per depth)
@@ -294,8 +298,8 @@ class Llama(nn.Module):
         (``models/hooks.py``): its MoE blocks' balancing. ``sum_over_ranks`` sums a tensor over
         the ranks that share the step's tokens, ``replicas`` of them hold a whole batch share."""
         hooks = moe_hooks(self, sum_over_ranks, replicas)
-        if self.mtp is None:
-            return hooks
+        if self.args.mtp is None:  # (a pipeline stage without the modules reports their
+            return hooks  # losses too: the engine sums them over the stages first)
         moe_before = hooks.before_microbatch
 
         def before_microbatch(weight: float) -> None:
@@ -360,7 +364,8 @@ def decoder_forward(parts: nn.Module, layers, h: torch.Tensor,
     loss = _head_loss(parts, head, h, targets)
     if targets is None or getattr(parts, "mtp", None) is None or not torch.is_grad_enabled():
         return loss  # (evaluation: the next-token loss alone)
-    return loss + _mtp_term(parts, head, h, targets)
+    # (a pipeline stage's modules are its Llama's, which holds the losses and the embedding)
+    return loss + _mtp_term(getattr(parts, "_owner", parts), head, h, targets)
 
 
 def _head_loss(parts: nn.Module, head: nn.Module, h: torch.Tensor,

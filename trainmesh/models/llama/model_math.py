@@ -162,6 +162,20 @@ def _held(n_layers: int, pp: int, vpp: int, pinned: tuple[int, ...] | None) -> t
 
 
 @functools.lru_cache(maxsize=4096)
+def chunk_kinds(n_layers: int, pp: int, vpp: int, pp_rank: int,
+                dense_layers: int = 0) -> tuple[tuple[int, int], ...]:
+    """(dense, MoE) blocks of each model chunk pipeline rank ``pp_rank`` holds (stage s on
+    rank s mod pp, the default split): a model's first ``dense_layers`` blocks are dense."""
+    counts = _split(n_layers, pp * vpp, None)
+    out = []
+    for s in (c * pp + pp_rank for c in range(vpp)):
+        start = sum(counts[:s])
+        dense = max(0, min(start + counts[s], dense_layers) - start)
+        out.append((dense, counts[s] - dense))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=4096)
 def fullest_ranks(n_layers: int, pp: int, vpp: int = 1, dense_layers: int = 0) -> tuple[int, ...]:
     """The first pipeline rank holding the most blocks and the first holding the most of the
     blocks after ``dense_layers`` (MoE ones), with the default split: a pipeline's earlier
