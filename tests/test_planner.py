@@ -8,6 +8,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
+from tiers import full
 
 from trainmesh.cli.loading import load_spec
 from trainmesh.cli.main import main
@@ -657,3 +658,55 @@ def test_a_layout_whose_largest_ep_does_not_fit_rejects_its_smaller_ones_unprice
                                            topo.device.framework_gib * 1024**3, fused) > limit
     priced = [r for r in result.rejected if r.reason.startswith("memory") and r not in bound]
     assert any(r.candidate.ep == 1 for r in priced) and result.plans
+
+
+def test_plan_prices_the_llama3_papers_layout_beside_its_choice(capsys):
+    """``trainmesh plan`` for the 405b preset on 16,384 H100 prints the layout the Llama 3 paper
+    published (tp 8 × pp 16 × dp 128) priced on that cluster: what the planner's own search
+    predicts for the best plan with those degrees, beside its choice; on a cluster those
+    degrees do not divide, it says so (and plans nothing)."""
+    from trainmesh.planning.published import PUBLISHED, price
+
+    sets = ["model.preset=405b", "parallelism=auto", "training.global_batch_size=2048",
+            "elastic.max_world_size=16384"]
+    assert main(["plan", "jobs/llama-70b.yaml", *[x for s in sets for x in ("--set", s)],
+                 "--nodes", "2048", "--device", "h100", "--top", "1"]) == 0
+    [line] = [s for s in capsys.readouterr().out.splitlines() if s.startswith("Published: ")]
+    assert line.startswith("Published: the Llama 3 paper (16,384 H100, 8k tokens), tp=8 × pp=16")
+    spec = load_spec("jobs/llama-70b.yaml", sets)
+    topo = Topology.uniform(2048, 8, "h100")
+    _, ours = plan_job(spec, topo)
+    same = [p for p in ours.plans
+            if (p.candidate.tp, p.candidate.pp, p.candidate.dp, p.candidate.cp) == (8, 16, 128, 1)]
+    assert same, "the search prices the published degrees too"
+    assert f"(dp=128, vpp={same[0].candidate.vpp}, " in line
+    assert f": {same[0].estimate.tokens_per_s:,.0f} tokens/s, " in line, line
+    gap = 1 - same[0].estimate.tokens_per_s / ours.best.estimate.tokens_per_s
+    assert f"{abs(gap):.1%} {'slower' if gap >= 0 else 'faster'} than the choice" in line
+    assert "Not priced: " in line
+    odd = price(request_for(spec), Topology.uniform(2047, 8, "h100"), PUBLISHED["405b"])
+    assert odd == "16376 accelerators do not divide into its tp × pp × cp = 128"
+
+
+@full("plans DeepSeek-V3 on 2,048 H100 twice (the choice, then DeepSeek's degrees): ~12 s; "
+      "make test keeps the same comparison for Llama 3 405B")
+def test_plan_prices_deepseeks_layout_and_names_the_nodes_its_expert_groups_span(capsys):
+    """DeepSeek-V3 on 2,048 H100 (its own batch: 15,360 sequences of 4,096 tokens): the plan
+    prints DeepSeek's published layout (tp 1 × pp 16 × ep 64) priced there, the step's parts
+    that differ most, the nodes an expert group spans at ep 64 (8 of 8 accelerators) and the
+    choice's, and what the cost model does not price (DualPipe's overlap among them)."""
+    sets = ["model.preset=deepseek-v3-671b", "parallelism=auto", "training.seq_len=4096",
+            "training.global_batch_size=15360", "elastic.max_world_size=2048"]
+    assert main(["plan", "jobs/llama-70b.yaml", *[x for s in sets for x in ("--set", s)],
+                 "--nodes", "256", "--device", "h100", "--top", "1"]) == 0
+    [line] = [s for s in capsys.readouterr().out.splitlines() if s.startswith("Published: ")]
+    _, ours = plan_job(load_spec("jobs/llama-70b.yaml", sets), Topology.uniform(256, 8, "h100"))
+    chosen = ours.best.candidate
+    assert line.startswith("Published: DeepSeek-V3's technical report (2,048 H800), "
+                           "tp=1 × pp=16 × ep=64, priced on this cluster (dp=128 (ep=64 over dp)")
+    assert "Of its step (" in line and " against the choice's " in line
+    if chosen.ep != 64:
+        span = max(1, chosen.ep * chosen.tp // 8)
+        assert (f"Its ep=64 spreads each expert group over 8 node(s) of 8, the choice's "
+                f"ep={chosen.ep} over {span}") in line
+    assert "Not priced: DualPipe" in line

@@ -8,8 +8,9 @@ import os
 import sys
 
 from trainmesh.cli.loading import add_overrides_arg, device_kind, load_spec
-from trainmesh.planning.job_plan import PlanError, plan_job
+from trainmesh.planning.job_plan import PlanError, plan_job, request_for
 from trainmesh.planning.planner import explain
+from trainmesh.planning.published import compare, price, published_layout
 from trainmesh.planning.topology import Topology, topology_from_ray
 from trainmesh.spec.job import JobSpec
 
@@ -69,6 +70,13 @@ def run(args: argparse.Namespace) -> int:
         return 0 if rows else 1
     _print_table(spec, topo, rows)
     print(explain(result))
+    pub = published_layout(spec.model.preset)
+    if pub is not None:  # the layout the model's authors published, priced here beside it
+        auto = spec.model_copy(update={"parallelism": spec.parallelism.model_copy(
+            update={"auto": True})})
+        print()
+        print(compare(result, price(request_for(auto), topo, pub), pub,
+                      max(n.accelerators for n in topo.nodes)))
     return 0
 
 
