@@ -233,7 +233,7 @@ def test_multi_token_prediction_exports_as_deepseeks_layers_with_transformers_mt
 
 
 def test_multi_token_prediction_is_refused_where_it_is_not_built(capsys, tmp_path):
-    """Beside tensor or context parallel, beside the zbv schedule (its V puts the last stage
+    """Beside context parallel, beside the zbv schedule (its V puts the last stage
     on the first's rank), and in a format other than DeepSeek-V3's: one line naming the field
     and the fix."""
     from trainmesh.cli.main import main
@@ -242,7 +242,6 @@ def test_multi_token_prediction_is_refused_where_it_is_not_built(capsys, tmp_pat
             f"runtime.output_dir={tmp_path}"]
     for extra, field in ((["parallelism.pp=2", "parallelism.dp=1", "parallelism.vpp=2",
                            "schedule.name=zbv"], "schedule.name"),
-                         (["parallelism.tp=2", "parallelism.dp=1"], "parallelism.tp"),
                          (["parallelism.cp=2", "parallelism.dp=1"], "parallelism.cp")):
         assert main(["run", "jobs/tiny-cpu.yaml", *sets,
                      *[x for e in extra for x in ("--set", e)]]) == 2

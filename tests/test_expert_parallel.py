@@ -48,6 +48,14 @@ CASES = {  # largest meshes first: the rank pool then only shrinks
     "dsv3-ep2-tp2-dp2-sp": (ParallelDims(tp=2, dp=2, ep=2), [
         "model.preset=tiny-dsv3", "parallelism.sequence_parallel=true",
         "model.moe.bias_update_rate=0.01"]),
+    # ... with multi-token prediction beside tp (2 modules; sequence parallel and not): the
+    # modules run on the whole sequence on every tp rank, their blocks' heads split, an MoE
+    # block taking its rank's uneven share of the T − k positions
+    "dsv3-mtp2-ep2-tp2-dp2-sp": (ParallelDims(tp=2, dp=2, ep=2), [
+        "model.preset=tiny-dsv3", "parallelism.sequence_parallel=true", "model.mtp.depth=2",
+        "model.moe.bias_update_rate=0.01"]),
+    "dsv3-mtp1-ep2-tp2-dp2": (ParallelDims(tp=2, dp=2, ep=2), [
+        "model.preset=tiny-dsv3", "model.mtp.depth=1", "model.moe.bias_update_rate=0.01"]),
     # ... with multi-token prediction, 2 modules (each an MoE block of its own, its experts
     # over ep and ZeRO-3 like the model's; the embedding and head shared)
     "dsv3-mtp2-ep2-dp2": (ParallelDims(dp=2, ep=2), [
@@ -125,7 +133,8 @@ def test_expert_parallel_matches_single_process(rank_pool, tmp_path, case):
         losses = [first[0]["loss"]]
         if spec.model.mtp is not None:  # each depth's loss reported beside the loss
             mtp = first[0]["losses"]
-            depths = [mtp[f"mtp_loss/depth{k + 1}"] for k in range(spec.model.mtp.depth)]
+            depths = ([mtp[f"mtp_loss/depth{k + 1}"] for k in range(spec.model.mtp.depth)]
+                      if spec.model.mtp.depth > 1 else [mtp["mtp_loss"]])
             assert mtp["mtp_loss"] == pytest.approx(sum(depths) / len(depths)) and min(depths) > 0
         dropped = sum(b["dropped"] for r in first for b in (r["experts"] or {}).values())
         grads = probes.full_grads(group)

@@ -32,7 +32,7 @@ from trainmesh.engine.step import (
     train_step,
 )
 from trainmesh.models.hooks import ModelHooks
-from trainmesh.models.llama.model import Llama, LlamaArgs
+from trainmesh.models.llama.model import Llama, LlamaArgs, mtp_blocks
 from trainmesh.models.llama.parallelize import (
     apply_activation_checkpointing,
     apply_compile,
@@ -261,6 +261,9 @@ class Engine:
                               mesh.dims.as_dict(), self.device)
         if mesh.size(Axis.TP) > 1 and not self.spec.parallelism.sequence_parallel:
             for block in self.model.layers.values():
+                block.replica_rng = streams.replica
+        if mesh.size(Axis.TP) > 1:  # multi-token modules' activations: whole on every tp rank
+            for block in mtp_blocks(self.model):
                 block.replica_rng = streams.replica
         return streams
 

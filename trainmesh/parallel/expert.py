@@ -172,11 +172,16 @@ def apply_expert_parallel(model: nn.Module, mesh: Mesh, seq_len: int) -> nn.Modu
     if cp > 1 or tp > 1:
         token_group = mesh["cp_tp" if cp > 1 and tp > 1 else "cp" if cp > 1 else "tp"].get_group()
         positions = token_positions(seq_len, mesh.coord(Axis.CP), cp, mesh.coord(Axis.TP), tp)
-    for _, moe in moe_layers(model):
+    for name, moe in moe_layers(model):
         # Each context-parallel rank's loss is the mean over its share of a sequence, cp× its
         # part of the whole: its part of the balancing loss weighs the same (ZeRO-3 averages
         # the gradients over dp × cp).
         moe.aux_share = float(cp)
+        length, where = seq_len, positions
+        if name.startswith("mtp.") and token_group is not None:  # multi-token module k (from
+            # 0): over the sequence's first seq_len - k - 1 positions (no cp beside it: the spec)
+            length = seq_len - int(name.split(".")[1]) - 1
+            where = token_positions(length, 0, 1, mesh.coord(Axis.TP), tp)
         if ep > 1:
             coord = mesh["ep"].get_local_rank()
             for name in ("w1", "w2", "w3"):
@@ -185,7 +190,7 @@ def apply_expert_parallel(model: nn.Module, mesh: Mesh, seq_len: int) -> nn.Modu
                 setattr(moe.experts, name, nn.Parameter(DTensor.from_local(
                     local, mesh["ep"], [Shard(0)], run_check=False)))
         moe.dispatch = AllToAllDispatch(mesh["ep"].get_group() if ep > 1 else None, ep,
-                                        moe.args.experts, token_group, positions, seq_len)
+                                        moe.args.experts, token_group, where, length)
     return model
 
 

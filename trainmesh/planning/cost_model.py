@@ -408,15 +408,16 @@ def _activation_bytes(model, c: Candidate, seq_len: int, compute_bytes: int, fus
     if last:
         norm = 1 if _runs(fused_head, "rms_norm") else 2
         head += (norm / c.tp + 1 if sp else norm + 1) * sbh * compute_bytes  # final norm
-        # Multi-token prediction (tp = cp = 1; the last stage): each module's two input norms, their
+        # Multi-token prediction (cp = 1; the last stage): each module's two input norms, their
         # concatenation, its block (recomputed as ``apply_activation_checkpointing`` picks the
-        # blocks after the model's), its norm and the input its head's matmul keeps
+        # blocks after the model's), its norm and the input its head's matmul keeps; under tp
+        # whole on every rank but the block's split heads (no sequence parallel inside)
         depth = getattr(getattr(model, "mtp", None), "depth", 0)
         for k in range(depth):
             again = c.recompute == "full" or (
                 c.recompute == "selective" and (model.n_layers + k) % c.recompute_stride == 0)
-            block = (activation_units(model, c.tp, sp, "full", fused_head, c.ep, c.cp) if again
-                     else kept)
+            block = activation_units(model, c.tp, False, "full" if again else "none",
+                                     fused_head, c.ep, c.cp)
             head += (3 * norm + 3 + block) * sbh * compute_bytes
         if _runs(fused_head, "linear_cross_entropy"):  # the fused loss computes its gradients
             # in forward and keeps them

@@ -131,12 +131,11 @@ def layout_problems(work: Workload, lay: LayoutLike, runnable: bool = True) -> l
     if runnable:
         out += runnable_problems(m, lay.tp, lay.pp, lay.sequence_parallel)
         if getattr(m, "mtp", None) is not None:
-            for axis, degree in (("tp", lay.tp), ("cp", lay.cp)):
-                if degree > 1:
-                    out.append(Problem(f"parallelism.{axis}", f"{axis}={degree} beside model.mtp: "
-                                       "multi-token prediction is built for data, expert and "
-                                       "pipeline parallel (ZeRO-3, HSDP) only so far",
-                                       f"set parallelism.{axis}=1, or model.mtp=null"))
+            if lay.cp > 1:
+                out.append(Problem("parallelism.cp", f"cp={lay.cp} beside model.mtp: "
+                                   "multi-token prediction is built for data, expert, tensor "
+                                   "and pipeline parallel (ZeRO-3, HSDP) only so far",
+                                   "set parallelism.cp=1, or model.mtp=null"))
             if lay.schedule == "zbv" and lay.pp > 1:
                 out.append(Problem("schedule.name", "zbv beside model.mtp: its V puts the last "
                                    "stage, which holds the prediction modules, on the first "

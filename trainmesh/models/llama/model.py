@@ -250,6 +250,7 @@ class Llama(nn.Module):
         self.register_buffer("mtp_losses", torch.zeros(args.mtp.depth if args.mtp else 0,
                                                         dtype=torch.float64), persistent=False)
         self._mtp_weight = 1.0
+        self.mtp_tp = None  # under tensor parallel (``parallelize.MTPTensorParallel``)
         # Context parallel (``parallelize.apply_context_parallel``): the rank's part of each
         # sequence, whose global positions index the RoPE tables, and the ring it attends over.
         self.rope_positions: torch.Tensor | None = None
@@ -365,7 +366,10 @@ def decoder_forward(parts: nn.Module, layers, h: torch.Tensor,
     if targets is None or getattr(parts, "mtp", None) is None or not torch.is_grad_enabled():
         return loss  # (evaluation: the next-token loss alone)
     # (a pipeline stage's modules are its Llama's, which holds the losses and the embedding)
-    return loss + _mtp_term(getattr(parts, "_owner", parts), head, h, targets)
+    owner = getattr(parts, "_owner", parts)
+    term = _mtp_term(owner, head, h, targets)
+    tp = getattr(owner, "mtp_tp", None)
+    return loss + (tp.joined(term, loss) if tp else term)
 
 
 def _head_loss(parts: nn.Module, head: nn.Module, h: torch.Tensor,
@@ -382,12 +386,15 @@ def _mtp_hidden(model: nn.Module, h: torch.Tensor, ahead: torch.Tensor):
     (those with a token k + 1 ahead), from the previous one's (``h``: the model's normalised
     output) and the embedding of the tokens k ahead (``ahead``: the tokens 1 ahead, whose
     first T − k the k-th takes from position k − 1 on). Causal: cutting the positions after
-    changes none before."""
+    changes none before. Under tensor parallel (``mtp_tp``) both are gathered whole first."""
+    tp = getattr(model, "mtp_tp", None)
+    embedded = model.tok_embeddings(ahead)  # (one lookup for every module)
+    if tp is not None:
+        h, embedded = tp.model_output(h), tp.embedded(embedded)
     T = h.shape[1]
     for k, module in enumerate(model.mtp.values(), start=1):
         n = T - k
-        h = module(model.tok_embeddings(ahead[:, k - 1:k - 1 + n]), h[:, :n],
-                   model.rope_cos, model.rope_sin)
+        h = module(embedded[:, k - 1:k - 1 + n], h[:, :n], model.rope_cos, model.rope_sin)
         yield h
 
 
@@ -397,9 +404,10 @@ def _mtp_term(model: nn.Module, head: nn.Module, h: torch.Tensor,
     value is left out of what is returned (its gradient kept: ``t − t.detach()``), so the loss
     the step reports stays the next-token one; each depth's loss, × the microbatch's weight,
     is added to ``model.mtp_losses`` for the step's metrics."""
-    losses = [_head_loss(model, head, h_k, targets[:, k:])
+    tp = getattr(model, "mtp_tp", None)
+    losses = [_head_loss(model, head, tp.head_input(h_k) if tp else h_k, targets[:, k:])
               for k, h_k in enumerate(_mtp_hidden(model, h, targets), start=1)]
-    stacked = torch.stack(losses)
+    stacked = torch.stack([tp.loss(x) for x in losses] if tp else losses)
     with torch.no_grad():
         model.mtp_losses += stacked.detach().double() * model._mtp_weight
     term = model.args.mtp.loss_weight * stacked.mean()

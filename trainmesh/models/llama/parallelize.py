@@ -51,7 +51,83 @@ def apply_tensor_parallel(model: Llama, tp_mesh: DeviceMesh, sequence_parallel: 
         parallelize_module(block, tp_mesh, block_plan(a, block, between, sequence_parallel))
         if a.mla is not None:
             block.attention.tp_mesh = tp_mesh
+    if getattr(model, "mtp", None) is not None:
+        _mtp_tensor_parallel(model, tp_mesh, sequence_parallel)
     return model
+
+
+def _mtp_tensor_parallel(model: Llama, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Multi-token prediction's modules under tensor parallel: their blocks split as the
+    model's are, without sequence parallel (each runs on T − k positions, which tp need not
+    divide): activations whole on every tp rank, an MoE block taking this rank's share of the
+    positions (uneven where tp does not divide them); their projection and norms whole
+    (each tp rank computes them alike, their gradients alike: the blocks' and the head's
+    inputs are summed over tp in backward). ``model.mtp_tp`` gathers what they read."""
+    a = model.args
+    for module in model.mtp.values():
+        plan = block_plan(a, module.block, Replicate(), sequence_parallel=False)
+        if isinstance(module.block.feed_forward, MoE):
+            del plan["feed_forward"]
+            _split_positions_over_tp(module.block.feed_forward, tp_mesh)
+        parallelize_module(module.block, tp_mesh, plan)
+        if a.mla is not None:
+            module.block.attention.tp_mesh = tp_mesh
+    model.mtp_tp = MTPTensorParallel(tp_mesh, sequence_parallel)
+
+
+def _split_positions_over_tp(moe: MoE, tp_mesh: DeviceMesh) -> None:
+    """An MoE block whose input is whole on every tp rank takes this rank's share of its
+    positions (``torch.chunk``'s, as DTensor shards: uneven where tp does not divide them) and
+    gives back the whole output; in backward its input's gradient is gathered whole."""
+    shapes: list[torch.Size] = []  # (the input's whole shape, from the call to its return)
+
+    def before(module, args):
+        (x,) = args
+        shapes.append(x.shape)
+        return (DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False)
+                .redistribute(tp_mesh, [Shard(1)]).to_local(),)
+
+    def after(module, args, out):
+        shape = shapes.pop()
+        whole = DTensor.from_local(out, tp_mesh, [Shard(1)], run_check=False, shape=shape,
+                                   stride=torch.empty(shape, device="meta").stride())
+        return whole.redistribute(tp_mesh, [Replicate()]).to_local()
+
+    moe.register_forward_pre_hook(before)
+    moe.register_forward_hook(after)
+
+
+class MTPTensorParallel:
+    """What multi-token prediction reads under tensor parallel (``Llama.mtp_tp``): the model's
+    normalised output and the embedding of the tokens ahead, whole (they may be sequence
+    shards); the head (column-parallel over the vocabulary) takes a module's output as a
+    replicated DTensor; the modules' loss term joins the model's loss (a DTensor under
+    ``loss_parallel``)."""
+
+    def __init__(self, mesh: DeviceMesh, sequence_parallel: bool):
+        self.mesh, self.sequence_parallel = mesh, sequence_parallel
+
+    def model_output(self, h: torch.Tensor) -> torch.Tensor:
+        return h.full_tensor() if isinstance(h, DTensor) else h
+
+    def embedded(self, e: torch.Tensor) -> torch.Tensor:
+        """The embedding module's output: under sequence parallel this rank's positions."""
+        if isinstance(e, DTensor):
+            return e.full_tensor()
+        if not self.sequence_parallel:
+            return e
+        return DTensor.from_local(e, self.mesh, [Shard(1)], run_check=False).full_tensor()
+
+    def head_input(self, h: torch.Tensor) -> torch.Tensor:
+        return DTensor.from_local(h, self.mesh, [Replicate()], run_check=False)
+
+    def loss(self, value: torch.Tensor) -> torch.Tensor:
+        return value.full_tensor() if isinstance(value, DTensor) else value
+
+    def joined(self, term: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        if isinstance(loss, DTensor):
+            return DTensor.from_local(term, loss.device_mesh, [Replicate()], run_check=False)
+        return term
 
 
 def block_plan(a, block: nn.Module, between, sequence_parallel: bool) -> dict[str, object]:
@@ -100,7 +176,7 @@ def tp_partial_params(model: nn.Module) -> list[nn.Parameter]:
     a part of what they act on, so each rank's gradient is a part of the whole: an MoE block's
     (its tp rank's share of the tokens) and the per-head q/k norms (its heads)."""
     out = [p for _, moe in moe_layers(model) for p in moe.parameters()]
-    for block in model.layers.values():
+    for block in [*model.layers.values(), *mtp_blocks(model)]:
         for name in ("q_norm", "k_norm"):
             if getattr(block.attention, name, None) is not None:
                 out.append(getattr(block.attention, name).weight)
