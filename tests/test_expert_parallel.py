@@ -48,18 +48,15 @@ CASES = {  # largest meshes first: the rank pool then only shrinks
     "dsv3-ep2-tp2-dp2-sp": (ParallelDims(tp=2, dp=2, ep=2), [
         "model.preset=tiny-dsv3", "parallelism.sequence_parallel=true",
         "model.moe.bias_update_rate=0.01"]),
-    # ... with multi-token prediction beside tp (2 modules; sequence parallel and not): the
-    # modules run on the whole sequence on every tp rank, their blocks' heads split, an MoE
-    # block taking its rank's uneven share of the T − k positions
+    # ... with multi-token prediction, 2 modules (each an MoE block of its own, its experts
+    # over ep and ZeRO-3 like the model's; the embedding and head shared), beside tp with
+    # sequence parallel: the modules run on the whole sequence on every tp rank, their
+    # blocks' heads split, an MoE block taking its rank's uneven share of the T − k positions.
+    # (Without tp: the pipeline case above, whose last stage runs them, and the restore
+    # test below, whose second mesh is dp 2 × ep 2.)
     "dsv3-mtp2-ep2-tp2-dp2-sp": (ParallelDims(tp=2, dp=2, ep=2), [
         "model.preset=tiny-dsv3", "parallelism.sequence_parallel=true", "model.mtp.depth=2",
         "model.moe.bias_update_rate=0.01"]),
-    "dsv3-mtp1-ep2-tp2-dp2": (ParallelDims(tp=2, dp=2, ep=2), [
-        "model.preset=tiny-dsv3", "model.mtp.depth=1", "model.moe.bias_update_rate=0.01"]),
-    # ... with multi-token prediction, 2 modules (each an MoE block of its own, its experts
-    # over ep and ZeRO-3 like the model's; the embedding and head shared)
-    "dsv3-mtp2-ep2-dp2": (ParallelDims(dp=2, ep=2), [
-        "model.preset=tiny-dsv3", "model.mtp.depth=2", "model.moe.bias_update_rate=0.01"]),
     # ... on two pipeline stages (the dense block and an MoE one on the first), 1F1B.
     "dsv3-pp2-ep2-dp2": (ParallelDims(pp=2, dp=2, ep=2), [
         "model.preset=tiny-dsv3", "model.moe.bias_update_rate=0.01"]),
