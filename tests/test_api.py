@@ -4,6 +4,7 @@ Its ``run`` and ``load_model`` on real ranks: ``test_dp_zero3.py``'s ZeRO-3 case
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -52,3 +53,48 @@ def test_a_checkpoint_loads_as_a_plain_module_and_exports(tmp_path):
         torch.testing.assert_close(model(tokens), trained(tokens), rtol=0, atol=0)
     written = api.export(str(tmp_path / "run"), str(tmp_path / "hf"))
     assert written["step"] == 7 and (tmp_path / "hf" / "config.json").is_file()
+
+
+def _shown(expected: str, got: list[str]) -> bool:
+    """Every line the page shows is, in order, one of the lines the cell printed (others, such
+    as a run's progress lines, may come between); ``…`` in a shown line stands for anything."""
+    it = iter(got)
+    for line in expected.splitlines():
+        pattern = re.compile(".*".join(re.escape(part) for part in line.split("…")) + r"\Z")
+        if not any(pattern.match(g) for g in it):
+            return False
+    return True
+
+
+@pytest.mark.cluster  # (a local Ray cluster, in the page's own interpreter)
+@pytest.mark.ray_apart
+@pytest.mark.timeout(600)
+def test_the_python_api_guide_runs_as_a_notebook_and_prints_what_it_shows(tmp_path):
+    """``docs/guides/python-api.md`` is a notebook: its cells run in order in one fresh
+    interpreter (from a directory holding the repository's ``jobs/``) — a spec, a plan, a run
+    on a local Ray cluster, its held-out loss, the export, the checkpoint as a module and
+    transformers' logits of the export — and each prints what the page shows under it."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from notebook import CELL, cells
+
+    repo = Path(__file__).resolve().parents[1]
+    page = repo / "docs" / "guides" / "python-api.md"
+    (tmp_path / "jobs").symlink_to(repo / "jobs")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(repo), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, str(repo / "tests" / "notebook.py"), str(page)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=560)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    printed = proc.stdout.split("\n")
+    marks = [printed.index(CELL.format(n)) for n in range(len(cells(page.read_text())))]
+    shown = [text for _, text in cells(page.read_text())]
+    assert len(shown) >= 7 and all(text is not None for text in shown), "a cell shows no output"
+    for n, (start, end) in enumerate(zip(marks, [*marks[1:], len(printed)], strict=True)):
+        got = printed[start + 1:end]
+        assert _shown(shown[n], got), (n, shown[n], got)
+    assert (tmp_path / "runs" / "api-demo" / "summary.json").is_file()
+    assert (tmp_path / "out" / "hf" / "config.json").is_file()

@@ -34,7 +34,7 @@ def _clip_per_shard(engine) -> None:
 
     from trainmesh.engine import step
 
-    def per_shard(params, max_norm, across=None):
+    def per_shard(params, max_norm, across=None, uncounted=()):
         local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
         total = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in local])))
         coef = max_norm / (total + 1e-6)
