@@ -35,16 +35,23 @@ def _trainmesh(argv: list[str], cwd: Path, env: dict, timeout: int) -> subproces
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
 
 
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory) -> tuple[Path, dict, subprocess.CompletedProcess]:
+    """``make demo``'s run, once for the module, as it runs it: from a directory holding the
+    repository's jobs/, so the run lands in runs/tiny-cpu there. (directory, environment,
+    the finished process)"""
+    root = tmp_path_factory.mktemp("demo")
+    (root / "jobs").symlink_to(REPO / "jobs")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    return root, env, _trainmesh(["run", "jobs/tiny-cpu.yaml", "--no-progress"], root, env, 380)
+
+
 @pytest.mark.timeout(500)
 @everyday("the demo: the README's first command, through the CLI, read back from MLflow, "
           "then the README's commands on its run (eval, export) in order")
-def test_demo_job_through_cli_lands_in_mlflow(tmp_path):
-    # As make demo runs it, from a directory holding the repository's jobs/: the run lands
-    # in runs/tiny-cpu there
-    (tmp_path / "jobs").symlink_to(REPO / "jobs")
-    out = tmp_path / "runs" / "tiny-cpu"
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = _trainmesh(["run", "jobs/tiny-cpu.yaml", "--no-progress"], tmp_path, env, 380)
+def test_demo_job_through_cli_lands_in_mlflow(demo, tmp_path):
+    root, env, proc = demo
+    out = root / "runs" / "tiny-cpu"
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     # Ray's start-up notice (token authentication on, its default) is not trainmesh's output.
@@ -106,7 +113,7 @@ def test_demo_job_through_cli_lands_in_mlflow(tmp_path):
     # demo's checkpoint holds. It says so at once (no rank started), names the ways out and
     # trains nothing.
     again = _trainmesh(["run", "jobs/tiny-cpu.yaml", "--set", "training.steps=20", "--no-progress"],
-                       tmp_path, env, 300)
+                       root, env, 300)
     assert again.returncode == 2, again.stderr[-3000:]
     assert ("training.steps: 20, but its newest checkpoint is at step 150: nothing to train"
             in again.stderr)
@@ -119,7 +126,7 @@ def test_demo_job_through_cli_lands_in_mlflow(tmp_path):
     commands = _readme_commands_on_the_demo()
     assert [argv[0] for argv in commands] == ["eval", "export"], commands
     for argv in commands:
-        done = _trainmesh(argv, tmp_path, env, 300)
+        done = _trainmesh(argv, root, env, 300)
         assert done.returncode == 0, (argv, done.stderr[-3000:])
         assert "Traceback" not in done.stderr
         if argv[0] == "eval":
@@ -128,6 +135,35 @@ def test_demo_job_through_cli_lands_in_mlflow(tmp_path):
             # (printed to 4 decimals)
             assert float(line.split()[2]) == pytest.approx(summary["eval"][-1]["loss"], abs=2e-4)
         else:
-            hf = tmp_path / argv[argv.index("--hf") + 1]
+            hf = root / argv[argv.index("--hf") + 1]
             assert "exported step 150" in done.stdout, done.stdout
             assert (hf / "config.json").is_file() and list(hf.glob("*.safetensors"))
+
+
+@pytest.mark.timeout(600)
+def test_the_readmes_run_examples_each_train_after_the_demo_in_order(demo):
+    """The README's ``trainmesh run`` examples, as a user types them after ``make demo`` (its
+    run complete in runs/tiny-cpu), in the README's order, in the demo's directory: each
+    trains to its end in a run of its own (none refused for another's complete run)."""
+    from test_docs import _commands
+
+    from trainmesh.cli.loading import load_spec
+
+    root, env, proc = demo
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = [argv for argv in _commands("run", pages=[REPO / "README.md"])  # (in its order)
+            if argv[0].startswith("jobs/")]
+    assert len(runs) >= 4, runs
+    outputs = set()
+    for argv in runs:
+        done = _trainmesh(["run", *argv], root, env, 300)
+        assert done.returncode == 0, (argv, done.stderr[-3000:])
+        assert "Traceback" not in done.stderr
+        spec = load_spec(str(root / argv[0]), [argv[i + 1] for i, a in enumerate(argv) if a == "--set"])
+        final = done.stdout.strip().splitlines()[-1]
+        assert final.startswith(f"done: {spec.training.steps} steps, final loss "), (argv, final)
+        out = root / spec.resolved_output_dir()
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["name"] == spec.name and summary["steps_done"] == spec.training.steps
+        outputs.add(out.resolve())
+    assert len(outputs) == len(runs) and (root / "runs" / "tiny-cpu").resolve() not in outputs

@@ -108,10 +108,10 @@ def test_every_shipped_job_spec_is_named_in_the_docs():
         assert f"jobs/{job.name}" in text, f"jobs/{job.name} is in no page"
 
 
-def _blocks(*langs: str) -> list[tuple[Path, str]]:
-    """Every fenced block in the pages whose language is one of ``langs`` ("": none given)."""
+def _blocks(*langs: str, pages: list[Path] = PAGES) -> list[tuple[Path, str]]:
+    """Every fenced block in ``pages`` whose language is one of ``langs`` ("": none given)."""
     found = []
-    for page in PAGES:
+    for page in pages:
         lang, lines = None, []
         for line in page.read_text().splitlines():
             if line.startswith("```"):
@@ -136,12 +136,12 @@ def test_the_job_specs_shown_in_the_docs_validate(tmp_path):
         load_spec(str(path), [])  # raises, naming the field, if a page shows a bad spec
 
 
-def _commands(word: str) -> list[list[str]]:
+def _commands(word: str, pages: list[Path] = PAGES) -> list[list[str]]:
     """Every ``trainmesh WORD ...`` command line in the README's and the docs' shell blocks,
     continuation lines joined, comments and ``[optional]`` parts dropped, split as the shell
     would; each once, in page order (a page repeating another's example runs it once)."""
     commands: list[list[str]] = []
-    for _, block in _blocks("bash", ""):
+    for _, block in _blocks("bash", "", pages=pages):
         joined = re.sub(r"\\\n\s*", " ", "\n".join(re.split(r"\s#", line)[0] for line in block.splitlines()))
         for line in joined.splitlines():
             if line.strip().startswith(f"trainmesh {word} "):
