@@ -242,7 +242,9 @@ def test_multi_token_prediction_is_refused_where_it_is_not_built(capsys, tmp_pat
             f"runtime.output_dir={tmp_path}"]
     for extra, field in ((["parallelism.pp=2", "parallelism.dp=1", "parallelism.vpp=2",
                            "schedule.name=zbv"], "schedule.name"),
-                         (["parallelism.cp=2", "parallelism.dp=1"], "parallelism.cp")):
+                         (["parallelism.cp=2", "parallelism.dp=1"], "parallelism.cp"),
+                         (["parallelism.tp=2", "parallelism.dp=1", "model.moe.capacity_factor=1.0"],
+                          "model.moe.capacity_factor")):
         assert main(["run", "jobs/tiny-cpu.yaml", *sets,
                      *[x for e in extra for x in ("--set", e)]]) == 2
         err = capsys.readouterr().err

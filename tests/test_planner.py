@@ -666,7 +666,7 @@ def test_plan_prices_the_llama3_papers_layout_beside_its_choice(capsys):
     published (tp 8 × pp 16 × dp 128) priced on that cluster: what the planner's own search
     predicts for the best plan with those degrees, beside its choice; on a cluster those
     degrees do not divide, it says so (and plans nothing)."""
-    from trainmesh.planning.published import PUBLISHED, price
+    from trainmesh.planning.published import PUBLISHED, price, published_layout
 
     sets = ["model.preset=405b", "parallelism=auto", "training.global_batch_size=2048",
             "elastic.max_world_size=16384"]
@@ -687,6 +687,9 @@ def test_plan_prices_the_llama3_papers_layout_beside_its_choice(capsys):
     assert "Not priced: " in line
     odd = price(request_for(spec), Topology.uniform(2047, 8, "h100"), PUBLISHED["405b"])
     assert odd == "16376 accelerators do not divide into its tp × pp × cp = 128"
+    # another shape under the preset's name is another model: no published layout for it
+    assert published_layout(spec.model) is PUBLISHED["405b"]
+    assert published_layout(load_spec("jobs/llama-70b.yaml", [*sets, "model.n_layers=64"]).model) is None
 
 
 @full("plans DeepSeek-V3 on 2,048 H100 twice (the choice, then DeepSeek's degrees): ~12 s; "
@@ -703,8 +706,9 @@ def test_plan_prices_deepseeks_layout_and_names_the_nodes_its_expert_groups_span
     out = capsys.readouterr().out.splitlines()
     [line] = [s for s in out if s.startswith("Published: ")]
     # the choice, as the plan's explanation names it: tp=T × ... (ep=E over dp)
-    [tp, ep] = map(int, re.search(r"^tp=(\d+) × .*?\(ep=(\d+) over dp", next(
-        s for s in out if s.startswith("tp="))).groups())
+    choice = re.search(r"^tp=(\d+) × pp=\d+ × dp=\d+( \(ep=(\d+) over dp)?", next(
+        s for s in out if s.startswith("tp=")))
+    tp, ep = int(choice.group(1)), int(choice.group(3) or 1)
     assert line.startswith("Published: DeepSeek-V3's technical report (2,048 H800), "
                            "tp=1 × pp=16 × ep=64, priced on this cluster (dp=128 (ep=64 over dp)")
     assert "Of its step (" in line and " against the choice's " in line

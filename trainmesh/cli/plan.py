@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         return 0 if rows else 1
     _print_table(spec, topo, rows)
     print(explain(result))
-    pub = published_layout(spec.model.preset)
+    pub = published_layout(spec.model)
     if pub is not None:  # the layout the model's authors published, priced here beside it
         auto = spec.model_copy(update={"parallelism": spec.parallelism.model_copy(
             update={"auto": True})})

@@ -172,15 +172,15 @@ def apply_expert_parallel(model: nn.Module, mesh: Mesh, seq_len: int) -> nn.Modu
     if cp > 1 or tp > 1:
         token_group = mesh["cp_tp" if cp > 1 and tp > 1 else "cp" if cp > 1 else "tp"].get_group()
         positions = token_positions(seq_len, mesh.coord(Axis.CP), cp, mesh.coord(Axis.TP), tp)
-    for name, moe in moe_layers(model):
+    for block_name, moe in moe_layers(model):
         # Each context-parallel rank's loss is the mean over its share of a sequence, cp× its
         # part of the whole: its part of the balancing loss weighs the same (ZeRO-3 averages
         # the gradients over dp × cp).
         moe.aux_share = float(cp)
         length, where = seq_len, positions
-        if name.startswith("mtp.") and token_group is not None:  # multi-token module k (from
-            # 0): over the sequence's first seq_len - k - 1 positions (no cp beside it: the spec)
-            length = seq_len - int(name.split(".")[1]) - 1
+        if block_name.startswith("mtp.") and token_group is not None:  # multi-token module k
+            # (from 0): over the first seq_len - k - 1 positions (no cp beside it: the spec)
+            length = seq_len - int(block_name.split(".")[1]) - 1
             where = token_positions(length, 0, 1, mesh.coord(Axis.TP), tp)
         if ep > 1:
             coord = mesh["ep"].get_local_rank()

@@ -413,9 +413,10 @@ def _activation_bytes(model, c: Candidate, seq_len: int, compute_bytes: int, fus
         # blocks after the model's), its norm and the input its head's matmul keeps; under tp
         # whole on every rank but the block's split heads (no sequence parallel inside)
         depth = getattr(getattr(model, "mtp", None), "depth", 0)
+        held = sum(d + m for d, m in kinds)  # (the rank's blocks: the modules' come after them)
         for k in range(depth):
             again = c.recompute == "full" or (
-                c.recompute == "selective" and (model.n_layers + k) % c.recompute_stride == 0)
+                c.recompute == "selective" and (held + k) % c.recompute_stride == 0)
             block = activation_units(model, c.tp, False, "full" if again else "none",
                                      fused_head, c.ep, c.cp)
             head += (3 * norm + 3 + block) * sbh * compute_bytes
@@ -459,7 +460,8 @@ def _tensors(model, c: Candidate, pp_rank: int) -> int:
     last = holds_head(c.schedule, c.pp, pp_rank)
     return (block_tensors(model, False) * rp.dense_blocks + block_tensors(model, True) * rp.moe_blocks
             + rp.mtp_modules * (4 + block_tensors(model, mtp_block_is_moe(model)))
-            + (pp_rank == 0) + (last and 1 + (not (model.tie_embeddings and pp_rank == 0))))
+            + (pp_rank == 0) + (last and 1 + (not (model.tie_embeddings and pp_rank == 0)))
+            + (rp.mtp_modules > 0 and pp_rank != 0))  # (the embedding's copy, with the modules)
 
 
 Fused = bool | frozenset  # every op fused (True), none (False), or the ops that are

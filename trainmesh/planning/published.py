@@ -14,23 +14,22 @@ from trainmesh.planning.topology import Topology
 
 @dataclass(frozen=True)
 class Published:
-    """One published layout: where it is from, on how many accelerators, its degrees (dp:
-    what the rest of the cluster holds), and what of it the cost model does not price."""
+    """One published layout: where it is from (and on what), its degrees (dp: what the rest of
+    the cluster holds), and what of it the cost model does not price."""
 
     source: str
-    gpus: int
     degrees: dict[str, int]
     not_priced: str
 
 
 PUBLISHED = {
     "deepseek-v3-671b": Published(
-        "DeepSeek-V3's technical report (2,048 H800)", 2048, {"tp": 1, "pp": 16, "ep": 64, "cp": 1},
+        "DeepSeek-V3's technical report (2,048 H800)", {"tp": 1, "pp": 16, "ep": 64, "cp": 1},
         "DualPipe, which hides the all-to-all behind compute (priced here as exposed), ZeRO-1 "
         "(priced here as ZeRO-3 or hybrid sharding), FP8 matmuls, and routing capped at 4 nodes "
         "a token (the all-to-all is priced for every copy)"),
     "405b": Published(
-        "the Llama 3 paper (16,384 H100, 8k tokens)", 16384, {"tp": 8, "pp": 16, "cp": 1},
+        "the Llama 3 paper (16,384 H100, 8k tokens)", {"tp": 8, "pp": 16, "cp": 1},
         "its pipeline schedule's own tuning (how many microbatches each stage runs in a row)"),
 }
 
@@ -40,8 +39,19 @@ PARTS = (("compute_s", "compute (the bubble included)"), ("ep_comm_s", "MoE all-
          ("dp_exposed_s", "exposed data-parallel traffic"), ("cp_comm_s", "context-parallel traffic"))
 
 
-def published_layout(preset: str | None) -> Published | None:
-    return PUBLISHED.get(preset) if preset else None
+def published_layout(model) -> Published | None:
+    """The layout published for ``model``'s preset, if it has one and the spec keeps the
+    preset's shape (a changed shape is another model)."""
+    pub = PUBLISHED.get(model.preset) if model.preset else None
+    if pub is None:
+        return None
+    shape = type(model)(preset=model.preset)  # the preset as shipped
+    same = model.model_dump(include=SHAPE) == shape.model_dump(include=SHAPE)
+    return pub if same else None
+
+
+# The fields that make a model's shape (what a published layout was chosen for)
+SHAPE = {"dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "moe", "mla"}
 
 
 def degrees_label(degrees: dict[str, int]) -> str:

@@ -136,6 +136,12 @@ def layout_problems(work: Workload, lay: LayoutLike, runnable: bool = True) -> l
                                    "multi-token prediction is built for data, expert, tensor "
                                    "and pipeline parallel (ZeRO-3, HSDP) only so far",
                                    "set parallelism.cp=1, or model.mtp=null"))
+            if lay.tp > 1 and m.moe is not None and m.moe.capacity_factor is not None:
+                out.append(Problem("model.moe.capacity_factor", "capacity beside model.mtp and "
+                                   f"tp={lay.tp} is not built: a prediction module's positions "
+                                   "split unevenly over tp, which the capacity's exchange does "
+                                   "not take", "set model.moe.capacity_factor=null (dropless), "
+                                   "parallelism.tp=1, or model.mtp=null"))
             if lay.schedule == "zbv" and lay.pp > 1:
                 out.append(Problem("schedule.name", "zbv beside model.mtp: its V puts the last "
                                    "stage, which holds the prediction modules, on the first "

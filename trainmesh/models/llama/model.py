@@ -333,7 +333,7 @@ class Llama(nn.Module):
 
 def mtp_blocks(model: nn.Module) -> list[nn.Module]:
     """The blocks of ``model``'s multi-token prediction modules (none without them, or on a
-    pipeline stage)."""
+    pipeline rank without the last stage)."""
     mtp = getattr(model, "mtp", None)
     return [m.block for m in mtp.values()] if mtp is not None else []
 

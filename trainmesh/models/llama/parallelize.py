@@ -78,17 +78,17 @@ def _mtp_tensor_parallel(model: Llama, tp_mesh: DeviceMesh, sequence_parallel: b
 def _split_positions_over_tp(moe: MoE, tp_mesh: DeviceMesh) -> None:
     """An MoE block whose input is whole on every tp rank takes this rank's share of its
     positions (``torch.chunk``'s, as DTensor shards: uneven where tp does not divide them) and
-    gives back the whole output; in backward its input's gradient is gathered whole."""
-    shapes: list[torch.Size] = []  # (the input's whole shape, from the call to its return)
+    gives back the whole output; in backward its input's gradient is gathered whole. The
+    whole length is the block's dispatch's (``expert.apply_expert_parallel``: the module's
+    T − k), so nothing is kept between the two hooks (a recomputation may stop between them)."""
 
     def before(module, args):
         (x,) = args
-        shapes.append(x.shape)
         return (DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False)
                 .redistribute(tp_mesh, [Shard(1)]).to_local(),)
 
     def after(module, args, out):
-        shape = shapes.pop()
+        shape = torch.Size((out.shape[0], module.dispatch.seq_len, *out.shape[2:]))
         whole = DTensor.from_local(out, tp_mesh, [Shard(1)], run_check=False, shape=shape,
                                    stride=torch.empty(shape, device="meta").stride())
         return whole.redistribute(tp_mesh, [Replicate()]).to_local()
