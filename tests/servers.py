@@ -235,14 +235,17 @@ class RayHead:
         self.root.mkdir(parents=True, exist_ok=True)
         subprocess.run([str(BIN / "ray"), "get-auth-token", "--generate"], check=True,
                        env=self.env, capture_output=True, timeout=60)
-        subprocess.run(
+        started = subprocess.run(
             [str(BIN / "ray"), "start", "--head", "--node-ip-address", "127.0.0.1",
              "--port", str(self.port), "--dashboard-host", "127.0.0.1",
              "--dashboard-port", str(self.dashboard_port), "--num-cpus", str(self.num_cpus),
              "--dashboard-agent-listen-port", str(self.agent_port),
              "--ray-client-server-port", str(self.client_port),
              "--temp-dir", str(self.root), "--disable-usage-stats"],
-            check=True, env=self.env, capture_output=True, timeout=180)
+            env=self.env, capture_output=True, text=True, timeout=180)
+        if started.returncode != 0:  # (what Ray said: a failed start is otherwise a bare status)
+            raise RuntimeError(f"ray start --head exited {started.returncode}:\n"
+                               f"{started.stdout[-3000:]}\n{started.stderr[-3000:]}")
         self._wait_for_job_agent()
 
     def _wait_for_job_agent(self, timeout_s: float = 180) -> None:
