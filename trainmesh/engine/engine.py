@@ -495,9 +495,14 @@ class Engine:
         spans = sum(end - start for _, start, end in self.executor.timeline)
         self._bubble_s = max(0.0, time.perf_counter() - t0 - spans)
         pp_group = self.mesh[Axis.PP].get_group()
-        dist.all_reduce(loss, group=pp_group)  # only the last stage holds a loss
-        if self.model.mtp_losses.numel():  # ... and the multi-token modules' (zeros elsewhere)
-            dist.all_reduce(self.model.mtp_losses, group=pp_group)
+        mtp = self.model.mtp_losses  # the multi-token modules' losses (zeros elsewhere)
+        if mtp.numel():  # only the last stage holds a loss: one all-reduce for both
+            both = torch.cat([loss.reshape(1), mtp])
+            dist.all_reduce(both, group=pp_group)
+            loss = both[0]
+            mtp.copy_(both[1:])
+        else:
+            dist.all_reduce(loss, group=pp_group)
         tokens = sum(y.numel() for (_, y), w in zip(mbs, weights, strict=True) if w)
         return finish_step(self.model, self.optimizer, self.scheduler,
                            self.spec.optimizer.grad_clip, float(loss), tokens, across=pp_group,
