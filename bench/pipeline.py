@@ -103,7 +103,7 @@ def measure(kind: str, pp: int, vpp: int, steps: int, data_dir: str):
     from trainmesh.parallel.pipeline.schedules import build_schedule, pipe_shape
     from trainmesh.parallel.pipeline.simulate import simulate
     from trainmesh.parallel.pipeline.trace import measured_costs
-    from trainmesh.planning.cost_model import bubble_fraction
+    from trainmesh.planning.candidate import bubble_fraction
 
     spec = load_spec(None, ["model.preset=tiny", "model.n_layers=8", "training.seq_len=64",
                             "training.global_batch_size=16", "training.microbatch_size=2",

@@ -10,7 +10,8 @@ import dataclasses
 import time
 
 from trainmesh.cli.loading import load_spec
-from trainmesh.planning.cost_model import Candidate, estimate
+from trainmesh.planning.candidate import Candidate
+from trainmesh.planning.cost_model import estimate
 from trainmesh.planning.devices import device_spec
 from trainmesh.planning.planner import PlanRequest, plan
 from trainmesh.planning.topology import Topology

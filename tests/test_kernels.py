@@ -202,7 +202,7 @@ def test_auto_takes_what_the_kit_measured_faster_per_op_and_torch_elsewhere():
     assert mixed.rms_norm.__wrapped__ is rms_norm and mixed.swiglu.__wrapped__ is swiglu
     assert mixed.linear_cross_entropy is None
     # the planner sees the same choice: the logits are materialised only where the loss is torch's
-    from trainmesh.planning.cost_model import uses_fused_kernels
+    from trainmesh.planning.memory_model import uses_fused_kernels
     assert uses_fused_kernels("auto", "h100") == set(kc.OPS)
     assert uses_fused_kernels({"linear_cross_entropy": "torch"}, "h100") == {"rms_norm", "swiglu", "rope"}
     assert uses_fused_kernels("auto", "h100", compiled=True) == {"rms_norm", "rope", "linear_cross_entropy"}

@@ -188,7 +188,7 @@ def test_latent_attention_activations_count_every_heads_keys_and_values_and_the_
     with their norms' outputs, which every tp rank holds whole (DeepSeek-V3: 11.4 + 0.58 units
     of the width per token, against grouped-query attention's 5 at the same width)."""
     from trainmesh.cli.loading import load_spec
-    from trainmesh.planning.cost_model import activation_units, mla_activation_units
+    from trainmesh.planning.memory_model import activation_units, mla_activation_units
 
     dsv3 = load_spec(None, ["model.preset=deepseek-v3-671b"]).model
     heads, latent = mla_activation_units(dsv3)
@@ -207,7 +207,8 @@ def test_uneven_stages_are_planned_for_the_rank_holding_the_most_blocks():
     the device is the heaviest rank's of all (DeepSeek-V3 at pp 32: rank 2, the first with two
     MoE blocks, not the first or the last)."""
     from trainmesh.cli.loading import load_spec
-    from trainmesh.planning.cost_model import Candidate, memory_bytes, rank_memory
+    from trainmesh.planning.candidate import Candidate
+    from trainmesh.planning.memory_model import memory_bytes, rank_memory
     from trainmesh.planning.stage_params import _block_parts, rank_params
 
     m = load_spec(None, ["model.preset=tiny", "model.n_layers=5"]).model

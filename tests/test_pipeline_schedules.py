@@ -150,7 +150,7 @@ def test_grid_prints_every_rank():
                                                     ("interleaved-1f1b", 4, 2, 8),
                                                     ("gpipe", 2, 1, 6)])
 def test_planner_closed_form_equals_the_simulator(kind, pp, v, m):
-    from trainmesh.planning.cost_model import bubble_fraction
+    from trainmesh.planning.candidate import bubble_fraction
 
     sim = simulate(build_schedule(kind, pp, v, m), pp * v, m, Costs(1 / v, 2 / v))
     assert bubble_fraction(kind, pp, v, m) == pytest.approx(sim.bubble_fraction)

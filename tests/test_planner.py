@@ -13,7 +13,7 @@ from tiers import full
 
 from trainmesh.cli.loading import load_spec
 from trainmesh.cli.main import main
-from trainmesh.planning import cost_model, stage_params
+from trainmesh.planning import candidate, cost_model, memory_model, stage_params
 from trainmesh.planning.devices import device_spec
 from trainmesh.planning.job_plan import PlanError, plan_job, request_for
 from trainmesh.planning.planner import MEMORY_HEADROOM, PlanRequest, explain, plan
@@ -34,7 +34,7 @@ def _brute_force_best(req: PlanRequest, topo: Topology) -> float:
     best = (0, 0.0)  # (ranks used, tokens/s): every usable accelerator first, then speed
     for tp, pp, dp, vpp, mbs, sched, rc, keep, ddp in itertools.product(
             range(1, world + 1), range(1, world + 1), range(1, world + 1), (1, 2, 4), (1, 2, 4, 8),
-            cost_model.AUTO_SCHEDULES, cost_model.RECOMPUTE, (True, False), (False, True)):
+            candidate.AUTO_SCHEDULES, candidate.RECOMPUTE, (True, False), (False, True)):
         groups = sum(n.accelerators // tp for n in topo.nodes)
         rules = [m.n_heads % tp == 0, m.n_kv_heads % tp == 0, topo.largest_node % tp == 0,
                  m.vocab_size % tp == 0,
@@ -53,10 +53,10 @@ def _brute_force_best(req: PlanRequest, topo: Topology) -> float:
         n = share
         if -(-micro // n) < dp:  # fewer replicas would run as many each: these only pad
             continue
-        c = cost_model.Candidate(tp, pp, dp, vpp, sched, mbs, n, rc, tp > 1, keep, padding=n * dp - micro,
+        c = candidate.Candidate(tp, pp, dp, vpp, sched, mbs, n, rc, tp > 1, keep, padding=n * dp - micro,
                                  dp_replicate=dp if ddp else 1)
-        fused = cost_model.uses_fused_kernels(req.kernels, topo.device.name)
-        if cost_model.memory_bytes(m, c, req.seq_len, req.compute_bytes,
+        fused = memory_model.uses_fused_kernels(req.kernels, topo.device.name)
+        if memory_model.memory_bytes(m, c, req.seq_len, req.compute_bytes,
                                    topo.device.framework_gib * 1024**3, fused) > limit:
             continue
         first_node = min(topo.largest_node // tp * tp, tp * pp * dp)
@@ -129,11 +129,11 @@ def test_gpt3_175b_on_1024_a100_ranks_8_16_8_near_the_top():
 
 
 def test_interleaving_divides_the_bubble():
-    one = cost_model.bubble_fraction("1f1b", 4, 1, 8)
+    one = candidate.bubble_fraction("1f1b", 4, 1, 8)
     assert one == pytest.approx(3 / 11)
-    inter = cost_model.bubble_fraction("interleaved-1f1b", 4, 2, 8)
+    inter = candidate.bubble_fraction("interleaved-1f1b", 4, 2, 8)
     assert inter == pytest.approx(1.5 / 9.5)
-    assert cost_model.bubble_fraction("1f1b", 1, 1, 8) == 0
+    assert candidate.bubble_fraction("1f1b", 1, 1, 8) == 0
 
 
 def test_explicit_infeasible_degrees_say_why():
@@ -210,7 +210,7 @@ def test_in_flight_chunks_are_what_the_schedule_simulator_holds(schedule):
         if (schedule == "interleaved-1f1b") != (vpp > 1) or m < pp:  # any m ≥ pp interleaves
             continue
         peaks = simulate(build_schedule(schedule, pp, v, m), pp * v, m).peak_in_flight
-        assert peaks == [cost_model.in_flight_chunks(schedule, pp, v, m, r) for r in range(pp)]
+        assert peaks == [candidate.in_flight_chunks(schedule, pp, v, m, r) for r in range(pp)]
 
 
 def test_the_plan_reaches_the_runtime_through_the_effective_spec():
@@ -238,10 +238,10 @@ def test_keeping_parameters_gathered_costs_the_stage_unsharded():
     """keep_gathered holds the rank's whole part gathered plus its unsharded gradients;
     resharding holds two blocks (plus the root) — the memory the runtime's choice implies."""
     m = _model("8b")
-    keep = cost_model.Candidate(1, 1, 8, 1, "1f1b", 1, 4, "none", False, True)
-    reshard = cost_model.Candidate(1, 1, 8, 1, "1f1b", 1, 4, "none", False, False)
-    a = cost_model.rank_memory(m, keep, 4096)
-    b = cost_model.rank_memory(m, reshard, 4096)
+    keep = candidate.Candidate(1, 1, 8, 1, "1f1b", 1, 4, "none", False, True)
+    reshard = candidate.Candidate(1, 1, 8, 1, "1f1b", 1, 4, "none", False, False)
+    a = memory_model.rank_memory(m, keep, 4096)
+    b = memory_model.rank_memory(m, reshard, 4096)
     n = stage_params.rank_params(m, 1, 0).gathered(1)
     layer = stage_params.layer_params(m)
     assert a.gathered == pytest.approx(2 * n) and a.grads == pytest.approx(4 * n + 2 * layer)
@@ -346,7 +346,7 @@ def test_moe_plans_choose_ep_and_price_the_all_to_all():
     dims, result = plan_job(spec, topo)
     assert {p.candidate.ep for p in result.plans} >= {1, 2, 4, 8}
     assert dims.dp % dims.ep == 0 and 8 % dims.ep == 0
-    by_ep = {ep: cost_model.estimate(spec.model, cost_model.Candidate(
+    by_ep = {ep: cost_model.estimate(spec.model, candidate.Candidate(
         2, 4, 8, 1, "1f1b", 1, 32, "full", True, True, "float32", ep), 4096,
         device_spec("h100"), 8, 2) for ep in (1, 2, 4, 8)}
     assert by_ep[1].ep_comm_s == 0 < by_ep[2].ep_comm_s
@@ -364,7 +364,7 @@ def test_moe_capacity_under_tp_is_priced_and_planned_for_a_whole_microbatch():
     def ep_comm(tp: int, capacity: str) -> float:
         spec = load_spec(None, ["model.preset=mixtral-8x7b", "training.seq_len=4096",
                                 f"model.moe.capacity_factor={capacity}"])
-        return cost_model.estimate(spec.model, cost_model.Candidate(
+        return cost_model.estimate(spec.model, candidate.Candidate(
             tp, 4, 8, 1, "1f1b", 1, 32, "full", True, True, "float32", 2), 4096,
             device_spec("h100"), 8, 2).ep_comm_s
 
@@ -374,7 +374,7 @@ def test_moe_capacity_under_tp_is_priced_and_planned_for_a_whole_microbatch():
     expected = 2 * 4096 * 2 * 8 / 2 / (device_spec("h100").intra_node_gbps * 1e9) * 8 * 32
     assert gather == pytest.approx(expected) and ep_comm(1, "1.25") == ep_comm(1, "null")
     moe = load_spec(None, ["model.preset=mixtral-8x7b", "model.moe.capacity_factor=0.5"]).model
-    units = {tp: cost_model.moe_activation_units(moe, ep=2, tp=tp) for tp in (1, 2, 8, 16)}
+    units = {tp: memory_model.moe_activation_units(moe, ep=2, tp=tp) for tp in (1, 2, 8, 16)}
     routed = moe.moe.top_k * (2 + 4 * moe.moe.expert_ffn_dim / moe.dim)
     assert units[1] == pytest.approx(0.5 * routed) and units[2] == pytest.approx(1.0 * routed)
     assert units[8] == units[16] == pytest.approx(moe.moe.experts / moe.moe.top_k * routed)
@@ -436,8 +436,8 @@ def test_a_sequence_that_fits_no_rank_is_planned_with_context_parallel():
     assert not plan(request_for(pinned), Topology.uniform(4, 8, "h100")).plans
     # activations per rank: 1/cp of a whole sequence's
     c = dataclasses.replace(best, cp=1, dp=best.dp * best.cp)
-    whole = cost_model.rank_memory(spec.model, c, 131072).activations
-    assert cost_model.rank_memory(spec.model, best, 131072).activations == pytest.approx(
+    whole = memory_model.rank_memory(spec.model, c, 131072).activations
+    assert memory_model.rank_memory(spec.model, best, 131072).activations == pytest.approx(
         whole / best.cp, rel=0.15)
     short = plan(request_for(load_spec("jobs/llama-70b.yaml", ["parallelism=auto"])),
                  Topology.uniform(16, 8, "h100"))
@@ -462,7 +462,7 @@ def test_ring_traffic_hides_behind_attention_at_long_sequences_only():
     dev = Topology.uniform(1, 8, "h100").device
 
     def exposed(seq: int, mode: str) -> float:
-        c = cost_model.Candidate(1, 1, 1, 1, "1f1b", 1, 1, "none", cp=8, cp_mode=mode)
+        c = candidate.Candidate(1, 1, 1, 1, "1f1b", 1, 1, "none", cp=8, cp_mode=mode)
         return cost_model.cp_exposed(m, c, seq, dev, 8, 2) / (seq / 8192)  # per 8K tokens
     assert exposed(131072, "ring") < exposed(16384, "ring")
     assert exposed(131072, "allgather") > exposed(131072, "ring")
@@ -483,7 +483,7 @@ def test_a_dense_model_whose_state_fits_each_rank_runs_as_ddp_where_that_is_fast
     spec = load_spec(None, [*demo, "parallelism=auto"])
     result = plan(request_for(spec), Topology.uniform(1, 2, "cpu"))
     c = result.best.candidate
-    assert (c.dp, c.dp_replicate) == (2, 2) and cost_model.runs_ddp(spec.model, c)
+    assert (c.dp, c.dp_replicate) == (2, 2) and candidate.runs_ddp(spec.model, c)
     sharded = next(p for p in result.plans if p.candidate == dataclasses.replace(c, dp_replicate=1))
     assert sharded.estimate.dp_exposed_s > result.best.estimate.dp_exposed_s
     text = explain(result)
@@ -501,33 +501,33 @@ def test_a_dense_model_whose_state_fits_each_rank_runs_as_ddp_where_that_is_fast
     small = load_spec(None, ["model.preset=small", "parallelism=auto", "training.global_batch_size=64",
                              "training.seq_len=1024"])
     best = plan(request_for(small), h100).best
-    assert cost_model.runs_ddp(small.model, best.candidate) and best.candidate.dp == 8
+    assert candidate.runs_ddp(small.model, best.candidate) and best.candidate.dp == 8
     # whole float32 state, gradients and the weights' bf16 casts autocast keeps for backward
     n = stage_params.rank_params(small.model, 1, 0, "1f1b").gathered(1, 1)
-    mem = cost_model.rank_memory(small.model, best.candidate, 1024, compute_bytes=2)
+    mem = memory_model.rank_memory(small.model, best.candidate, 1024, compute_bytes=2)
     assert (mem.params, mem.grads, mem.optimizer, mem.gathered) == (4 * n, 4 * n, 8 * n, 2 * n)
-    assert cost_model.rank_memory(small.model, best.candidate, 1024, compute_bytes=4).gathered == 0
+    assert memory_model.rank_memory(small.model, best.candidate, 1024, compute_bytes=4).gathered == 0
     one_b = load_spec(None, ["model.preset=1b", "parallelism=auto", "training.global_batch_size=64",
                              "training.seq_len=2048"])
     plans = plan(request_for(one_b), h100).plans
-    ddp = next(p for p in plans if cost_model.runs_ddp(one_b.model, p.candidate))
-    assert not cost_model.runs_ddp(one_b.model, plans[0].candidate)
+    ddp = next(p for p in plans if candidate.runs_ddp(one_b.model, p.candidate))
+    assert not candidate.runs_ddp(one_b.model, plans[0].candidate)
     embedding = 4 * one_b.model.vocab_size * one_b.model.dim  # fp32 gradients, ring over 8
     assert ddp.estimate.dp_exposed_s >= 2 * 7 / 8 * embedding / (h100.device.intra_node_gbps * 1e9)
     eight_b = load_spec(None, ["model.preset=8b", "parallelism=auto", "training.global_batch_size=64",
                                "training.seq_len=4096"])
-    assert not any(cost_model.runs_ddp(eight_b.model, p.candidate)
+    assert not any(candidate.runs_ddp(eight_b.model, p.candidate)
                    for p in plan(request_for(eight_b), h100).plans)
     moe = load_spec(None, ["model.preset=tiny-moe", "parallelism=auto", *demo[1:]])
     plans = plan(request_for(moe), Topology.uniform(1, 4, "cpu")).plans
-    assert plans and not any(cost_model.runs_ddp(moe.model, p.candidate) for p in plans)
+    assert plans and not any(candidate.runs_ddp(moe.model, p.candidate) for p in plans)
     # In-memory snapshots: a DDP rank's hold the whole state. Where they do not fit a node's
     # host memory and ZeRO-3's do, the job runs ZeRO-3 rather than being refused.
     from trainmesh.planning.job_plan import plan_for
 
     snap = load_spec(None, [*demo, "parallelism=auto", "checkpoint.in_memory.every=1"])
-    ddp_gib = 2 * cost_model.snapshot_host_bytes(snap.model, c) / cost_model.GIB  # 2 ranks a node
-    zero_gib = 2 * cost_model.snapshot_host_bytes(snap.model, sharded.candidate) / cost_model.GIB
+    ddp_gib = 2 * memory_model.snapshot_host_bytes(snap.model, c) / candidate.GIB  # 2 ranks a node
+    zero_gib = 2 * memory_model.snapshot_host_bytes(snap.model, sharded.candidate) / candidate.GIB
     assert zero_gib < ddp_gib
     tight = plan_for(snap, Topology.uniform(1, 2, "cpu").with_host_memory((zero_gib + ddp_gib) / 2), False)
     assert tight.result.best.candidate.dp_replicate == 1 and tight.spec.parallelism.dp_replicate == 1
@@ -649,13 +649,13 @@ def test_a_layout_whose_largest_ep_does_not_fit_rejects_its_smaller_ones_unprice
     topo = Topology.uniform(2, 8, "h100")
     result = plan(req, topo)
     limit = topo.device.memory_gib * MEMORY_HEADROOM * 1024**3
-    fused = cost_model.uses_fused_kernels(req.kernels, topo.device.name)
+    fused = memory_model.uses_fused_kernels(req.kernels, topo.device.name)
     bound = [r for r in result.rejected if "as at a larger ep" in r.reason]
     assert bound and all(r.candidate.ep >= 2 for r in bound)
     # priced, every one of them exceeds the device: the plans are those of pricing them all
     with stage_params.memoized():
         for r in bound:
-            assert cost_model.memory_bytes(m, r.candidate, req.seq_len, req.compute_bytes,
+            assert memory_model.memory_bytes(m, r.candidate, req.seq_len, req.compute_bytes,
                                            topo.device.framework_gib * 1024**3, fused) > limit
     priced = [r for r in result.rejected if r.reason.startswith("memory") and r not in bound]
     assert any(r.candidate.ep == 1 for r in priced) and result.plans

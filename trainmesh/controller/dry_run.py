@@ -4,14 +4,9 @@ after one step with ``--step``), next to what the planner predicted for it."""
 from __future__ import annotations
 
 from trainmesh.parallel.dims import Axis, ParallelDims
-from trainmesh.planning.cost_model import (
-    GIB,
-    Candidate,
-    rank_memory,
-    snapshot_host_bytes,
-    uses_fused_kernels,
-)
+from trainmesh.planning.candidate import GIB, Candidate
 from trainmesh.planning.devices import DeviceSpec
+from trainmesh.planning.memory_model import rank_memory, snapshot_host_bytes, uses_fused_kernels
 from trainmesh.spec.job import JobSpec
 
 

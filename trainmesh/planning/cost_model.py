@@ -1,36 +1,5 @@
-"""Memory and step-time estimates for one candidate plan (pure arithmetic, no torch).
-
-Memory per rank (bytes) counts what the runtime allocates (``rank_memory``; checked against
-the tensors a real rank holds by ``trainmesh run --dry-run`` and the memory-matrix test):
-  * Shards (ZeRO-3 over dp; TP shards the matrices, norms are replicated over tp): fp32 master
-    parameters (4 bytes each), fp32 gradients (4) and two fp32 Adam moments (8).
-  * FSDP2's gathered copies in the compute dtype. ``keep_gathered``: the rank's whole part
-    stays gathered all step (reshard after forward/backward off until the last microbatch)
-    and its gradients accumulate unsharded, in the reduce dtype (FSDP2 upcasts them), until
-    the one reduce-scatter at the last microbatch. Otherwise: two blocks (computing + prefetched)
-    plus the root's embedding / norm / head, gradients reduce-scattered after every
-    microbatch (one block's unsharded gradients at a time). FSDP2 makes the gathered copy
-    even at dp = 1 — except for pipeline stages at dp = 1 in float32, which are not wrapped
-    (nothing to shard or cast): their gradients are plain fp32 ``.grad``.
-  * The peak is the larger of two moments: while microbatches run (gathered copies, their
-    gradients, activations, backward transients) and the step's end (the last reduce-scatter,
-    or the sharded gradients while AdamW's fused step updates in place), on top of parameters
-    and moments.
-  * Activations autograd saves, counted from this implementation (torch ops, fused
-    attention), per layer and microbatch in units of s·b·h elements of the compute dtype,
-    f = ffn_dim / dim: without sequence parallel 6 + (5 + 4f)/t (block input, norm
-    statistics' inputs and outputs replicated; q, k and v after GQA expansion, attention out,
-    wo input; SwiGLU gate, up, silu(gate), w2 input sharded); with sequence parallel
-    2 + (9 + 4f)/t (the gathered norm outputs stay whole). The Triton kernels keep less:
-    4 + (5 + 3f)/t, or 2 + (7 + 3f)/t with sequence parallel. Full recomputation keeps only the
-    block input (1, or 1/t with sequence parallel) plus one block's activations while it is
-    recomputed. A rank holds ``in_flight_chunks`` microbatch-chunks at its peak (Megatron's
-    warm-up counts: GPipe m, 1F1B p − r, interleaved 2(p − r − 1) + (v − 1)p + 1).
-  * The last stage's final norm and, without the fused head kernel, the fp32 log-probabilities
-    of one microbatch (saved) and their gradient (transient): 2 × 4·s·b·V/t; with it, the
-    input and head-weight gradients it computes in forward (s·b·h + V·h/t).
-  * A framework allowance per device (CUDA context, allocator slack, NCCL buffers; on CPU the
-    rank process with torch and Ray loaded).
+"""Step-time estimates for one candidate plan (pure arithmetic, no torch; a rank's memory is
+``memory_model``'s, the candidate and its schedule's bubble ``candidate``'s).
 
 Step time (seconds):
   * compute = training FLOPs of the global batch / (world × peak × efficiency) plus a fixed
@@ -58,38 +27,27 @@ Step time (seconds):
   * DP without sharding (DDP: shard groups of one rank, a dense model without tp, pp or cp):
     the gradients all-reduced once per step in 25 MiB buckets, 2(d-1)/d × bytes, while the
     last microbatch's backward runs; hidden behind it except the last bucket, the
-    embedding's (``_ddp_exposed``). Memory: every rank holds the whole float32 state; under a narrower
-    compute dtype autocast keeps each weight's cast for backward.
+    embedding's (``_ddp_exposed``).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
-from trainmesh.models.llama.model_math import (
-    blocks_held,
-    chunk_kinds,
-    flops_per_token,
-    fullest_ranks,
-    rank_blocks,
-    stage_split,
+from trainmesh.models.llama.model_math import flops_per_token
+from trainmesh.planning.candidate import (
+    CHUNKED,
+    GIB,
+    Candidate,
+    bubble_fraction,
+    kv_dim,
+    runs_ddp,
 )
-from trainmesh.parallel.dims import replicates
-from trainmesh.parallel.pipeline.ir import splits_backward
 from trainmesh.planning.devices import DeviceSpec
-from trainmesh.planning.stage_params import (
-    block_tensors,
-    holds_head,
-    memo,
-    mtp_block_is_moe,
-    rank_params,
-)
-from trainmesh.spec.kernel_choice import fused_ops
+from trainmesh.planning.memory_model import Fused, memory_bytes
+from trainmesh.planning.stage_params import rank_params
 
-GIB = 1024**3
-FRAMEWORK_BYTES = 2.0 * GIB  # CUDA context, allocator slack, NCCL/gloo buffers
 MATMUL_EFFICIENCY = 0.55  # achievable fraction of peak for large bf16 matmuls
 PP_LATENCY_S = 20e-6  # per point-to-point message
 # Per ZeRO-3 collective (one per FSDP unit: each block and the root): launch and
@@ -103,73 +61,6 @@ DDP_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size (bucket_cap_mb)
 # sharding choice at scale rests on them.
 HOP_LATENCY_INTER_S = 5e-6
 HOP_LATENCY_INTRA_S = 1e-6
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")
-AUTO_SCHEDULES = SCHEDULES[:3]  # what the planner weighs unasked; zero-bubble ones when named
-CHUNKED = ("interleaved-1f1b", "zbv")  # schedules that run vpp chunks per rank
-RECOMPUTE = ("none", "selective", "full")  # selective: every recompute_stride-th block
-
-
-@dataclass(frozen=True)
-class Candidate:
-    tp: int
-    pp: int
-    dp: int
-    vpp: int
-    schedule: str
-    microbatch_size: int
-    num_microbatches: int
-    recompute: str
-    sequence_parallel: bool = False
-    # ZeRO-3 gathers parameters once per step and keeps them (and unsharded gradients) across
-    # microbatches (True), or re-gathers them for every microbatch (False).
-    keep_gathered: bool = True
-    reduce_dtype: str = "float32"  # gradient reduce-scatter dtype (FSDP2's reduce_dtype)
-    ep: int = 1  # expert parallel, folded over dp (MoE models)
-    # padding microbatches over all replicas (dp not dividing the microbatches: the replicas
-    # with the smaller share run one of weight 0 to keep the collectives aligned)
-    padding: int = 0
-    # hybrid sharding (HSDP): ZeRO-3 inside groups of dp / dp_replicate replicas, gradients
-    # all-reduced across the dp_replicate groups
-    dp_replicate: int = 1
-    cp: int = 1  # context parallel: each sequence over cp ranks (ZeRO-3 over dp × cp)
-    cp_mode: str = "ring"  # ring | allgather
-    recompute_stride: int = 2  # with selective recomputation: every N-th block of a rank
-
-    def blocks(self, model) -> int:
-        """The most blocks a pipeline rank holds (``model_math.rank_blocks``: uneven where
-        pp × vpp does not divide them)."""
-        return rank_blocks(model.n_layers, self.pp, self.vpp)
-
-    def chunk_blocks(self, model) -> int:
-        """The most blocks one model chunk (pipeline stage) holds."""
-        return max(stage_split(model.n_layers, self.pp * self.vpp))
-
-    def recomputed(self, layers: int) -> float:
-        """The fraction of a rank's ``layers`` blocks recomputed in backward (selective: the
-        rank's blocks 0, N, 2N, … as ``apply_activation_checkpointing`` picks them)."""
-        if self.recompute == "full":
-            return 1.0
-        if self.recompute == "selective":
-            return -(-layers // self.recompute_stride) / layers
-        return 0.0
-
-    @property
-    def dp_shard(self) -> int:
-        """Replicas a ZeRO-3 shard group spans (all of dp without hybrid sharding)."""
-        return self.dp // self.dp_replicate
-
-    @property
-    def zero_shards(self) -> int:
-        """Ranks a ZeRO-3 shard group spans: its replicas and their context-parallel peers."""
-        return self.dp_shard * self.cp
-
-    @property
-    def reduce_bytes(self) -> int:
-        return 2 if self.reduce_dtype == "bfloat16" else 4
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.pp * self.dp * self.cp
 
 
 @dataclass(frozen=True)
@@ -187,305 +78,6 @@ class Estimate:
     ep_comm_s: float = 0.0  # MoE token all-to-alls (dispatch and combine, forward and backward)
     cp_comm_s: float = 0.0  # context parallel's key/value traffic not hidden behind attention
     host_bound: bool = False  # the host issuing the blocks' work takes longer than the device runs it
-
-
-def bubble_fraction(schedule: str, pp: int, vpp: int, m: int) -> float:
-    """Idle fraction of a pipelined step with uniform stage costs (backward = 2 × forward; a
-    split backward's input and weight halves 1 each). Closed forms for GPipe, 1F1B and
-    interleaved; the zero-bubble schedules are played by the simulator (cached)."""
-    if pp == 1:
-        return 0.0
-    if splits_backward(schedule):
-        return _zero_bubble(schedule, pp, vpp, m)[0]
-    v = vpp if schedule == "interleaved-1f1b" else 1
-    idle = (pp - 1) / v
-    return idle / (m + idle)
-
-
-@functools.lru_cache(maxsize=256)
-def _zero_bubble(schedule: str, pp: int, vpp: int, m: int) -> tuple[float, tuple[int, ...]]:
-    from trainmesh.parallel.pipeline.schedules import build_schedule, pipe_shape
-    from trainmesh.parallel.pipeline.simulate import Costs, simulate
-
-    res = simulate(build_schedule(schedule, pp, vpp, m), pp * vpp, m, Costs(1 / vpp, 2 / vpp),
-                   shape=pipe_shape(schedule, pp, vpp, m))
-    return res.bubble_fraction, tuple(res.peak_in_flight)
-
-
-def in_flight_chunks(schedule: str, pp: int, vpp: int, m: int, pp_rank: int) -> int:
-    """Microbatch-chunks of activations rank ``pp_rank`` holds at its peak (a chunk is one of
-    its ``vpp`` model chunks; 1 chunk per rank without interleaving). A split backward holds
-    them until the W."""
-    if pp == 1:
-        return 1
-    if schedule == "gpipe":
-        return m
-    if schedule == "1f1b":
-        return min(m, pp - pp_rank)
-    if schedule == "zb-h1":  # rank r holds its W's back r microbatches: pp on every rank
-        return min(m, pp)
-    if schedule == "zbv":
-        return _zero_bubble(schedule, pp, vpp, m)[1][pp_rank]
-    # microbatches through a chunk at once: the first (largest) of interleaved 1F1B's groups
-    # (``schedules.interleave_groups``: m // pp groups, sizes differing by at most one)
-    group = -(-m // (m // pp)) if m >= pp else pp
-    return min(m * vpp, 2 * (pp - pp_rank - 1) + (vpp - 1) * group + 1)
-
-
-@dataclass(frozen=True)
-class MemoryBreakdown:
-    """Bytes one rank holds at its peak in a step, by kind (see the module docstring)."""
-
-    params: float
-    grads: float  # while microbatches run (unsharded, in the compute dtype, while kept gathered)
-    optimizer: float
-    gathered: float
-    activations: float  # saved for backward, the last stage's fp32 log-probabilities included
-    transient: float  # briefly, in backward: a recomputed block's activations, log-prob grads
-    end_of_step: float  # beyond params + optimizer at the last reduce-scatter / optimizer step
-    framework: float
-
-    @property
-    def total(self) -> float:
-        """The step's peak: the larger of while microbatches run and the step's end."""
-        running = self.grads + self.gathered + self.activations + self.transient
-        return self.params + self.optimizer + max(running, self.end_of_step) + self.framework
-
-    def as_gib(self) -> dict[str, float]:
-        out = {k: v / GIB for k, v in self.__dict__.items()}
-        out["total"] = self.total / GIB
-        return out
-
-
-def activation_units(model, tp: int, sequence_parallel: bool, recompute: str,
-                     fused: Fused = False, ep: int = 1, cp: int = 1, moe_block: bool = True) -> float:
-    """Saved activations of one layer and microbatch, in s·b·h elements (module docstring);
-    ``moe_block``: of an MoE model's MoE block (False: one of its leading dense blocks).
-    ``fused``: the Triton kernels (all, or the set of ops that run them), whose RMSNorm keeps
-    only its input (not the normalised copy) and whose SwiGLU keeps gate and up only.
-    ``cp`` > 1: the context-parallel attention keeps the key/value heads unexpanded (q, k, v:
-    1 + 2·kv/h instead of 3)."""
-    if recompute == "full":
-        return 1.0 / tp if sequence_parallel and tp > 1 else 1.0
-    f = model.ffn_dim / model.dim
-    attn = 5.0 if cp == 1 else 3.0 + 2.0 * model.n_kv_heads / model.n_heads
-    latent = 0.0  # what tensor parallel does not split (each tp rank computes it whole)
-    if getattr(model, "mla", None) is not None:
-        attn, latent = mla_activation_units(model)
-    norm = 1 if _runs(fused, "rms_norm") else 2  # per norm, besides the output the next matmul keeps
-    mlp = (3 if _runs(fused, "swiglu") else 4) * f
-    moe = getattr(model, "moe", None)
-    if moe is not None and moe_block:  # the MoE block: its tp rank's share of the tokens
-        mlp = moe_activation_units(model, ep, tp)
-    if sequence_parallel and tp > 1:
-        return 2 + (2 * norm + attn + mlp) / tp + latent
-    return 2 + 2 * norm + (attn + mlp) / tp + latent
-
-
-def mla_activation_units(model) -> tuple[float, float]:
-    """Multi-head Latent Attention's saved activations of one layer, in s·b·h elements: the
-    heads' part (split by tp: the query, the expanded keys with the shared rotary key in each,
-    the values and the attention's output) and the latents' (whole on every tp rank: the
-    query's and the key/value latent with their norms' outputs, the rotary key)."""
-    m, h = model.mla, model.n_heads
-    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
-    heads = (2 * h * qk + 2 * h * m.v_head_dim) / model.dim
-    latent = (2 * (m.q_lora_rank or 0) + 2 * m.kv_lora_rank + m.qk_rope_head_dim) / model.dim
-    return heads, latent
-
-
-# Dropless routing gives no bound on an expert's tokens: memory is planned for the busiest rank
-# receiving this multiple of its even share (an untrained router routes unevenly; the
-# "dropless MoE runs out of memory early in training" failure). With capacity_factor set, the
-# capacity is the bound: it caps an expert over a whole microbatch, whose tokens tp ranks split
-# (each tp rank's EP group computes its own share), so one tp rank's share may hold all of it.
-MOE_IMBALANCE = 2.0
-
-
-def moe_activation_units(model, ep: int = 1, tp: int = 1) -> float:
-    """An MoE block's saved activations per token, in units of h elements: each of the top-k
-    copies of the token (the gathered input, its expert's gate, up, silu(gate) and w2 input,
-    and the expert's output), plus the shared expert's SwiGLU. With expert parallel a rank
-    computes what its experts receive: planned at the imbalance bound (or the capacity, which
-    under tp is a whole microbatch's: up to tp × capacity_factor of a rank's share, and never
-    more than every token of the share: experts / top_k); without, every copy is its own
-    whatever the routing."""
-    moe = model.moe
-    bound = 1.0 if ep == 1 else (min(moe.capacity_factor * tp, moe.experts / moe.top_k)
-                                 if moe.capacity_factor is not None else MOE_IMBALANCE)
-    routed = moe.top_k * bound * (2 + 4 * moe.expert_ffn_dim / model.dim)
-    return routed + 4 * moe.shared_experts * moe.expert_ffn_dim / model.dim
-
-
-def rank_memory(model, c: Candidate, seq_len: int, pp_rank: int = 0, compute_bytes: int = 2,
-                framework_bytes: float = FRAMEWORK_BYTES, fused_head: Fused = False,
-                ) -> MemoryBreakdown:
-    """Peak bytes of rank ``pp_rank`` of the pipeline (any dp/tp coordinate); ``fused_head``:
-    the Triton kernels run — all of them (True) or the set of ops that do (RMSNorm, SwiGLU,
-    RoPE, the fused linear + cross-entropy). Its two parts, the state (parameters, gradients,
-    optimizer, gathered copies) and the activations, each read a few of the candidate's
-    fields: a plan's search keeps them for the candidates that share those (``memo``)."""
-    last = holds_head(c.schedule, c.pp, pp_rank)
-    ddp = runs_ddp(model, c)
-    unwrapped = c.pp > 1 and c.dp * c.cp == 1 and compute_bytes == 4
-    state_key = (c.pp, pp_rank, last, c.vpp, c.tp, c.zero_shards, c.ep, c.reduce_bytes,
-                 compute_bytes, ddp, unwrapped, c.keep_gathered, c.num_microbatches > 1)
-    params, grads, gathered, end_of_step = memo(
-        "state", model, state_key,
-        lambda: _state_bytes(model, c, pp_rank, compute_bytes, ddp, unwrapped))
-    sp = c.sequence_parallel and c.tp > 1
-    kinds = chunk_kinds(model.n_layers, c.pp, c.vpp, pp_rank, _dense_layers(model))
-    act_key = (seq_len, c.cp, c.cp_mode, c.microbatch_size, c.tp, sp, c.recompute,
-               c.recompute_stride, fused_head, c.ep, c.pp, c.vpp, last, compute_bytes, kinds)
-    per_chunk, head, transient, head_transient = memo(
-        "activations", model, act_key,
-        lambda: _activation_bytes(model, c, seq_len, compute_bytes, fused_head, sp, last, kinds))
-    chunks = in_flight_chunks(c.schedule, c.pp, c.vpp, c.num_microbatches, pp_rank)
-    return MemoryBreakdown(params=params, grads=grads, optimizer=2 * params,
-                           gathered=gathered, activations=per_chunk * chunks + head,
-                           transient=transient + head_transient,
-                           end_of_step=end_of_step, framework=framework_bytes)
-
-
-def _state_bytes(model, c: Candidate, pp_rank: int, compute_bytes: int, ddp: bool,
-                 unwrapped: bool) -> tuple[float, float, float, float]:
-    """(fp32 parameters, gradients while microbatches run, gathered copies, the step's end)
-    of rank ``pp_rank``; the two Adam moments are twice the parameters."""
-    rp = rank_params(model, c.pp, pp_rank, c.schedule, c.vpp)
-    reduce_bytes = c.reduce_bytes
-    local = rp.local(c.tp, c.zero_shards)
-    layer_gathered = rp.layer_gathered(c.tp, c.ep)
-    # A unit's gradients come out of backward in the compute dtype and are cast to the reduce
-    # dtype for its reduce-scatter into the fp32 sharded gradients (4 × local). Across
-    # microbatches without a reduce-scatter FSDP2 accumulates them unsharded in the reduce
-    # dtype. AdamW's fused step updates in place: the optimizer step adds nothing beyond
-    # the gradients (the foreach step made one parameter-sized fp32 temporary).
-    reduce_unit = (compute_bytes + reduce_bytes) * layer_gathered
-    if ddp:  # DDP: one dtype (float32 weights), gradients viewing its buckets;
-        # under a narrower compute dtype autocast keeps each weight's cast for backward
-        gathered = compute_bytes * local if compute_bytes < 4 else 0.0
-        grads, end_of_step = 4 * local, 4 * local
-    elif unwrapped:  # stages not wrapped (nothing to shard or cast): plain fp32 grads
-        gathered, grads, end_of_step = 0.0, 4 * local, 4 * local
-    elif c.keep_gathered and c.num_microbatches > 1:
-        gathered = compute_bytes * rp.gathered(c.tp, c.ep)
-        grads = reduce_bytes * rp.gathered(c.tp, c.ep) + compute_bytes * layer_gathered
-        end_of_step = gathered + grads + 4 * local + reduce_unit  # the last reduce-scatter
-    elif c.keep_gathered:
-        gathered = compute_bytes * rp.gathered(c.tp, c.ep)
-        grads = 4 * local + reduce_unit
-        end_of_step = 4 * local
-    else:
-        held = blocks_held(model.n_layers, c.pp, c.vpp)[pp_rank] + rp.mtp_modules
-        root = max(0.0, rp.gathered(c.tp, c.ep) - held * layer_gathered)  # (this rank's blocks'
-        # and multi-token modules' blocks: FSDP units of their own)
-        gathered = compute_bytes * (2 * layer_gathered + root)
-        grads = 4 * local + reduce_unit
-        end_of_step = 4 * local
-    return 4 * local, grads, gathered, end_of_step
-
-
-def _activation_bytes(model, c: Candidate, seq_len: int, compute_bytes: int, fused_head: Fused,
-                      sp: bool, last: bool, kinds: tuple[tuple[int, int], ...]
-                      ) -> tuple[float, float, float, float]:
-    """(activations of one microbatch-chunk in flight — the rank's heaviest chunk of those
-    ``kinds`` (dense, MoE blocks) —, the last stage's extra (final norm, logits or the fused
-    loss's gradients), the transients of a block's backward, the head's) on one rank."""
-    tokens = seq_len // c.cp * c.microbatch_size  # a context-parallel rank's part of each sequence
-    sbh = tokens * model.dim
-    f = c.recomputed(c.blocks(model))
-    kept = activation_units(model, c.tp, sp, "none", fused_head, c.ep, c.cp)
-    full = activation_units(model, c.tp, sp, "full", fused_head, c.ep, c.cp) if f > 0 else 0.0
-    dense = (activation_units(model, c.tp, sp, "none", fused_head, c.ep, c.cp, moe_block=False)
-             if any(d for d, _ in kinds) else kept)
-    per_chunk = max((1 - f) * (d * dense + m * kept) + f * full * (d + m) for d, m in kinds)
-    per_chunk *= sbh * compute_bytes
-    transient = 0.0
-    if f > 0:  # one block's activations exist while it is recomputed
-        transient += max(kept, dense) * sbh * compute_bytes
-    transient += cp_transient_bytes(model, c, seq_len, compute_bytes)
-    head = head_transient = 0.0
-    if last:
-        norm = 1 if _runs(fused_head, "rms_norm") else 2
-        head += (norm / c.tp + 1 if sp else norm + 1) * sbh * compute_bytes  # final norm
-        # Multi-token prediction (cp = 1; the last stage): each module's two input norms, their
-        # concatenation, its block (recomputed as ``apply_activation_checkpointing`` picks the
-        # blocks after the model's), its norm and the input its head's matmul keeps; under tp
-        # whole on every rank but the block's split heads (no sequence parallel inside)
-        depth = getattr(getattr(model, "mtp", None), "depth", 0)
-        held = sum(d + m for d, m in kinds)  # (the rank's blocks: the modules' come after them)
-        for k in range(depth):
-            again = c.recompute == "full" or (
-                c.recompute == "selective" and (held + k) % c.recompute_stride == 0)
-            block = activation_units(model, c.tp, False, "full" if again else "none",
-                                     fused_head, c.ep, c.cp)
-            head += (3 * norm + 3 + block) * sbh * compute_bytes
-        if _runs(fused_head, "linear_cross_entropy"):  # the fused loss computes its gradients
-            # in forward and keeps them
-            head += (1 + depth) * (sbh / (c.tp if sp else 1)
-                                   + model.vocab_size * model.dim / c.tp) * compute_bytes
-        else:  # fp32 log-probabilities (saved), then their gradient in and out in backward
-            logprobs = 4.0 * tokens * model.vocab_size / c.tp
-            head += (1 + depth) * logprobs
-            head_transient += 2 * logprobs
-    return per_chunk, head, transient, head_transient
-
-
-# What torch Distributed Checkpoint adds to each tensor an uncoordinated save writes, its framing
-# in the shard file and its entry in the rank's own metadata (torch 2.13, measured: 8.2 KiB per
-# tensor of ZeRO-3 shards); negligible beside real shards, a sixth of a tiny test model's.
-DCP_ENTRY_BYTES = 8 * 1024
-
-
-def snapshot_host_bytes(model, c: Candidate, pp_rank: int | None = None) -> float:
-    """Host memory the in-memory checkpoint tier holds for one rank (``pp_rank``; None: the
-    heaviest) at its peak, while a snapshot is written: its own newest two snapshots and the
-    one being written, a buddy's two copies and the one arriving (DCP files: each the fp32
-    parameter and AdamW shards, 12 bytes per local parameter, and DCP's framing of each
-    tensor), and the host copy the snapshot is written from."""
-    ranks = ({0, c.pp - 1, *fullest_ranks(model.n_layers, c.pp, c.vpp, _dense_layers(model))}
-             if pp_rank is None else {pp_rank})
-
-    def one(r: int) -> float:
-        state = 12 * rank_params(model, c.pp, r, c.schedule, c.vpp).local(c.tp, c.zero_shards)
-        return 6 * (state + 3 * DCP_ENTRY_BYTES * _tensors(model, c, r)) + state
-    return max(one(r) for r in ranks)
-
-
-def _tensors(model, c: Candidate, pp_rank: int) -> int:
-    """Parameter tensors of a pipeline rank's part: its blocks (``block_tensors``), its
-    multi-token modules (two input norms, the projection, the output norm and a block each),
-    the embedding, the final norm and head."""
-    rp = rank_params(model, c.pp, pp_rank, c.schedule, c.vpp)
-    last = holds_head(c.schedule, c.pp, pp_rank)
-    return (block_tensors(model, False) * rp.dense_blocks + block_tensors(model, True) * rp.moe_blocks
-            + rp.mtp_modules * (4 + block_tensors(model, mtp_block_is_moe(model)))
-            + (pp_rank == 0) + (last and 1 + (not (model.tie_embeddings and pp_rank == 0)))
-            + (rp.mtp_modules > 0 and pp_rank != 0))  # (the embedding's copy, with the modules)
-
-
-Fused = bool | frozenset  # every op fused (True), none (False), or the ops that are
-
-
-def _runs(fused: Fused, op: str) -> bool:
-    return fused if isinstance(fused, bool) else op in fused
-
-
-def uses_fused_kernels(kernels, device_name: str, compiled: bool = False) -> frozenset[str]:
-    """The ops ``model.kernels`` runs as Triton kernels on this device (``auto``: what the GPU
-    check kit measured faster there than the torch path, compiled with ``model.compile``;
-    ``spec/kernel_choice.py``)."""
-    return fused_ops(kernels, device_name, compiled)
-
-
-def memory_bytes(model, c: Candidate, seq_len: int, compute_bytes: int = 2,
-                 framework_bytes: float = FRAMEWORK_BYTES, fused: Fused = False) -> float:
-    """Peak bytes on the heaviest rank: the first pipeline rank (embedding, most activations
-    in flight), the last (head, logits), or where the stages are uneven the first of those
-    holding the most blocks and the first of those holding the most MoE blocks."""
-    ranks = {0, c.pp - 1, *fullest_ranks(model.n_layers, c.pp, c.vpp, _dense_layers(model))}
-    return max(rank_memory(model, c, seq_len, r, compute_bytes, framework_bytes, fused).total
-               for r in ranks)
 
 
 def _ring_latency(participants: int, crosses_nodes: bool) -> float:
@@ -537,18 +129,6 @@ def _zero3_exposed(model, c: Candidate, device: DeviceSpec, per_node: int, compu
     return max(0.0, time - hidden) + latency
 
 
-def has_moe_blocks(model) -> bool:
-    """Whether the model has MoE blocks (``moe`` set and not every block kept dense), as the
-    engine finds them in the built model."""
-    moe = getattr(model, "moe", None)
-    return moe is not None and moe.dense_layers < model.n_layers
-
-
-def runs_ddp(model, c: Candidate) -> bool:
-    """Whether ``c`` runs as DDP rather than ZeRO-3 (``parallel/dims.replicates``)."""
-    return replicates(c.dp, c.dp_replicate, c.pp, c.tp, c.cp, has_moe_blocks(model))
-
-
 def _ddp_exposed(model, c: Candidate, device: DeviceSpec, per_node: int, compute: float) -> float:
     """DDP's all-reduce not hidden behind compute: the whole model's gradients in the reduce
     dtype, once per step (the other microbatches accumulate locally), in buckets of
@@ -571,41 +151,6 @@ def _ddp_exposed(model, c: Candidate, device: DeviceSpec, per_node: int, compute
     return max(total - 2 / 3 * compute / c.num_microbatches, ring(last) + latency)
 
 
-def _dense_layers(model) -> int:
-    moe = getattr(model, "moe", None)
-    return moe.dense_layers if moe is not None else 0
-
-
-def _kv_dim(model) -> int:
-    return model.n_kv_heads * _head_width(model)
-
-
-def _head_width(model) -> int:
-    """A head's width as context parallel moves it: GQA's head_dim, or Multi-head Latent
-    Attention's query/key and value heads padded to the wider (its key/value heads: every
-    head, ``n_kv_heads = n_heads``)."""
-    mla = getattr(model, "mla", None)
-    if mla is not None:
-        return max(mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.v_head_dim)
-    return getattr(model, "head_dim", None) or model.dim // model.n_heads
-
-
-def cp_transient_bytes(model, c: Candidate, seq_len: int, compute_bytes: int) -> float:
-    """What context-parallel attention holds while a layer runs, beyond saved activations: the
-    fp32 partial outputs merged in forward and the fp32 query gradient accumulated in
-    backward (q-sized each); all-gather, every rank's keys and values (compute dtype) and in
-    backward their fp32 gradients; ring, the block being used and the one arriving, and two
-    fp32 gradient blocks (the one travelling, the one arriving)."""
-    if c.cp == 1:
-        return 0.0
-    part = seq_len // c.cp * c.microbatch_size
-    block = 2 * part * _kv_dim(model) / c.tp  # K and V elements
-    queries = 4 * part * model.n_heads * _head_width(model) / c.tp  # fp32, q-sized
-    if c.cp_mode == "allgather":
-        return queries + c.cp * block * (compute_bytes + 4)
-    return queries + block * (2 * compute_bytes + 2 * 4)
-
-
 def cp_exposed(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: int,
                compute_bytes: int) -> float:
     """Context parallel's key/value traffic per step that compute does not hide. Ring: each of
@@ -621,7 +166,7 @@ def cp_exposed(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: 
     inside = c.cp * c.tp <= per_node
     bw = (device.intra_node_gbps if inside else device.inter_node_gbps) * 1e9
     part = seq_len // c.cp * c.microbatch_size
-    block = 2 * part * _kv_dim(model) / c.tp  # elements of one rank's K and V
+    block = 2 * part * kv_dim(model) / c.tp  # elements of one rank's K and V
     forwards = 1 + c.recomputed(c.blocks(model))
     if c.cp_mode == "allgather":
         moved = (c.cp - 1) * block * ((forwards + 1) * compute_bytes + 4)

@@ -6,7 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from trainmesh.parallel.dims import ParallelDims
-from trainmesh.planning.cost_model import GIB, Candidate, snapshot_host_bytes
+from trainmesh.planning.candidate import GIB, Candidate
+from trainmesh.planning.memory_model import snapshot_host_bytes
 from trainmesh.planning.planner import PlanRequest, PlanResult, plan, summarize_rejections
 from trainmesh.planning.topology import Topology
 from trainmesh.spec.job import JobSpec

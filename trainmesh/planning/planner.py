@@ -1,5 +1,5 @@
 """The mesh planner: enumerate candidate plans, reject infeasible ones with a reason, rank the
-rest by predicted throughput (see ``cost_model`` for the estimates). No torch, no ray."""
+rest by predicted throughput (``cost_model`` for the time, ``memory_model`` for a rank's memory). No torch, no ray."""
 
 from __future__ import annotations
 
@@ -12,18 +12,10 @@ from typing import Any
 from trainmesh.models.llama.model_math import stage_split
 from trainmesh.parallel.dims import replicates
 from trainmesh.parallel.pipeline.ir import splits_backward
-from trainmesh.planning.cost_model import (
-    RECOMPUTE,
-    SCHEDULES,
-    Candidate,
-    Estimate,
-    estimate,
-    has_moe_blocks,
-    memory_bytes,
-    runs_ddp,
-    uses_fused_kernels,
-)
+from trainmesh.planning.candidate import RECOMPUTE, SCHEDULES, Candidate, has_moe_blocks, runs_ddp
+from trainmesh.planning.cost_model import Estimate, estimate
 from trainmesh.planning.devices import DeviceSpec
+from trainmesh.planning.memory_model import memory_bytes, uses_fused_kernels
 from trainmesh.planning.stage_params import memoized
 from trainmesh.planning.topology import Topology
 from trainmesh.spec.mesh_rules import (

@@ -1,6 +1,6 @@
 """A pipeline stage's parameters from the model's shape alone (no torch): which rank holds the
 head, and how many elements its part has, split by how tensor and expert parallel shard them.
-The planner's memory and time estimates (``cost_model``) and the failure costs read them;
+The planner's memory and time estimates (``memory_model``, ``cost_model``) and the failure costs read them;
 a plan's search asks ~10^5 times, so the counts are kept for its length (``memoized``).
 """
 

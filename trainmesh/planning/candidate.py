@@ -1,0 +1,154 @@
+"""A candidate plan (its degrees, schedule, microbatching, recomputation, sharding) and what
+both halves of the cost model read of it: the schedule's bubble and the microbatch-chunks a
+rank holds at its peak, whether it runs as DDP, and the model's shape as the estimates use
+it. The memory model (``memory_model``) and the time model (``cost_model``) build on this;
+pure arithmetic, no torch."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from trainmesh.models.llama.model_math import rank_blocks, stage_split
+from trainmesh.parallel.dims import replicates
+from trainmesh.parallel.pipeline.ir import splits_backward
+
+GIB = 1024**3
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")
+AUTO_SCHEDULES = SCHEDULES[:3]  # what the planner weighs unasked; zero-bubble ones when named
+CHUNKED = ("interleaved-1f1b", "zbv")  # schedules that run vpp chunks per rank
+RECOMPUTE = ("none", "selective", "full")  # selective: every recompute_stride-th block
+
+
+@dataclass(frozen=True)
+class Candidate:
+    tp: int
+    pp: int
+    dp: int
+    vpp: int
+    schedule: str
+    microbatch_size: int
+    num_microbatches: int
+    recompute: str
+    sequence_parallel: bool = False
+    # ZeRO-3 gathers parameters once per step and keeps them (and unsharded gradients) across
+    # microbatches (True), or re-gathers them for every microbatch (False).
+    keep_gathered: bool = True
+    reduce_dtype: str = "float32"  # gradient reduce-scatter dtype (FSDP2's reduce_dtype)
+    ep: int = 1  # expert parallel, folded over dp (MoE models)
+    # padding microbatches over all replicas (dp not dividing the microbatches: the replicas
+    # with the smaller share run one of weight 0 to keep the collectives aligned)
+    padding: int = 0
+    # hybrid sharding (HSDP): ZeRO-3 inside groups of dp / dp_replicate replicas, gradients
+    # all-reduced across the dp_replicate groups
+    dp_replicate: int = 1
+    cp: int = 1  # context parallel: each sequence over cp ranks (ZeRO-3 over dp × cp)
+    cp_mode: str = "ring"  # ring | allgather
+    recompute_stride: int = 2  # with selective recomputation: every N-th block of a rank
+
+    def blocks(self, model) -> int:
+        """The most blocks a pipeline rank holds (``model_math.rank_blocks``: uneven where
+        pp × vpp does not divide them)."""
+        return rank_blocks(model.n_layers, self.pp, self.vpp)
+
+    def chunk_blocks(self, model) -> int:
+        """The most blocks one model chunk (pipeline stage) holds."""
+        return max(stage_split(model.n_layers, self.pp * self.vpp))
+
+    def recomputed(self, layers: int) -> float:
+        """The fraction of a rank's ``layers`` blocks recomputed in backward (selective: the
+        rank's blocks 0, N, 2N, … as ``apply_activation_checkpointing`` picks them)."""
+        if self.recompute == "full":
+            return 1.0
+        if self.recompute == "selective":
+            return -(-layers // self.recompute_stride) / layers
+        return 0.0
+
+    @property
+    def dp_shard(self) -> int:
+        """Replicas a ZeRO-3 shard group spans (all of dp without hybrid sharding)."""
+        return self.dp // self.dp_replicate
+
+    @property
+    def zero_shards(self) -> int:
+        """Ranks a ZeRO-3 shard group spans: its replicas and their context-parallel peers."""
+        return self.dp_shard * self.cp
+
+    @property
+    def reduce_bytes(self) -> int:
+        return 2 if self.reduce_dtype == "bfloat16" else 4
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp * self.cp
+
+def bubble_fraction(schedule: str, pp: int, vpp: int, m: int) -> float:
+    """Idle fraction of a pipelined step with uniform stage costs (backward = 2 × forward; a
+    split backward's input and weight halves 1 each). Closed forms for GPipe, 1F1B and
+    interleaved; the zero-bubble schedules are played by the simulator (cached)."""
+    if pp == 1:
+        return 0.0
+    if splits_backward(schedule):
+        return _zero_bubble(schedule, pp, vpp, m)[0]
+    v = vpp if schedule == "interleaved-1f1b" else 1
+    idle = (pp - 1) / v
+    return idle / (m + idle)
+
+
+@functools.lru_cache(maxsize=256)
+def _zero_bubble(schedule: str, pp: int, vpp: int, m: int) -> tuple[float, tuple[int, ...]]:
+    from trainmesh.parallel.pipeline.schedules import build_schedule, pipe_shape
+    from trainmesh.parallel.pipeline.simulate import Costs, simulate
+
+    res = simulate(build_schedule(schedule, pp, vpp, m), pp * vpp, m, Costs(1 / vpp, 2 / vpp),
+                   shape=pipe_shape(schedule, pp, vpp, m))
+    return res.bubble_fraction, tuple(res.peak_in_flight)
+
+
+def in_flight_chunks(schedule: str, pp: int, vpp: int, m: int, pp_rank: int) -> int:
+    """Microbatch-chunks of activations rank ``pp_rank`` holds at its peak (a chunk is one of
+    its ``vpp`` model chunks; 1 chunk per rank without interleaving). A split backward holds
+    them until the W."""
+    if pp == 1:
+        return 1
+    if schedule == "gpipe":
+        return m
+    if schedule == "1f1b":
+        return min(m, pp - pp_rank)
+    if schedule == "zb-h1":  # rank r holds its W's back r microbatches: pp on every rank
+        return min(m, pp)
+    if schedule == "zbv":
+        return _zero_bubble(schedule, pp, vpp, m)[1][pp_rank]
+    # microbatches through a chunk at once: the first (largest) of interleaved 1F1B's groups
+    # (``schedules.interleave_groups``: m // pp groups, sizes differing by at most one)
+    group = -(-m // (m // pp)) if m >= pp else pp
+    return min(m * vpp, 2 * (pp - pp_rank - 1) + (vpp - 1) * group + 1)
+
+def has_moe_blocks(model) -> bool:
+    """Whether the model has MoE blocks (``moe`` set and not every block kept dense), as the
+    engine finds them in the built model."""
+    moe = getattr(model, "moe", None)
+    return moe is not None and moe.dense_layers < model.n_layers
+
+
+def runs_ddp(model, c: Candidate) -> bool:
+    """Whether ``c`` runs as DDP rather than ZeRO-3 (``parallel/dims.replicates``)."""
+    return replicates(c.dp, c.dp_replicate, c.pp, c.tp, c.cp, has_moe_blocks(model))
+
+def dense_layers(model) -> int:
+    moe = getattr(model, "moe", None)
+    return moe.dense_layers if moe is not None else 0
+
+
+def kv_dim(model) -> int:
+    return model.n_kv_heads * head_width(model)
+
+
+def head_width(model) -> int:
+    """A head's width as context parallel moves it: GQA's head_dim, or Multi-head Latent
+    Attention's query/key and value heads padded to the wider (its key/value heads: every
+    head, ``n_kv_heads = n_heads``)."""
+    mla = getattr(model, "mla", None)
+    if mla is not None:
+        return max(mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.v_head_dim)
+    return getattr(model, "head_dim", None) or model.dim // model.n_heads
