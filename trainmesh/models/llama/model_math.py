@@ -180,10 +180,7 @@ def fullest_ranks(n_layers: int, pp: int, vpp: int = 1, dense_layers: int = 0) -
     """The first pipeline rank holding the most blocks and the first holding the most of the
     blocks after ``dense_layers`` (MoE ones), with the default split: a pipeline's earlier
     ranks hold more microbatches' activations, so of ranks alike the first is the heaviest."""
-    counts = _split(n_layers, pp * vpp, None)
-    starts = [sum(counts[:s]) for s in range(len(counts))]
-    chunks = [[c * pp + r for c in range(vpp)] for r in range(pp)]
     held = list(blocks_held(n_layers, pp, vpp))
-    later = [sum(max(0, starts[s] + counts[s] - max(starts[s], dense_layers)) for s in ch)
-             for ch in chunks]
+    later = [sum(moe for _, moe in chunk_kinds(n_layers, pp, vpp, r, dense_layers))
+             for r in range(pp)]
     return (held.index(max(held)), later.index(max(later)))
