@@ -58,6 +58,13 @@ CASES = {  # largest meshes first: the rank pool then only shrinks
     "dsv3-mtp2-ep2-tp2-dp2-sp": (ParallelDims(tp=2, dp=2, ep=2), [
         "model.preset=tiny-dsv3", "parallelism.sequence_parallel=true", "model.mtp.depth=2",
         "model.moe.bias_update_rate=0.01"]),
+    # ... beside context parallel (the ring, the experts over dp × cp): the modules run on each
+    # rank's two chunks of the sequence, the tokens ahead of them gathered over the ring; the
+    # positions past a module's T − k run along unread and out of its MoE block's routing,
+    # counts and balancing (here the aux loss: its counts are summed over the ring).
+    "dsv3-mtp2-ep2-cp2-dp2": (ParallelDims(cp=2, dp=2, ep=2), [
+        "model.preset=tiny-dsv3", "model.mtp.depth=2", "model.moe.balance=aux_loss",
+        "model.moe.aux_loss_coef=0.1"]),
     # ... on two pipeline stages (the dense block and an MoE one on the first), 1F1B.
     "dsv3-pp2-ep2-dp2": (ParallelDims(pp=2, dp=2, ep=2), [
         "model.preset=tiny-dsv3", "model.moe.bias_update_rate=0.01"]),

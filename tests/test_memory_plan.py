@@ -42,6 +42,9 @@ PLANS = {  # every plan on 4 ranks
     # ... beside tensor and sequence parallel: the modules' activations whole on each tp rank
     "dsv3-mtp-tp2-sp-dp2": ["model.preset=tiny-dsv3", "model.mtp.depth=1", "parallelism.tp=2",
                             "parallelism.sequence_parallel=true", "parallelism.dp=2"],
+    # ... beside context parallel: the module on each rank's chunks, attending over the ring
+    "dsv3-mtp-cp2-dp2": ["model.preset=tiny-dsv3", "model.mtp.depth=1", "parallelism.cp=2",
+                         "parallelism.dp=2"],
     # ... on two pipeline stages: the module, the head and a copy of the embedding on the last
     "dsv3-mtp-pp2-dp2": ["model.preset=tiny-dsv3", "model.mtp.depth=1", "parallelism.pp=2",
                          "parallelism.dp=2", "schedule.name=1f1b"],

@@ -179,9 +179,13 @@ def apply_expert_parallel(model: nn.Module, mesh: Mesh, seq_len: int) -> nn.Modu
         moe.aux_share = float(cp)
         length, where = seq_len, positions
         if block_name.startswith("mtp.") and token_group is not None:  # multi-token module k
-            # (from 0): over the first seq_len - k - 1 positions (no cp beside it: the spec)
+            # (from 0): over the first seq_len - k - 1 positions
             length = seq_len - int(block_name.split(".")[1]) - 1
-            where = token_positions(length, 0, 1, mesh.coord(Axis.TP), tp)
+            if cp > 1:  # on the rank's whole part (tp 1 beside it: the spec), routing those
+                moe.rows = torch.nonzero(positions < length).flatten()
+                where = positions[moe.rows]
+            else:  # a tp rank's share of them
+                where = token_positions(length, 0, 1, mesh.coord(Axis.TP), tp)
         if ep > 1:
             coord = mesh["ep"].get_local_rank()
             for name in ("w1", "w2", "w3"):

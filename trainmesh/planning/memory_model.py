@@ -238,7 +238,8 @@ def _activation_bytes(model, c: Candidate, seq_len: int, compute_bytes: int, fus
     if last:
         norm = 1 if _runs(fused_head, "rms_norm") else 2
         head += (norm / c.tp + 1 if sp else norm + 1) * sbh * compute_bytes  # final norm
-        # Multi-token prediction (cp = 1; the last stage): each module's two input norms, their
+        # Multi-token prediction (the last stage; under cp on the rank's part of the sequence,
+        # its block's ring among the transients above): each module's two input norms, their
         # concatenation, its block (recomputed as ``apply_activation_checkpointing`` picks the
         # blocks after the model's), its norm and the input its head's matmul keeps; under tp
         # whole on every rank but the block's split heads (no sequence parallel inside)

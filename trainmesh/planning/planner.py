@@ -1,5 +1,6 @@
 """The mesh planner: enumerate candidate plans, reject infeasible ones with a reason, rank the
-rest by predicted throughput (``cost_model`` for the time, ``memory_model`` for a rank's memory). No torch, no ray."""
+rest by predicted throughput (``cost_model`` for the time, ``memory_model`` for a rank's
+memory). No torch, no ray."""
 
 from __future__ import annotations
 

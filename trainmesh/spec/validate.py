@@ -131,17 +131,19 @@ def layout_problems(work: Workload, lay: LayoutLike, runnable: bool = True) -> l
     if runnable:
         out += runnable_problems(m, lay.tp, lay.pp, lay.sequence_parallel)
         if getattr(m, "mtp", None) is not None:
-            if lay.cp > 1:
-                out.append(Problem("parallelism.cp", f"cp={lay.cp} beside model.mtp: "
-                                   "multi-token prediction is built for data, expert, tensor "
-                                   "and pipeline parallel (ZeRO-3, HSDP) only so far",
-                                   "set parallelism.cp=1, or model.mtp=null"))
-            if lay.tp > 1 and m.moe is not None and m.moe.capacity_factor is not None:
+            if lay.cp > 1 and lay.tp > 1:
+                out.append(Problem("parallelism.cp", f"cp={lay.cp} and tp={lay.tp} together "
+                                   "beside model.mtp: multi-token prediction is built beside "
+                                   "either, not both at once", "set parallelism.tp=1 or "
+                                   "parallelism.cp=1, or model.mtp=null"))
+            split = " × ".join(f"{n}={d}" for n, d in (("tp", lay.tp), ("cp", lay.cp)) if d > 1)
+            if split and m.moe is not None and m.moe.capacity_factor is not None:
                 out.append(Problem("model.moe.capacity_factor", "capacity beside model.mtp and "
-                                   f"tp={lay.tp} is not built: a prediction module's positions "
-                                   "split unevenly over tp, which the capacity's exchange does "
-                                   "not take", "set model.moe.capacity_factor=null (dropless), "
-                                   "parallelism.tp=1, or model.mtp=null"))
+                                   f"{split} is not built: a prediction module's positions "
+                                   "split unevenly over those ranks, which the capacity's "
+                                   "exchange does not take", "set model.moe.capacity_factor="
+                                   "null (dropless), parallelism.tp=1 and parallelism.cp=1, "
+                                   "or model.mtp=null"))
             if lay.schedule == "zbv" and lay.pp > 1:
                 out.append(Problem("schedule.name", "zbv beside model.mtp: its V puts the last "
                                    "stage, which holds the prediction modules, on the first "

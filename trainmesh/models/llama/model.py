@@ -251,6 +251,7 @@ class Llama(nn.Module):
                                                         dtype=torch.float64), persistent=False)
         self._mtp_weight = 1.0
         self.mtp_tp = None  # under tensor parallel (``parallelize.MTPTensorParallel``)
+        self.mtp_cp = None  # under context parallel (``parallelize.MTPContextParallel``)
         # Context parallel (``parallelize.apply_context_parallel``): the rank's part of each
         # sequence, whose global positions index the RoPE tables, and the ring it attends over.
         self.rope_positions: torch.Tensor | None = None
@@ -398,6 +399,18 @@ def _mtp_hidden(model: nn.Module, h: torch.Tensor, ahead: torch.Tensor):
         yield h
 
 
+def _mtp_hidden_in_context(model: nn.Module, cp, h: torch.Tensor, whole: torch.Tensor):
+    """``_mtp_hidden`` under context parallel (``parallelize.MTPContextParallel``): each
+    module over the rank's whole part of the sequence, from the embedding of the tokens k
+    ahead of its positions (``whole``: the gathered targets)."""
+    T = h.shape[1]
+    depth = len(model.mtp)
+    embedded = model.tok_embeddings(torch.cat([cp.ahead(whole, k) for k in range(1, depth + 1)], 1))
+    for k, module in enumerate(model.mtp.values(), start=1):
+        h = module(embedded[:, (k - 1) * T:k * T], h, model.rope_cos, model.rope_sin)
+        yield h
+
+
 def _mtp_term(model: nn.Module, head: nn.Module, h: torch.Tensor,
               targets: torch.Tensor) -> torch.Tensor:
     """What the multi-token modules add to the loss: their mean loss × ``loss_weight``, whose
@@ -405,8 +418,16 @@ def _mtp_term(model: nn.Module, head: nn.Module, h: torch.Tensor,
     the step reports stays the next-token one; each depth's loss, × the microbatch's weight,
     is added to ``model.mtp_losses`` for the step's metrics."""
     tp = getattr(model, "mtp_tp", None)
-    losses = [_head_loss(model, head, tp.head_input(h_k) if tp else h_k, targets[:, k:])
-              for k, h_k in enumerate(_mtp_hidden(model, h, targets), start=1)]
+    cp = getattr(model, "mtp_cp", None)
+    if cp is not None:
+        losses = []
+        whole = cp.whole(targets)
+        for k, h_k in enumerate(_mtp_hidden_in_context(model, cp, h, whole), start=1):
+            rows, wanted, share = cp.scored(whole, k)
+            losses.append(_head_loss(model, head, h_k.index_select(1, rows), wanted) * share)
+    else:
+        losses = [_head_loss(model, head, tp.head_input(h_k) if tp else h_k, targets[:, k:])
+                  for k, h_k in enumerate(_mtp_hidden(model, h, targets), start=1)]
     stacked = torch.stack([tp.loss(x) for x in losses] if tp else losses)
     with torch.no_grad():
         model.mtp_losses += stacked.detach().double() * model._mtp_weight

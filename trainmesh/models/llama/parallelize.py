@@ -216,7 +216,58 @@ def apply_context_parallel(model: Llama, context, positions: torch.Tensor | None
     model.context, model.rope_positions = context, positions
     for block in model.layers.values():
         block.attention.context = context
+    if getattr(model, "mtp", None) is not None and context.cp > 1:
+        for block in mtp_blocks(model):  # (without documents: the modules attend causally)
+            block.attention.context = context
+        model.mtp_cp = MTPContextParallel(context, positions)
     return model
+
+
+class MTPContextParallel:
+    """What multi-token prediction reads under context parallel (``Llama.mtp_cp``). The
+    modules run on the rank's part of each sequence as the model does (its chunks, the ring
+    attending over the rest), whole: the k-th module's positions are those with a token k + 1
+    ahead (< T − k), and the rest run along unread (causal attention never looks ahead; an MoE
+    block routes only the module's: ``MoE.rows``). The tokens ahead of a rank's positions
+    are other ranks' (past its chunks' ends): the targets are all-gathered over the ring
+    (T integers a sequence, once per microbatch). Each module's loss is the mean over its
+    positions on this rank, weighed by their share of the sequence's T − k × cp: the mean
+    over the ring (ZeRO-3's gradients, the step's metrics) is then one process's."""
+
+    def __init__(self, context, positions: torch.Tensor):
+        self.context, self.positions = context, positions
+        self.seq_len = positions.numel() * context.cp
+        self._rows: dict[int, torch.Tensor] = {}
+        from trainmesh.parallel.context import local_positions
+
+        # Where each rank's part sits in the sequence, in the all-gather's order.
+        self.order = torch.cat([local_positions(self.seq_len, r, context.cp)
+                                for r in range(context.cp)])
+
+    def whole(self, targets_BT: torch.Tensor) -> torch.Tensor:
+        """The whole sequences' targets (B, T) from every rank's part of them."""
+        if self.positions.device != targets_BT.device:  # (once: not a copy per microbatch)
+            self.positions = self.positions.to(targets_BT.device)
+            self.order = self.order.to(targets_BT.device)
+            self._rows = {}
+        parts = [torch.empty_like(targets_BT) for _ in range(self.context.cp)]
+        dist.all_gather(parts, targets_BT.contiguous(), group=self.context.group)
+        return torch.empty(targets_BT.shape[0], self.seq_len, dtype=targets_BT.dtype,
+                           device=targets_BT.device).index_copy_(1, self.order, torch.cat(parts, 1))
+
+    def ahead(self, whole: torch.Tensor, k: int) -> torch.Tensor:
+        """The tokens k ahead of this rank's positions (the k-th module's input; past the
+        end the last, which only positions no loss reads take)."""
+        return whole[:, (self.positions + k - 1).clamp(max=self.seq_len - 1)]
+
+    def scored(self, whole: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """The k-th module's rows on this rank (positions with a token k + 1 ahead), their
+        targets, and the weight of their mean loss (their share of T − k, × cp)."""
+        if k not in self._rows:  # (once per module: finding them is a host sync)
+            self._rows[k] = torch.nonzero(self.positions < self.seq_len - k).flatten()
+        rows = self._rows[k]
+        share = rows.numel() * self.context.cp / (self.seq_len - k)
+        return rows, whole[:, self.positions[rows] + k], share
 
 
 def apply_compile(model: nn.Module, split_backward: bool = False) -> nn.Module:

@@ -239,6 +239,10 @@ class MoE(nn.Module):
         self._loss_scale = 1.0
         self.dispatch: Dispatch = LocalDispatch()
         self.aux_share = 1.0  # context parallel: cp (each rank's loss is cp× its part)
+        # The rows of each sequence it routes (None: all): a multi-token module's block under
+        # context parallel runs on the rank's whole part of the sequence, of which only the
+        # positions with a token k + 1 ahead are the module's (``expert.apply_expert_parallel``)
+        self.rows: torch.Tensor | None = None
 
     @property
     def loss_scale(self) -> float:
@@ -278,6 +282,16 @@ class MoE(nn.Module):
         return scores, idx, weights
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        if self.rows is None:
+            return self._routed(x_BTD)
+        if self.rows.device != x_BTD.device:  # (once: not a copy per microbatch)
+            self.rows = self.rows.to(x_BTD.device)
+        # The other rows are left out of everything (routing, counts, capacity, balancing):
+        # zeros, which nothing reads (no loss, and causal attention never looks ahead).
+        y = self._routed(x_BTD.index_select(1, self.rows))
+        return x_BTD.new_zeros(x_BTD.shape).index_copy(1, self.rows, y)
+
+    def _routed(self, x_BTD: torch.Tensor) -> torch.Tensor:
         a = self.args
         shape = x_BTD.shape
         x = x_BTD.reshape(-1, shape[-1])
