@@ -156,6 +156,35 @@ def test_planner_closed_form_equals_the_simulator(kind, pp, v, m):
     assert bubble_fraction(kind, pp, v, m) == pytest.approx(sim.bubble_fraction)
 
 
+@pytest.mark.parametrize(("kind", "pp", "v"), [("1f1b", 4, 1), ("gpipe", 3, 1),
+                                               ("interleaved-1f1b", 4, 2), ("zb-h1", 4, 1),
+                                               ("zbv", 2, 2)])
+def test_stages_of_unequal_cost_are_played_and_priced_from_two_plays(kind, pp, v):
+    """Per-stage costs (``Costs.stage_scale``): stages alike at 2× take twice as long; a
+    heavier last stage (the head) lengthens the step beyond its share of the work. The
+    planner's bubble for stages that differ is the simulator's: played for few microbatches,
+    and for more the line through two plays, exact for one chunk a rank (the steady state
+    adds the same time per microbatch), within 3% of the step for two."""
+    from trainmesh.planning.candidate import bubble_fraction
+
+    n = pp * v
+    alike = simulate(build_schedule(kind, pp, v, 2 * pp), n, 2 * pp, Costs(1 / v, 2 / v),
+                     shape=pipe_shape(kind, pp, v, 2 * pp))
+    double = simulate(build_schedule(kind, pp, v, 2 * pp), n, 2 * pp,
+                      Costs(1 / v, 2 / v, stage_scale=(2.0,) * n), shape=pipe_shape(kind, pp, v, 2 * pp))
+    assert double.step_time == pytest.approx(2 * alike.step_time)
+    scale = tuple(1.0 if s < n - 1 else 1.6 for s in range(n))  # (the head on the last stage)
+    mean = sum(scale) / n
+    for m in (pp, 3 * pp + 1, 6 * pp):
+        played = simulate(build_schedule(kind, pp, v, m), n, m,
+                          Costs(1 / v, 2 / v, stage_scale=tuple(round(x / mean, 3) for x in scale)),
+                          shape=pipe_shape(kind, pp, v, m))
+        priced = bubble_fraction(kind, pp, v, m, scale)
+        assert priced > bubble_fraction(kind, pp, v, m)  # the imbalance idles the others
+        step = lambda bubble: 1 / (1 - bubble)  # noqa: E731 (the step, busy time alike)
+        assert step(priced) == pytest.approx(step(played.bubble_fraction), rel=1e-9 if v == 1 else 0.03)
+
+
 def test_schedule_cli_prints_grid_and_writes_png(tmp_path, capsys):
     from trainmesh.cli.main import main
 

@@ -136,6 +136,27 @@ def test_interleaving_divides_the_bubble():
     assert candidate.bubble_fraction("1f1b", 1, 1, 8) == 0
 
 
+def test_the_first_plans_are_priced_stage_by_stage_and_ordered_as_if_all_were():
+    """A search prices every candidate with its pipeline stages alike (closed forms), then the
+    first ones with each stage at its own cost (its blocks; the head on the last): at least
+    a table's rows (PRICED_FIRST), and in the order pricing every candidate so would give.
+    Stage by stage is never faster: the imbalance idles the lighter stages."""
+    from trainmesh.planning.planner import PRICED_FIRST, _order
+
+    model = _model("8b", n_layers=30)  # (30 blocks: stages of unequal size at pp 4 and 8)
+    result = plan(PlanRequest(model, 256, 4096), Topology.uniform(4, 8, "h100"))
+    first = result.plans[:PRICED_FIRST]
+    assert all(p.estimate.by_stage for p in first)
+    assert any(p.candidate.pp > 1 for p in first)
+    everything = sorted((result.priced(p) for p in result.plans), key=_order)
+    assert [p.candidate for p in everything[:PRICED_FIRST]] == [p.candidate for p in first]
+    piped = [p for p in result.plans if p.candidate.pp > 1]
+    for p in piped[:20]:
+        alike = cost_model.estimate(model, p.candidate, 4096, device_spec("h100"), p.node_ranks[0],
+                                    memory=p.estimate.memory_per_rank_gib * 1024**3, by_stage=False)
+        assert result.priced(p).estimate.step_time_s > alike.step_time_s
+
+
 def test_explicit_infeasible_degrees_say_why():
     spec = load_spec(None, ["model.preset=70b", "parallelism.dp=8", "training.seq_len=4096",
                             "training.global_batch_size=64", "training.microbatch_size=8"])

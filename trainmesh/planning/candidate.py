@@ -82,27 +82,53 @@ class Candidate:
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp * self.cp
 
-def bubble_fraction(schedule: str, pp: int, vpp: int, m: int) -> float:
-    """Idle fraction of a pipelined step with uniform stage costs (backward = 2 × forward; a
-    split backward's input and weight halves 1 each). Closed forms for GPipe, 1F1B and
-    interleaved; the zero-bubble schedules are played by the simulator (cached)."""
+def bubble_fraction(schedule: str, pp: int, vpp: int, m: int,
+                    stage_costs: tuple[float, ...] | None = None) -> float:
+    """Idle fraction of a pipelined step (backward = 2 × forward; a split backward's input and
+    weight halves 1 each): the time the ranks wait, on each other or for the slowest stage.
+    Stages alike (``stage_costs`` None or equal): closed forms for GPipe, 1F1B and
+    interleaved; the zero-bubble schedules are played by the simulator. Stages that differ
+    (``stage_costs``: each stage's cost, in model order — their blocks, the head on the
+    last: ``model_math.stage_flops``): every schedule is played with them (cached)."""
     if pp == 1:
         return 0.0
+    if stage_costs is not None and max(stage_costs) > min(stage_costs) * (1 + 1e-6):
+        mean = sum(stage_costs) / len(stage_costs)
+        scale = tuple(round(x / mean, 3) for x in stage_costs)
+        busy = m * 3 / vpp * sum(scale)  # (the simulator's units: a stage's forward 1/vpp)
+        return 1.0 - busy / (pp * _makespan(schedule, pp, vpp, m, scale))
     if splits_backward(schedule):
-        return _zero_bubble(schedule, pp, vpp, m)[0]
+        return _played(schedule, pp, vpp, m)[0]
     v = vpp if schedule == "interleaved-1f1b" else 1
     idle = (pp - 1) / v
     return idle / (m + idle)
 
 
-@functools.lru_cache(maxsize=256)
-def _zero_bubble(schedule: str, pp: int, vpp: int, m: int) -> tuple[float, tuple[int, ...]]:
+def _makespan(schedule: str, pp: int, vpp: int, m: int, scale: tuple[float, ...]) -> float:
+    """The simulator's step time for stages costing ``scale``: played for few microbatches;
+    for more, the line through two plays (a schedule's steady state adds the same time per
+    microbatch: from pp and 2·pp microbatches on, exactly, for GPipe, 1F1B and ZB-H1; from
+    2·pp and 4·pp, within 3%, for the schedules of two or more chunks a rank, whose
+    microbatch groups are uneven where pp does not divide m), so that a plan plays each
+    schedule shape twice rather than once per microbatch count."""
+    first = 2 * pp if schedule in CHUNKED else pp
+    if m < first:
+        return _played(schedule, pp, vpp, m, scale)[2]
+    low, high = (_played(schedule, pp, vpp, k * first, scale)[2] for k in (1, 2))
+    return low + (m - first) * (high - low) / first
+
+
+@functools.lru_cache(maxsize=1024)
+def _played(schedule: str, pp: int, vpp: int, m: int, scale: tuple[float, ...] | None = None
+            ) -> tuple[float, tuple[int, ...], float]:
+    """(bubble, peak in-flight chunks per rank, step time) of the schedule played by the
+    simulator, its stages' costs × ``scale`` (None: alike)."""
     from trainmesh.parallel.pipeline.schedules import build_schedule, pipe_shape
     from trainmesh.parallel.pipeline.simulate import Costs, simulate
 
-    res = simulate(build_schedule(schedule, pp, vpp, m), pp * vpp, m, Costs(1 / vpp, 2 / vpp),
-                   shape=pipe_shape(schedule, pp, vpp, m))
-    return res.bubble_fraction, tuple(res.peak_in_flight)
+    res = simulate(build_schedule(schedule, pp, vpp, m), pp * vpp, m,
+                   Costs(1 / vpp, 2 / vpp, stage_scale=scale), shape=pipe_shape(schedule, pp, vpp, m))
+    return res.bubble_fraction, tuple(res.peak_in_flight), res.step_time
 
 
 def in_flight_chunks(schedule: str, pp: int, vpp: int, m: int, pp_rank: int) -> int:
@@ -118,7 +144,7 @@ def in_flight_chunks(schedule: str, pp: int, vpp: int, m: int, pp_rank: int) -> 
     if schedule == "zb-h1":  # rank r holds its W's back r microbatches: pp on every rank
         return min(m, pp)
     if schedule == "zbv":
-        return _zero_bubble(schedule, pp, vpp, m)[1][pp_rank]
+        return _played(schedule, pp, vpp, m)[1][pp_rank]
     # microbatches through a chunk at once: the first (largest) of interleaved 1F1B's groups
     # (``schedules.interleave_groups``: m // pp groups, sizes differing by at most one)
     group = -(-m // (m // pp)) if m >= pp else pp

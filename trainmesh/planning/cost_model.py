@@ -8,7 +8,11 @@ Step time (seconds):
     (per block and microbatch): a GPU left waiting for its host by small microbatches (the
     figures are ``DeviceSpec``'s, fitted on an H200 and assumed for the other GPUs; zero on a
     CPU rank, whose host is its device); stretched by the pipeline bubble: the ideal time
-    covers m microbatches, the schedule takes m + (p-1)/v of them. Not modelled: an MoE
+    covers m microbatches, the schedule takes m + (p-1)/v of them with stages alike. Stages
+    differ (their blocks' counts and kinds; the head and the multi-token modules on the last:
+    ``model_math.stage_flops``): the simulator plays the schedule with each stage at its own
+    cost, and the lighter stages wait for the heavier (``by_stage``; a search prices the
+    first plans so, ``planner._by_stage``). Not modelled: an MoE
     block's host sync (its dispatch reads the expert counts), where host and device add
     rather than overlap; communication a host-bound step could hide in the device's idle time.
   * TP: 4 all-reduces (or all-gather + reduce-scatter pairs under SP, same volume) of the
@@ -35,7 +39,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from trainmesh.models.llama.model_math import flops_per_token
+from trainmesh.models.llama.model_math import flops_per_token, stage_flops
 from trainmesh.planning.candidate import (
     CHUNKED,
     GIB,
@@ -46,7 +50,7 @@ from trainmesh.planning.candidate import (
 )
 from trainmesh.planning.devices import DeviceSpec
 from trainmesh.planning.memory_model import Fused, memory_bytes
-from trainmesh.planning.stage_params import rank_params
+from trainmesh.planning.stage_params import memo, rank_params
 
 MATMUL_EFFICIENCY = 0.55  # achievable fraction of peak for large bf16 matmuls
 PP_LATENCY_S = 20e-6  # per point-to-point message
@@ -78,6 +82,9 @@ class Estimate:
     ep_comm_s: float = 0.0  # MoE token all-to-alls (dispatch and combine, forward and backward)
     cp_comm_s: float = 0.0  # context parallel's key/value traffic not hidden behind attention
     host_bound: bool = False  # the host issuing the blocks' work takes longer than the device runs it
+    # The pipeline's stages priced each at its own cost (blocks, the head on the last: the
+    # simulator's bubble), not alike (the closed forms: a lower bound on the step)
+    by_stage: bool = True
 
 
 def _ring_latency(participants: int, crosses_nodes: bool) -> float:
@@ -184,9 +191,12 @@ def cp_exposed(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: 
 
 def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: int,
              compute_bytes: int = 2, fused: Fused = False,
-             memory: float | None = None) -> Estimate:
+             memory: float | None = None, by_stage: bool = True) -> Estimate:
     """``c``'s step time and throughput (module docstring) and its memory per rank
-    (``memory``: the bytes ``memory_bytes`` gave for it, where the caller has them)."""
+    (``memory``: the bytes ``memory_bytes`` gave for it, where the caller has them).
+    ``by_stage``: a pipeline's bubble from its stages' own costs (``model_math.stage_flops``,
+    played by the simulator); else as if they were alike (closed forms: cheaper, and a lower
+    bound on the step, which a plan's search ranks by first)."""
     # Every replica computes num_microbatches; the padding's tokens are not trained on.
     tokens = (c.dp * c.num_microbatches - c.padding) * c.microbatch_size * seq_len
     flops = flops_per_token(model, seq_len) * tokens
@@ -197,7 +207,10 @@ def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: in
     # Per block and microbatch: the device's fixed cost, and the host issuing the work.
     device_s = (ideal + layers * c.num_microbatches * device.kernel_overhead_s) * again
     host_s = layers * c.num_microbatches * device.host_dispatch_s * again
-    bubble = bubble_fraction(c.schedule, c.pp, c.vpp, c.num_microbatches)
+    stages = (memo("stage_flops", model, (seq_len, c.pp * c.vpp),
+                   lambda: stage_flops(model, seq_len, c.pp * c.vpp))
+              if c.pp > 1 and by_stage else None)
+    bubble = bubble_fraction(c.schedule, c.pp, c.vpp, c.num_microbatches, stages)
     compute = max(device_s, host_s) / (1.0 - bubble)
     act_bytes = compute_bytes * seq_len // c.cp * c.microbatch_size * h
     tp_comm = 0.0
@@ -241,4 +254,4 @@ def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: in
         step_time_s=step, tokens_per_s=tokens / step, tflops_per_gpu=achieved / 1e12,
         mfu=achieved / (device.peak_tflops * 1e12), bubble_fraction=bubble, compute_s=compute,
         tp_comm_s=tp_comm, pp_comm_s=pp_comm, dp_exposed_s=dp_exposed, ep_comm_s=ep_comm,
-        cp_comm_s=cp_comm, host_bound=host_s > device_s)
+        cp_comm_s=cp_comm, host_bound=host_s > device_s, by_stage=by_stage or c.pp == 1)

@@ -4,9 +4,10 @@ memory). No torch, no ray."""
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,6 +100,23 @@ class PlanResult:
     rejected: list[Rejection]
     model: Any = None  # the model config planned for
     device: DeviceSpec | None = None  # the accelerator planned for
+    # A plan priced stage by stage (``_by_stage``), for those the search left at its bound
+    price: Callable[[RankedPlan], RankedPlan] | None = field(default=None, repr=False)
+
+    def priced(self, p: RankedPlan) -> RankedPlan:
+        """``p`` with its stages each priced at its own cost (as the first plans are)."""
+        return p if p.estimate.by_stage or self.price is None else self.price(p)
+
+    def first_priced(self, plans: list[RankedPlan]) -> RankedPlan:
+        """The first of ``plans`` (in the search's order) once each is priced stage by stage:
+        each is priced in turn until the next one's bound is slower (``_by_stage``)."""
+        best = None
+        for p in plans:
+            if best is not None and _order(p) > _order(best):
+                break
+            p = self.priced(p)
+            best = p if best is None or _order(p) < _order(best) else best
+        return best
 
     @property
     def best(self) -> RankedPlan:
@@ -419,13 +437,46 @@ def _plan(req: PlanRequest, topo: Topology, long: bool | None) -> PlanResult:
             layouts[key] = topo.allocate(c.tp, c.world_size)
         node_ranks = layouts[key]
         est = estimate(req.model, c, req.seq_len, topo.device, node_ranks[0], req.compute_bytes,
-                       fused, mem)
+                       fused, mem, by_stage=False)
         ranked.append(RankedPlan(c, est, topo.world_size - c.world_size, node_ranks))
-    # Every accelerator that can be used is used (fewest idle first), then the fastest: the
-    # cost model has no fixed per-step costs, so for small models it would otherwise trade
-    # accelerators the user gave the job for a prediction it cannot make precisely.
-    ranked.sort(key=lambda p: (p.idle, -p.estimate.tokens_per_s, p.estimate.memory_per_rank_gib))
-    return PlanResult(ranked, rejected, req.model, topo.device)
+
+    def price(p: RankedPlan) -> RankedPlan:
+        return dataclasses.replace(p, estimate=estimate(
+            req.model, p.candidate, req.seq_len, topo.device, p.node_ranks[0], req.compute_bytes,
+            fused, p.estimate.memory_per_rank_gib * 1024**3))
+    return PlanResult(_by_stage(ranked, price), rejected, req.model, topo.device, price)
+
+
+# The first plans of a search priced stage by stage (at least as many as a plan's table shows)
+PRICED_FIRST = 10
+
+
+def _order(p: RankedPlan) -> tuple:
+    """A search's order: every accelerator that can be used is used (fewest idle first), then
+    the fastest: the cost model has no fixed per-step costs, so for small models it would
+    otherwise trade accelerators the user gave the job for a prediction it cannot make
+    precisely."""
+    return (p.idle, -p.estimate.tokens_per_s, p.estimate.memory_per_rank_gib)
+
+
+def _by_stage(ranked: list[RankedPlan], price: Callable[[RankedPlan], RankedPlan]
+              ) -> list[RankedPlan]:
+    """``ranked`` in the search's order with its first PRICED_FIRST plans priced stage by
+    stage (``estimate``'s ``by_stage``: each pipeline stage at its own cost, the simulator
+    playing the schedule; a plan's search prices every candidate as if its stages were alike,
+    closed forms, once per schedule shape rather than a simulation each). A pipeline's step
+    with stages that differ is never shorter than with them alike, so each plan's first
+    price is a bound: plans are priced in that order until the next one's bound is slower
+    than the PRICED_FIRST-th priced; none left unpriced can come before them."""
+    ranked = sorted(ranked, key=_order)
+    done: list[tuple] = []
+    for i, p in enumerate(ranked):
+        if len(done) >= PRICED_FIRST and _order(p) > done[PRICED_FIRST - 1]:
+            break
+        if not p.estimate.by_stage:
+            ranked[i] = p = price(p)
+        bisect.insort(done, _order(p))
+    return sorted(ranked, key=_order)
 
 
 def _without_ep(c: Candidate) -> tuple:
@@ -448,7 +499,7 @@ def _microbatch_choice(result: PlanResult, best: RankedPlan, device: DeviceSpec)
                                     num_microbatches=c.num_microbatches, padding=c.padding) == c]
     if not same or device.host_dispatch_s == device.kernel_overhead_s == 0:
         return line
-    alt = min(same, key=lambda p: p.candidate.microbatch_size)
+    alt = result.priced(min(same, key=lambda p: p.candidate.microbatch_size))
     a, ae = alt.candidate, alt.estimate
     return line + [
         f"Microbatch {c.microbatch_size} rather than {a.microbatch_size}: each microbatch pays the "
@@ -468,7 +519,7 @@ def _sharding_choice(result: PlanResult, best: RankedPlan) -> list[str]:
         p.candidate, dp_replicate=c.dp_replicate) == c]
     if not same:
         return []
-    alt = min(same, key=lambda p: p.estimate.dp_exposed_s)
+    alt = result.priced(min(same, key=lambda p: p.estimate.dp_exposed_s))
     a, e, ae = alt.candidate, best.estimate, alt.estimate
 
     def name(x: Candidate) -> str:
@@ -544,7 +595,7 @@ def explain(result: PlanResult) -> str:
     others = [p for p in result.plans if (p.candidate.tp, p.candidate.pp, p.candidate.dp,
                                           p.candidate.vpp, p.candidate.cp) != degrees]
     if others:
-        nxt = others[0]
+        nxt = result.first_priced(others)
         gap = 1 - nxt.estimate.tokens_per_s / e.tokens_per_s
         n = nxt.candidate
         more = f", leaving {nxt.idle - best.idle} more idle" if nxt.idle > best.idle else ""

@@ -100,6 +100,20 @@ def mtp_params(shape, active: bool = False) -> int:
     return mtp.depth * (2 * d * d + 3 * d + layer_params(shape, shape.n_layers, active))
 
 
+def stage_flops(shape, seq_len: int, num_stages: int) -> tuple[float, ...]:
+    """Training FLOPs per token of each of ``num_stages`` pipeline stages (``stage_split``'s,
+    in model order; ``flops_per_token``'s terms): its blocks (dense or MoE, their attention),
+    and on the last the head and the multi-token modules. They sum to ``flops_per_token``."""
+    attention = 6.0 * attention_width(shape) * seq_len
+    out, start = [], 0
+    for n in _split(shape.n_layers, num_stages, None):
+        out.append(sum(6.0 * (layer_params(shape, i, active=True) - 2 * shape.dim) + attention
+                       for i in range(start, start + n)))
+        start += n
+    out[-1] += flops_per_token(shape, seq_len) - sum(out)  # the head, the final norm, MTP
+    return tuple(out)
+
+
 def flops_per_token(shape, seq_len: int) -> float:
     """Training FLOPs per token: 6 × (matmul parameters a token uses — the active experts
     only — the output head included, and multi-token prediction's modules with their use of

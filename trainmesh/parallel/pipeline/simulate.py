@@ -42,12 +42,16 @@ class Costs:
     send_latency: float = 0.0
     input: float | None = None  # default: half the backward
     weight: float | None = None  # default: half the backward
+    # Each stage's cost as a multiple of the above (stages of unequal size: their blocks, the
+    # head on the last); None: every stage alike
+    stage_scale: tuple[float, ...] | None = None
 
-    def of(self, op: Op) -> float:
+    def of(self, op: Op, stage: int = 0) -> float:
         half = self.backward / 2
-        return {Op.FORWARD: self.forward, Op.BACKWARD: self.backward,
+        cost = {Op.FORWARD: self.forward, Op.BACKWARD: self.backward,
                 Op.BACKWARD_INPUT: half if self.input is None else self.input,
                 Op.WEIGHT: half if self.weight is None else self.weight}.get(op, 0.0)
+        return cost if self.stage_scale is None else cost * self.stage_scale[stage]
 
 
 @dataclass
@@ -118,7 +122,7 @@ def simulate(schedule: Schedule, num_stages: int, microbatches: int, costs: Cost
                     if ready is None:
                         break
                     start = max(clock[r], ready)
-                    end = start + costs.of(a.op)
+                    end = start + costs.of(a.op, a.stage)
                     done[(a.op, a.stage, a.microbatch)] = end
                     if a.op is Op.FORWARD:
                         live[r] += 1
