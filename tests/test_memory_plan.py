@@ -31,6 +31,9 @@ PLANS = {  # every plan on 4 ranks
     "tp2-sp-dp2": ["parallelism.tp=2", "parallelism.dp=2", "parallelism.sequence_parallel=true"],
     "pp2-1f1b-dp2": ["parallelism.pp=2", "parallelism.dp=2", "schedule.name=1f1b",
                      "training.global_batch_size=16"],
+    # stages of unequal size, as pinned: 1 block on the first rank, 3 on the last
+    "pp2-1f1b-dp2-pinned-1-3": ["parallelism.pp=2", "parallelism.dp=2", "schedule.name=1f1b",
+                                "training.global_batch_size=16", "parallelism.stage_layers=[1, 3]"],
     "pp2-vpp2-interleaved-tp2-sp": ["parallelism.pp=2", "parallelism.vpp=2", "parallelism.tp=2",
                                     "parallelism.sequence_parallel=true",
                                     "schedule.name=interleaved-1f1b"],

@@ -157,6 +157,31 @@ def test_the_first_plans_are_priced_stage_by_stage_and_ordered_as_if_all_were():
         assert result.priced(p).estimate.step_time_s > alike.step_time_s
 
 
+def test_pinned_stage_layers_are_planned_priced_and_explained_as_pinned():
+    """``parallelism.stage_layers`` with ``parallelism: auto``: only layouts of that many
+    stages are planned, and each is priced with the pinned blocks: the stage holding more
+    holds more memory, its rank paces the pipeline (slower than the even split), and the
+    explanation names the split as pinned."""
+    split = [6, 10, 8, 8]
+    spec = load_spec(None, ["model.preset=8b", "parallelism=auto", "training.seq_len=4096",
+                            "training.global_batch_size=64", f"parallelism.stage_layers={split}"])
+    result = plan(request_for(spec), Topology.uniform(4, 8, "h100"))
+    assert result.plans and all(p.candidate.pp * p.candidate.vpp == 4 for p in result.plans)
+    best = result.best
+    c = best.candidate
+    assert c.stage_layers == tuple(split) and c.pp > 1
+    even = dataclasses.replace(c, stage_layers=None)
+    h100 = device_spec("h100")
+    pinned = cost_model.estimate(spec.model, c, 4096, h100, best.node_ranks[0])
+    alike = cost_model.estimate(spec.model, even, 4096, h100, best.node_ranks[0])
+    assert pinned.step_time_s > alike.step_time_s
+    heavier = 1 % c.pp  # (10 blocks: the second stage, on rank 1 mod pp)
+    assert (memory_model.rank_memory(spec.model, c, 4096, heavier).params
+            > memory_model.rank_memory(spec.model, even, 4096, heavier).params)
+    assert "as pinned (parallelism.stage_layers)" in explain(result)
+    assert any("stage_layers" in r.reason for r in result.rejected)  # (other stage counts)
+
+
 def test_explicit_infeasible_degrees_say_why():
     spec = load_spec(None, ["model.preset=70b", "parallelism.dp=8", "training.seq_len=4096",
                             "training.global_batch_size=64", "training.microbatch_size=8"])

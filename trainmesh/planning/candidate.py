@@ -45,15 +45,18 @@ class Candidate:
     cp: int = 1  # context parallel: each sequence over cp ranks (ZeRO-3 over dp × cp)
     cp_mode: str = "ring"  # ring | allgather
     recompute_stride: int = 2  # with selective recomputation: every N-th block of a rank
+    # blocks of each pipeline stage, in model order (``parallelism.stage_layers``); None: the
+    # default split (``model_math.stage_split``)
+    stage_layers: tuple[int, ...] | None = None
 
     def blocks(self, model) -> int:
         """The most blocks a pipeline rank holds (``model_math.rank_blocks``: uneven where
         pp × vpp does not divide them)."""
-        return rank_blocks(model.n_layers, self.pp, self.vpp)
+        return rank_blocks(model.n_layers, self.pp, self.vpp, self.stage_layers)
 
     def chunk_blocks(self, model) -> int:
         """The most blocks one model chunk (pipeline stage) holds."""
-        return max(stage_split(model.n_layers, self.pp * self.vpp))
+        return max(stage_split(model.n_layers, self.pp * self.vpp, self.stage_layers))
 
     def recomputed(self, layers: int) -> float:
         """The fraction of a rank's ``layers`` blocks recomputed in backward (selective: the

@@ -104,7 +104,7 @@ def _zero3_exposed(model, c: Candidate, device: DeviceSpec, per_node: int, compu
     a node uses intra-node bandwidth. Overlapped with compute except what exceeds half of it;
     each collective's latency (one hop per other participant of its ring) is paid per FSDP
     unit, not hidden."""
-    rp = rank_params(model, c.pp, 0, c.schedule, c.vpp)
+    rp = rank_params(model, c.pp, 0, c.schedule, c.vpp, c.stage_layers)
     s, r = c.zero_shards, c.dp_replicate
     # Under expert parallel the experts (split over ep) are FSDP units of their own, one per
     # MoE block, sharded over the rest of the shard group: s / ep ranks.
@@ -207,8 +207,8 @@ def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: in
     # Per block and microbatch: the device's fixed cost, and the host issuing the work.
     device_s = (ideal + layers * c.num_microbatches * device.kernel_overhead_s) * again
     host_s = layers * c.num_microbatches * device.host_dispatch_s * again
-    stages = (memo("stage_flops", model, (seq_len, c.pp * c.vpp),
-                   lambda: stage_flops(model, seq_len, c.pp * c.vpp))
+    stages = (memo("stage_flops", model, (seq_len, c.pp * c.vpp, c.stage_layers),
+                   lambda: stage_flops(model, seq_len, c.pp * c.vpp, c.stage_layers))
               if c.pp > 1 and by_stage else None)
     bubble = bubble_fraction(c.schedule, c.pp, c.vpp, c.num_microbatches, stages)
     compute = max(device_s, host_s) / (1.0 - bubble)

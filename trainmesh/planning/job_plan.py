@@ -30,6 +30,8 @@ def request_for(spec: JobSpec) -> PlanRequest:
                      recompute_stride=spec.activation_checkpoint.stride)
     if par.keep_gathered is not None:
         fixed["keep_gathered"] = par.keep_gathered
+    if par.stage_layers is not None:
+        fixed["stage_layers"] = tuple(par.stage_layers)
     fixed["reduce_dtype"] = par.reduce_dtype
     compute_bytes = 2 if tr.dtype == "bfloat16" else 4
     return PlanRequest(spec.model, tr.global_batch_size, tr.seq_len, compute_bytes, fixed,

@@ -159,12 +159,13 @@ def rank_memory(model, c: Candidate, seq_len: int, pp_rank: int = 0, compute_byt
     ddp = runs_ddp(model, c)
     unwrapped = c.pp > 1 and c.dp * c.cp == 1 and compute_bytes == 4
     state_key = (c.pp, pp_rank, last, c.vpp, c.tp, c.zero_shards, c.ep, c.reduce_bytes,
-                 compute_bytes, ddp, unwrapped, c.keep_gathered, c.num_microbatches > 1)
+                 compute_bytes, ddp, unwrapped, c.keep_gathered, c.num_microbatches > 1,
+                 c.stage_layers)
     params, grads, gathered, end_of_step = memo(
         "state", model, state_key,
         lambda: _state_bytes(model, c, pp_rank, compute_bytes, ddp, unwrapped))
     sp = c.sequence_parallel and c.tp > 1
-    kinds = chunk_kinds(model.n_layers, c.pp, c.vpp, pp_rank, dense_layers(model))
+    kinds = chunk_kinds(model.n_layers, c.pp, c.vpp, pp_rank, dense_layers(model), c.stage_layers)
     act_key = (seq_len, c.cp, c.cp_mode, c.microbatch_size, c.tp, sp, c.recompute,
                c.recompute_stride, fused_head, c.ep, c.pp, c.vpp, last, compute_bytes, kinds)
     per_chunk, head, transient, head_transient = memo(
@@ -181,7 +182,7 @@ def _state_bytes(model, c: Candidate, pp_rank: int, compute_bytes: int, ddp: boo
                  unwrapped: bool) -> tuple[float, float, float, float]:
     """(fp32 parameters, gradients while microbatches run, gathered copies, the step's end)
     of rank ``pp_rank``; the two Adam moments are twice the parameters."""
-    rp = rank_params(model, c.pp, pp_rank, c.schedule, c.vpp)
+    rp = rank_params(model, c.pp, pp_rank, c.schedule, c.vpp, c.stage_layers)
     reduce_bytes = c.reduce_bytes
     local = rp.local(c.tp, c.zero_shards)
     layer_gathered = rp.layer_gathered(c.tp, c.ep)
@@ -206,7 +207,7 @@ def _state_bytes(model, c: Candidate, pp_rank: int, compute_bytes: int, ddp: boo
         grads = 4 * local + reduce_unit
         end_of_step = 4 * local
     else:
-        held = blocks_held(model.n_layers, c.pp, c.vpp)[pp_rank] + rp.mtp_modules
+        held = blocks_held(model.n_layers, c.pp, c.vpp, c.stage_layers)[pp_rank] + rp.mtp_modules
         root = max(0.0, rp.gathered(c.tp, c.ep) - held * layer_gathered)  # (this rank's blocks'
         # and multi-token modules' blocks: FSDP units of their own)
         gathered = compute_bytes * (2 * layer_gathered + root)
@@ -274,11 +275,13 @@ def snapshot_host_bytes(model, c: Candidate, pp_rank: int | None = None) -> floa
     one being written, a buddy's two copies and the one arriving (DCP files: each the fp32
     parameter and AdamW shards, 12 bytes per local parameter, and DCP's framing of each
     tensor), and the host copy the snapshot is written from."""
-    ranks = ({0, c.pp - 1, *fullest_ranks(model.n_layers, c.pp, c.vpp, dense_layers(model))}
+    ranks = ({0, c.pp - 1, *fullest_ranks(model.n_layers, c.pp, c.vpp, dense_layers(model),
+                                           c.stage_layers)}
              if pp_rank is None else {pp_rank})
 
     def one(r: int) -> float:
-        state = 12 * rank_params(model, c.pp, r, c.schedule, c.vpp).local(c.tp, c.zero_shards)
+        state = 12 * rank_params(model, c.pp, r, c.schedule, c.vpp, c.stage_layers).local(
+            c.tp, c.zero_shards)
         return 6 * (state + 3 * DCP_ENTRY_BYTES * _tensors(model, c, r)) + state
     return max(one(r) for r in ranks)
 
@@ -287,7 +290,7 @@ def _tensors(model, c: Candidate, pp_rank: int) -> int:
     """Parameter tensors of a pipeline rank's part: its blocks (``block_tensors``), its
     multi-token modules (two input norms, the projection, the output norm and a block each),
     the embedding, the final norm and head."""
-    rp = rank_params(model, c.pp, pp_rank, c.schedule, c.vpp)
+    rp = rank_params(model, c.pp, pp_rank, c.schedule, c.vpp, c.stage_layers)
     last = holds_head(c.schedule, c.pp, pp_rank)
     return (block_tensors(model, False) * rp.dense_blocks + block_tensors(model, True) * rp.moe_blocks
             + rp.mtp_modules * (4 + block_tensors(model, mtp_block_is_moe(model)))
@@ -314,7 +317,8 @@ def memory_bytes(model, c: Candidate, seq_len: int, compute_bytes: int = 2,
     """Peak bytes on the heaviest rank: the first pipeline rank (embedding, most activations
     in flight), the last (head, logits), or where the stages are uneven the first of those
     holding the most blocks and the first of those holding the most MoE blocks."""
-    ranks = {0, c.pp - 1, *fullest_ranks(model.n_layers, c.pp, c.vpp, dense_layers(model))}
+    ranks = {0, c.pp - 1, *fullest_ranks(model.n_layers, c.pp, c.vpp, dense_layers(model),
+                                         c.stage_layers)}
     return max(rank_memory(model, c, seq_len, r, compute_bytes, framework_bytes, fused).total
                for r in ranks)
 

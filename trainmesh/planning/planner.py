@@ -280,6 +280,12 @@ def _inner(req: PlanRequest, tp: int, pp: int, max_dp: int,
         if broken:
             yield _rule_rejection(broken[0])
             continue
+        if "stage_layers" in fixed and len(fixed["stage_layers"]) != pp * vpp:
+            yield _rule_rejection(Problem(
+                "parallelism.stage_layers", f"{len(fixed['stage_layers'])} stages pinned, "
+                f"not pp × vpp = {pp}×{vpp}", "pin pp and vpp to match, or drop stage_layers",
+                "pipeline"))
+            continue
         # The zero-bubble schedules are considered when named (schedule.name), not on their own.
         schedules = ("1f1b",) if pp == 1 else (
             ("interleaved-1f1b", "zbv") if vpp == 2 else ("interleaved-1f1b",) if vpp > 1
@@ -345,6 +351,7 @@ def _options(req: PlanRequest, tp: int, pp: int, dp: int, vpp: int, schedule: st
         keeps = (bool(fixed["keep_gathered"]),)
     reduce = str(fixed.get("reduce_dtype", "float32"))
     stride = int(fixed.get("recompute_stride", 2))
+    split = tuple(fixed["stage_layers"]) if "stage_layers" in fixed and pp > 1 else None
     moe = has_moe_blocks(req.model)
     modes = ("ring",) if cp == 1 else (str(fixed["cp_mode"]),) if "cp_mode" in fixed else CP_MODES
     for ep in _ep_choices(req, dp, cp):
@@ -357,7 +364,7 @@ def _options(req: PlanRequest, tp: int, pp: int, dp: int, vpp: int, schedule: st
                         continue  # (DDP gathers nothing: one candidate, not one per policy)
                     for mode in modes:
                         yield Candidate(tp, pp, dp, vpp, schedule, mbs, n_micro, rc, sp, keep,
-                                        reduce, ep, padding, rep, cp, mode, stride)
+                                        reduce, ep, padding, rep, cp, mode, stride, split)
 
 
 def _ep_choices(req: PlanRequest, dp: int, cp: int = 1) -> list[int]:
@@ -559,13 +566,15 @@ def explain(result: PlanResult) -> str:
              f"fastest at {e.tokens_per_s:,.0f} tokens/s and {e.mfu:.1%} MFU, using "
              f"{e.memory_per_rank_gib:.1f} GiB per rank."]
     if c.pp > 1:
-        split = stage_split(result.model.n_layers, c.pp * c.vpp)
+        split = stage_split(result.model.n_layers, c.pp * c.vpp, c.stage_layers)
         uneven = len(set(split)) > 1
+        why = ("as pinned (parallelism.stage_layers)" if c.stage_layers else
+               f"pp × vpp does not divide the {result.model.n_layers}: the extra ones on the "
+               "stages between the first, with the embedding, and the last, with the head and "
+               "the loss")
         parts.append(f"Its {c.pp * c.vpp} pipeline stages hold "
                      + (_runs(split) if uneven else f"{split[0]} blocks each")
-                     + (f" blocks (pp × vpp does not divide the {result.model.n_layers}: the "
-                        "extra ones on the stages between the first, with the embedding, and "
-                        "the last, with the head and the loss)." if uneven else "."))
+                     + (f" blocks ({why})." if uneven else "."))
     if best.idle:
         parts.append(f"It runs {c.world_size} ranks on {len(best.node_ranks)} node(s) and leaves "
                      f"{best.idle} accelerator(s) idle, the fewest any plan does: TP groups stay "

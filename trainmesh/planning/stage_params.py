@@ -99,18 +99,20 @@ def memo(kind: str, model, key: tuple, compute):
     return hit[1]
 
 
-def rank_params(model, pp: int, pp_rank: int, schedule: str = "1f1b", vpp: int = 1) -> RankParams:
+def rank_params(model, pp: int, pp_rank: int, schedule: str = "1f1b", vpp: int = 1,
+                split: tuple[int, ...] | None = None) -> RankParams:
     """The parameters of pipeline rank ``pp_rank``: its blocks (its vpp chunks' of the
-    pp × vpp stages, ``model_math.stage_split``), the embedding on the first, the head where
-    the schedule puts it."""
+    pp × vpp stages, ``model_math.stage_split``: ``split`` or the default), the embedding on
+    the first, the head where the schedule puts it."""
     last = holds_head(schedule, pp, pp_rank)
-    return memo("rank_params", model, (pp, pp_rank, last, vpp),
-                lambda: _rank_params(model, pp, pp_rank, last, vpp))
+    return memo("rank_params", model, (pp, pp_rank, last, vpp, split),
+                lambda: _rank_params(model, pp, pp_rank, last, vpp, split))
 
 
-def _rank_params(model, pp: int, pp_rank: int, last: bool, vpp: int = 1) -> RankParams:
+def _rank_params(model, pp: int, pp_rank: int, last: bool, vpp: int = 1,
+                 split: tuple[int, ...] | None = None) -> RankParams:
     d, V = model.dim, model.vocab_size
-    counts = stage_split(model.n_layers, pp * vpp)  # (uneven where pp × vpp do not divide)
+    counts = stage_split(model.n_layers, pp * vpp, split)  # (uneven where pp × vpp do not divide)
     starts = [sum(counts[:s]) for s in range(len(counts))]
     chunks = [c * pp + pp_rank for c in range(vpp)]  # round-robin (zbv's V: even splits only)
     layers = sum(counts[s] for s in chunks)

@@ -100,13 +100,14 @@ def mtp_params(shape, active: bool = False) -> int:
     return mtp.depth * (2 * d * d + 3 * d + layer_params(shape, shape.n_layers, active))
 
 
-def stage_flops(shape, seq_len: int, num_stages: int) -> tuple[float, ...]:
+def stage_flops(shape, seq_len: int, num_stages: int, pinned=None) -> tuple[float, ...]:
     """Training FLOPs per token of each of ``num_stages`` pipeline stages (``stage_split``'s,
-    in model order; ``flops_per_token``'s terms): its blocks (dense or MoE, their attention),
-    and on the last the head and the multi-token modules. They sum to ``flops_per_token``."""
+    ``pinned`` or the default, in model order; ``flops_per_token``'s terms): its blocks
+    (dense or MoE, their attention), and on the last the head and the multi-token modules.
+    They sum to ``flops_per_token``."""
     attention = 6.0 * attention_width(shape) * seq_len
     out, start = [], 0
-    for n in _split(shape.n_layers, num_stages, None):
+    for n in _split(shape.n_layers, num_stages, tuple(pinned) if pinned else None):
         out.append(sum(6.0 * (layer_params(shape, i, active=True) - 2 * shape.dim) + attention
                        for i in range(start, start + n)))
         start += n
@@ -176,11 +177,12 @@ def _held(n_layers: int, pp: int, vpp: int, pinned: tuple[int, ...] | None) -> t
 
 
 @functools.lru_cache(maxsize=4096)
-def chunk_kinds(n_layers: int, pp: int, vpp: int, pp_rank: int,
-                dense_layers: int = 0) -> tuple[tuple[int, int], ...]:
+def chunk_kinds(n_layers: int, pp: int, vpp: int, pp_rank: int, dense_layers: int = 0,
+                pinned: tuple[int, ...] | None = None) -> tuple[tuple[int, int], ...]:
     """(dense, MoE) blocks of each model chunk pipeline rank ``pp_rank`` holds (stage s on
-    rank s mod pp, the default split): a model's first ``dense_layers`` blocks are dense."""
-    counts = _split(n_layers, pp * vpp, None)
+    rank s mod pp; ``stage_split``'s, ``pinned`` or the default): a model's first
+    ``dense_layers`` blocks are dense."""
+    counts = _split(n_layers, pp * vpp, pinned)
     out = []
     for s in (c * pp + pp_rank for c in range(vpp)):
         start = sum(counts[:s])
@@ -190,11 +192,13 @@ def chunk_kinds(n_layers: int, pp: int, vpp: int, pp_rank: int,
 
 
 @functools.lru_cache(maxsize=4096)
-def fullest_ranks(n_layers: int, pp: int, vpp: int = 1, dense_layers: int = 0) -> tuple[int, ...]:
+def fullest_ranks(n_layers: int, pp: int, vpp: int = 1, dense_layers: int = 0,
+                  pinned: tuple[int, ...] | None = None) -> tuple[int, ...]:
     """The first pipeline rank holding the most blocks and the first holding the most of the
-    blocks after ``dense_layers`` (MoE ones), with the default split: a pipeline's earlier
-    ranks hold more microbatches' activations, so of ranks alike the first is the heaviest."""
-    held = list(blocks_held(n_layers, pp, vpp))
-    later = [sum(moe for _, moe in chunk_kinds(n_layers, pp, vpp, r, dense_layers))
+    blocks after ``dense_layers`` (MoE ones), with ``stage_split``'s split: a pipeline's
+    earlier ranks hold more microbatches' activations, so of ranks alike the first is the
+    heaviest."""
+    held = list(blocks_held(n_layers, pp, vpp, pinned))
+    later = [sum(moe for _, moe in chunk_kinds(n_layers, pp, vpp, r, dense_layers, pinned))
              for r in range(pp)]
     return (held.index(max(held)), later.index(max(later)))
