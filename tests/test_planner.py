@@ -182,6 +182,37 @@ def test_pinned_stage_layers_are_planned_priced_and_explained_as_pinned():
     assert any("stage_layers" in r.reason for r in result.rejected)  # (other stage counts)
 
 
+def test_a_chosen_pipeline_is_split_by_its_stages_cost():
+    """Where the planner chooses the pipeline, the blocks are split by their cost: the head
+    (and multi-token modules) make the last stage the costliest at an even split, so it gives
+    a block away (70B at 16 stages: 5 blocks a stage, the last 4); DeepSeek-V3's 61 blocks
+    over 16 stages end on a last stage of 2 with its MTP module. The slowest stage is then
+    cheaper, the plan writes the split into the spec the ranks build from and explains it;
+    a pipeline the user pinned keeps the even split, and a split already even stays None."""
+    from trainmesh.models.llama.model_math import cost_split, stage_flops, stage_split
+    from trainmesh.planning.job_plan import effective_spec
+
+    for preset, k in (("70b", 16), ("deepseek-v3-671b", 16), ("8b", 4), ("70b", 32)):
+        m = _model(preset)
+        split = cost_split(m, 4096, k)
+        assert sum(split) == m.n_layers and min(split) >= 1 and len(split) == k
+        even = stage_split(m.n_layers, k)
+        assert split != tuple(even), preset
+        assert max(stage_flops(m, 4096, k, split)) < max(stage_flops(m, 4096, k)), preset
+    assert cost_split(_model("70b"), 4096, 16)[-1] == 4
+    assert cost_split(_model("deepseek-v3-671b"), 4096, 16)[-1] == 2
+
+    spec = load_spec("jobs/llama-70b.yaml", ["parallelism=auto"])
+    result = plan(request_for(spec), Topology.uniform(128, 8, "h100"))
+    c = result.best.candidate
+    assert c.pp > 1 and c.stage_layers == cost_split(spec.model, spec.training.seq_len, c.pp * c.vpp)
+    assert effective_spec(spec, c).parallelism.stage_layers == list(c.stage_layers)
+    assert "split by their cost" in explain(result)
+    pinned = load_spec("jobs/llama-70b.yaml", [])  # (its pipeline pinned)
+    kept = plan(request_for(pinned), Topology.uniform(128, 8, "h100")).best.candidate
+    assert kept.pp > 1 and kept.stage_layers is None
+
+
 def test_explicit_infeasible_degrees_say_why():
     spec = load_spec(None, ["model.preset=70b", "parallelism.dp=8", "training.seq_len=4096",
                             "training.global_batch_size=64", "training.microbatch_size=8"])

@@ -60,7 +60,8 @@ def effective_spec(spec: JobSpec, c: Candidate) -> JobSpec:
         "auto": False, "tp": c.tp, "pp": c.pp, "dp": c.dp, "vpp": c.vpp,
         "ep": c.ep, "dp_replicate": c.dp_replicate, "cp": c.cp, "cp_mode": c.cp_mode,
         "sequence_parallel": c.sequence_parallel and c.tp > 1,
-        "keep_gathered": c.keep_gathered, "reduce_dtype": c.reduce_dtype})
+        "keep_gathered": c.keep_gathered, "reduce_dtype": c.reduce_dtype,
+        "stage_layers": list(c.stage_layers) if c.stage_layers else None})
     update = {"parallelism": par,
               "schedule": spec.schedule.model_copy(update={"name": c.schedule}),
               "training": spec.training.model_copy(update={"microbatch_size": c.microbatch_size})}
@@ -102,7 +103,9 @@ def replan_job(spec: JobSpec, topo: Topology) -> Replan:
                        f"{topo.world_size} accelerators left ("
                        f"{summarize_rejections(result.rejected)})")
     if result is None or not result.plans:
-        auto = spec.model_copy(update={"parallelism": par.model_copy(update={"auto": True})})
+        # (a pinned split goes with the pinned pipeline: the planner splits the one it chooses)
+        auto = spec.model_copy(update={"parallelism": par.model_copy(
+            update={"auto": True, "stage_layers": None})})
         req = request_for(auto)
         req.fixed["microbatch_size"] = spec.training.microbatch_size
         if not par.auto:  # a pinned ep (and dp_replicate) stays an upper bound

@@ -11,14 +11,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainmesh.models.llama.model_math import stage_split
+from trainmesh.models.llama.model_math import cost_split, stage_split
 from trainmesh.parallel.dims import replicates
 from trainmesh.parallel.pipeline.ir import splits_backward
 from trainmesh.planning.candidate import RECOMPUTE, SCHEDULES, Candidate, has_moe_blocks, runs_ddp
 from trainmesh.planning.cost_model import Estimate, estimate
 from trainmesh.planning.devices import DeviceSpec
 from trainmesh.planning.memory_model import memory_bytes, uses_fused_kernels
-from trainmesh.planning.stage_params import memoized
+from trainmesh.planning.stage_params import memo, memoized
 from trainmesh.planning.topology import Topology
 from trainmesh.spec.mesh_rules import (
     cp_problems,
@@ -29,6 +29,7 @@ from trainmesh.spec.mesh_rules import (
     microbatches_per_replica,
     pp_problems,
     runnable_problems,
+    stage_layers_problems,
     tp_problems,
 )
 from trainmesh.spec.problems import Problem
@@ -102,6 +103,7 @@ class PlanResult:
     device: DeviceSpec | None = None  # the accelerator planned for
     # A plan priced stage by stage (``_by_stage``), for those the search left at its bound
     price: Callable[[RankedPlan], RankedPlan] | None = field(default=None, repr=False)
+    request: PlanRequest | None = field(default=None, repr=False)  # what was planned for
 
     def priced(self, p: RankedPlan) -> RankedPlan:
         """``p`` with its stages each priced at its own cost (as the first plans are)."""
@@ -280,11 +282,9 @@ def _inner(req: PlanRequest, tp: int, pp: int, max_dp: int,
         if broken:
             yield _rule_rejection(broken[0])
             continue
-        if "stage_layers" in fixed and len(fixed["stage_layers"]) != pp * vpp:
-            yield _rule_rejection(Problem(
-                "parallelism.stage_layers", f"{len(fixed['stage_layers'])} stages pinned, "
-                f"not pp × vpp = {pp}×{vpp}", "pin pp and vpp to match, or drop stage_layers",
-                "pipeline"))
+        broken = stage_layers_problems(fixed.get("stage_layers"), pp, vpp)
+        if broken:
+            yield _rule_rejection(broken[0])
             continue
         # The zero-bubble schedules are considered when named (schedule.name), not on their own.
         schedules = ("1f1b",) if pp == 1 else (
@@ -351,7 +351,7 @@ def _options(req: PlanRequest, tp: int, pp: int, dp: int, vpp: int, schedule: st
         keeps = (bool(fixed["keep_gathered"]),)
     reduce = str(fixed.get("reduce_dtype", "float32"))
     stride = int(fixed.get("recompute_stride", 2))
-    split = tuple(fixed["stage_layers"]) if "stage_layers" in fixed and pp > 1 else None
+    split = _stage_layers(req, pp, vpp, schedule)
     moe = has_moe_blocks(req.model)
     modes = ("ring",) if cp == 1 else (str(fixed["cp_mode"]),) if "cp_mode" in fixed else CP_MODES
     for ep in _ep_choices(req, dp, cp):
@@ -365,6 +365,22 @@ def _options(req: PlanRequest, tp: int, pp: int, dp: int, vpp: int, schedule: st
                     for mode in modes:
                         yield Candidate(tp, pp, dp, vpp, schedule, mbs, n_micro, rc, sp, keep,
                                         reduce, ep, padding, rep, cp, mode, stride, split)
+
+
+def _stage_layers(req: PlanRequest, pp: int, vpp: int, schedule: str) -> tuple[int, ...] | None:
+    """The blocks of each pipeline stage: as pinned (``parallelism.stage_layers``); where the
+    planner chooses the pipeline (``pp`` not pinned), split by their cost
+    (``model_math.cost_split``: the head and multi-token modules weigh on the last stage)
+    where that differs from the even split (None: the even split; zbv's V takes even
+    splits only)."""
+    if "stage_layers" in req.fixed:
+        return tuple(req.fixed["stage_layers"]) if pp > 1 else None
+    if pp == 1 or "pp" in req.fixed or schedule == "zbv":
+        return None
+    k = pp * vpp
+    split = memo("cost_split", req.model, (req.seq_len, k),
+                 lambda: cost_split(req.model, req.seq_len, k))
+    return None if split == tuple(stage_split(req.model.n_layers, k)) else split
 
 
 def _ep_choices(req: PlanRequest, dp: int, cp: int = 1) -> list[int]:
@@ -451,7 +467,7 @@ def _plan(req: PlanRequest, topo: Topology, long: bool | None) -> PlanResult:
         return dataclasses.replace(p, estimate=estimate(
             req.model, p.candidate, req.seq_len, topo.device, p.node_ranks[0], req.compute_bytes,
             fused, p.estimate.memory_per_rank_gib * 1024**3))
-    return PlanResult(_by_stage(ranked, price), rejected, req.model, topo.device, price)
+    return PlanResult(_by_stage(ranked, price), rejected, req.model, topo.device, price, req)
 
 
 # The first plans of a search priced stage by stage (at least as many as a plan's table shows)
@@ -568,7 +584,11 @@ def explain(result: PlanResult) -> str:
     if c.pp > 1:
         split = stage_split(result.model.n_layers, c.pp * c.vpp, c.stage_layers)
         uneven = len(set(split)) > 1
-        why = ("as pinned (parallelism.stage_layers)" if c.stage_layers else
+        pinned = result.request is not None and "stage_layers" in result.request.fixed
+        why = ("as pinned (parallelism.stage_layers)" if pinned else
+               "split by their cost: the head, the loss and any multi-token modules on the "
+               "last stage; a model's dense blocks cost other than its MoE ones"
+               if c.stage_layers else
                f"pp × vpp does not divide the {result.model.n_layers}: the extra ones on the "
                "stages between the first, with the embedding, and the last, with the head and "
                "the loss")

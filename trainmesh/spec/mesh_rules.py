@@ -66,6 +66,15 @@ def pp_problems(m: ModelShape, pp: int, vpp: int) -> list[Problem]:
     return out
 
 
+def stage_layers_problems(split, pp: int, vpp: int) -> list[Problem]:
+    """A pinned split (``parallelism.stage_layers``) has one count per model chunk."""
+    if split is None or len(split) == pp * vpp:
+        return []
+    return [Problem("parallelism.stage_layers", f"{len(split)} stages, but pp × vpp = {pp}×{vpp}",
+                    f"give {pp * vpp} counts (one per model chunk, in model order), or pin pp "
+                    "and vpp to match", DIVISIBILITY)]
+
+
 def ep_degrees(m: ModelShape, dp: int) -> list[int]:
     """The expert-parallel degrees that divide both the data-parallel replicas and experts."""
     moe = getattr(m, "moe", None)

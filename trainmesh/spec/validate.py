@@ -24,6 +24,7 @@ from trainmesh.spec.mesh_rules import (
     hsdp_problems,
     runnable_problems,
     shape_problems,
+    stage_layers_problems,
 )
 from trainmesh.spec.problems import Problem
 
@@ -180,9 +181,8 @@ def field_problems(spec) -> list[Problem]:
     need(split is None or sum(split) == m.n_layers, "parallelism.stage_layers",
          f"{split} holds {sum(split or [])} blocks, the model {m.n_layers}",
          f"give counts that add up to model.n_layers={m.n_layers}")
-    need(split is None or par.auto or len(split) == par.pp * par.vpp, "parallelism.stage_layers",
-         f"{len(split or [])} stages, but pp × vpp = {par.pp}×{par.vpp}",
-         f"give {par.pp * par.vpp} counts (one per model chunk, in model order)")
+    if not par.auto:
+        out += stage_layers_problems(split, par.pp, par.vpp)
     need(spec.data.path is not None or m.vocab_size >= BYTE_TOKENIZER_VOCAB, "model.vocab_size",
          f"{m.vocab_size} is smaller than the byte tokenizer's {BYTE_TOKENIZER_VOCAB} tokens",
          f"use at least {BYTE_TOKENIZER_VOCAB} (264 keeps it divisible by 8)")

@@ -115,6 +115,43 @@ def stage_flops(shape, seq_len: int, num_stages: int, pinned=None) -> tuple[floa
     return tuple(out)
 
 
+def cost_split(shape, seq_len: int, num_stages: int) -> tuple[int, ...]:
+    """A split of the blocks over ``num_stages`` stages by their cost (``stage_flops``):
+    ``stage_split``'s even one, then stage boundaries moved a block at a time while that
+    makes the costliest stage cheaper (the head and multi-token modules make the last stage
+    the costliest at an even split; a model's dense first blocks cost other than its MoE
+    ones). Every stage keeps a block."""
+    attention = 6.0 * attention_width(shape) * seq_len
+    block = [6.0 * (layer_params(shape, i, active=True) - 2 * shape.dim) + attention
+             for i in range(shape.n_layers)]
+    extra = flops_per_token(shape, seq_len) - sum(block)  # (the head, the final norm, MTP)
+    counts = list(_split(shape.n_layers, num_stages, None))
+
+    def cost(s: int) -> float:
+        start = sum(counts[:s])
+        return sum(block[start:start + counts[s]]) + (extra if s == num_stages - 1 else 0.0)
+
+    for _ in range(shape.n_layers * num_stages):  # (each move lowers a stage below the top)
+        costs = [cost(s) for s in range(num_stages)]
+        top = max(costs)
+        s = costs.index(top)
+        moves = []
+        for t in (s - 1, s + 1):
+            if 0 <= t < num_stages and counts[s] > 1:
+                counts[s] -= 1
+                counts[t] += 1
+                moves.append((max(cost(s), cost(t)), t))
+                counts[s] += 1
+                counts[t] -= 1
+        better = [m for m in moves if m[0] < top * (1 - 1e-9)]
+        if not better:
+            break
+        t = min(better)[1]
+        counts[s] -= 1
+        counts[t] += 1
+    return tuple(counts)
+
+
 def flops_per_token(shape, seq_len: int) -> float:
     """Training FLOPs per token: 6 × (matmul parameters a token uses — the active experts
     only — the output head included, and multi-token prediction's modules with their use of
