@@ -1,5 +1,7 @@
-"""Planning time from 8 to 16,384 accelerators (target: under 1 s at 16,384); the cost
-model's step time by microbatch size beside what a GPU measured.
+"""Planning time from 8 to 16,384 accelerators (target: under 1 s at 16,384), with the first
+plans priced stage by stage (each pipeline stage at its own cost, the simulator playing the
+schedule: ``planner._by_stage``) and, beside it in the same run, with every stage priced alike
+(closed forms only); the cost model's step time by microbatch size beside what a GPU measured.
 
     .venv/bin/python bench/planner.py
 """
@@ -10,6 +12,7 @@ import dataclasses
 import time
 
 from trainmesh.cli.loading import load_spec
+from trainmesh.planning import candidate, planner
 from trainmesh.planning.candidate import Candidate
 from trainmesh.planning.cost_model import estimate
 from trainmesh.planning.devices import device_spec
@@ -53,18 +56,24 @@ def microbatch_table() -> None:
 
 def main() -> None:
     model = load_spec(None, ["model.preset=70b"]).model
-    print(f"{'GPUs':>7} {'nodes':>6} {'plan s':>8} {'feasible':>9} {'rejected':>9}  best (tp, pp, dp, vpp)")
+    print(f"{'GPUs':>7} {'nodes':>6} {'plan s':>8} {'alike s':>8} {'feasible':>9} {'rejected':>9}  "
+          "best (tp, pp, dp, vpp; by stage | alike)")
+    first = planner.PRICED_FIRST
     for gpus in (8, 64, 512, 1024, 4096, 16384):
         topo = Topology.uniform(gpus // 8, 8, "h100")
         req = PlanRequest(model, global_batch_size=max(gpus, 1024), seq_len=8192)
-        t0 = time.perf_counter()
-        result = plan(req, topo)
-        dt = time.perf_counter() - t0
-        best = "-"
-        if result.plans:
-            c = result.best.candidate
-            best = f"({c.tp}, {c.pp}, {c.dp}, {c.vpp})"
-        print(f"{gpus:>7} {gpus // 8:>6} {dt:>8.3f} {len(result.plans):>9} {len(result.rejected):>9}  {best}")
+        times, bests = [], []
+        for priced in (first, 0):  # (each from cold caches: the simulator's plays are kept)
+            candidate._played.cache_clear()
+            planner.PRICED_FIRST = priced
+            t0 = time.perf_counter()
+            result = plan(req, topo)
+            times.append(time.perf_counter() - t0)
+            c = result.best.candidate if result.plans else None
+            bests.append(f"({c.tp}, {c.pp}, {c.dp}, {c.vpp})" if c else "-")
+        planner.PRICED_FIRST = first
+        print(f"{gpus:>7} {gpus // 8:>6} {times[0]:>8.3f} {times[1]:>8.3f} {len(result.plans):>9} "
+              f"{len(result.rejected):>9}  {bests[0]} | {bests[1]}")
     microbatch_table()
 
 

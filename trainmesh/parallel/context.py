@@ -80,6 +80,11 @@ class ContextParallel:
     clock: object = None
     waits: list = field(default_factory=list)
 
+    def ring_positions(self, seq_len: int) -> torch.Tensor:
+        """Every rank's tokens' positions in a sequence of ``seq_len``, rank after rank (the
+        order an all-gather over the ring lays their parts end to end in)."""
+        return torch.cat([local_positions(seq_len, r, self.cp) for r in range(self.cp)])
+
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"parallelism.cp_mode={self.mode!r}; use one of {', '.join(MODES)}")

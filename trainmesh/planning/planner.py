@@ -493,7 +493,7 @@ def _by_stage(ranked: list[RankedPlan], price: Callable[[RankedPlan], RankedPlan
     than the PRICED_FIRST-th priced; none left unpriced can come before them."""
     ranked = sorted(ranked, key=_order)
     done: list[tuple] = []
-    for i, p in enumerate(ranked):
+    for i, p in enumerate(ranked if PRICED_FIRST else []):
         if len(done) >= PRICED_FIRST and _order(p) > done[PRICED_FIRST - 1]:
             break
         if not p.estimate.by_stage:

@@ -238,11 +238,7 @@ class MTPContextParallel:
         self.context, self.positions = context, positions
         self.seq_len = positions.numel() * context.cp
         self._rows: dict[int, torch.Tensor] = {}
-        from trainmesh.parallel.context import local_positions
-
-        # Where each rank's part sits in the sequence, in the all-gather's order.
-        self.order = torch.cat([local_positions(self.seq_len, r, context.cp)
-                                for r in range(context.cp)])
+        self.order = context.ring_positions(self.seq_len)  # (the all-gather's order)
 
     def whole(self, targets_BT: torch.Tensor) -> torch.Tensor:
         """The whole sequences' targets (B, T) from every rank's part of them."""
