@@ -1,7 +1,8 @@
 """Planning time from 8 to 16,384 accelerators (target: under 1 s at 16,384), with the first
 plans priced stage by stage (each pipeline stage at its own cost, the simulator playing the
-schedule: ``planner._by_stage``) and, beside it in the same run, with every stage priced alike
-(closed forms only); the cost model's step time by microbatch size beside what a GPU measured.
+schedule: ``planner._by_stage``) and, beside it in the same run, with every plan priced
+at the least its stages allow, no play (``candidate._least_makespan``: the bound the search
+ranks by first); the cost model's step time by microbatch size beside what a GPU measured.
 
     .venv/bin/python bench/planner.py
 """
@@ -56,8 +57,8 @@ def microbatch_table() -> None:
 
 def main() -> None:
     model = load_spec(None, ["model.preset=70b"]).model
-    print(f"{'GPUs':>7} {'nodes':>6} {'plan s':>8} {'alike s':>8} {'feasible':>9} {'rejected':>9}  "
-          "best (tp, pp, dp, vpp; by stage | alike)")
+    print(f"{'GPUs':>7} {'nodes':>6} {'plan s':>8} {'bound s':>8} {'feasible':>9} {'rejected':>9}  "
+          "best (tp, pp, dp, vpp; played | bound)")
     first = planner.PRICED_FIRST
     for gpus in (8, 64, 512, 1024, 4096, 16384):
         topo = Topology.uniform(gpus // 8, 8, "h100")

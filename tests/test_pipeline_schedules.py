@@ -159,13 +159,17 @@ def test_planner_closed_form_equals_the_simulator(kind, pp, v, m):
 @pytest.mark.parametrize(("kind", "pp", "v"), [("1f1b", 4, 1), ("gpipe", 3, 1),
                                                ("interleaved-1f1b", 4, 2), ("zb-h1", 4, 1),
                                                ("zbv", 2, 2)])
-def test_stages_of_unequal_cost_are_played_and_priced_from_two_plays(kind, pp, v):
-    """Per-stage costs (``Costs.stage_scale``): stages alike at 2× take twice as long; a
-    heavier last stage (the head) lengthens the step beyond its share of the work. The
-    planner's bubble for stages that differ is the simulator's: played for few microbatches,
-    and for more the line through two plays, exact for one chunk a rank (the steady state
-    adds the same time per microbatch), within 3% of the step for two."""
-    from trainmesh.planning.candidate import bubble_fraction
+def test_stages_of_unequal_cost_are_played_priced_and_bounded(kind, pp, v):
+    """Per-stage costs (``Costs.stage_scale``): stages alike at 2× take twice as long. The
+    planner's step for stages that differ (a heavier last stage: the head; a lighter one, a
+    heavier first, random ones) is the simulator's: played for few microbatches, and for more
+    on from the last play at its steady pace, never below the busiest rank's (exact for one
+    chunk a rank, within 4% for two); and the bound a search ranks by first
+    (``_least_makespan``) is never above the play, and equals the closed forms for stages
+    alike."""
+    import random
+
+    from trainmesh.planning.candidate import _least_makespan, _makespan, bubble_fraction
 
     n = pp * v
     alike = simulate(build_schedule(kind, pp, v, 2 * pp), n, 2 * pp, Costs(1 / v, 2 / v),
@@ -173,16 +177,25 @@ def test_stages_of_unequal_cost_are_played_and_priced_from_two_plays(kind, pp, v
     double = simulate(build_schedule(kind, pp, v, 2 * pp), n, 2 * pp,
                       Costs(1 / v, 2 / v, stage_scale=(2.0,) * n), shape=pipe_shape(kind, pp, v, 2 * pp))
     assert double.step_time == pytest.approx(2 * alike.step_time)
-    scale = tuple(1.0 if s < n - 1 else 1.6 for s in range(n))  # (the head on the last stage)
-    mean = sum(scale) / n
-    for m in (pp, 3 * pp + 1, 6 * pp):
-        played = simulate(build_schedule(kind, pp, v, m), n, m,
-                          Costs(1 / v, 2 / v, stage_scale=tuple(round(x / mean, 3) for x in scale)),
-                          shape=pipe_shape(kind, pp, v, m))
-        priced = bubble_fraction(kind, pp, v, m, scale)
-        assert priced > bubble_fraction(kind, pp, v, m)  # the imbalance idles the others
-        step = lambda bubble: 1 / (1 - bubble)  # noqa: E731 (the step, busy time alike)
-        assert step(priced) == pytest.approx(step(played.bubble_fraction), rel=1e-9 if v == 1 else 0.03)
+    rng = random.Random(0)
+    scales = [tuple(1.0 if s < n - 1 else 1.6 for s in range(n)),  # (the head on the last)
+              tuple(1.3 if s == 0 else 0.7 if s == n - 1 else 1.0 for s in range(n)),
+              *(tuple(rng.choice((0.5, 0.7, 1.0, 1.3, 1.6)) for _ in range(n)) for _ in range(3))]
+    for scale in scales:
+        scale = tuple(round(x * n / sum(scale), 3) for x in scale)
+        for m in ((1,) if kind != "interleaved-1f1b" else ()) + (pp, 3 * pp + 1, 6 * pp, 12 * pp):
+            played = simulate(build_schedule(kind, pp, v, m), n, m, Costs(1 / v, 2 / v, stage_scale=scale),
+                              shape=pipe_shape(kind, pp, v, m)).step_time
+            assert _makespan(kind, pp, v, m, scale) == pytest.approx(played, rel=1e-9 if v == 1 else 0.04)
+            assert _least_makespan(kind, pp, v, m, scale) <= played * (1 + 1e-9)
+            if kind != "zbv":
+                assert (bubble_fraction(kind, pp, v, m, scale, bound=True)
+                        <= bubble_fraction(kind, pp, v, m, scale) + 1e-9)
+    if kind in ("1f1b", "gpipe", "interleaved-1f1b"):
+        for m in (pp, 3 * pp):
+            busy = m * 3 * pp
+            assert 1 - busy / (pp * _least_makespan(kind, pp, v, m, (1.0,) * n)) == pytest.approx(
+                bubble_fraction(kind, pp, v, m))
 
 
 def test_schedule_cli_prints_grid_and_writes_png(tmp_path, capsys):

@@ -52,7 +52,7 @@ def plan(spec: JobSpec, nodes: int | None = None, gpus_per_node: int = 8,
     topo = cluster_topology(spec, SimpleNamespace(nodes=nodes, gpus_per_node=gpus_per_node,
                                                   device=device))
     _, result = plan_job(spec, topo)
-    return [p.as_row() for p in result.plans[:top]]
+    return [p.as_row() for p in result.first(top)]
 
 
 def run(spec: JobSpec, environ: Mapping[str, str] | None = None,

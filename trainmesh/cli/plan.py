@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     except PlanError as err:
         print(err, file=sys.stderr)
         return 2
-    rows = [p.as_row() for p in result.plans[: args.top]]
+    rows = [p.as_row() for p in result.first(args.top)]
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0 if rows else 1

@@ -182,8 +182,9 @@ def apply_expert_parallel(model: nn.Module, mesh: Mesh, seq_len: int) -> nn.Modu
             # (from 0): over the first seq_len - k - 1 positions
             length = seq_len - int(block_name.split(".")[1]) - 1
             if cp > 1:  # on the rank's whole part (tp 1 beside it: the spec), routing those
-                moe.rows = torch.nonzero(positions < length).flatten()
-                where = positions[moe.rows]
+                rows = torch.nonzero(positions < length).flatten()
+                where = positions[rows]
+                moe.rows = rows if rows.numel() < positions.numel() else None  # (None: all)
             else:  # a tp rank's share of them
                 where = token_positions(length, 0, 1, mesh.coord(Axis.TP), tp)
         if ep > 1:

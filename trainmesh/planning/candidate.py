@@ -86,20 +86,22 @@ class Candidate:
         return self.tp * self.pp * self.dp * self.cp
 
 def bubble_fraction(schedule: str, pp: int, vpp: int, m: int,
-                    stage_costs: tuple[float, ...] | None = None) -> float:
+                    stage_costs: tuple[float, ...] | None = None, bound: bool = False) -> float:
     """Idle fraction of a pipelined step (backward = 2 × forward; a split backward's input and
     weight halves 1 each): the time the ranks wait, on each other or for the slowest stage.
     Stages alike (``stage_costs`` None or equal): closed forms for GPipe, 1F1B and
     interleaved; the zero-bubble schedules are played by the simulator. Stages that differ
     (``stage_costs``: each stage's cost, in model order — their blocks, the head on the
-    last: ``model_math.stage_flops``): every schedule is played with them (cached)."""
+    last: ``model_math.stage_flops``): every schedule is played with them (cached); or, with
+    ``bound``, the least it can be (``_least_makespan``: no play)."""
     if pp == 1:
         return 0.0
     if stage_costs is not None and max(stage_costs) > min(stage_costs) * (1 + 1e-6):
         mean = sum(stage_costs) / len(stage_costs)
         scale = tuple(round(x / mean, 3) for x in stage_costs)
         busy = m * 3 / vpp * sum(scale)  # (the simulator's units: a stage's forward 1/vpp)
-        return 1.0 - busy / (pp * _makespan(schedule, pp, vpp, m, scale))
+        span = (_least_makespan if bound else _makespan)(schedule, pp, vpp, m, scale)
+        return 1.0 - busy / (pp * span)
     if splits_backward(schedule):
         return _played(schedule, pp, vpp, m)[0]
     v = vpp if schedule == "interleaved-1f1b" else 1
@@ -107,18 +109,42 @@ def bubble_fraction(schedule: str, pp: int, vpp: int, m: int,
     return idle / (m + idle)
 
 
+def _rank_stages(schedule: str, pp: int, vpp: int) -> list[list[int]]:
+    """Each rank's stages: zbv's V (r and 2·pp − 1 − r), the others round-robin."""
+    if schedule == "zbv":
+        return [[r, 2 * pp - 1 - r] for r in range(pp)]
+    return [list(range(r, pp * vpp, pp)) for r in range(pp)]
+
+
+def _least_makespan(schedule: str, pp: int, vpp: int, m: int, scale: tuple[float, ...]) -> float:
+    """A step no schedule of these stages can beat: each rank runs all its work, m × its
+    stages' forward and backward, after the first microbatch's forward has come through the
+    stages before its first, and (a whole backward: its last action is the first chunk's
+    backward of the last microbatch) before that backward has gone back through them. Equal
+    to the closed forms when the stages are alike (a split backward's W may come last: no
+    drain counted there)."""
+    def fill_drain(r: int) -> float:  # (the stages before rank r's first, in model order)
+        ahead = scale[:r]
+        return sum(ahead) / vpp * (1 if splits_backward(schedule) else 3)
+    return max(fill_drain(r) + m * 3 / vpp * sum(scale[s] for s in stages)
+               for r, stages in enumerate(_rank_stages(schedule, pp, vpp)))
+
+
 def _makespan(schedule: str, pp: int, vpp: int, m: int, scale: tuple[float, ...]) -> float:
-    """The simulator's step time for stages costing ``scale``: played for few microbatches;
-    for more, the line through two plays (a schedule's steady state adds the same time per
-    microbatch: from pp and 2·pp microbatches on, exactly, for GPipe, 1F1B and ZB-H1; from
-    2·pp and 4·pp, within 3%, for the schedules of two or more chunks a rank, whose
-    microbatch groups are uneven where pp does not divide m), so that a plan plays each
-    schedule shape twice rather than once per microbatch count."""
+    """The simulator's step time for stages costing ``scale``: played up to a few microbatches
+    (2·pp, or 4·pp for two or more chunks a rank); for more, on from the last play at the
+    pace of its steady state, each microbatch adding the larger of what the last plays added
+    and the busiest rank's work (a pipeline cannot run faster than its slowest rank: so that
+    the line, which the plays may still bend towards, never runs below it). A plan then plays
+    each schedule's few sizes rather than one per microbatch count."""
     first = 2 * pp if schedule in CHUNKED else pp
-    if m < first:
+    anchor = 2 * first
+    if m <= anchor:
         return _played(schedule, pp, vpp, m, scale)[2]
-    low, high = (_played(schedule, pp, vpp, k * first, scale)[2] for k in (1, 2))
-    return low + (m - first) * (high - low) / first
+    low, high = (_played(schedule, pp, vpp, k, scale)[2] for k in (first, anchor))
+    busiest = 3 / vpp * max(sum(scale[s] for s in stages)
+                            for stages in _rank_stages(schedule, pp, vpp))
+    return high + (m - anchor) * max((high - low) / (anchor - first), busiest)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -195,8 +195,8 @@ def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: in
     """``c``'s step time and throughput (module docstring) and its memory per rank
     (``memory``: the bytes ``memory_bytes`` gave for it, where the caller has them).
     ``by_stage``: a pipeline's bubble from its stages' own costs (``model_math.stage_flops``,
-    played by the simulator); else as if they were alike (closed forms: cheaper, and a lower
-    bound on the step, which a plan's search ranks by first)."""
+    played by the simulator); else the least it can be with them (``_least_makespan``: no
+    play; a lower bound on the step, which a plan's search ranks by first)."""
     # Every replica computes num_microbatches; the padding's tokens are not trained on.
     tokens = (c.dp * c.num_microbatches - c.padding) * c.microbatch_size * seq_len
     flops = flops_per_token(model, seq_len) * tokens
@@ -209,8 +209,9 @@ def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: in
     host_s = layers * c.num_microbatches * device.host_dispatch_s * again
     stages = (memo("stage_flops", model, (seq_len, c.pp * c.vpp, c.stage_layers),
                    lambda: stage_flops(model, seq_len, c.pp * c.vpp, c.stage_layers))
-              if c.pp > 1 and by_stage else None)
-    bubble = bubble_fraction(c.schedule, c.pp, c.vpp, c.num_microbatches, stages)
+              if c.pp > 1 else None)
+    bubble = bubble_fraction(c.schedule, c.pp, c.vpp, c.num_microbatches, stages,
+                             bound=not by_stage)
     compute = max(device_s, host_s) / (1.0 - bubble)
     act_bytes = compute_bytes * seq_len // c.cp * c.microbatch_size * h
     tp_comm = 0.0

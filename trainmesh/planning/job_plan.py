@@ -103,9 +103,9 @@ def replan_job(spec: JobSpec, topo: Topology) -> Replan:
                        f"{topo.world_size} accelerators left ("
                        f"{summarize_rejections(result.rejected)})")
     if result is None or not result.plans:
-        # (a pinned split goes with the pinned pipeline: the planner splits the one it chooses)
+        # (a pinned pipeline dropped takes its pinned split: the planner splits its own)
         auto = spec.model_copy(update={"parallelism": par.model_copy(
-            update={"auto": True, "stage_layers": None})})
+            update={"auto": True, **({} if par.auto else {"stage_layers": None})})})
         req = request_for(auto)
         req.fixed["microbatch_size"] = spec.training.microbatch_size
         if not par.auto:  # a pinned ep (and dp_replicate) stays an upper bound
@@ -138,9 +138,11 @@ def plan_for(spec: JobSpec, topo: Topology, replan: bool) -> Replan:
             p for p in new.result.plans if snapshot_problem(spec, p.candidate, topo) is None]
         if fits:  # the fastest plan whose snapshots fit (a DDP rank's hold the whole state:
             # dp times a ZeRO-3 rank's)
-            c = fits[0].candidate
-            result = dataclasses.replace(new.result, plans=[*fits, *(
-                p for p in new.result.plans if p not in fits)])
+            head = new.result.first_priced(fits)  # (priced stage by stage, as the first are)
+            c = head.candidate
+            rest = [p for p in new.result.plans if p.candidate != c]
+            result = dataclasses.replace(new.result, plans=[head, *(p for p in rest if p in fits),
+                                                            *(p for p in rest if p not in fits)])
             new = Replan(ParallelDims(pp=c.pp, dp=c.dp, tp=c.tp, ep=c.ep, cp=c.cp), result,
                          effective_spec(spec, c), new.changed)
     else:

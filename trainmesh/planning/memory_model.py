@@ -167,7 +167,8 @@ def rank_memory(model, c: Candidate, seq_len: int, pp_rank: int = 0, compute_byt
     sp = c.sequence_parallel and c.tp > 1
     kinds = chunk_kinds(model.n_layers, c.pp, c.vpp, pp_rank, dense_layers(model), c.stage_layers)
     act_key = (seq_len, c.cp, c.cp_mode, c.microbatch_size, c.tp, sp, c.recompute,
-               c.recompute_stride, fused_head, c.ep, c.pp, c.vpp, last, compute_bytes, kinds)
+               c.recompute_stride, fused_head, c.ep, c.pp, c.vpp, last, compute_bytes, kinds,
+               c.stage_layers)
     per_chunk, head, transient, head_transient = memo(
         "activations", model, act_key,
         lambda: _activation_bytes(model, c, seq_len, compute_bytes, fused_head, sp, last, kinds))

@@ -110,15 +110,15 @@ class PlanResult:
         return p if p.estimate.by_stage or self.price is None else self.price(p)
 
     def first_priced(self, plans: list[RankedPlan]) -> RankedPlan:
-        """The first of ``plans`` (in the search's order) once each is priced stage by stage:
-        each is priced in turn until the next one's bound is slower (``_by_stage``)."""
-        best = None
-        for p in plans:
-            if best is not None and _order(p) > _order(best):
-                break
-            p = self.priced(p)
-            best = p if best is None or _order(p) < _order(best) else best
-        return best
+        """The first of ``plans`` (in the search's order) once each is priced stage by stage."""
+        return _by_stage(plans, self.priced, 1)[0]
+
+    def first(self, n: int) -> list[RankedPlan]:
+        """The first ``n`` plans, each priced stage by stage, in the order pricing every plan
+        so would give (the search prices its first PRICED_FIRST so; more on asking)."""
+        if n > PRICED_FIRST and self.price is not None:
+            return _by_stage(self.plans, self.priced, n)[:n]
+        return self.plans[:n]
 
     @property
     def best(self) -> RankedPlan:
@@ -438,7 +438,7 @@ def _plan(req: PlanRequest, topo: Topology, long: bool | None) -> PlanResult:
         # The spec's own rules, so that what is planned can be pinned: once per layout (the
         # candidates of one differ in recomputation, ZeRO-3 policy and cp mode only)
         layout = (c.tp, c.pp, c.dp, c.cp, c.ep, c.vpp, c.dp_replicate, c.schedule,
-                  c.sequence_parallel, c.microbatch_size)
+                  c.sequence_parallel, c.microbatch_size, c.stage_layers)
         if layout not in checked:
             checked[layout] = layout_problems(work, c)
         broken = checked[layout]
@@ -482,19 +482,19 @@ def _order(p: RankedPlan) -> tuple:
     return (p.idle, -p.estimate.tokens_per_s, p.estimate.memory_per_rank_gib)
 
 
-def _by_stage(ranked: list[RankedPlan], price: Callable[[RankedPlan], RankedPlan]
-              ) -> list[RankedPlan]:
-    """``ranked`` in the search's order with its first PRICED_FIRST plans priced stage by
-    stage (``estimate``'s ``by_stage``: each pipeline stage at its own cost, the simulator
-    playing the schedule; a plan's search prices every candidate as if its stages were alike,
-    closed forms, once per schedule shape rather than a simulation each). A pipeline's step
-    with stages that differ is never shorter than with them alike, so each plan's first
-    price is a bound: plans are priced in that order until the next one's bound is slower
-    than the PRICED_FIRST-th priced; none left unpriced can come before them."""
+def _by_stage(ranked: list[RankedPlan], price: Callable[[RankedPlan], RankedPlan],
+              first: int | None = None) -> list[RankedPlan]:
+    """``ranked`` in the search's order with its ``first`` (default PRICED_FIRST) plans
+    priced stage by stage (``estimate``'s ``by_stage``: each pipeline stage at its own cost,
+    the simulator playing the schedule). A search prices every candidate at the least its
+    stages allow (``candidate._least_makespan``: no play, a bound the play never beats), so
+    plans are priced in that order until the next one's bound is slower than the
+    ``first``-th priced: none left at its bound can come before them."""
+    first = PRICED_FIRST if first is None else first
     ranked = sorted(ranked, key=_order)
     done: list[tuple] = []
-    for i, p in enumerate(ranked if PRICED_FIRST else []):
-        if len(done) >= PRICED_FIRST and _order(p) > done[PRICED_FIRST - 1]:
+    for i, p in enumerate(ranked if first else []):
+        if len(done) >= first and _order(p) > done[first - 1]:
             break
         if not p.estimate.by_stage:
             ranked[i] = p = price(p)
@@ -542,7 +542,7 @@ def _sharding_choice(result: PlanResult, best: RankedPlan) -> list[str]:
         p.candidate, dp_replicate=c.dp_replicate) == c]
     if not same:
         return []
-    alt = result.priced(min(same, key=lambda p: p.estimate.dp_exposed_s))
+    alt = min((result.priced(p) for p in same), key=lambda p: p.estimate.dp_exposed_s)
     a, e, ae = alt.candidate, best.estimate, alt.estimate
 
     def name(x: Candidate) -> str:

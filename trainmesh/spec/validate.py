@@ -47,6 +47,7 @@ class LayoutLike(Protocol):
     schedule: str
     sequence_parallel: bool
     microbatch_size: int
+    stage_layers: tuple[int, ...] | None  # blocks of each pipeline stage (None: the even split)
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class Layout:
     schedule: str = "1f1b"
     sequence_parallel: bool = False
     microbatch_size: int = 1
+    stage_layers: tuple[int, ...] | None = None
 
     @property
     def world_size(self) -> int:
@@ -76,7 +78,8 @@ class Layout:
         if par.auto:
             return None
         return cls(par.tp, par.pp, par.dp, par.cp, par.ep, par.vpp, par.dp_replicate,
-                   spec.schedule.name, par.sequence_parallel, spec.training.microbatch_size)
+                   spec.schedule.name, par.sequence_parallel, spec.training.microbatch_size,
+                   tuple(par.stage_layers) if par.stage_layers else None)
 
 
 @dataclass(frozen=True)
@@ -124,7 +127,12 @@ def layout_problems(work: Workload, lay: LayoutLike, runnable: bool = True) -> l
     if lay.schedule == "zbv" and lay.pp > 1 and lay.vpp != 2:
         out.append(Problem("parallelism.vpp", f"zbv places two chunks per rank in a V, but "
                            f"parallelism.vpp={lay.vpp}", "set parallelism.vpp=2"))
-    if lay.schedule == "zbv" and lay.pp > 1 and m.n_layers % (lay.pp * lay.vpp):
+    if lay.schedule == "zbv" and lay.pp > 1 and len(set(lay.stage_layers or [0])) > 1:
+        out.append(Problem("parallelism.stage_layers", f"zbv with stages of unequal size "
+                           f"({list(lay.stage_layers)}) is not built: its V places stages r and "
+                           "2·pp−1−r on rank r", "give every stage the same count, or use "
+                           "another schedule", DIVISIBILITY))
+    elif lay.schedule == "zbv" and lay.pp > 1 and m.n_layers % (lay.pp * lay.vpp):
         out.append(Problem("parallelism.pp", f"zbv with stages of unequal size (n_layers="
                            f"{m.n_layers} over pp × vpp = {lay.pp}×{lay.vpp}) is not built: its V "
                            "places stages r and 2·pp−1−r on rank r", "choose pp × vpp dividing "

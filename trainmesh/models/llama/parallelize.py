@@ -247,7 +247,8 @@ class MTPContextParallel:
             self.order = self.order.to(targets_BT.device)
             self._rows = {}
         parts = [torch.empty_like(targets_BT) for _ in range(self.context.cp)]
-        dist.all_gather(parts, targets_BT.contiguous(), group=self.context.group)
+        # (timed as the ring's other waits: the step's breakdown counts it as exposed)
+        self.context.timed(dist.all_gather, parts, targets_BT.contiguous(), group=self.context.group)
         return torch.empty(targets_BT.shape[0], self.seq_len, dtype=targets_BT.dtype,
                            device=targets_BT.device).index_copy_(1, self.order, torch.cat(parts, 1))
 
