@@ -751,6 +751,8 @@ def test_a_layout_whose_largest_ep_does_not_fit_rejects_its_smaller_ones_unprice
     assert any(r.candidate.ep == 1 for r in priced) and result.plans
 
 
+@full("plans 405B at 16,384 GPUs twice (the choice, the paper's degrees pinned), ~11 s; make "
+      "test keeps the planner's search and explanation (the tests above)")
 def test_plan_prices_the_llama3_papers_layout_beside_its_choice(capsys):
     """``trainmesh plan`` for the 405b preset on 16,384 H100 prints the layout the Llama 3 paper
     published (tp 8 × pp 16 × dp 128) priced on that cluster: what the planner's own search

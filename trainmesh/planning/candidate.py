@@ -116,6 +116,7 @@ def _rank_stages(schedule: str, pp: int, vpp: int) -> list[list[int]]:
     return [list(range(r, pp * vpp, pp)) for r in range(pp)]
 
 
+@functools.lru_cache(maxsize=4096)
 def _least_makespan(schedule: str, pp: int, vpp: int, m: int, scale: tuple[float, ...]) -> float:
     """A step no schedule of these stages can beat: each rank runs all its work, m × its
     stages' forward and backward, after the first microbatch's forward has come through the
