@@ -15,8 +15,9 @@ from trainmesh.cli.loading import load_spec
 from trainmesh.cli.main import main
 from trainmesh.planning import candidate, cost_model, memory_model, stage_params
 from trainmesh.planning.devices import device_spec
+from trainmesh.planning.explain import explain
 from trainmesh.planning.job_plan import PlanError, plan_job, request_for
-from trainmesh.planning.planner import MEMORY_HEADROOM, PlanRequest, explain, plan
+from trainmesh.planning.planner import MEMORY_HEADROOM, PlanRequest, plan
 from trainmesh.planning.topology import Node, Topology, topology_from_nodes
 
 

@@ -8,8 +8,8 @@ import os
 import sys
 
 from trainmesh.cli.loading import add_overrides_arg, device_kind, load_spec
+from trainmesh.planning.explain import explain
 from trainmesh.planning.job_plan import PlanError, plan_job, request_for
-from trainmesh.planning.planner import explain
 from trainmesh.planning.published import compare, price, published_layout
 from trainmesh.planning.topology import Topology, topology_from_ray
 from trainmesh.spec.job import JobSpec
