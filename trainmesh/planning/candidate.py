@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from trainmesh.models.llama.model_math import rank_blocks, stage_split
 from trainmesh.parallel.dims import replicates
-from trainmesh.parallel.pipeline.ir import splits_backward
+from trainmesh.parallel.pipeline.ir import PipeShape, splits_backward
 
 GIB = 1024**3
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")
@@ -110,10 +110,9 @@ def bubble_fraction(schedule: str, pp: int, vpp: int, m: int,
 
 
 def _rank_stages(schedule: str, pp: int, vpp: int) -> list[list[int]]:
-    """Each rank's stages: zbv's V (r and 2·pp − 1 − r), the others round-robin."""
-    if schedule == "zbv":
-        return [[r, 2 * pp - 1 - r] for r in range(pp)]
-    return [list(range(r, pp * vpp, pp)) for r in range(pp)]
+    """Each rank's stages, as the schedule places them (``PipeShape.stages_of``)."""
+    shape = PipeShape(pp, vpp, 1, v_shape=schedule == "zbv")
+    return [shape.stages_of(r) for r in range(pp)]
 
 
 @functools.lru_cache(maxsize=4096)
