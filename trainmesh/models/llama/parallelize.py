@@ -237,7 +237,7 @@ class MTPContextParallel:
     def __init__(self, context, positions: torch.Tensor):
         self.context, self.positions = context, positions
         self.seq_len = positions.numel() * context.cp
-        self._rows: dict[int, torch.Tensor] = {}
+        self._rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.order = context.ring_positions(self.seq_len)  # (the all-gather's order)
 
     def whole(self, targets_BT: torch.Tensor) -> torch.Tensor:
@@ -261,10 +261,11 @@ class MTPContextParallel:
         """The k-th module's rows on this rank (positions with a token k + 1 ahead), their
         targets, and the weight of their mean loss (their share of T − k, × cp)."""
         if k not in self._rows:  # (once per module: finding them is a host sync)
-            self._rows[k] = torch.nonzero(self.positions < self.seq_len - k).flatten()
-        rows = self._rows[k]
+            rows = torch.nonzero(self.positions < self.seq_len - k).flatten()
+            self._rows[k] = rows, self.positions[rows] + k  # (and where their targets are)
+        rows, wanted = self._rows[k]
         share = rows.numel() * self.context.cp / (self.seq_len - k)
-        return rows, whole[:, self.positions[rows] + k], share
+        return rows, whole[:, wanted], share
 
 
 def apply_compile(model: nn.Module, split_backward: bool = False) -> nn.Module:
