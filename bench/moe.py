@@ -1,7 +1,10 @@
-"""One MoE block against a dense SwiGLU MLP with the same active parameters, and the share of the
-block's forward spent dispatching and combining tokens at ep 1, 2 and 4, with Mixtral's routing
-and DeepSeek-V3's (sigmoid, group-limited, bias); and one block's attention, grouped-query
-against DeepSeek-V3's latent attention; in one run.
+"""One MoE block against a dense SwiGLU MLP with the same active parameters, and the exposed
+all-to-all time at ep 1, 2 and 4, the exchanges whole or overlapped (``parallelism.ep_overlap``:
+each microbatch in two halves, one half's exchange in flight while the other's experts
+compute), with Mixtral's routing and DeepSeek-V3's (sigmoid, group-limited, bias); a whole
+training step of ``--step-preset`` on real rank actors at dp 2 · ep 2, whole against
+overlapped; and one block's attention, grouped-query against DeepSeek-V3's latent attention;
+in one run.
 
     .venv/bin/python bench/moe.py                      # defaults: dim 512, 8 experts, top-2
     .venv/bin/python bench/moe.py --tokens 256 --dim 64 --expert-ffn 64 --reps 2   # smoke
@@ -9,10 +12,12 @@ against DeepSeek-V3's latent attention; in one run.
 Each expert-parallel degree runs as that many processes over gloo (NCCL on GPUs: the same
 code), every rank with ``--tokens`` tokens of its own (weak scaling: the tokens per rank stay,
 the experts per rank shrink). Rows: median seconds of forward + backward per rank, the forward
-alone, the forward's all-to-all time (counts, tokens and the way back, as
-``parallel.expert.AllToAllDispatch`` makes them; the backward makes the same exchanges again),
-and the ratio to the dense MLP. On one CPU the ranks share cores, so the ep > 1 rows show the
-exchange's cost more than its speed-up.
+alone, the time the rank waited on the all-to-alls in forward and backward (counts, tokens and
+the way back, as ``parallel.expert.AllToAllDispatch`` times them: what is exposed; a whole
+exchange is all exposed), and the ratio to the dense MLP. The step table reads each rank's
+step breakdown (``a2a_s``) and compares the two runs' losses. On one CPU the ranks share
+cores, so the ep > 1 rows show the exchange's cost more than its speed-up, and an exchange
+in flight competes with the experts for the same cores.
 """
 
 from __future__ import annotations
@@ -59,32 +64,7 @@ def _time(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-class _Timed:
-    """Wraps a dispatcher, adding up the seconds its forward exchanges take."""
-
-    def __init__(self, inner):
-        self.inner, self.seconds = inner, 0.0
-
-    def _timed(self, fn, *a):
-        t0 = time.perf_counter()
-        out = fn(*a)
-        self.seconds += time.perf_counter() - t0
-        return out
-
-    def dispatch(self, x, counts):
-        return self._timed(self.inner.dispatch, x, counts)
-
-    def combine(self, y, state):
-        return self._timed(self.inner.combine, y, state)
-
-    def sum_over_tokens(self, counts):
-        return counts
-
-    def keep_within_capacity(self, flat, weights, args):
-        return self.inner.keep_within_capacity(flat, weights, args)
-
-
-def _measure(args, ep: int, rank: int, deepseek: bool = False) -> dict:
+def _measure(args, ep: int, rank: int, deepseek: bool = False, overlap: bool = False) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -92,8 +72,8 @@ def _measure(args, ep: int, rank: int, deepseek: bool = False) -> dict:
 
     moe = _block(args, ep, rank, deepseek)
     group = dist.group.WORLD if ep > 1 else None
-    timed = _Timed(AllToAllDispatch(group, ep, args.experts, None))
-    moe.dispatch = timed
+    dispatch = AllToAllDispatch(group, ep, args.experts, None, halves=2 if overlap else 1)
+    moe.dispatch = dispatch
     g = torch.Generator().manual_seed(1 + rank)
     x = torch.randn(1, args.tokens, args.dim, generator=g, requires_grad=True)
 
@@ -109,20 +89,21 @@ def _measure(args, ep: int, rank: int, deepseek: bool = False) -> dict:
         with torch.no_grad():
             moe(x)
 
+    dispatch.log.start(None)
     total = _time(step, args.reps)
-    timed.seconds = 0.0
+    exchange = dispatch.log.waited_s() / (args.reps + 1)
     fwd = _time(forward, args.reps)
-    exchange = timed.seconds / (args.reps + 1)
     return {"step": total, "forward": fwd, "exchange": exchange}
 
 
-def _rank(rank: int, ep: int, port: int, args, out, deepseek: bool = False) -> None:
+def _rank(rank: int, ep: int, port: int, args, out, deepseek: bool = False,
+          overlap: bool = False) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=ep)
     try:
-        out[rank] = _measure(args, ep, rank, deepseek)
+        out[rank] = _measure(args, ep, rank, deepseek, overlap)
     finally:
         dist.destroy_process_group()
 
@@ -140,6 +121,63 @@ def _dense(args) -> dict:
     with torch.no_grad():
         fwd = _time(lambda: ffn(x), args.reps)
     return {"step": step, "forward": fwd, "exchange": 0.0}
+
+
+def _steps(args) -> None:
+    """A whole training step of ``--step-preset`` at dp 2 · ep 2 on real rank actors (a local
+    Ray instance, gloo), the exchanges whole and overlapped: the step, each rank's exposed
+    all-to-all (its breakdown's ``a2a_s``), the losses of the two runs side by side."""
+    import statistics
+    import tempfile
+
+    import ray
+
+    from trainmesh.cli.loading import load_spec
+    from trainmesh.controller.ray_group import RayWorkerGroup, placement_for
+    from trainmesh.data.shards import ensure_tiny_corpus
+    from trainmesh.parallel.dims import ParallelDims
+    from trainmesh.planning.topology import Topology
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             configure_logging=False)
+    rows = []
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            data_dir = str(ensure_tiny_corpus(os.path.join(tmp, "data")))
+            for overlap in (False, True):
+                spec = load_spec(None, [
+                    f"model.preset={args.step_preset}", "parallelism.dp=2", "parallelism.ep=2",
+                    f"parallelism.ep_overlap={str(overlap).lower()}",
+                    f"training.seq_len={args.step_seq_len}", "training.global_batch_size=4",
+                    "training.microbatch_size=1", "optimizer.warmup_steps=1",
+                    f"training.steps={args.step_steps + 1}", "runtime.device=cpu",
+                    "tracking.enabled=false", f"runtime.output_dir={tmp}/out"])
+                dims = ParallelDims(dp=2, ep=2)
+                group = RayWorkerGroup(spec, dims, placement_for(spec, dims, Topology.uniform(
+                    1, 2, "cpu")), {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"})
+                try:
+                    group.build(spec.model_dump_json(), dims, data_dir)
+                    losses = [group.train_step()[0]["loss"]]  # (a warm-up: not timed)
+                    steps, a2a = [], []
+                    for _ in range(args.step_steps):
+                        stats = group.train_step()
+                        losses.append(stats[0]["loss"])
+                        steps.append(max(r["breakdown"]["step_s"] for r in stats))
+                        a2a.append(max(r["breakdown"]["a2a_s"] for r in stats))
+                finally:
+                    group.shutdown()
+                rows.append((overlap, statistics.median(steps), statistics.median(a2a), losses))
+    finally:
+        ray.shutdown()
+    whole = rows[0]
+    print(f"\nA whole step: {args.step_preset}, dp 2 · ep 2, seq {args.step_seq_len}, global "
+          f"batch 4 × microbatch 1 (median of {args.step_steps} steps; the slowest rank)")
+    print(f"{'':14} {'step s':>8} {'exposed all-to-all s':>21} {'share':>6} {'vs whole':>9} "
+          f"{'max |loss - whole|':>19}")
+    for overlap, step, a2a, losses in rows:
+        diff = max(abs(a - b) for a, b in zip(losses, whole[3], strict=True))
+        print(f"{'overlapped' if overlap else 'whole':14} {step:8.4f} {a2a:21.4f} "
+              f"{a2a / step:6.1%} {step / whole[1]:8.2f}x {diff:19.2e}")
 
 
 def _attention(args) -> list[tuple[str, dict]]:
@@ -190,6 +228,9 @@ def main() -> None:
     p.add_argument("--groups", type=int, default=4, help="DeepSeek-V3 rows: expert groups")
     p.add_argument("--topk-group", type=int, default=2, help="DeepSeek-V3 rows: groups per token")
     p.add_argument("--heads", type=int, default=8, help="the attention table's heads")
+    p.add_argument("--step-preset", default="tiny-moe", help="the whole-step table's model")
+    p.add_argument("--step-steps", type=int, default=4, help="its timed steps (0: no table)")
+    p.add_argument("--step-seq-len", type=int, default=256)
     args = p.parse_args()
 
     import torch.multiprocessing as mp
@@ -202,21 +243,25 @@ def main() -> None:
             if ep == 1:
                 rows.append((f"{kind} ep=1", _measure(args, 1, 0, deepseek)))
                 continue
-            with mp.Manager() as manager:
-                out = manager.dict()
-                mp.spawn(_rank, args=(ep, 29600 + ep, args, out, deepseek), nprocs=ep)
-                worst = {k: max(out[r][k] for r in range(ep)) for k in ("step", "forward", "exchange")}
-            rows.append((f"{kind} ep={ep}", worst))
+            for overlap in (False, True):
+                with mp.Manager() as manager:
+                    out = manager.dict()
+                    mp.spawn(_rank, args=(ep, 29600 + ep, args, out, deepseek, overlap), nprocs=ep)
+                    worst = {k: max(out[r][k] for r in range(ep))
+                             for k in ("step", "forward", "exchange")}
+                rows.append((f"{kind} ep={ep} {'overlapped' if overlap else 'whole'}", worst))
     dense = rows[0][1]["step"]
     print(f"\nMoE block: dim {args.dim}, {args.experts} experts × ffn {args.expert_ffn}, "
           f"top-{args.top_k}, {args.tokens} tokens per rank (median of {args.reps}; ep > 1: the "
           "slowest rank)")
-    print(f"{'':58} {'fwd+bwd s':>10} {'fwd s':>9} {'fwd all-to-all s':>17} {'share':>6} "
+    print(f"{'':66} {'fwd+bwd s':>10} {'fwd s':>9} {'exposed all-to-all s':>21} {'share':>6} "
           f"{'vs dense':>9}")
     for name, r in rows:
-        share = r["exchange"] / r["forward"] if r["forward"] else 0.0
-        print(f"{name:58} {r['step']:10.4f} {r['forward']:9.4f} {r['exchange']:17.4f} "
+        share = r["exchange"] / r["step"] if r["step"] else 0.0
+        print(f"{name:66} {r['step']:10.4f} {r['forward']:9.4f} {r['exchange']:21.4f} "
               f"{share:6.1%} {r['step'] / dense:8.2f}x")
+    if args.step_steps:
+        _steps(args)
     attention = _attention(args)
     gqa = attention[0][1]["step"]
     print(f"\nOne block's attention: dim {args.dim}, {args.heads} heads, {args.tokens} tokens "

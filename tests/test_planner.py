@@ -16,7 +16,7 @@ from trainmesh.cli.main import main
 from trainmesh.planning import candidate, cost_model, memory_model, stage_params
 from trainmesh.planning.devices import device_spec
 from trainmesh.planning.explain import explain
-from trainmesh.planning.job_plan import PlanError, plan_job, request_for
+from trainmesh.planning.job_plan import PlanError, effective_spec, plan_job, request_for
 from trainmesh.planning.planner import MEMORY_HEADROOM, PlanRequest, plan
 from trainmesh.planning.topology import Node, Topology, topology_from_nodes
 
@@ -438,7 +438,7 @@ def test_moe_plans_choose_ep_and_price_the_all_to_all():
     assert {p.candidate.ep for p in result.plans} >= {1, 2, 4, 8}
     assert dims.dp % dims.ep == 0 and 8 % dims.ep == 0
     by_ep = {ep: cost_model.estimate(spec.model, candidate.Candidate(
-        2, 4, 8, 1, "1f1b", 1, 32, "full", True, True, "float32", ep), 4096,
+        2, 4, 8, 1, "1f1b", 1, 32, "full", True, True, "float32", ep, ep_overlap=False), 4096,
         device_spec("h100"), 8, 2) for ep in (1, 2, 4, 8)}
     assert by_ep[1].ep_comm_s == 0 < by_ep[2].ep_comm_s
     # ep 8 with tp 2 spans two nodes: its all-to-all crosses the slower links.
@@ -446,6 +446,44 @@ def test_moe_plans_choose_ep_and_price_the_all_to_all():
     assert per_rank[8] > 2 * per_rank[4] and per_rank[4] == pytest.approx(per_rank[2])
     # fewer experts per rank: less gathered memory
     assert by_ep[8].memory_per_rank_gib < by_ep[2].memory_per_rank_gib
+
+
+def test_the_all_to_alls_in_halves_are_priced_and_chosen_where_they_hide_more_than_they_add():
+    """parallelism.ep_overlap: the planner prices what the halves hide (behind the experts and
+    the shared expert) and what stays exposed (the first way out, the last way back, a
+    message's latency per half), chooses it per plan where that is less, and writes it into
+    the spec the ranks run; pinned off, no plan overlaps."""
+    def priced(seq_len: int, overlap: bool | None, ep: int = 8):
+        spec = load_spec(None, ["model.preset=mixtral-8x7b", f"training.seq_len={seq_len}"])
+        return cost_model.estimate(spec.model, candidate.Candidate(
+            1, 4, 8, 1, "1f1b", 1, 32, "none", False, True, "float32", ep, ep_overlap=overlap),
+            seq_len, device_spec("h100"), 8, 2)
+
+    whole, halves, chosen = (priced(4096, o) for o in (False, True, None))
+    assert halves.ep_comm_s < whole.ep_comm_s  # long messages: the halves hide the most
+    # ... not all: the first way out and the backward's last way out stay (3 of 8 halves)
+    assert halves.ep_comm_s >= 3 / 8 * whole.ep_comm_s
+    assert chosen.ep_overlap and chosen.ep_comm_s == halves.ep_comm_s
+    assert chosen.ep_hidden_s == pytest.approx(whole.ep_comm_s - halves.ep_comm_s)
+    assert chosen.step_time_s < whole.step_time_s
+    short_whole, short_chosen = priced(16, False), priced(16, None)  # latency-bound messages
+    assert not short_chosen.ep_overlap and short_chosen.ep_comm_s == short_whole.ep_comm_s
+    assert priced(4096, None, ep=1).ep_comm_s == 0 and not priced(4096, None, ep=1).ep_overlap
+
+    base = ["model.preset=mixtral-8x7b", "parallelism=auto", "training.global_batch_size=256",
+            "training.seq_len=4096", "training.dtype=bfloat16"]
+    topo = Topology.uniform(8, 8, "h100")
+    spec = load_spec(None, base)
+    _, result = plan_job(spec, topo)
+    best = result.best
+    assert best.candidate.ep > 1 and best.candidate.ep_overlap and best.estimate.ep_overlap
+    assert effective_spec(spec, best.candidate).parallelism.ep_overlap is True
+    assert "parallelism.ep_overlap" in explain(result)
+    off = load_spec(None, [*base, "parallelism.ep_overlap=false"])
+    _, pinned = plan_job(off, topo)
+    assert not any(p.candidate.ep_overlap for p in pinned.plans)
+    assert pinned.best.estimate.step_time_s > best.estimate.step_time_s
+    assert effective_spec(off, pinned.best.candidate).parallelism.ep_overlap is False
 
 
 def test_moe_capacity_under_tp_is_priced_and_planned_for_a_whole_microbatch():

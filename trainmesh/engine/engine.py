@@ -43,7 +43,7 @@ from trainmesh.models.llama.parallelize import (
     tp_partial_params,
 )
 from trainmesh.models.llama.stage import PipelineStage, rank_model
-from trainmesh.parallel.clock import DeviceClock
+from trainmesh.parallel.clock import DeviceClock, WaitLog
 from trainmesh.parallel.context import ContextParallel, local_positions, local_spans
 from trainmesh.parallel.dims import AXES, Axis, replicates
 from trainmesh.parallel.expert import (
@@ -97,16 +97,20 @@ class _StepClock:
     def seconds(self, name: str) -> float:
         return sum(self.clock.seconds(a, b) for a, b in self.spans.get(name, ()))
 
-    def breakdown(self, ring_s: float, bubble_s: float, forward_s: float) -> dict[str, float]:
+    def breakdown(self, ring_s: float, a2a_s: float, bubble_s: float, forward_s: float
+                  ) -> dict[str, float]:
         """Seconds: the step; data wait; exposed communication that is measured (context
-        parallel's blocked waits, the loss's mean over the replicas); the pipeline's bubble;
+        parallel's blocked waits, the MoE blocks' waits on their all-to-alls — ``a2a_s``,
+        forward, backward and recomputation —, the loss's mean over the replicas); the
+        pipeline's bubble;
         compute, the rest (it includes what ZeRO-3's gathers and reduce-scatters expose inside
         forward and backward, which these marks cannot tell from compute); the blocks' own
         forward compute, which they can (``_ForwardTimer``); the optimizer; peak memory."""
         total = self.clock.seconds(self.t0, self.last)
         data = self.seconds("data")
-        comm = ring_s + self.seconds("loss")
-        out = {"step_s": total, "data_s": data, "comm_s": comm, "bubble_s": bubble_s,
+        comm = ring_s + a2a_s + self.seconds("loss")
+        out = {"step_s": total, "data_s": data, "comm_s": comm, "a2a_s": a2a_s,
+               "bubble_s": bubble_s,
                "compute_s": max(0.0, total - data - comm - bubble_s),
                "forward_s": forward_s, "optimizer_s": self.seconds("optimizer")}
         if self.device.type == "cuda":
@@ -123,14 +127,14 @@ class _StepClock:
 
 class _ForwardTimer:
     """The seconds ``blocks`` spend in their own forward, hooked after ZeRO-3's hooks so that
-    waiting for a block's all-gather is not counted, less the waits on context parallel's
-    ring inside it (``context``'s): the compute a slow rank shows, where the ranks that wait
-    for it show little. Recomputation in backward is not counted (it runs inside the
-    checkpoint, under the hooks' one call). Marks on the step's ``DeviceClock``: on a GPU the
-    device's time from a block's first kernel to its last."""
+    waiting for a block's all-gather is not counted, less the waits inside it that ``logs``
+    hold (context parallel's ring, the MoE blocks' all-to-alls): the compute a slow rank
+    shows, where the ranks that wait for it show little. Recomputation in backward is not
+    counted (it runs inside the checkpoint, under the hooks' one call). Marks on the step's
+    ``DeviceClock``: on a GPU the device's time from a block's first kernel to its last."""
 
-    def __init__(self, blocks, context: ContextParallel | None):
-        self.context = context
+    def __init__(self, blocks, logs: list[WaitLog]):
+        self.logs = logs
         self.clock: DeviceClock | None = None
         self._start: dict[int, tuple[object, int]] = {}
         self._spans: list[tuple[object, object, int, int]] = []
@@ -144,8 +148,8 @@ class _ForwardTimer:
         self._start.clear()
         self._spans = []
 
-    def _waits(self) -> int:
-        return len(self.context.waits) if self.context is not None else 0
+    def _waits(self) -> tuple[int, ...]:
+        return tuple(len(log.waits) for log in self.logs)
 
     def seconds(self) -> float:
         if self.clock is None:
@@ -153,8 +157,9 @@ class _ForwardTimer:
         total = 0.0
         for a, b, w0, w1 in self._spans:
             total += self.clock.seconds(a, b)
-            if w1 > w0:
-                total -= self.context.waited_s(w0, w1)
+            for log, since, until in zip(self.logs, w0, w1, strict=True):
+                if until > since:
+                    total -= log.waited_s(since, until)
         return total
 
     @torch.compiler.disable  # a compiled block: the hooks stay outside its graph
@@ -219,7 +224,7 @@ class Engine:
         model_hooks = self._model_hooks()
         self._shard(stage_ids, experts, model_hooks.before_microbatch)
         # Each block's own forward time (hooks after ZeRO-3's: its gathers are not counted).
-        self.forward_timer = _ForwardTimer(self.model.layers.values(), self.context)
+        self.forward_timer = _ForwardTimer(self.model.layers.values(), self._wait_logs())
         self._materialise(model_hooks)
         # (the parameters as ZeRO-3 left them: it replaces the ones it shards)
         partial = tp_partial_params(self.model) if mesh.size(Axis.TP) > 1 else []
@@ -328,6 +333,7 @@ class Engine:
             apply_float8(self.model, tr.float8, device.type,
                          all_gather_in_float8=mesh.replicas > 1 and not self.replicated)
         self.context = None
+        self.exchanges = WaitLog()  # the MoE blocks' waits on their all-to-alls
         if cp > 1 or spec.data.document_mask:
             self.context = self._context(eos)
             apply_context_parallel(self.model, self.context, local_positions(
@@ -338,7 +344,8 @@ class Engine:
             self.loss_context = loss_parallel
         experts = None
         if is_moe(self.model):
-            apply_expert_parallel(self.model, mesh, tr.seq_len)
+            apply_expert_parallel(self.model, mesh, tr.seq_len,
+                                  bool(spec.parallelism.ep_overlap), self.exchanges)
             if mesh.dims.ep > 1:
                 experts = ExpertSharding(mesh.expert_mesh, expert_divide_factor(mesh))
         apply_activation_checkpointing(self.model, spec.activation_checkpoint.mode,
@@ -443,6 +450,10 @@ class Engine:
         return PipelineExecutor(shape, self._schedule[c[Axis.PP]], stages, p2p, self.loss_context,
                                 zero, self.on_phase, before_microbatch)
 
+    def _wait_logs(self) -> list[WaitLog]:
+        """Where this rank waits on communication inside its blocks, timed each step."""
+        return [self.exchanges] + ([self.context] if self.context is not None else [])
+
     def train_step(self, measure_activations: bool = False) -> StepStats:
         """One optimizer step. ``measure_activations``: count the bytes autograd saves for
         backward (``memory_report``'s ``activations``) — for dry runs, not every step."""
@@ -453,8 +464,8 @@ class Engine:
             return stats
         clock = _StepClock(self.device, self.on_phase)
         self.forward_timer.start(clock.clock)
-        if self.context is not None:
-            self.context.start(clock.clock)
+        for log in self._wait_logs():
+            log.start(clock.clock)
         mbs = self.batches.get(self.step)
         mbs, weights = self._padded([(x.to(self.device), y.to(self.device)) for x, y in mbs])
         clock.lap("data")
@@ -471,10 +482,11 @@ class Engine:
         clock.lap("loss")
         self.step += 1
         ring = self.context.waited_s() if self.context is not None else 0.0
-        breakdown = clock.breakdown(ring, self._bubble_s, self.forward_timer.seconds())
+        breakdown = clock.breakdown(ring, self.exchanges.waited_s(), self._bubble_s,
+                                    self.forward_timer.seconds())
         self.forward_timer.start(None)  # evaluations between steps are not timed
-        if self.context is not None:
-            self.context.start(None)
+        for log in self._wait_logs():
+            log.start(None)
         losses = self._dp_means(stats.losses) if stats.losses else None
         return StepStats(loss=loss, grad_norm=stats.grad_norm, lr=stats.lr, tokens=stats.tokens,
                          experts=stats.experts, losses=losses, breakdown=breakdown)

@@ -8,6 +8,8 @@ that contains it."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -42,3 +44,33 @@ class DeviceClock:
 
     def seconds(self, start, end) -> float:
         return self.at(end) - self.at(start)
+
+
+@dataclass
+class WaitLog:
+    """Where a rank was blocked on communication this step (the exposed part): marks on
+    ``clock``, the step's DeviceClock (on a GPU the compute stream's wait for the transfer,
+    which the host does not see), or host times while no step set one."""
+
+    clock: DeviceClock | None = None
+    waits: list = field(default_factory=list)
+
+    def timed(self, fn: Callable, *args, **kwargs):
+        """``fn(*args, **kwargs)``, its time kept in ``waits``."""
+        mark = self.clock.mark if self.clock is not None else time.perf_counter
+        start = mark()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.waits.append((start, mark()))
+
+    def start(self, clock: DeviceClock | None) -> None:
+        """A new step, its waits marked on ``clock``."""
+        self.clock, self.waits = clock, []
+
+    def waited_s(self, since: int = 0, until: int | None = None) -> float:
+        """Seconds blocked in ``waits[since:until]`` (resolving a GPU's marks waits for it)."""
+        spans = self.waits[since:until]
+        if self.clock is None:
+            return sum(b - a for a, b in spans)
+        return sum(self.clock.seconds(a, b) for a, b in spans)

@@ -23,7 +23,6 @@ The same code runs at cp = 1 for document masks alone (no communication).
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -31,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from trainmesh.kernels import attention
+from trainmesh.parallel.clock import WaitLog
 
 MODES = ("ring", "allgather")
 
@@ -59,11 +59,12 @@ def shard_sequence(t_BT: torch.Tensor, cp_rank: int, cp: int) -> torch.Tensor:
 
 
 @dataclass
-class ContextParallel:
+class ContextParallel(WaitLog):
     """One rank's place in a context-parallel ring (``group`` None at cp = 1) and how it
     attends: ``mode`` ring | allgather; ``eos``: the end-of-document token when documents are
     masked from each other (None: one causal sequence); ``post``: ``batch_isend_irecv`` or the
-    NCCL-rules layer; ``block``/``block_backward``: the attention-with-LSE kernels."""
+    NCCL-rules layer; ``block``/``block_backward``: the attention-with-LSE kernels. Its
+    ``WaitLog`` holds where the rank was blocked on the ring this step."""
 
     cp: int = 1
     rank: int = 0
@@ -74,11 +75,6 @@ class ContextParallel:
     block: Callable = attention.attention_block
     block_backward: Callable = attention.attention_block_backward
     peers: list[int] = field(default_factory=list)  # global ranks, by cp coordinate
-    # Where this rank was blocked on the ring's communication this step (the exposed part):
-    # marks on ``clock``, the step's DeviceClock (on a GPU the compute stream's wait for the
-    # transfer, which the host does not see), or host times while no step set one.
-    clock: object = None
-    waits: list = field(default_factory=list)
 
     def ring_positions(self, seq_len: int) -> torch.Tensor:
         """Every rank's tokens' positions in a sequence of ``seq_len``, rank after rank (the
@@ -186,26 +182,6 @@ class ContextParallel:
         ops = [dist.P2POp(dist.isend, t, self.next_peer, self.group) for t in send]
         ops += [dist.P2POp(dist.irecv, t, self.prev_peer, self.group) for t in recv]
         return self.post(ops)
-
-    def timed(self, fn: Callable, *args, **kwargs):
-        """``fn(*args, **kwargs)``, its time kept in ``waits``."""
-        mark = self.clock.mark if self.clock is not None else time.perf_counter
-        start = mark()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            self.waits.append((start, mark()))
-
-    def start(self, clock) -> None:
-        """A new step, its waits marked on ``clock`` (a ``DeviceClock``)."""
-        self.clock, self.waits = clock, []
-
-    def waited_s(self, since: int = 0, until: int | None = None) -> float:
-        """Seconds blocked in ``waits[since:until]`` (resolving a GPU's marks waits for it)."""
-        spans = self.waits[since:until]
-        if self.clock is None:
-            return sum(b - a for a, b in spans)
-        return sum(self.clock.seconds(a, b) for a, b in spans)
 
 
 def _all_gather(t: torch.Tensor, n: int, group) -> torch.Tensor:

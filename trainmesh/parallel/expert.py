@@ -32,7 +32,6 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor, Shard
 
 from trainmesh.models.moe.moe import (
@@ -43,6 +42,7 @@ from trainmesh.models.moe.moe import (
     keep_whole_microbatch,
     moe_layers,
 )
+from trainmesh.parallel.clock import WaitLog
 from trainmesh.parallel.context import local_positions
 from trainmesh.parallel.dims import Axis
 from trainmesh.parallel.mesh import Mesh
@@ -51,41 +51,63 @@ from trainmesh.parallel.mesh import Mesh
 class AllToAllDispatch:
     """Dispatch over an EP group (the seam ``MoE.dispatch``); ``token_group``: the ranks
     that split a microbatch's tokens (tensor and context parallel), or None; ``positions``:
-    where this rank's tokens sit in a sequence of ``seq_len`` (its share, in its order)."""
+    where this rank's tokens sit in a sequence of ``seq_len`` (its share, in its order);
+    ``halves``: 2 to overlap the exchange with the experts (``exchange``); ``log``: where the
+    rank waited on the all-to-alls (one per rank, shared by its blocks: the step's
+    breakdown)."""
 
     def __init__(self, ep_group: dist.ProcessGroup | None, ep: int, experts: int,
                  token_group: dist.ProcessGroup | None, positions: torch.Tensor | None = None,
-                 seq_len: int = 0):
+                 seq_len: int = 0, halves: int = 1, log: WaitLog | None = None):
         if token_group is not None and (positions is None or seq_len <= 0):
             raise ValueError("a dispatch whose tokens a group splits needs their positions and "
                              "the sequence length")
+        if halves not in (1, 2):
+            raise ValueError(f"a dispatch splits a microbatch in 1 or 2 parts, not {halves}")
         self.ep_group, self.ep, self.experts, self.token_group = ep_group, ep, experts, token_group
         self.positions, self.seq_len = positions, seq_len
+        self.halves = halves if ep > 1 else 1  # (nothing to hide at ep 1)
+        self.log = log if log is not None else WaitLog()
+        self.in_flight = 0  # all-to-alls started and not yet waited for
         self._placed: tuple | None = None  # ((tokens, top_k, device), place, every rank's places)
 
-    def dispatch(self, x_sorted: torch.Tensor, counts: torch.Tensor):
+    def exchange(self, x_sorted: torch.Tensor, counts_HE: torch.Tensor, experts: Callable,
+                 beside: Callable[[], torch.Tensor] | None = None):
         if self.ep == 1:
-            return x_sorted, counts, None
-        ep, local = self.ep, self.experts // self.ep
-        # Counts first: rank j receives, from every source, how many rows each of its experts
-        # gets. Then the block's one host sync: the token all-to-all needs the split sizes.
-        received = torch.empty_like(counts)
-        dist.all_to_all_single(received, counts, group=self.ep_group)
-        from_each = received.view(ep, local)  # (source, local expert)
-        host = torch.cat([counts.view(ep, local).sum(1), received]).tolist()
-        send, rows = host[:ep], [host[ep + s * local:ep + (s + 1) * local] for s in range(ep)]
-        recv = [sum(r) for r in rows]
-        x = all_to_all_single_autograd(x_sorted, recv, send, self.ep_group)
-        # Arrived grouped by source, then expert: regroup by expert for the grouped GEMM.
-        order = _source_major_to_expert_major(from_each, sum(recv))
-        return x[order], [sum(col) for col in zip(*rows, strict=True)], (order, send, recv)
+            return experts(x_sorted, counts_HE[0]), beside() if beside is not None else None
+        return self._over_ep(x_sorted, counts_HE, experts, beside)
 
-    def combine(self, y: torch.Tensor, state) -> torch.Tensor:
-        if state is None:
-            return y
-        order, send, recv = state
-        back = y.new_empty(y.shape).index_copy(0, order, y)  # undo the regrouping
-        return all_to_all_single_autograd(back, send, recv, self.ep_group)
+    @torch.compiler.disable  # eager in a compiled block: sized by the routing, on the host
+    def _over_ep(self, x_sorted, counts_HE, experts, beside):
+        H, ep, local = counts_HE.shape[0], self.ep, self.experts // self.ep
+        # Counts first, every part's in one exchange: rank j receives, from every source, how
+        # many rows of each part each of its experts gets. Then the block's one host sync:
+        # the token all-to-alls need their split sizes.
+        sent = counts_HE.view(H, ep, local).transpose(0, 1).contiguous()  # (dest, part, expert)
+        received = torch.empty_like(sent)  # (source, part, local expert)
+        self.log.timed(dist.all_to_all_single, received, sent, group=self.ep_group)
+        host = torch.cat([sent.sum(2).T.reshape(-1), received.reshape(-1)]).tolist()
+        got = [[host[H * ep + (s * H + h) * local:H * ep + (s * H + h + 1) * local]
+                for s in range(ep)] for h in range(H)]  # [part][source][local expert]
+        send = [host[h * ep:(h + 1) * ep] for h in range(H)]
+        recv = [[sum(r) for r in got[h]] for h in range(H)]
+        parts = x_sorted.split([sum(s) for s in send])
+        out = [_Ticket(self, send[h], recv[h]) for h in range(H)]
+        arriving = [_Post.apply(parts[h], out[h]) for h in range(H)]  # every part in flight
+        back, leaving = [], []
+        for h in range(H):
+            rows = _Finish.apply(arriving[h], out[h])
+            # Arrived grouped by source, then expert: regroup by expert for the grouped GEMM.
+            order = _source_major_to_expert_major(received[:, h], sum(recv[h]))
+            y = experts(rows[order], [sum(col) for col in zip(*got[h], strict=True)])
+            back.append(_Ticket(self, recv[h], send[h]))
+            leaving.append(_Post.apply(y.new_empty(y.shape).index_copy(0, order, y), back[h]))
+            if H == 1:  # nothing to hide it behind
+                leaving[h] = _Finish.apply(leaving[h], back[h])
+        extra = beside() if beside is not None else None  # (beside the last part's way back)
+        if H > 1:
+            leaving = [_Finish.apply(t, b) for t, b in zip(leaving, back, strict=True)]
+        return torch.cat(leaving) if H > 1 else leaving[0], extra
 
     def sum_over_tokens(self, counts: torch.Tensor) -> torch.Tensor:
         if self.token_group is not None:
@@ -162,10 +184,72 @@ def _source_major_to_expert_major(counts_SE: torch.Tensor, total: int) -> torch.
     return block_start + offset_in_block
 
 
-def apply_expert_parallel(model: nn.Module, mesh: Mesh, seq_len: int) -> nn.Module:
+class _Ticket:
+    """One all-to-all in flight, each way: forward sends ``send[r]`` rows to rank r and takes
+    ``recv[r]`` from it; backward the reverse, started where the forward waited (``_Finish``)
+    and waited for where the forward started (``_Post``). So autograd, running a part's nodes
+    in reverse, leaves the other part's exchange in flight while it computes."""
+
+    __slots__ = ("owner", "send", "recv", "work", "keep")
+
+    def __init__(self, owner: AllToAllDispatch, send: list[int], recv: list[int]):
+        self.owner, self.send, self.recv = owner, send, recv
+        self.work = self.keep = None
+
+    def start(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        x = x.contiguous()
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        self.work = dist.all_to_all_single(out, x, recv, send, group=self.owner.ep_group,
+                                           async_op=True)
+        self.keep = (x, out)  # (alive until it lands)
+        self.owner.in_flight += 1
+        return out
+
+    def wait(self) -> torch.Tensor:
+        self.owner.log.timed(self.work.wait)
+        out = self.keep[1]
+        self.work = self.keep = None
+        self.owner.in_flight -= 1
+        return out
+
+
+class _Post(torch.autograd.Function):
+    """Starts ``ticket``'s all-to-all of ``x`` and returns the tensor it lands in (read it only
+    through ``_Finish``); backward waits for the gradient's way back and returns it."""
+
+    @staticmethod
+    def forward(ctx, x, ticket):
+        ctx.ticket = ticket
+        return ticket.start(x, ticket.send, ticket.recv)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.ticket.wait(), None
+
+
+class _Finish(torch.autograd.Function):
+    """Waits for ``ticket``'s all-to-all; backward starts the gradient's way back."""
+
+    @staticmethod
+    def forward(ctx, arriving, ticket):
+        ctx.ticket = ticket
+        return ticket.wait()
+
+    @staticmethod
+    def backward(ctx, grad):  # (passed on unchanged to ``_Post``'s, which returns what lands)
+        t = ctx.ticket
+        t.start(grad, t.recv, t.send)
+        return grad, None
+
+
+def apply_expert_parallel(model: nn.Module, mesh: Mesh, seq_len: int, overlap: bool = False,
+                          log: WaitLog | None = None) -> nn.Module:
     """Split every MoE block's experts over "ep" (on the meta device, before ZeRO-3) and give
     each block the all-to-all dispatcher; under tp and cp, the tp × cp ranks split its tokens
-    (sequences of ``seq_len``)."""
+    (sequences of ``seq_len``). ``overlap``: each microbatch in two halves whose exchanges
+    hide behind each other's experts (``parallelism.ep_overlap``); ``log``: where the blocks'
+    waits on the exchanges go."""
+    log = log if log is not None else WaitLog()
     ep, tp, cp = mesh.dims.ep, mesh.dims.tp, mesh.dims.cp
     # The ranks that split a microbatch's tokens: its tensor- and context-parallel ranks.
     token_group = positions = None
@@ -195,7 +279,8 @@ def apply_expert_parallel(model: nn.Module, mesh: Mesh, seq_len: int) -> nn.Modu
                 setattr(moe.experts, name, nn.Parameter(DTensor.from_local(
                     local, mesh["ep"], [Shard(0)], run_check=False)))
         moe.dispatch = AllToAllDispatch(mesh["ep"].get_group() if ep > 1 else None, ep,
-                                        moe.args.experts, token_group, where, length)
+                                        moe.args.experts, token_group, where, length,
+                                        halves=2 if overlap else 1, log=log)
     return model
 
 

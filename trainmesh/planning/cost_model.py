@@ -85,6 +85,8 @@ class Estimate:
     # The pipeline's stages priced each at its own cost (blocks, the head on the last: the
     # simulator's bubble), not alike (the closed forms: a lower bound on the step)
     by_stage: bool = True
+    ep_overlap: bool = False  # the all-to-alls in two halves (``parallelism.ep_overlap``) ...
+    ep_hidden_s: float = 0.0  # ... hiding this much of them behind the experts
 
 
 def _ring_latency(participants: int, crosses_nodes: bool) -> float:
@@ -189,6 +191,34 @@ def cp_exposed(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: 
     return per_layer * c.blocks(model) * c.num_microbatches
 
 
+def ep_exposed(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: int,
+               compute_bytes: int) -> tuple[float, float]:
+    """The MoE blocks' token all-to-alls per step, whole and overlapped in two halves
+    (``parallelism.ep_overlap``). Whole: 4 per block and microbatch (6 when full recompute runs
+    the forward's two again), each a rank's routed tokens (top_k copies of its share of the
+    microbatch) less the 1/ep that stays, all exposed. Halves: each half-exchange costs half
+    the bytes plus a message's latency; forward, the first half's way out is exposed, the
+    second's hides behind the first half's experts, the first's way back behind the second
+    half's experts, and the second's way back behind the shared expert; backward the same with
+    the experts' backward (twice their forward), the last way out exposed. The exchanges are
+    within a node when ep × tp fits one."""
+    moe = model.moe
+    layers = sum(1 for i in range(model.n_layers) if i >= moe.dense_layers) / c.pp
+    tokens = seq_len // c.cp * c.microbatch_size / c.tp
+    per_a2a = tokens * moe.top_k * model.dim * compute_bytes * (c.ep - 1) / c.ep
+    bw = device.intra_node_gbps if c.ep * c.tp <= per_node else device.inter_node_gbps
+    x = per_a2a / (bw * 1e9)
+    forwards = 1 + c.recomputed(c.blocks(model))
+    whole = (2 * forwards + 2) * x * layers * c.num_microbatches
+    rate = device.peak_tflops * 1e12 * MATMUL_EFFICIENCY
+    experts_s = tokens * moe.top_k * 6 * model.dim * moe.expert_ffn_dim / rate  # forward
+    shared_s = tokens * 6 * model.dim * moe.shared_experts * moe.expert_ffn_dim / rate
+    half = x / 2 + PP_LATENCY_S
+    fwd = half + 2 * max(0.0, half - experts_s / 2) + max(0.0, half - shared_s)
+    bwd = 2 * half + 2 * max(0.0, half - experts_s)
+    return whole, (forwards * fwd + bwd) * layers * c.num_microbatches
+
+
 def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: int,
              compute_bytes: int = 2, fused: Fused = False,
              memory: float | None = None, by_stage: bool = True) -> Estimate:
@@ -223,16 +253,13 @@ def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: in
         v = c.vpp if c.schedule in CHUNKED else 1
         msg = act_bytes / c.tp / (device.inter_node_gbps * 1e9) + PP_LATENCY_S
         pp_comm = 2 * msg * c.num_microbatches * v
-    ep_comm = 0.0
+    ep_comm, overlap, ep_hidden = 0.0, False, 0.0
     moe = getattr(model, "moe", None)
-    if moe is not None and c.ep > 1:  # 4 all-to-alls per MoE block and microbatch (6 when
-        # full recompute runs the forward's two again)
-        moe_layers = sum(1 for i in range(model.n_layers) if i >= moe.dense_layers) / c.pp
-        per_a2a = (seq_len // c.cp * c.microbatch_size / c.tp * moe.top_k * h * compute_bytes
-                   * (c.ep - 1) / c.ep)
-        bw = device.intra_node_gbps if c.ep * c.tp <= per_node else device.inter_node_gbps
-        calls = 4 + 2 * c.recomputed(c.blocks(model))
-        ep_comm = calls * per_a2a / (bw * 1e9) * moe_layers * c.num_microbatches
+    if moe is not None and c.ep > 1:
+        whole, halves = ep_exposed(model, c, seq_len, device, per_node, compute_bytes)
+        overlap = c.ep_overlap if c.ep_overlap is not None else halves < whole
+        ep_comm = halves if overlap else whole
+        ep_hidden = whole - ep_comm
     if moe is not None and moe.capacity_factor is not None and c.tp * c.cp > 1:
         # Capacity decided over the whole microbatch: its tp × cp ranks all-gather its
         # assignments (8 bytes each) per MoE block and microbatch, again under recompute.
@@ -255,4 +282,5 @@ def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: in
         step_time_s=step, tokens_per_s=tokens / step, tflops_per_gpu=achieved / 1e12,
         mfu=achieved / (device.peak_tflops * 1e12), bubble_fraction=bubble, compute_s=compute,
         tp_comm_s=tp_comm, pp_comm_s=pp_comm, dp_exposed_s=dp_exposed, ep_comm_s=ep_comm,
-        cp_comm_s=cp_comm, host_bound=host_s > device_s, by_stage=by_stage or c.pp == 1)
+        cp_comm_s=cp_comm, host_bound=host_s > device_s, by_stage=by_stage or c.pp == 1,
+        ep_overlap=overlap, ep_hidden_s=ep_hidden)

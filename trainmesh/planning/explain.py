@@ -113,7 +113,10 @@ def explain(result: PlanResult) -> str:
                  f"(bubble {e.bubble_fraction:.1%}), TP communication {e.tp_comm_s:.3g} s, "
                  f"PP {e.pp_comm_s:.3g} s"
                  + (f", exposed ZeRO-3 traffic {e.dp_exposed_s:.3g} s and MoE all-to-all "
-                    f"{e.ep_comm_s:.3g} s." if c.ep > 1
+                    f"{e.ep_comm_s:.3g} s" + (
+                        f" (each microbatch's exchanges in two halves, parallelism.ep_overlap: "
+                        f"{e.ep_hidden_s:.3g} s of them hidden behind the experts)."
+                        if e.ep_overlap else ".") if c.ep > 1
                     else f" and exposed {'DDP all-reduce' if runs_ddp(result.model, c) else 'ZeRO-3'} "
                          f"traffic {e.dp_exposed_s:.3g} s."))
     if c.cp > 1:

@@ -82,7 +82,8 @@ class RankedPlan:
                 "microbatch_size": c.microbatch_size, "num_microbatches": c.num_microbatches,
                 "recompute": c.recompute, "keep_gathered": c.keep_gathered,
                 "reduce_dtype": c.reduce_dtype, "sequence_parallel": c.sequence_parallel,
-                "ep": c.ep, "dp_replicate": c.dp_replicate, "cp": c.cp, "cp_mode": c.cp_mode,
+                "ep": c.ep, "ep_overlap": bool(c.ep_overlap) and c.ep > 1,
+                "dp_replicate": c.dp_replicate, "cp": c.cp, "cp_mode": c.cp_mode,
                 "memory_per_rank_gib": round(e.memory_per_rank_gib, 3),
                 "step_time_s": e.step_time_s, "tokens_per_s": e.tokens_per_s,
                 "tflops_per_gpu": e.tflops_per_gpu, "mfu": e.mfu,
@@ -353,6 +354,7 @@ def _options(req: PlanRequest, tp: int, pp: int, dp: int, vpp: int, schedule: st
     stride = int(fixed.get("recompute_stride", 2))
     split = _stage_layers(req, pp, vpp, schedule)
     moe = has_moe_blocks(req.model)
+    overlap = fixed.get("ep_overlap")  # (None: the estimate chooses)
     modes = ("ring",) if cp == 1 else (str(fixed["cp_mode"]),) if "cp_mode" in fixed else CP_MODES
     for ep in _ep_choices(req, dp, cp):
         for rc in RECOMPUTE:
@@ -364,7 +366,8 @@ def _options(req: PlanRequest, tp: int, pp: int, dp: int, vpp: int, schedule: st
                         continue  # (DDP gathers nothing: one candidate, not one per policy)
                     for mode in modes:
                         yield Candidate(tp, pp, dp, vpp, schedule, mbs, n_micro, rc, sp, keep,
-                                        reduce, ep, padding, rep, cp, mode, stride, split)
+                                        reduce, ep, padding, rep, cp, mode, stride, split,
+                                        overlap if ep > 1 else False)
 
 
 def _stage_layers(req: PlanRequest, pp: int, vpp: int, schedule: str) -> tuple[int, ...] | None:
@@ -461,6 +464,8 @@ def _plan(req: PlanRequest, topo: Topology, long: bool | None) -> PlanResult:
         node_ranks = layouts[key]
         est = estimate(req.model, c, req.seq_len, topo.device, node_ranks[0], req.compute_bytes,
                        fused, mem, by_stage=False)
+        if c.ep_overlap is None and c.ep > 1:  # (the estimate chose)
+            c = dataclasses.replace(c, ep_overlap=est.ep_overlap)
         ranked.append(RankedPlan(c, est, topo.world_size - c.world_size, node_ranks))
 
     def price(p: RankedPlan) -> RankedPlan:

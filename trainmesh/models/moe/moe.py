@@ -61,14 +61,18 @@ class MoEArgs:
 class Dispatch(Protocol):
     """Moves assignments (token copies sorted by expert) to the experts' ranks and back."""
 
-    def dispatch(self, x_sorted: torch.Tensor, counts: torch.Tensor
-                 ) -> tuple[torch.Tensor, list[int] | torch.Tensor, Any]:
-        """``counts[e]``: rows of ``x_sorted`` for expert e (all experts, on the device).
-        Returns the rows this rank's experts compute, grouped by local expert, their count per
-        local expert (host or device), and what ``combine`` needs to send the results back."""
+    halves: int  # the parts a microbatch's assignments come in (2: overlapped; ``exchange``)
 
-    def combine(self, y: torch.Tensor, state: Any) -> torch.Tensor:
-        """The experts' outputs back in ``x_sorted``'s order."""
+    def exchange(self, x_sorted: torch.Tensor, counts_HE: torch.Tensor,
+                 experts: Callable[[torch.Tensor, list[int] | torch.Tensor], torch.Tensor],
+                 beside: Callable[[], torch.Tensor] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The experts' outputs for ``x_sorted``, in its order: ``halves`` parts end to end,
+        each sorted by expert, ``counts_HE[h, e]`` rows of part h for expert e (all experts,
+        on the device). ``experts(rows, counts)`` computes rows grouped by this rank's
+        experts. With two parts, one part's exchange runs while the other's experts compute,
+        and ``beside`` (the shared expert) while the last part comes back. Returns the outputs
+        and ``beside()`` (None without it)."""
 
     def sum_over_tokens(self, counts: torch.Tensor) -> torch.Tensor:
         """``counts`` summed over the ranks that split one microbatch's tokens (in place)."""
@@ -83,11 +87,10 @@ class Dispatch(Protocol):
 class LocalDispatch:
     """Every expert on this rank: nothing moves (and nothing waits for the host)."""
 
-    def dispatch(self, x_sorted, counts):
-        return x_sorted, counts, None
+    halves = 1
 
-    def combine(self, y, state):
-        return y
+    def exchange(self, x_sorted, counts_HE, experts, beside=None):
+        return experts(x_sorted, counts_HE[0]), beside() if beside is not None else None
 
     def sum_over_tokens(self, counts):
         return counts
@@ -299,19 +302,29 @@ class MoE(nn.Module):
         scores, idx, weights = self.route(x)
         flat = idx.reshape(-1)  # assignment j = token j // k, its (j % k)-th choice
         counts = torch.bincount(flat, minlength=a.experts)
-        order = torch.argsort(flat, stable=True)
+        # In parts (the dispatch's halves): the first half of the tokens, then the rest, each
+        # sorted by expert (a stable sort: by token within an expert, as one part sorts).
+        halves = self.dispatch.halves if n > 1 else 1
+        part = flat if halves == 1 else flat + a.experts * (
+            torch.arange(n * k, device=flat.device) >= (n + 1) // 2 * k)
+        order = torch.argsort(part, stable=True)
         kept = counts
         capped = a.capacity_factor is not None
         if capped:  # what each expert keeps, decided over the whole microbatch
             keep = self.dispatch.keep_within_capacity(flat, weights.detach().reshape(-1), a)
             order = order[keep[order]]
             kept = torch.zeros_like(counts).index_add_(0, flat, keep.to(counts.dtype))
-        local, local_counts, state = self.dispatch.dispatch(x[order // k], kept)
-        y_sorted = self.dispatch.combine(self.experts(local, local_counts), state)
+        kept_HE = (kept.view(1, -1) if halves == 1 else torch.zeros(
+            halves * a.experts, dtype=counts.dtype, device=counts.device).index_add_(
+                0, part, keep.to(counts.dtype) if capped else torch.ones_like(part)
+            ).view(halves, -1))
+        # (the shared expert, in parts, runs while the last part's outputs come back)
+        beside = (lambda: self.shared(x)) if self.shared is not None and halves > 1 else None
+        y_sorted, y_shared = self.dispatch.exchange(x[order // k], kept_HE, self.experts, beside)
         per_assignment = x.new_zeros(n * k, shape[-1]).index_copy(0, order, y_sorted)
         y = (per_assignment.view(n, k, -1) * weights.unsqueeze(-1).to(x.dtype)).sum(1)
         if self.shared is not None:
-            y = y + self.shared(x)
+            y = y + (y_shared if y_shared is not None else self.shared(x))
         if not torch.is_grad_enabled():  # evaluation: no balancing, nothing counted
             return y.view(shape)
         # Activation checkpointing runs the forward again inside backward: count once.
