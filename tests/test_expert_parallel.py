@@ -78,12 +78,23 @@ CASES = {  # largest meshes first: the rank pool then only shrinks
     # The exchanges overlapped (parallelism.ep_overlap): each microbatch's tokens in two halves,
     # one half's all-to-all in flight while the other's experts compute, forward and backward
     # (and again in the recomputation of checkpointed blocks); the shared expert beside the
-    # last exchange back; capacity decided over the whole microbatch; 5 microbatches over 2
-    # replicas, so one replica's padding microbatch exchanges too.
-    "ep2-dp2-overlap-shared-capacity-padding-recompute": (ParallelDims(dp=2, ep=2), [
+    # last exchange back; capacity decided over the whole microbatch; 6 microbatches over 4
+    # replicas, so two replicas' padding microbatches exchange too; each expert's replicas
+    # (edp 2) re-gathering it every microbatch: once for both halves.
+    "ep2-dp4-overlap-shared-capacity-padding-recompute-regather": (ParallelDims(dp=4, ep=2), [
         "parallelism.ep_overlap=true", "model.moe.shared_experts=1",
-        "model.moe.capacity_factor=1.0", "training.global_batch_size=5",
-        "activation_checkpoint.mode=full", "model.moe.aux_loss_coef=0.1"]),
+        "model.moe.capacity_factor=1.0", "training.global_batch_size=6",
+        "activation_checkpoint.mode=full", "model.moe.aux_loss_coef=0.1",
+        "parallelism.keep_gathered=false"]),
+    # ... under a zero-bubble pipeline: each backward split in its input half (where the
+    # exchanges' gradients travel, in halves) and its weight half.
+    "pp2-ep2-dp2-zb-h1-overlap": (ParallelDims(pp=2, dp=2, ep=2), [
+        "schedule.name=zb-h1", "parallelism.ep_overlap=true", "model.moe.aux_loss_coef=0.1"]),
+    # ... beside context parallel with multi-token prediction (its blocks routing only their
+    # rows: the halves are of those).
+    "dsv3-mtp2-ep2-cp2-dp2-overlap": (ParallelDims(cp=2, dp=2, ep=2), [
+        "model.preset=tiny-dsv3", "model.mtp.depth=2", "parallelism.ep_overlap=true",
+        "model.moe.bias_update_rate=0.01"]),
     # ... beside tensor parallel with sequence parallel (each tp rank's share of the tokens
     # halved), DeepSeek-V3's routing and bias.
     "dsv3-ep2-tp2-dp2-sp-overlap": (ParallelDims(tp=2, dp=2, ep=2), [
@@ -156,6 +167,9 @@ def test_expert_parallel_matches_single_process(rank_pool, tmp_path, case):
             for seen in probes.execute(group, _seen_overlap):
                 assert seen["forward"] and min(seen["forward"]) >= 1, seen
                 assert seen["backward"] and min(seen["backward"]) >= 1, seen
+                # each expert computed once per half, and the experts' unit (its ZeRO-3
+                # gather and reduce-scatter) entered once per microbatch for both halves
+                assert len(seen["forward"]) == 2 * seen["local"] * seen["calls"], seen
             assert all(r["breakdown"]["a2a_s"] > 0 for r in first)
         losses = [first[0]["loss"]]
         if spec.model.mtp is not None:  # each depth's loss reported beside the loss
@@ -205,27 +219,37 @@ def test_expert_parallel_matches_single_process(rank_pool, tmp_path, case):
 
 
 def _watch_overlap(engine) -> None:
-    """Hooks on the first MoE block's experts: how many all-to-alls are in flight each time
-    they compute a half (forward) and each time their output's gradient arrives (backward)."""
+    """The first MoE block's experts' SwiGLU, watched: how many all-to-alls are in flight
+    each time an expert computes (forward) and each time its output's gradient arrives
+    (backward)."""
+    import dataclasses
+
     from trainmesh.models.moe.moe import moe_layers
 
     _, moe = moe_layers(engine.model)[0]
-    seen = engine.overlap_seen = {"forward": [], "backward": []}
+    seen = engine.overlap_seen = {"forward": [], "backward": [], "calls": 0,
+                                  "local": moe.args.experts // engine.mesh.dims.ep}
+    ops = engine.overlap_ops = moe.experts.ops
 
-    def before(module, args):
+    def called(module, args):  # the experts' ZeRO-3 unit: its gathers and reduce-scatters
+        seen["calls"] += 1
+    engine.overlap_hook = moe.experts.register_forward_pre_hook(called)
+
+    def swiglu(gate, up):
         seen["forward"].append(moe.dispatch.in_flight)
+        out = ops.swiglu(gate, up)
+        if out.requires_grad:
+            out.register_hook(lambda grad: seen["backward"].append(moe.dispatch.in_flight))
+        return out
 
-    def after(module, args, y):
-        if y.requires_grad:
-            y.register_hook(lambda grad: seen["backward"].append(moe.dispatch.in_flight))
-
-    engine.overlap_hooks = [moe.experts.register_forward_pre_hook(before),
-                            moe.experts.register_forward_hook(after)]
+    moe.experts.ops = dataclasses.replace(ops, swiglu=swiglu)
 
 
 def _seen_overlap(engine) -> dict:
-    for hook in engine.overlap_hooks:
-        hook.remove()
+    from trainmesh.models.moe.moe import moe_layers
+
+    moe_layers(engine.model)[0][1].experts.ops = engine.overlap_ops
+    engine.overlap_hook.remove()
     return engine.overlap_seen
 
 

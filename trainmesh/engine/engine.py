@@ -344,8 +344,8 @@ class Engine:
             self.loss_context = loss_parallel
         experts = None
         if is_moe(self.model):
-            apply_expert_parallel(self.model, mesh, tr.seq_len,
-                                  bool(spec.parallelism.ep_overlap), self.exchanges)
+            apply_expert_parallel(self.model, mesh, tr.seq_len, spec.parallelism.ep_overlap,
+                                  self.exchanges)
             if mesh.dims.ep > 1:
                 experts = ExpertSharding(mesh.expert_mesh, expert_divide_factor(mesh))
         apply_activation_checkpointing(self.model, spec.activation_checkpoint.mode,

@@ -46,7 +46,7 @@ class DeviceClock:
         return self.at(end) - self.at(start)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class WaitLog:
     """Where a rank was blocked on communication this step (the exposed part): marks on
     ``clock``, the step's DeviceClock (on a GPU the compute stream's wait for the transfer,

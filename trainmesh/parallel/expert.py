@@ -19,10 +19,11 @@ microbatch, as one process decides it: the token group all-gathers its assignmen
 
 Communication follows NCCL's rules: every rank of an EP group makes the same collectives in
 the same order (per MoE block and microbatch: under capacity the token group's all-gather of
-the assignments, then one all-to-all of the per-expert counts, then one of the tokens, and one
-back; the counts' arrival is the block's host sync, since the token all-to-all needs its split
-sizes on the host — under capacity, selecting the kept assignments is another); a rank that
-routes nothing to a peer sends it zero rows, never skips the call.
+the assignments, then one all-to-all of the per-expert counts, then one of the tokens per part
+and one back per part — one part, or two halves with ``parallelism.ep_overlap``; the counts'
+arrival is the block's host sync, since the token all-to-alls need their split sizes on the
+host — under capacity, selecting the kept assignments is another); a rank that routes
+nothing to a peer sends it zero rows, never skips the call.
 """
 
 from __future__ import annotations
@@ -99,7 +100,10 @@ class AllToAllDispatch:
             rows = _Finish.apply(arriving[h], out[h])
             # Arrived grouped by source, then expert: regroup by expert for the grouped GEMM.
             order = _source_major_to_expert_major(received[:, h], sum(recv[h]))
-            y = experts(rows[order], [sum(col) for col in zip(*got[h], strict=True)])
+            # (each expert's rows: on a GPU from the device's counts, which the grouped GEMM
+            # reads there — a host list would be copied in, a stream sync per part)
+            y = experts(rows[order], received[:, h].sum(0) if rows.is_cuda
+                        else [sum(col) for col in zip(*got[h], strict=True)])
             back.append(_Ticket(self, recv[h], send[h]))
             leaving.append(_Post.apply(y.new_empty(y.shape).index_copy(0, order, y), back[h]))
             if H == 1:  # nothing to hide it behind

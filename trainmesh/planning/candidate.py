@@ -48,8 +48,7 @@ class Candidate:
     # blocks of each pipeline stage, in model order (``parallelism.stage_layers``); None: the
     # default split (``model_math.stage_split``)
     stage_layers: tuple[int, ...] | None = None
-    # the all-to-alls in two halves (``parallelism.ep_overlap``); None: where they price lower
-    ep_overlap: bool | None = None
+    ep_overlap: bool = False  # the MoE all-to-alls in two halves (``parallelism.ep_overlap``)
 
     def blocks(self, model) -> int:
         """The most blocks a pipeline rank holds (``model_math.rank_blocks``: uneven where

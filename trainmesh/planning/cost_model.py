@@ -54,6 +54,9 @@ from trainmesh.planning.stage_params import memo, rank_params
 
 MATMUL_EFFICIENCY = 0.55  # achievable fraction of peak for large bf16 matmuls
 PP_LATENCY_S = 20e-6  # per point-to-point message
+# The MoE exchanges in two halves issue the experts' part of a block twice: this share of a
+# block's fixed per-microbatch cost (forward and backward) more. Assumed, not yet measured.
+HALVES_EXTRA = 0.25
 # Per ZeRO-3 collective (one per FSDP unit: each block and the root): launch and
 # synchronisation that overlapping with compute does not hide. It is what makes re-gathering
 # for every microbatch cost time even when the bytes would hide behind compute.
@@ -85,8 +88,9 @@ class Estimate:
     # The pipeline's stages priced each at its own cost (blocks, the head on the last: the
     # simulator's bubble), not alike (the closed forms: a lower bound on the step)
     by_stage: bool = True
-    ep_overlap: bool = False  # the all-to-alls in two halves (``parallelism.ep_overlap``) ...
-    ep_hidden_s: float = 0.0  # ... hiding this much of them behind the experts
+    ep_overlap: bool = False  # the all-to-alls in two halves (``parallelism.ep_overlap``)
+    # The step time the halves save, or would (negative: where they cost more)
+    ep_overlap_gain_s: float = 0.0
 
 
 def _ring_latency(participants: int, crosses_nodes: bool) -> float:
@@ -191,25 +195,31 @@ def cp_exposed(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: 
     return per_layer * c.blocks(model) * c.num_microbatches
 
 
+def moe_blocks(model) -> int:
+    """The model's MoE blocks (those after ``moe.dense_layers``)."""
+    return max(0, model.n_layers - model.moe.dense_layers)
+
+
 def ep_exposed(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: int,
                compute_bytes: int) -> tuple[float, float]:
     """The MoE blocks' token all-to-alls per step, whole and overlapped in two halves
     (``parallelism.ep_overlap``). Whole: 4 per block and microbatch (6 when full recompute runs
     the forward's two again), each a rank's routed tokens (top_k copies of its share of the
-    microbatch) less the 1/ep that stays, all exposed. Halves: each half-exchange costs half
-    the bytes plus a message's latency; forward, the first half's way out is exposed, the
-    second's hides behind the first half's experts, the first's way back behind the second
-    half's experts, and the second's way back behind the shared expert; backward the same with
-    the experts' backward (twice their forward), the last way out exposed. The exchanges are
+    microbatch) less the 1/ep that stays, plus a message's latency, all exposed. Halves: each
+    half-exchange costs half the bytes plus a message's latency; forward, the first half's way
+    out is exposed, the second's hides behind the first half's experts, the first's way back
+    behind the second half's experts, and the second's way back behind the shared expert;
+    backward the same with the experts' backward (twice their forward), the last way out
+    exposed (``estimate`` adds what issuing the experts' part twice costs). The exchanges are
     within a node when ep × tp fits one."""
     moe = model.moe
-    layers = sum(1 for i in range(model.n_layers) if i >= moe.dense_layers) / c.pp
+    layers = moe_blocks(model) / c.pp
     tokens = seq_len // c.cp * c.microbatch_size / c.tp
     per_a2a = tokens * moe.top_k * model.dim * compute_bytes * (c.ep - 1) / c.ep
     bw = device.intra_node_gbps if c.ep * c.tp <= per_node else device.inter_node_gbps
     x = per_a2a / (bw * 1e9)
     forwards = 1 + c.recomputed(c.blocks(model))
-    whole = (2 * forwards + 2) * x * layers * c.num_microbatches
+    whole = (2 * forwards + 2) * (x + PP_LATENCY_S) * layers * c.num_microbatches
     rate = device.peak_tflops * 1e12 * MATMUL_EFFICIENCY
     experts_s = tokens * moe.top_k * 6 * model.dim * moe.expert_ffn_dim / rate  # forward
     shared_s = tokens * 6 * model.dim * moe.shared_experts * moe.expert_ffn_dim / rate
@@ -243,6 +253,17 @@ def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: in
     bubble = bubble_fraction(c.schedule, c.pp, c.vpp, c.num_microbatches, stages,
                              bound=not by_stage)
     compute = max(device_s, host_s) / (1.0 - bubble)
+    moe = getattr(model, "moe", None)
+    ep_comm, ep_gain = 0.0, 0.0
+    if moe is not None and c.ep > 1:
+        whole, halves = ep_exposed(model, c, seq_len, device, per_node, compute_bytes)
+        # In halves the experts' part of each MoE block is issued twice: HALVES_EXTRA more of
+        # its fixed costs, on the device and on the host (hidden where the other is longer).
+        extra = HALVES_EXTRA * moe_blocks(model) / c.pp * c.num_microbatches * again
+        halved = max(device_s + extra * device.kernel_overhead_s,
+                     host_s + extra * device.host_dispatch_s) / (1.0 - bubble)
+        ep_gain = (compute + whole) - (halved + halves)
+        compute, ep_comm = (halved, halves) if c.ep_overlap else (compute, whole)
     act_bytes = compute_bytes * seq_len // c.cp * c.microbatch_size * h
     tp_comm = 0.0
     if c.tp > 1:
@@ -253,13 +274,6 @@ def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: in
         v = c.vpp if c.schedule in CHUNKED else 1
         msg = act_bytes / c.tp / (device.inter_node_gbps * 1e9) + PP_LATENCY_S
         pp_comm = 2 * msg * c.num_microbatches * v
-    ep_comm, overlap, ep_hidden = 0.0, False, 0.0
-    moe = getattr(model, "moe", None)
-    if moe is not None and c.ep > 1:
-        whole, halves = ep_exposed(model, c, seq_len, device, per_node, compute_bytes)
-        overlap = c.ep_overlap if c.ep_overlap is not None else halves < whole
-        ep_comm = halves if overlap else whole
-        ep_hidden = whole - ep_comm
     if moe is not None and moe.capacity_factor is not None and c.tp * c.cp > 1:
         # Capacity decided over the whole microbatch: its tp × cp ranks all-gather its
         # assignments (8 bytes each) per MoE block and microbatch, again under recompute.
@@ -283,4 +297,4 @@ def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: in
         mfu=achieved / (device.peak_tflops * 1e12), bubble_fraction=bubble, compute_s=compute,
         tp_comm_s=tp_comm, pp_comm_s=pp_comm, dp_exposed_s=dp_exposed, ep_comm_s=ep_comm,
         cp_comm_s=cp_comm, host_bound=host_s > device_s, by_stage=by_stage or c.pp == 1,
-        ep_overlap=overlap, ep_hidden_s=ep_hidden)
+        ep_overlap=c.ep_overlap and c.ep > 1, ep_overlap_gain_s=ep_gain)

@@ -12,6 +12,22 @@ from trainmesh.planning.devices import DeviceSpec
 from trainmesh.planning.planner import PlanResult, RankedPlan, summarize_rejections
 
 
+def _overlap_text(e) -> str:
+    """The MoE exchanges in two halves (``parallelism.ep_overlap``): what they hide, or would
+    (the planner prices them but leaves them as the spec says)."""
+    gain = e.ep_overlap_gain_s
+    if e.ep_overlap:
+        return (f" (each microbatch's exchanges in two halves, parallelism.ep_overlap: the step "
+                f"{gain:.3g} s {'shorter' if gain >= 0 else 'longer'} than with them whole).")
+    if gain > 0:
+        return (f"; in two halves (parallelism.ep_overlap: true) they would hide behind the "
+                f"experts, a step predicted {gain / (e.step_time_s - gain):.1%} faster (off "
+                "unless set: not yet measured on GPUs).")
+    return (f"; in two halves (parallelism.ep_overlap) the step would take {-gain:.3g} s "
+            "more: what they hide is less than issuing the experts' work twice and the "
+            "messages' latency add.")
+
+
 def _microbatch_choice(result: PlanResult, best: RankedPlan, device: DeviceSpec) -> list[str]:
     """Why this microbatch size: the same plan at the smallest size that was weighed, its
     time (each microbatch pays a fixed device cost per block, and the host's issuing of the
@@ -113,10 +129,7 @@ def explain(result: PlanResult) -> str:
                  f"(bubble {e.bubble_fraction:.1%}), TP communication {e.tp_comm_s:.3g} s, "
                  f"PP {e.pp_comm_s:.3g} s"
                  + (f", exposed ZeRO-3 traffic {e.dp_exposed_s:.3g} s and MoE all-to-all "
-                    f"{e.ep_comm_s:.3g} s" + (
-                        f" (each microbatch's exchanges in two halves, parallelism.ep_overlap: "
-                        f"{e.ep_hidden_s:.3g} s of them hidden behind the experts)."
-                        if e.ep_overlap else ".") if c.ep > 1
+                    f"{e.ep_comm_s:.3g} s" + _overlap_text(e) if c.ep > 1
                     else f" and exposed {'DDP all-reduce' if runs_ddp(result.model, c) else 'ZeRO-3'} "
                          f"traffic {e.dp_exposed_s:.3g} s."))
     if c.cp > 1:

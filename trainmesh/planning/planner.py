@@ -82,7 +82,7 @@ class RankedPlan:
                 "microbatch_size": c.microbatch_size, "num_microbatches": c.num_microbatches,
                 "recompute": c.recompute, "keep_gathered": c.keep_gathered,
                 "reduce_dtype": c.reduce_dtype, "sequence_parallel": c.sequence_parallel,
-                "ep": c.ep, "ep_overlap": bool(c.ep_overlap) and c.ep > 1,
+                "ep": c.ep, "ep_overlap": c.ep_overlap and c.ep > 1,
                 "dp_replicate": c.dp_replicate, "cp": c.cp, "cp_mode": c.cp_mode,
                 "memory_per_rank_gib": round(e.memory_per_rank_gib, 3),
                 "step_time_s": e.step_time_s, "tokens_per_s": e.tokens_per_s,
@@ -354,7 +354,7 @@ def _options(req: PlanRequest, tp: int, pp: int, dp: int, vpp: int, schedule: st
     stride = int(fixed.get("recompute_stride", 2))
     split = _stage_layers(req, pp, vpp, schedule)
     moe = has_moe_blocks(req.model)
-    overlap = fixed.get("ep_overlap")  # (None: the estimate chooses)
+    overlap = bool(fixed.get("ep_overlap", False))  # (priced, not chosen: explain says)
     modes = ("ring",) if cp == 1 else (str(fixed["cp_mode"]),) if "cp_mode" in fixed else CP_MODES
     for ep in _ep_choices(req, dp, cp):
         for rc in RECOMPUTE:
@@ -464,8 +464,6 @@ def _plan(req: PlanRequest, topo: Topology, long: bool | None) -> PlanResult:
         node_ranks = layouts[key]
         est = estimate(req.model, c, req.seq_len, topo.device, node_ranks[0], req.compute_bytes,
                        fused, mem, by_stage=False)
-        if c.ep_overlap is None and c.ep > 1:  # (the estimate chose)
-            c = dataclasses.replace(c, ep_overlap=est.ep_overlap)
         ranked.append(RankedPlan(c, est, topo.world_size - c.world_size, node_ranks))
 
     def price(p: RankedPlan) -> RankedPlan:

@@ -296,13 +296,14 @@ class ParallelismConfig(_Section):
         "splits evenly)")
     ep: int = Field(1, ge=1, description="expert-parallel degree: each group of ep data-parallel "
                     "ranks splits the experts among them (needs model.moe; divides dp)")
-    ep_overlap: bool | None = Field(
-        None, description="with ep > 1: each MoE block takes a microbatch's tokens in two "
+    ep_overlap: bool = Field(
+        False, description="with ep > 1: each MoE block takes a microbatch's tokens in two "
         "halves, one half's all-to-all running while the other's experts compute (forward "
-        "and backward; the shared expert beside the last exchange back); exact, what stays "
-        "exposed is the first exchange out and the last back (the step's breakdown: "
-        "a2a_s); no effect at ep 1; null: off for pinned degrees, the planner's choice under "
-        "parallelism: auto (where it prices faster)")
+        "and backward; the shared expert beside the last exchange back); equal to the whole "
+        "exchange within float32's rounding; exposed stay the first exchange out and the last "
+        "back, and backward's last out (the step's breakdown: a2a_s); no effect at ep 1. The "
+        "planner prices it and `trainmesh plan` says what it would hide, but does not turn it "
+        "on: not yet measured on GPUs")
     cp: int = Field(1, ge=1, description="context-parallel degree: each sequence split over cp "
                     "ranks (2·cp chunks, load-balanced), attention exact across them; "
                     "training.seq_len must divide by 2·cp")

@@ -145,8 +145,20 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(experts, dim, ffn_dim))  # down
         self.grouped_mm = None  # None: torch._grouped_mm on CUDA, the per-expert loop elsewhere
 
-    def forward(self, x: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor:
-        """``x``: rows grouped by (local) expert, ``counts[e]`` of them for expert e."""
+    def forward(self, x: torch.Tensor, counts: list[int] | torch.Tensor,
+                dispatch: Dispatch | None = None, beside: Callable[[], torch.Tensor] | None = None):
+        """``x``: rows grouped by (local) expert, ``counts[e]`` of them for expert e. With
+        ``dispatch``: ``x`` holds this rank's assignments (``Dispatch.exchange``'s parts,
+        ``counts`` its ``counts_HE``), which travel to their experts' ranks and back inside
+        this call: ZeRO-3's hooks (this module is a unit of its own) gather the weights once
+        before the exchange and reduce their gradients once after it, however many parts.
+        Returns the outputs, and with ``dispatch`` also ``beside()``."""
+        if dispatch is None:
+            return self.compute(x, counts)
+        return dispatch.exchange(x, counts, self.compute, beside)
+
+    def compute(self, x: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor:
+        """This rank's experts over ``x``, rows grouped by (local) expert."""
         w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w
                       for w in (self.w1, self.w2, self.w3))
         grouped = self.grouped_mm if self.grouped_mm is not None else x.is_cuda
@@ -304,7 +316,7 @@ class MoE(nn.Module):
         counts = torch.bincount(flat, minlength=a.experts)
         # In parts (the dispatch's halves): the first half of the tokens, then the rest, each
         # sorted by expert (a stable sort: by token within an expert, as one part sorts).
-        halves = self.dispatch.halves if n > 1 else 1
+        halves = self.dispatch.halves  # (the same on every rank: it sets the collectives)
         part = flat if halves == 1 else flat + a.experts * (
             torch.arange(n * k, device=flat.device) >= (n + 1) // 2 * k)
         order = torch.argsort(part, stable=True)
@@ -320,7 +332,7 @@ class MoE(nn.Module):
             ).view(halves, -1))
         # (the shared expert, in parts, runs while the last part's outputs come back)
         beside = (lambda: self.shared(x)) if self.shared is not None and halves > 1 else None
-        y_sorted, y_shared = self.dispatch.exchange(x[order // k], kept_HE, self.experts, beside)
+        y_sorted, y_shared = self.experts(x[order // k], kept_HE, self.dispatch, beside)
         per_assignment = x.new_zeros(n * k, shape[-1]).index_copy(0, order, y_sorted)
         y = (per_assignment.view(n, k, -1) * weights.unsqueeze(-1).to(x.dtype)).sum(1)
         if self.shared is not None:
