@@ -6,7 +6,7 @@ section part by part (a run cut off keeps the parts it finished). Parts in the o
     make gpu-check            # = python3 bench/gpu_check.py --append bench/history/journal.md
 
 Where one command may run 10 minutes at most, split it: ``--parts tests,lce,kernels``, then
-``--parts attention,moe,mla,memory`` (and ``microbatch`` when calibrating the cost model).
+``--parts attention,moe,moe-float8,mla,memory`` (and ``microbatch`` when calibrating the cost model).
 
 1. tests: the GPU test modules (Triton kernels compiled for real against the torch
    references; the step's breakdown on CUDA events).
@@ -29,16 +29,20 @@ Where one command may run 10 minutes at most, split it: ``--parts tests,lce,kern
    (what it uses elsewhere), forward + backward at Mixtral 8x7B's expert shapes and
    DeepSeek-V3's (2048 × 7168, 32 experts: a rank's at ep 8) in bf16, with the tokens spread
    evenly and skewed (half of them to one expert).
-6. mla: Multi-head Latent Attention's SDPA at DeepSeek-V3's heads (query/key 192, value
+6. moe-float8: the experts' float8 grouped GEMMs (torchao's; ``training.float8`` on an MoE
+   model: rowwise scales on Hopper, MXFP8 on Blackwell) against the bf16 grouped GEMM at the
+   same shapes, tokens not in whole blocks (the padding inside the float8 time), with the
+   float8 output's error (added 2026-11-30: not run yet).
+7. mla: Multi-head Latent Attention's SDPA at DeepSeek-V3's heads (query/key 192, value
    128; and the values padded to 192, as context parallel moves them) on each backend (flash,
    efficient, cuDNN, math) that takes it, beside 128-wide heads (added 2026-11-29: not run yet).
-7. memory: planned vs measured CUDA memory: one rank builds the `1b` preset the way a job
+8. memory: planned vs measured CUDA memory: one rank builds the `1b` preset the way a job
    does (meta build, FSDP2 over a 1-rank mesh, bf16, seq 2048) and runs two steps
    (activations counted in the first, the peak of the second: steady state, no counting
    hooks), for both ZeRO-3 policies and both kernel sets; its tensors' peak (torch's max
    allocated) and the activations autograd saved are set beside the cost model's prediction.
    A 1-rank mesh: NCCL runs, but no collective crosses a device.
-8. microbatch (asked for by name, ``--parts microbatch``, about 100 s on an H200): `1b` with
+9. microbatch (asked for by name, ``--parts microbatch``, about 100 s on an H200): `1b` with
    `auto`, eager, at microbatch 1, 2, 4 and 8 of a global batch of 16, and 2 and 4 of 8: the
    step time and the GPU's busy share the cost model's per-microbatch device and host terms
    are fitted to (``planning/devices.py``; ``bench/planner.py`` sets them side by side).
@@ -194,6 +198,65 @@ def memory_check() -> list[str]:
     return lines
 
 
+def moe_float8() -> list[str]:
+    """The experts' float8 grouped GEMMs (torchao: rowwise scales on Hopper, MXFP8 on
+    Blackwell; ``training.float8`` on an MoE model) against the bf16 grouped GEMM, forward +
+    backward, tokens evenly spread but not in whole blocks (the padding made once for the
+    three GEMMs is inside the float8 time), and the float8 output's error against bf16's."""
+    import torch
+
+    from trainmesh.models.moe.moe import float8_grouped_kind
+
+    kind = float8_grouped_kind("cuda", torch.cuda.get_device_capability())
+    if kind is None:
+        return ["no float8 grouped GEMM on this GPU (compute capability below 9.0)"]
+    lines = [f"float8 kind: {kind}; bf16; forward + backward (ms, median)", "",
+             "| experts | bf16 grouped | float8 grouped | bf16 / float8 | output rel. error |",
+             "|---|---:|---:|---:|---:|"]
+    for model, shape in (("Mixtral 8x7B", (8, 4096, 14336, 8192, 2)),
+                         ("DeepSeek-V3", (32, 7168, 2048, 8192, 8))):
+        lines.append(_float8_vs_bf16(model, kind, *shape))
+    return lines
+
+
+def _float8_vs_bf16(model: str, kind: str, experts: int, dim: int, ffn: int, tokens: int,
+                    k: int) -> str:
+    import torch
+    from triton.testing import do_bench
+
+    from trainmesh.kernels import kernel_set
+    from trainmesh.models.moe.moe import expert_swiglu, float8_expert_swiglu
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def weight(*shape):
+        return (torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)
+                * 0.02).requires_grad_()
+
+    w1, w3, w2 = weight(experts, ffn, dim), weight(experts, ffn, dim), weight(experts, dim, ffn)
+    counts = [tokens * k // experts - 3] * (experts - 1)
+    counts.append(tokens * k - sum(counts))
+    x = torch.randn(sum(counts), dim, device="cuda", dtype=torch.bfloat16, generator=g,
+                    requires_grad=True)
+    up = torch.randn(sum(counts), dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    swiglu = kernel_set("torch").swiglu
+    runs = {"bf16": lambda: expert_swiglu(x, counts, w1, w2, w3, swiglu, True),
+            "float8": lambda: float8_expert_swiglu(x, counts, w1, w2, w3, swiglu, kind)}
+
+    def step(run) -> None:
+        for t in (x, w1, w2, w3):
+            t.grad = None
+        run().backward(up)
+
+    times = [do_bench(lambda run=run: step(run), warmup=3, rep=30, return_mode="median")
+             for run in runs.values()]
+    with torch.no_grad():
+        ref, got = runs["bf16"]().float(), runs["float8"]().float()
+    err = ((got - ref).norm() / ref.norm()).item()
+    return (f"| {model} ({experts} × {dim} × {ffn}, {tokens} tokens × top-{k}) | "
+            f"{times[0]:.2f} | {times[1]:.2f} | {times[0] / times[1]:.2f}× | {err:.3f} |")
+
+
 def moe_gemm() -> list[str]:
     """Grouped GEMM vs the per-expert loop (see the module docstring)."""
     lines = []
@@ -347,9 +410,9 @@ def mla_attention() -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--append", metavar="FILE", help="append the section to FILE (RESULTS.md)")
-    ap.add_argument("--parts", default="tests,lce,kernels,attention,moe,mla,memory",
-                    help="comma-separated subset of tests, lce, kernels, attention, moe, mla, "
-                         "memory, microbatch, microbatch-compile")
+    ap.add_argument("--parts", default="tests,lce,kernels,attention,moe,moe-float8,mla,memory",
+                    help="comma-separated subset of tests, lce, kernels, attention, moe, "
+                         "moe-float8, mla, memory, microbatch, microbatch-compile")
     args = ap.parse_args()
     import torch
 
@@ -374,6 +437,7 @@ def main() -> None:
              "memory": ("1b memory: planned vs measured (one rank, bf16, seq 2048, microbatch 2 × 4)",
                         memory_check),
              "moe": ("MoE experts: grouped GEMM vs the per-expert loop", moe_gemm),
+             "moe-float8": ("MoE experts: float8 grouped GEMMs (torchao) vs bf16", moe_float8),
              "mla": ("Multi-head Latent Attention's attention: SDPA backends", mla_attention),
              "attention": ("Context parallel's attention block with its log-sum-exp",
                            attention_lse),

@@ -11,7 +11,16 @@ from trainmesh.cli.loading import load_spec
 from trainmesh.engine.engine import build_model
 from trainmesh.kernels import kernel_set
 from trainmesh.models.llama.model import LlamaArgs
-from trainmesh.models.moe.moe import MoE, MoEArgs, balance_experts, expert_swiglu, moe_layers
+from trainmesh.models.moe.moe import (
+    MoE,
+    MoEArgs,
+    aligned_groups,
+    balance_experts,
+    expert_swiglu,
+    float8_expert_swiglu,
+    float8_grouped_kind,
+    moe_layers,
+)
 from trainmesh.parallel.expert import _source_major_to_expert_major
 from trainmesh.planning.job_plan import replan_job
 from trainmesh.planning.topology import Topology
@@ -76,6 +85,48 @@ def test_grouped_gemm_equals_the_per_expert_loop_forward_and_backward():
     for a, b in zip(results[0][1], results[1][1], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert (results[0][1][1][1] == 0).all()  # the empty expert: a zero gradient, not None
+
+
+def test_float8_experts_pad_each_experts_rows_once_and_stay_within_float8s_error():
+    """training.float8's experts: torchao's MXFP8 grouped GEMMs, emulated on CPU, over groups
+    of rows that do not come in its 32-row blocks (an expert with none among them). The layout
+    made once for the three GEMMs starts every expert's rows at a multiple of 32 (what the
+    GPU kernels need; the emulation would also run without); each expert's outputs and weight
+    gradients are those of its rows alone, an expert without rows gets a zero gradient, and
+    the outputs and gradients are within float8's error of float32's — but not equal."""
+    torch.manual_seed(0)
+    counts, dim, ffn = [5, 0, 17, 10], 64, 64
+    x = torch.randn(sum(counts), dim, requires_grad=True)
+    w1, w3 = ((torch.randn(4, ffn, dim) * 0.1).requires_grad_() for _ in range(2))
+    w2 = (torch.randn(4, dim, ffn) * 0.1).requires_grad_()
+    swiglu, weights = kernel_set("torch").swiglu, (w1, w2, w3)
+    grad = torch.randn(sum(counts), dim)
+
+    def run(fn, rows, counts):
+        out = fn(rows, counts, *weights, swiglu)
+        return out, torch.autograd.grad(out, [rows, *weights], grad[:out.shape[0]] if
+                                        out.shape[0] == grad.shape[0] else grad[5:22])
+
+    f8 = lambda *a: float8_expert_swiglu(*a, "mxfp8-emulated")  # noqa: E731
+    y8, g8 = run(f8, x, counts)
+    y, g = run(lambda *a: expert_swiglu(*a, False), x, counts)
+    for got, want in ((y8, y), *zip(g8, g, strict=True)):
+        err = ((got - want).norm() / want.norm()).item()
+        assert 0 < err < 0.15, err
+    assert (g8[1][1] == 0).all() and (g8[2][1] == 0).all()  # expert 1 took no rows
+    alone = x[5:22].detach().requires_grad_()
+    y_alone, g_alone = run(f8, alone, [0, 0, 17, 0])
+    assert torch.equal(y_alone, y8[5:22].detach())
+    for w8, w_alone in zip(g8[1:], g_alone[1:], strict=True):  # its weights' gradients
+        assert torch.equal(w8[2], w_alone[2])
+    # the layout the grouped GEMMs get: every expert's rows from a multiple of 32, in order
+    into, offs, bound = aligned_groups(counts, sum(counts), 32, x.device)
+    ends = offs.tolist()
+    assert ends == [32, 32, 64, 96] and bound % 32 == 0 and bound >= ends[-1]
+    assert into.tolist() == [*range(0, 5), *range(32, 49), *range(64, 74)]
+    assert float8_grouped_kind("cpu", None) == "mxfp8-emulated"
+    assert [float8_grouped_kind("cuda", c) for c in ((8, 9), (9, 0), (10, 0))] == [
+        None, "rowwise", "mxfp8"]
 
 
 def test_capacity_drops_the_lowest_weighted_assignments_and_counts_them():

@@ -331,7 +331,8 @@ class Engine:
             if broken:
                 raise ValueError(broken[0])
             apply_float8(self.model, tr.float8, device.type,
-                         all_gather_in_float8=mesh.replicas > 1 and not self.replicated)
+                         all_gather_in_float8=mesh.replicas > 1 and not self.replicated,
+                         capability=cap)
         self.context = None
         self.exchanges = WaitLog()  # the MoE blocks' waits on their all-to-alls
         if cp > 1 or spec.data.document_mask:

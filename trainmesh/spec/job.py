@@ -382,7 +382,10 @@ class TrainingConfig(_Section):
     float8: Literal["none", "tensorwise", "rowwise"] = Field(
         "none", description="float8 matmuls for the blocks' linear layers (torchao): one scale "
         "per tensor (with ZeRO-3's all-gather in float8) or per row; needs a GPU of compute "
-        "capability 8.9+ (H100); on CPU torchao's emulation (tests); not beside tensor parallel")
+        "capability 8.9+ (H100); on CPU torchao's emulation (tests); not beside tensor "
+        "parallel. MoE experts run torchao's float8 grouped GEMMs under either recipe: rowwise "
+        "scales on Hopper (9.0), MXFP8 on Blackwell (10.0+) and, emulated, on CPU; below 9.0 "
+        "they stay in the compute dtype")
 
 
 class InMemoryConfig(_Section):

@@ -21,7 +21,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from trainmesh.models.llama.model import Llama, mtp_blocks
-from trainmesh.models.moe.moe import MoE, moe_layers
+from trainmesh.models.moe.moe import FLOAT8_GROUPED, MoE, float8_grouped_kind, moe_layers
 from trainmesh.spec.mesh_rules import runnable_problems, tp_problems
 
 
@@ -285,13 +285,17 @@ def apply_compile(model: nn.Module, split_backward: bool = False) -> nn.Module:
 
 
 def apply_float8(model: nn.Module, recipe: str, device_type: str,
-                 all_gather_in_float8: bool) -> nn.Module:
+                 all_gather_in_float8: bool, capability: tuple[int, int] | None = None
+                 ) -> nn.Module:
     """The blocks' linear layers as torchao's ``Float8Linear`` (weights and names unchanged;
     on the meta device, before ZeRO-3): ``recipe`` tensorwise | rowwise (torchao's recipes);
     ``all_gather_in_float8``: ZeRO-3 gathers the tensorwise-scaled weights in float8 (half the
     bytes of bf16). Left out: the output head and any linear whose sides do not divide by 16
-    (the float8 matmul's tiles), and what is not a plain linear (routers, stacked experts).
-    On CPU, torchao's emulation (for tests: float8 rounding, float32 matmuls)."""
+    (the float8 matmul's tiles), and the routers. On CPU, torchao's emulation (for tests:
+    float8 rounding, float32 matmuls). The MoE blocks' stacked experts run torchao's float8
+    grouped GEMMs, whatever the recipe, of the kind the device (``capability``) runs
+    (``moe.float8_grouped_kind``: rowwise scales on Hopper, MXFP8 on Blackwell and, emulated,
+    on CPU), where their widths divide by its alignment."""
     import dataclasses
 
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -305,4 +309,11 @@ def apply_float8(model: nn.Module, recipe: str, device_type: str,
         return (type(module) is nn.Linear and fqn.startswith("layers.") and "router" not in fqn
                 and module.in_features % 16 == 0 and module.out_features % 16 == 0)
 
-    return convert_to_float8_training(model, config=config, module_filter_fn=chosen)
+    model = convert_to_float8_training(model, config=config, module_filter_fn=chosen)
+    kind = float8_grouped_kind(device_type, capability)
+    for _, moe in moe_layers(model):
+        w1 = moe.experts.w1  # (experts, ffn, dim)
+        if kind is not None and not (w1.shape[1] % FLOAT8_GROUPED[kind]
+                                     or w1.shape[2] % FLOAT8_GROUPED[kind]):
+            moe.experts.float8 = kind
+    return model

@@ -144,6 +144,7 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(experts, ffn_dim, dim))  # up
         self.w2 = nn.Parameter(torch.empty(experts, dim, ffn_dim))  # down
         self.grouped_mm = None  # None: torch._grouped_mm on CUDA, the per-expert loop elsewhere
+        self.float8: str | None = None  # torchao's float8 grouped GEMMs (FLOAT8_GROUPED)
 
     def forward(self, x: torch.Tensor, counts: list[int] | torch.Tensor,
                 dispatch: Dispatch | None = None, beside: Callable[[], torch.Tensor] | None = None):
@@ -161,6 +162,8 @@ class GroupedExperts(nn.Module):
         """This rank's experts over ``x``, rows grouped by (local) expert."""
         w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w
                       for w in (self.w1, self.w2, self.w3))
+        if self.float8 is not None:
+            return float8_expert_swiglu(x, counts, w1, w2, w3, self.ops.swiglu, self.float8)
         grouped = self.grouped_mm if self.grouped_mm is not None else x.is_cuda
         return expert_swiglu(x, counts, w1, w2, w3, self.ops.swiglu, grouped)
 
@@ -178,6 +181,71 @@ def expert_swiglu(x: torch.Tensor, counts: list[int] | torch.Tensor, w1: torch.T
         up = torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
         return torch._grouped_mm(swiglu(gate, up), w2.transpose(-2, -1), offs=offs)
     return _expert_loop(x, counts, w1, w2, w3, swiglu)
+
+
+# torchao's float8 grouped GEMMs for the experts (``training.float8``), by device: rowwise
+# scales on Hopper (H100, H200), MXFP8 (a scale per 32 values) on Blackwell, MXFP8 emulated
+# (float8 rounding, bf16 grouped GEMMs) on CPU; each needs every expert's rows to start at a
+# multiple of its alignment.
+FLOAT8_GROUPED = {"rowwise": 16, "mxfp8": 32, "mxfp8-emulated": 32}
+
+
+def float8_grouped_kind(device_type: str, capability: tuple[int, int] | None) -> str | None:
+    """The float8 grouped GEMM the experts run on this device (None: none runs there, the
+    experts stay in the compute dtype)."""
+    if device_type != "cuda":
+        return "mxfp8-emulated"
+    if capability is not None and capability >= (10, 0):
+        return "mxfp8"
+    if capability is not None and capability >= (9, 0):
+        return "rowwise"
+    return None
+
+
+def aligned_groups(counts: list[int] | torch.Tensor, rows: int, align: int,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Groups of rows (``counts[e]`` for expert e, end to end) laid out so that each starts
+    at a multiple of ``align``: where each row goes, each group's end there (int32, the
+    grouped GEMM's ``offs``), and the layout's length (``rows`` + experts × (align − 1),
+    rounded up to whole blocks: known without the counts, so no host sync)."""
+    counts = torch.as_tensor(counts, device=device, dtype=torch.int64)
+    padded = (counts + align - 1) // align * align
+    start = torch.cumsum(padded, 0) - padded  # each expert's first row, padded
+    into = (torch.repeat_interleave(start - (torch.cumsum(counts, 0) - counts), counts,
+                                    output_size=rows) + torch.arange(rows, device=device))
+    bound = -(-(rows + counts.numel() * (align - 1)) // align) * align
+    return into, torch.cumsum(padded, 0).to(torch.int32), bound
+
+
+def float8_expert_swiglu(x: torch.Tensor, counts: list[int] | torch.Tensor, w1: torch.Tensor,
+                         w2: torch.Tensor, w3: torch.Tensor, swiglu, kind: str) -> torch.Tensor:
+    """``expert_swiglu`` on torchao's float8 grouped GEMMs (``kind``: FLOAT8_GROUPED). The
+    padding they need is made once for the three: each expert's rows are placed from a
+    multiple of the alignment (zeros between), the GEMMs run on that layout, and the rows are
+    read back at the end; no host sync (the padded length is bounded by rows + experts ×
+    (alignment − 1), rounded to whole blocks). The emulation computes in bf16 (its grouped
+    GEMM's dtype)."""
+    from torchao.prototype.moe_training.config import KernelPreference
+    from torchao.prototype.moe_training.fp8_grouped_mm import (
+        _to_fp8_rowwise_then_scaled_grouped_mm,
+    )
+    from torchao.prototype.moe_training.mxfp8_grouped_mm import _to_mxfp8_then_scaled_grouped_mm
+
+    into, offs, bound = aligned_groups(counts, x.shape[0], FLOAT8_GROUPED[kind], x.device)
+    dtype = x.dtype if x.dtype == torch.bfloat16 or kind != "mxfp8-emulated" else torch.bfloat16
+    xp = x.new_zeros((bound, x.shape[1]), dtype=dtype).index_copy(0, into, x.to(dtype))
+
+    def gemm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        w_t = w.to(dtype).transpose(-2, -1)  # (experts, in, out): column-major per expert
+        if kind == "rowwise":
+            return _to_fp8_rowwise_then_scaled_grouped_mm(
+                a, w_t, offs, out_dtype=dtype, pad_token_groups_for_grouped_mm=False)
+        return _to_mxfp8_then_scaled_grouped_mm(
+            a, w_t, offs, out_dtype=dtype, kernel_preference=(
+                KernelPreference.EMULATED if kind == "mxfp8-emulated" else KernelPreference.AUTO))
+
+    out = gemm(swiglu(gemm(xp, w1), gemm(xp, w3)), w2)
+    return out.index_select(0, into).to(x.dtype)
 
 
 @torch.compiler.disable
