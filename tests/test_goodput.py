@@ -184,6 +184,27 @@ def test_segments_keep_the_controllers_boundaries_to_a_percent_of_the_time():
     assert large.step_s == pytest.approx(1.5 + large.control_s) and large.control_s > small.control_s
 
 
+def test_a_ranks_state_to_save_and_restore_follows_the_pipelines_split():
+    """The goodput model's state per rank (what a save copies and writes, a restore reads) is
+    the fullest rank's under the pipeline's split and schedule, not the even split's."""
+    from trainmesh.planning.failure_costs import mesh_costs, state_gb_per_rank
+    from trainmesh.planning.stage_params import rank_params
+    from trainmesh.spec.job import ModelConfig
+
+    model = ModelConfig(preset="70b")  # 80 blocks
+    even = state_gb_per_rank(model, 8, 2, 16)
+    uneven = state_gb_per_rank(model, 8, 2, 16, ("1f1b", 1, (20, 60)))
+    assert uneven > 1.4 * even
+    assert uneven == pytest.approx(max(
+        rank_params(model, 2, r, "1f1b", 1, (20, 60)).local(8, 16) for r in range(2)) * 12 / 1e9)
+    # interleaved: rank 0 holds chunks 0 and 2, rank 1 chunks 1 and 3
+    assert state_gb_per_rank(model, 8, 2, 16, ("interleaved-1f1b", 2, (10, 10, 30, 30))) == even
+    assert state_gb_per_rank(model, 8, 2, 16, ("interleaved-1f1b", 2, (10, 30, 10, 30))) == uneven
+    costs = mesh_costs(model, 8, 2, 16, 32, 1.5, 1, async_save=True,
+                       stages=("1f1b", 1, (20, 60)))
+    assert costs.state_gb_per_rank == uneven
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--nodes", "0"], "--nodes"),
     (["--nodes", "8", "--days", "0"], "--days"),

@@ -227,6 +227,31 @@ def test_a_chosen_pipeline_is_split_by_its_stages_cost():
     assert kept.pp > 1 and kept.stage_layers is None
 
 
+def test_a_cost_split_that_does_not_fit_falls_back_to_the_even_split():
+    """The cost split can put a block more on an early stage, whose rank holds the most
+    activations: where that exceeds the device and the even split does not, the plan runs the
+    even split (not rejected)."""
+    from trainmesh.planning.memory_model import memory_bytes, uses_fused_kernels
+
+    spec = load_spec("jobs/llama-70b.yaml", ["parallelism=auto"])
+    req = request_for(spec)
+    h200 = device_spec("h200")
+    fused = uses_fused_kernels(req.kernels, "h200", req.compiled)
+
+    def gib(c):
+        return memory_bytes(req.model, c, req.seq_len, req.compute_bytes,
+                            h200.framework_gib * 1024**3, fused) / 1024**3
+
+    roomy = plan(req, Topology.uniform(128, 8, h200))
+    split = next(p.candidate for p in roomy.plans if p.candidate.stage_layers is not None
+                 and gib(p.candidate) > 1.01 * gib(dataclasses.replace(p.candidate, stage_layers=None)))
+    even = dataclasses.replace(split, stage_layers=None)
+    between = (gib(split) + gib(even)) / 2 / MEMORY_HEADROOM  # the even split fits, not the cost's
+    result = plan(req, Topology.uniform(128, 8, dataclasses.replace(h200, memory_gib=between)))
+    assert even in [p.candidate for p in result.plans]
+    assert split not in [p.candidate for p in result.plans]
+
+
 def test_explicit_infeasible_degrees_say_why():
     spec = load_spec(None, ["model.preset=70b", "parallelism.dp=8", "training.seq_len=4096",
                             "training.global_batch_size=64", "training.microbatch_size=8"])

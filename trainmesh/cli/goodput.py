@@ -171,7 +171,9 @@ def _planner(spec: JobSpec, per_node: int, device: str | None, a: Assumptions):
                 cache[nodes] = mesh_costs(spec.model, d.tp, d.pp, d.dp, used,
                                           best.estimate.step_time_s, tokens,
                                           spec.checkpoint.async_save, a,
-                                          dp_replicate=best.candidate.dp_replicate)
+                                          dp_replicate=best.candidate.dp_replicate,
+                                          stages=(best.candidate.schedule, best.candidate.vpp,
+                                                  best.candidate.stage_layers))
         return cache[nodes]
 
     return plan

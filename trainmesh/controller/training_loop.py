@@ -38,7 +38,8 @@ class TrainingLoop:
         nodes = len(set(self.rank_nodes))
         self.cadence.start(start, nodes, predicted_save(
             self.spec.model, dims.tp, dims.pp, dims.dp, nodes, self.spec.checkpoint.async_save,
-            dp_replicate=self.eff.parallelism.dp_replicate))
+            dp_replicate=self.eff.parallelism.dp_replicate,
+            stages=_stages(self.eff, dims.pp)))
         hooks = self._after_step_hooks(state, dims)
         metrics_of = step_metrics(self.spec, dims.world_size * self.peak_tflops)
         self._set(state="training", step=start)
@@ -220,3 +221,12 @@ class TrainingLoop:
         t0 = time.perf_counter()
         self.ckpts.save(group, step, meta, tracker, background)
         self.control["save_s"].append(time.perf_counter() - t0)
+
+
+def _stages(eff, pp: int) -> tuple[str, int, tuple[int, ...] | None]:
+    """The run's pipeline layout as the save's prediction reads it: its schedule, chunks a
+    rank and split (used while pp × vpp is its length, as the ranks use it)."""
+    par = eff.parallelism
+    split = par.stage_layers
+    return (eff.schedule.name, par.vpp,
+            tuple(split) if split and len(split) == pp * par.vpp else None)

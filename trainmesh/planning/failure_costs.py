@@ -130,20 +130,30 @@ def control_s_per_step(world: int, step_s: float, m: Measured = MEASURED) -> flo
     return boundary / max(1, min(steps, math.ceil(until_s / max(step_s, 1e-9))))
 
 
-def state_gb_per_rank(model, tp: int, pp: int, dp: int) -> float:
-    params = max(rank_params(model, pp, r).local(tp, dp) for r in range(pp))
+# A pipeline's layout as the state per rank reads it: (schedule, chunks a rank, blocks of each
+# stage or None for the even split)
+Stages = tuple[str, int, tuple[int, ...] | None]
+
+
+def state_gb_per_rank(model, tp: int, pp: int, dp: int, stages: Stages | None = None) -> float:
+    """The fullest rank's checkpointed state (GB): its stages' blocks as ``stages`` lays them
+    out (None: one stage a rank, split evenly)."""
+    schedule, vpp, split = stages if stages is not None else ("1f1b", 1, None)
+    params = max(rank_params(model, pp, r, schedule, vpp, split).local(tp, dp)
+                 for r in range(pp))
     return params * STATE_BYTES_PER_PARAM / 1e9
 
 
 def mesh_costs(model, tp: int, pp: int, dp: int, nodes: int, step_s: float, tokens_per_step: int,
                async_save: bool, a: Assumptions = ASSUMED, m: Measured = MEASURED,
-               dp_replicate: int = 1) -> MeshCosts:
+               dp_replicate: int = 1, stages: Stages | None = None) -> MeshCosts:
     """A mesh's checkpoint and recovery costs. Under hybrid sharding (``dp_replicate`` > 1) a
     rank holds 1 / (dp / dp_replicate) of its stage's state: a save copies all of it to host
     memory but writes each replicated shard once (DCP's de-duplication spreads them over the
-    replicas), and a restore reads every rank's whole part."""
+    replicas), and a restore reads every rank's whole part. ``stages``: the pipeline's
+    schedule, chunks a rank and blocks a stage (None: one even stage a rank)."""
     world = tp * pp * dp
-    per_rank = state_gb_per_rank(model, tp, pp, dp // dp_replicate)
+    per_rank = state_gb_per_rank(model, tp, pp, dp // dp_replicate, stages)
     written_per_node = per_rank * world / dp_replicate / max(1, nodes)
     read_per_node = per_rank * world / max(1, nodes)
     bw = min(a.storage_node_gbps, a.storage_total_gbps / max(1, nodes))
@@ -169,7 +179,9 @@ def detect_s(kind: str, collective_timeout_s: float, a: Assumptions = ASSUMED,
 
 
 def predicted_save(model, tp: int, pp: int, dp: int, nodes: int, async_save: bool,
-                   a: Assumptions = ASSUMED, dp_replicate: int = 1) -> tuple[float, float]:
+                   a: Assumptions = ASSUMED, dp_replicate: int = 1,
+                   stages: Stages | None = None) -> tuple[float, float]:
     """(seconds a save blocks training, seconds it takes to be written), before one is measured."""
-    c = mesh_costs(model, tp, pp, dp, nodes, 1.0, 0, async_save, a, dp_replicate=dp_replicate)
+    c = mesh_costs(model, tp, pp, dp, nodes, 1.0, 0, async_save, a, dp_replicate=dp_replicate,
+                   stages=stages)
     return c.save_blocked_s, c.save_write_s
