@@ -6,7 +6,7 @@ section part by part (a run cut off keeps the parts it finished). Parts in the o
     make gpu-check            # = python3 bench/gpu_check.py --append bench/history/journal.md
 
 Where one command may run 10 minutes at most, split it: ``--parts tests,lce,kernels``, then
-``--parts attention,moe,moe-float8,mla,memory`` (and ``microbatch`` when calibrating the cost model).
+``--parts attention,moe,moe-float8,moe-halves,mla,memory`` (and ``microbatch`` when calibrating the cost model).
 
 1. tests: the GPU test modules (Triton kernels compiled for real against the torch
    references; the step's breakdown on CUDA events).
@@ -31,18 +31,22 @@ Where one command may run 10 minutes at most, split it: ``--parts tests,lce,kern
    evenly and skewed (half of them to one expert).
 6. moe-float8: the experts' float8 grouped GEMMs (torchao's; ``training.float8`` on an MoE
    model: rowwise scales on Hopper, MXFP8 on Blackwell) against the bf16 grouped GEMM at the
-   same shapes, tokens not in whole blocks (the padding inside the float8 time), with the
-   float8 output's error (added 2026-11-30: not run yet).
-7. mla: Multi-head Latent Attention's SDPA at DeepSeek-V3's heads (query/key 192, value
+   same shapes, tokens not in whole blocks (the padding inside the float8 time) and one
+   expert without any, with the float8 output's error and that expert's weight gradients
+   (zeros) (added 2026-11-30: not run yet; eager: a compiled run fuses the padding).
+7. moe-halves: one MoE block with its exchanges whole or in two halves
+   (``parallelism.ep_overlap``) over a 1-rank NCCL group: what the halves cost on a GPU with
+   nothing to hide (the cost model's assumed ``HALVES_EXTRA``; added 2026-11-30: not run yet).
+8. mla: Multi-head Latent Attention's SDPA at DeepSeek-V3's heads (query/key 192, value
    128; and the values padded to 192, as context parallel moves them) on each backend (flash,
    efficient, cuDNN, math) that takes it, beside 128-wide heads (added 2026-11-29: not run yet).
-8. memory: planned vs measured CUDA memory: one rank builds the `1b` preset the way a job
+9. memory: planned vs measured CUDA memory: one rank builds the `1b` preset the way a job
    does (meta build, FSDP2 over a 1-rank mesh, bf16, seq 2048) and runs two steps
    (activations counted in the first, the peak of the second: steady state, no counting
    hooks), for both ZeRO-3 policies and both kernel sets; its tensors' peak (torch's max
    allocated) and the activations autograd saved are set beside the cost model's prediction.
    A 1-rank mesh: NCCL runs, but no collective crosses a device.
-9. microbatch (asked for by name, ``--parts microbatch``, about 100 s on an H200): `1b` with
+10. microbatch (asked for by name, ``--parts microbatch``, about 100 s on an H200): `1b` with
    `auto`, eager, at microbatch 1, 2, 4 and 8 of a global batch of 16, and 2 and 4 of 8: the
    step time and the GPU's busy share the cost model's per-microbatch device and host terms
    are fitted to (``planning/devices.py``; ``bench/planner.py`` sets them side by side).
@@ -211,8 +215,8 @@ def moe_float8() -> list[str]:
     if kind is None:
         return ["no float8 grouped GEMM on this GPU (compute capability below 9.0)"]
     lines = [f"float8 kind: {kind}; bf16; forward + backward (ms, median)", "",
-             "| experts | bf16 grouped | float8 grouped | bf16 / float8 | output rel. error |",
-             "|---|---:|---:|---:|---:|"]
+             "| experts | bf16 grouped | float8 grouped | bf16 / float8 | output rel. error | "
+             "empty expert's weight grad (must be 0) |", "|---|---:|---:|---:|---:|---:|"]
     for model, shape in (("Mixtral 8x7B", (8, 4096, 14336, 8192, 2)),
                          ("DeepSeek-V3", (32, 7168, 2048, 8192, 8))):
         lines.append(_float8_vs_bf16(model, kind, *shape))
@@ -236,6 +240,8 @@ def _float8_vs_bf16(model: str, kind: str, experts: int, dim: int, ffn: int, tok
     w1, w3, w2 = weight(experts, ffn, dim), weight(experts, ffn, dim), weight(experts, dim, ffn)
     counts = [tokens * k // experts - 3] * (experts - 1)
     counts.append(tokens * k - sum(counts))
+    counts[-1] += counts[1]  # one expert without rows: its weight gradients must be zeros
+    counts[1] = 0
     x = torch.randn(sum(counts), dim, device="cuda", dtype=torch.bfloat16, generator=g,
                     requires_grad=True)
     up = torch.randn(sum(counts), dim, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -250,11 +256,74 @@ def _float8_vs_bf16(model: str, kind: str, experts: int, dim: int, ffn: int, tok
 
     times = [do_bench(lambda run=run: step(run), warmup=3, rep=30, return_mode="median")
              for run in runs.values()]
+    step(runs["float8"])
+    empty = max(float(w.grad[1].abs().max()) for w in (w1, w2, w3))
     with torch.no_grad():
         ref, got = runs["bf16"]().float(), runs["float8"]().float()
     err = ((got - ref).norm() / ref.norm()).item()
     return (f"| {model} ({experts} × {dim} × {ffn}, {tokens} tokens × top-{k}) | "
-            f"{times[0]:.2f} | {times[1]:.2f} | {times[0] / times[1]:.2f}× | {err:.3f} |")
+            f"{times[0]:.2f} | {times[1]:.2f} | {times[0] / times[1]:.2f}× | {err:.3f} | "
+            f"{empty:.1e} |")
+
+
+def moe_halves() -> list[str]:
+    """The split-batch overlap's cost on one GPU (``parallelism.ep_overlap``): one MoE block,
+    forward + backward, its exchanges whole or in two halves over a 1-rank NCCL group (each
+    all-to-all a copy to itself on NCCL's stream: nothing to hide, so the difference is what
+    the halves add in kernels and host time; the cost model assumes a quarter of a block's
+    fixed costs, ``cost_model.HALVES_EXTRA``)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+        dist.init_process_group("nccl", store=store, rank=0, world_size=1)
+    lines = ["bf16, forward + backward (ms, median)", "",
+             "| block | whole | halves | halves / whole |", "|---|---:|---:|---:|"]
+    for model, shape in (("Mixtral 8x7B (8 experts, a rank's 4096 tokens)",
+                          (8, 4096, 14336, 4096, 2, 0)),
+                         ("DeepSeek-V3 (32 experts: a rank's at ep 8; shared expert)",
+                          (32, 7168, 2048, 4096, 8, 1))):
+        times = [_moe_block_ms(*shape, halves=h, device="cuda") for h in (1, 2)]
+        lines.append(f"| {model} | {times[0]:.2f} | {times[1]:.2f} | {times[1] / times[0]:.2f}× |")
+    return lines
+
+
+def _moe_block_ms(experts: int, dim: int, ffn: int, tokens: int, k: int, shared: int,
+                  halves: int, device: str, timer=None) -> float:
+    """One MoE block's forward + backward (ms), its exchanges over the default group of one
+    rank, whole (``halves`` 1) or in two halves."""
+    import torch
+    import torch.distributed as dist
+
+    from trainmesh.kernels import kernel_set
+    from trainmesh.models.llama.model import FeedForward
+    from trainmesh.models.moe.moe import MoE, MoEArgs
+    from trainmesh.parallel.expert import AllToAllDispatch
+
+    class Loopback(AllToAllDispatch):  # the exchange path at ep 1 (which skips it)
+        def exchange(self, x_sorted, counts_HE, experts, beside=None):
+            return self._over_ep(x_sorted, counts_HE, experts, beside)
+
+    torch.manual_seed(0)
+    ops = kernel_set("torch")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    moe = MoE(dim, MoEArgs(experts=experts, top_k=k, expert_ffn_dim=ffn, aux_loss_coef=0.0,
+                           shared_experts=shared), ops,
+              FeedForward(dim, shared * ffn, ops) if shared else None).to(device, dtype)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.02)
+    moe.dispatch = Loopback(dist.group.WORLD, 1, experts, None)
+    moe.dispatch.halves = halves
+    x = torch.randn(1, tokens, dim, device=device, dtype=dtype, requires_grad=True)
+
+    def step() -> None:
+        x.grad = None
+        moe(x).sum().backward()
+    if timer is None:
+        from triton.testing import do_bench
+        return do_bench(step, warmup=3, rep=20, return_mode="median")
+    return timer(step)
 
 
 def moe_gemm() -> list[str]:
@@ -410,9 +479,10 @@ def mla_attention() -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--append", metavar="FILE", help="append the section to FILE (RESULTS.md)")
-    ap.add_argument("--parts", default="tests,lce,kernels,attention,moe,moe-float8,mla,memory",
+    ap.add_argument("--parts",
+                    default="tests,lce,kernels,attention,moe,moe-float8,moe-halves,mla,memory",
                     help="comma-separated subset of tests, lce, kernels, attention, moe, "
-                         "moe-float8, mla, memory, microbatch, microbatch-compile")
+                         "moe-float8, moe-halves, mla, memory, microbatch, microbatch-compile")
     args = ap.parse_args()
     import torch
 
@@ -438,6 +508,8 @@ def main() -> None:
                         memory_check),
              "moe": ("MoE experts: grouped GEMM vs the per-expert loop", moe_gemm),
              "moe-float8": ("MoE experts: float8 grouped GEMMs (torchao) vs bf16", moe_float8),
+             "moe-halves": ("An MoE block's exchanges whole or in two halves (one GPU)",
+                            moe_halves),
              "mla": ("Multi-head Latent Attention's attention: SDPA backends", mla_attention),
              "attention": ("Context parallel's attention block with its log-sum-exp",
                            attention_lse),

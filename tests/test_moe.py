@@ -125,8 +125,10 @@ def test_float8_experts_pad_each_experts_rows_once_and_stay_within_float8s_error
     assert ends == [32, 32, 64, 96] and bound % 32 == 0 and bound >= ends[-1]
     assert into.tolist() == [*range(0, 5), *range(32, 49), *range(64, 74)]
     assert float8_grouped_kind("cpu", None) == "mxfp8-emulated"
-    assert [float8_grouped_kind("cuda", c) for c in ((8, 9), (9, 0), (10, 0))] == [
-        None, "rowwise", "mxfp8"]
+    # Hopper's rowwise kernels; none before 9.0 or on consumer Blackwell (12.x); the data
+    # centre Blackwell's (10.x) only where torchao's SM100 kernels are installed (not here)
+    assert [float8_grouped_kind("cuda", c) for c in ((8, 9), (9, 0), (12, 0), (10, 0))] == [
+        None, "rowwise", None, None]
 
 
 def test_capacity_drops_the_lowest_weighted_assignments_and_counts_them():

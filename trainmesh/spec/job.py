@@ -384,8 +384,9 @@ class TrainingConfig(_Section):
         "per tensor (with ZeRO-3's all-gather in float8) or per row; needs a GPU of compute "
         "capability 8.9+ (H100); on CPU torchao's emulation (tests); not beside tensor "
         "parallel. MoE experts run torchao's float8 grouped GEMMs under either recipe: rowwise "
-        "scales on Hopper (9.0), MXFP8 on Blackwell (10.0+) and, emulated, on CPU; below 9.0 "
-        "they stay in the compute dtype")
+        "scales on Hopper (9.x), MXFP8 on B200/B300 (10.x, where torchao's SM100 kernels are "
+        "installed; not yet run) and, emulated, on CPU; elsewhere, or where their widths do "
+        "not divide by the kernels' tiles, they stay in the compute dtype")
 
 
 class InMemoryConfig(_Section):

@@ -184,22 +184,36 @@ def expert_swiglu(x: torch.Tensor, counts: list[int] | torch.Tensor, w1: torch.T
 
 
 # torchao's float8 grouped GEMMs for the experts (``training.float8``), by device: rowwise
-# scales on Hopper (H100, H200), MXFP8 (a scale per 32 values) on Blackwell, MXFP8 emulated
-# (float8 rounding, bf16 grouped GEMMs) on CPU; each needs every expert's rows to start at a
-# multiple of its alignment.
-FLOAT8_GROUPED = {"rowwise": 16, "mxfp8": 32, "mxfp8-emulated": 32}
+# scales on Hopper (H100, H200), MXFP8 (a scale per 32 values) on Blackwell (B200, B300),
+# MXFP8 emulated (float8 rounding, bf16 grouped GEMMs) on CPU; each needs every expert's rows
+# to start at a multiple of its alignment (Blackwell's kernels quantize in tiles of 128 rows).
+FLOAT8_GROUPED = {"rowwise": 16, "mxfp8": 128, "mxfp8-emulated": 32}
 
 
 def float8_grouped_kind(device_type: str, capability: tuple[int, int] | None) -> str | None:
     """The float8 grouped GEMM the experts run on this device (None: none runs there, the
-    experts stay in the compute dtype)."""
+    experts stay in the compute dtype): Hopper (9.x); Blackwell's data-centre parts (10.x)
+    where torchao's SM100 kernels and their CuTe DSL runtime are installed; not on ROCm."""
     if device_type != "cuda":
         return "mxfp8-emulated"
-    if capability is not None and capability >= (10, 0):
+    if capability is None or torch.version.hip is not None:
+        return None
+    if capability[0] == 10 and _sm100_kernels():
         return "mxfp8"
-    if capability is not None and capability >= (9, 0):
+    if capability[0] == 9:
         return "rowwise"
     return None
+
+
+def _sm100_kernels() -> bool:
+    """torchao's MXFP8 grouped GEMM kernels for Blackwell, and the CuTe DSL they run on."""
+    import importlib.util
+
+    try:
+        from torchao.prototype.moe_training.mxfp8_grouped_mm import _SM100_KERNELS_AVAILABLE
+    except ImportError:
+        return False
+    return bool(_SM100_KERNELS_AVAILABLE) and importlib.util.find_spec("cutlass") is not None
 
 
 def aligned_groups(counts: list[int] | torch.Tensor, rows: int, align: int,
@@ -223,8 +237,8 @@ def float8_expert_swiglu(x: torch.Tensor, counts: list[int] | torch.Tensor, w1: 
     padding they need is made once for the three: each expert's rows are placed from a
     multiple of the alignment (zeros between), the GEMMs run on that layout, and the rows are
     read back at the end; no host sync (the padded length is bounded by rows + experts ×
-    (alignment − 1), rounded to whole blocks). The emulation computes in bf16 (its grouped
-    GEMM's dtype)."""
+    (alignment − 1), rounded to whole blocks). It computes in bf16 (the float8 GEMMs'
+    output dtype) and returns ``x``'s dtype."""
     from torchao.prototype.moe_training.config import KernelPreference
     from torchao.prototype.moe_training.fp8_grouped_mm import (
         _to_fp8_rowwise_then_scaled_grouped_mm,
@@ -232,7 +246,7 @@ def float8_expert_swiglu(x: torch.Tensor, counts: list[int] | torch.Tensor, w1: 
     from torchao.prototype.moe_training.mxfp8_grouped_mm import _to_mxfp8_then_scaled_grouped_mm
 
     into, offs, bound = aligned_groups(counts, x.shape[0], FLOAT8_GROUPED[kind], x.device)
-    dtype = x.dtype if x.dtype == torch.bfloat16 or kind != "mxfp8-emulated" else torch.bfloat16
+    dtype = torch.bfloat16  # (the float8 GEMMs' output dtype; float32 weights cast per GEMM)
     xp = x.new_zeros((bound, x.shape[1]), dtype=dtype).index_copy(0, into, x.to(dtype))
 
     def gemm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
