@@ -252,6 +252,29 @@ def test_a_cost_split_that_does_not_fit_falls_back_to_the_even_split():
     assert split not in [p.candidate for p in result.plans]
 
 
+def test_the_multi_token_modules_ring_traffic_is_priced_on_the_rank_with_the_head():
+    """Under context parallel each multi-token module's block attends over the ring like the
+    model's: the rank holding the head (the last pipeline stage) pays for its blocks and the
+    modules'; without MTP, for its blocks alone."""
+    with_mtp = load_spec(None, ["model.preset=deepseek-v3-671b", "model.mtp.depth=1"]).model
+    without = _model("deepseek-v3-671b")  # 61 blocks
+    assert without.mtp is None
+
+    def ring(model, pp: int) -> float:
+        c = candidate.Candidate(1, pp, 8, 1, "1f1b", 1, 16, "none", False, True, "float32",
+                                8, cp=4)
+        return cost_model.cp_exposed(model, c, 65536, device_spec("h100"), 8, 2)
+
+    assert ring(with_mtp, 1) == pytest.approx(ring(without, 1) * 62 / 61)
+    # over 16 stages: the module's block counts on the last stage's rank, the longest ring if
+    # it then holds more than the fullest rank
+    c16 = candidate.Candidate(1, 16, 8, 1, "1f1b", 1, 16, "none", False, True, "float32", 8, cp=4)
+    held = max(cost_model.blocks_held(61, 16))
+    last = cost_model.blocks_held(61, 16)[-1]
+    assert cost_model.ring_blocks(with_mtp, c16) == max(held, last + 1)
+    assert cost_model.ring_blocks(without, c16) == held
+
+
 def test_explicit_infeasible_degrees_say_why():
     spec = load_spec(None, ["model.preset=70b", "parallelism.dp=8", "training.seq_len=4096",
                             "training.global_batch_size=64", "training.microbatch_size=8"])

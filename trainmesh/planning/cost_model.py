@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from trainmesh.models.llama.model_math import flops_per_token, stage_flops
+from trainmesh.models.llama.model_math import blocks_held, flops_per_token, stage_flops
 from trainmesh.planning.candidate import (
     CHUNKED,
     GIB,
@@ -50,7 +50,7 @@ from trainmesh.planning.candidate import (
 )
 from trainmesh.planning.devices import DeviceSpec
 from trainmesh.planning.memory_model import Fused, memory_bytes
-from trainmesh.planning.stage_params import memo, rank_params
+from trainmesh.planning.stage_params import holds_head, memo, rank_params
 
 MATMUL_EFFICIENCY = 0.55  # achievable fraction of peak for large bf16 matmuls
 PP_LATENCY_S = 20e-6  # per point-to-point message
@@ -172,7 +172,8 @@ def cp_exposed(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: 
     causal; backward twice that) except what exceeds it; backward sends the blocks' fp32
     gradients cp hops on, after each block (not hidden). All-gather: the keys and values
     gathered in forward and again in backward, their fp32 gradients reduce-scattered; not
-    hidden. Per layer and microbatch; full recomputation runs the forward's again. The ring is
+    hidden. Per layer and microbatch (the multi-token modules' blocks too, on the rank with
+    the head: ``ring_blocks``); full recomputation runs the forward's again. The ring is
     within a node when cp × tp fits one."""
     if c.cp == 1:
         return 0.0
@@ -192,7 +193,20 @@ def cp_exposed(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: 
         bwd = (c.cp - 1) * max(hop - 2 * attn_s, PP_LATENCY_S)
         grads = c.cp * (block * 4 / bw + PP_LATENCY_S)
         per_layer = forwards * fwd + bwd + grads
-    return per_layer * c.blocks(model) * c.num_microbatches
+    return per_layer * ring_blocks(model, c) * c.num_microbatches
+
+
+def ring_blocks(model, c: Candidate) -> int:
+    """The most blocks a rank runs over the context-parallel ring a microbatch: its pipeline
+    blocks, and on the rank with the head the multi-token modules' blocks too (each attends
+    over the ring as the model's do)."""
+    held = c.blocks(model)
+    depth = getattr(getattr(model, "mtp", None), "depth", 0) or 0
+    if not depth:
+        return held
+    split = blocks_held(model.n_layers, c.pp, c.vpp, c.stage_layers)
+    last = next(r for r in range(c.pp) if holds_head(c.schedule, c.pp, r))
+    return max(held, split[last] + depth)
 
 
 def moe_blocks(model) -> int:
