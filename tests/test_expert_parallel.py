@@ -341,16 +341,21 @@ def test_all_tokens_to_one_expert_finishes_and_matches(rank_pool, tmp_path, over
 
 
 @pytest.mark.timeout(300)
-def test_a_pipelined_multi_token_job_restores_on_one_stage_at_another_ep(rank_pool, tmp_path):
+@pytest.mark.parametrize("direction", ["pp2-to-pp1-ep2", "pp1-ep2-to-pp2"])
+def test_a_pipelined_multi_token_job_restores_on_one_stage_at_another_ep(rank_pool, tmp_path,
+                                                                         direction):
     """tiny-dsv3 with two prediction modules at pp 2 × dp 2 (the embedding held by both stages,
     written once: a checkpoint deduplicates equal shards) restores at pp 1 × dp 2 × ep 2 (one
-    embedding, the experts split): four losses and the final parameters (router biases and
+    embedding, the experts split), and the other way (the one embedding read into both stages'
+    copies, with its AdamW moments): four losses and the final parameters (router biases and
     prediction modules included) are the single process's."""
     from test_tensor_parallel import resumed_elsewhere
 
     args = [*BASE, "model.preset=tiny-dsv3", "model.mtp.depth=2", "model.moe.bias_update_rate=0.01",
             "training.steps=4", f"runtime.output_dir={tmp_path}"]
-    before = load_spec(None, [*args, "parallelism.pp=2", "parallelism.dp=2"])
-    after = load_spec(None, [*args, "parallelism.dp=2", "parallelism.ep=2"])
-    resumed_elsewhere(rank_pool, tmp_path, (before, ParallelDims(pp=2, dp=2)),
-                      (after, ParallelDims(dp=2, ep=2)))
+    piped = (load_spec(None, [*args, "parallelism.pp=2", "parallelism.dp=2"]),
+             ParallelDims(pp=2, dp=2))
+    flat = (load_spec(None, [*args, "parallelism.dp=2", "parallelism.ep=2"]),
+            ParallelDims(dp=2, ep=2))
+    first, then = (piped, flat) if direction == "pp2-to-pp1-ep2" else (flat, piped)
+    resumed_elsewhere(rank_pool, tmp_path, first, then)
