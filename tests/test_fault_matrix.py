@@ -200,7 +200,7 @@ def _no_spare(cluster):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("preset", ["tiny-moe", "tiny-dsv3"])
+@pytest.mark.parametrize("preset", ["tiny-moe", "tiny-dsv3", "tiny-dsv3+mtp2"])
 def test_a_node_lost_from_an_ep4_cp2_moe_job_replans_to_ep2_with_the_same_losses(cluster, tmp_path,
                                                                                  preset):
     """Expert and context parallel through a real node loss: an MoE job at dp 2 × cp 2 with
@@ -209,12 +209,16 @@ def test_a_node_lost_from_an_ep4_cp2_moe_job_replans_to_ep2_with_the_same_losses
     restore experts, their AdamW moments and the balancing bias from the survivors' memory
     (each expert now on another rank), and the job ends with the single process's losses.
     Mixtral's block (tiny-moe) and DeepSeek-V3's (tiny-dsv3: latent attention, group-limited
-    sigmoid routing, a shared expert, a dense block)."""
+    sigmoid routing, a shared expert, a dense block), and the latter with two multi-token
+    prediction modules (their blocks on each rank's part of the ring, their experts moved
+    with the model's)."""
     from servers import MEMORY_ARGS, assert_reference_losses, run_losing_nodes
 
+    preset, *extra = preset.split("+")
+    mtp = [f"model.mtp.depth={e[3:]}" for e in extra if e.startswith("mtp")]
     with _no_spare(cluster):  # the job must shrink
         s = run_losing_nodes(cluster, tmp_path, [
-            *MEMORY_ARGS, f"model.preset={preset}", "model.moe.balance=bias",
+            *MEMORY_ARGS, f"model.preset={preset}", *mtp, "model.moe.balance=bias",
             "model.moe.bias_update_rate=0.01", "parallelism.dp=2", "parallelism.cp=2",
             "parallelism.ep=4", "training.steps=4", "checkpoint.every=4", "elastic.max_world_size=4"],
             ["wait@rank=2,step=2,phase=forward", "wait@rank=3,step=2,phase=forward"])
