@@ -74,6 +74,11 @@ CASES = {  # largest meshes first: the rank pool then only shrinks
         "schedule.name=zb-h1", "model.moe.dense_layers=2", "model.moe.balance=bias",
         "model.moe.bias_update_rate=0.01"]),
     "pp2-ep2-dp2-aux-loss": (ParallelDims(pp=2, dp=2, ep=2), ["model.moe.aux_loss_coef=0.1"]),
+    # DualPipeV (the schedule built to hide MoE all-to-alls): two chunks a rank in a V,
+    # pairs of a forward and another microbatch's backward, the exchanges in halves too.
+    "pp2-ep2-dp2-dualpipev-overlap": (ParallelDims(pp=2, dp=2, ep=2), [
+        "schedule.name=dualpipev", "parallelism.vpp=2", "training.global_batch_size=16",
+        "parallelism.ep_overlap=true", "model.moe.aux_loss_coef=0.1"]),
     "ep4-dp4": (ParallelDims(dp=4, ep=4), []),
     # The exchanges overlapped (parallelism.ep_overlap): each microbatch's tokens in two halves,
     # one half's all-to-all in flight while the other's experts compute, forward and backward

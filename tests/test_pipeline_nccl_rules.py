@@ -25,7 +25,8 @@ from trainmesh.parallel.pipeline.schedules import build_schedule, pipe_shape
 from trainmesh.testing.nccl_rules import NcclRulesP2P
 
 PP, M, MB, DIM = 2, 4, 2, 8
-CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zbv", 2)]
+CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zbv", 2),
+         ("dualpipev", 2)]
 
 
 class _Last(nn.Module):

@@ -1,4 +1,4 @@
-"""Pipeline parallel (GPipe, 1F1B, interleaved 1F1B, zero-bubble ZB-H1 and ZBV) alone and
+"""Pipeline parallel (GPipe, 1F1B, interleaved 1F1B, zero-bubble ZB-H1 and ZBV, DualPipeV) alone and
 with TP and ZeRO-3, on real ranks over gloo under NCCL's point-to-point rules (the rank pool's
 the rank pool's ProbedRank), against the single-process model."""
 
@@ -51,6 +51,10 @@ CASES = {  # largest meshes first: the rank pool then only shrinks
                                                   "parallelism.vpp=2", "model.n_layers=8"]),
     "zb-h1-pp2-dp2": (ParallelDims(pp=2, dp=2), ["schedule.name=zb-h1", ZB_BATCH]),
     "zbv-pp2-dp2": (ParallelDims(pp=2, dp=2), ["schedule.name=zbv", "parallelism.vpp=2", ZB_BATCH]),
+    # DualPipeV: a V, forwards paired with other microbatches' whole backwards, the drain's
+    # backwards split (ZeRO-3 reducing after a stage's last B or W, whichever comes last)
+    "dualpipev-pp2-dp2": (ParallelDims(pp=2, dp=2), ["schedule.name=dualpipev",
+                                                     "parallelism.vpp=2", ZB_BATCH]),
     # Stages of unequal size: 5 blocks over 2 × 2 interleaved chunks (1, 2, 1, 1), and a pinned
     # split (1 and 3) beside ZeRO-3 (5 blocks over 2 stages, 3 and 2: the checkpoint test below)
     "pp2-vpp2-interleaved-5-blocks": (ParallelDims(pp=2), [

@@ -9,11 +9,13 @@ from trainmesh.parallel.pipeline.schedules import build_schedule, pipe_shape
 from trainmesh.parallel.pipeline.simulate import Costs, ScheduleError, simulate
 
 KINDS = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 1), ("interleaved-1f1b", 2),
-         ("interleaved-1f1b", 3), ("interleaved-1f1b", 4), ("zb-h1", 1), ("zbv", 2)]
+         ("interleaved-1f1b", 3), ("interleaved-1f1b", 4), ("zb-h1", 1), ("zbv", 2),
+         ("dualpipev", 2)]
 # Every schedule the generators make for pp ≤ 8, v ≤ 4, m ≤ 16 (interleaved with m not a
-# multiple of pp, where the groups differ in size: for pp ≤ 5).
+# multiple of pp, where the groups differ in size: for pp ≤ 5; DualPipeV from its 2·pp).
 SWEEP = [(k, pp, v, m) for k, v in KINDS for pp in range(1, 9) for m in range(1, 17)
-         if k != "interleaved-1f1b" or m % pp == 0 or (pp <= 5 and m >= pp)]
+         if (k != "interleaved-1f1b" or m % pp == 0 or (pp <= 5 and m >= pp))
+         and (k != "dualpipev" or m >= 2 * pp)]
 
 
 def test_every_schedule_runs_to_completion_and_cannot_deadlock_under_nccl_rules():
@@ -25,14 +27,18 @@ def test_every_schedule_runs_to_completion_and_cannot_deadlock_under_nccl_rules(
         sched = build_schedule(kind, pp, v, m)
         assert simulate(sched, pp * v, m, Costs(1.0, 2.0, 0.1), shape=shape).step_time > 0
         simulate(sched, pp * v, m, Costs(1.0, 2.0, 0.1), nccl=True, shape=shape)
-        ops = (Op.FORWARD, Op.BACKWARD_INPUT, Op.WEIGHT) if kind.startswith("zb") else (
-            Op.FORWARD, Op.BACKWARD)
         for rank, actions in enumerate(sched):
             assert {a.stage for a in actions} <= set(shape.stages_of(rank))
-            for op in ops:
-                done = sorted((a.stage, a.microbatch) for a in actions if a.op is op)
-                assert done == sorted((s, i) for s in shape.stages_of(rank) for i in range(m)), (
-                    kind, pp, v, m, rank, op)
+            mine = sorted((s, i) for s in shape.stages_of(rank) for i in range(m))
+            done = {op: sorted((a.stage, a.microbatch) for a in actions if a.op is op) for op in Op}
+            assert done[Op.FORWARD] == mine, (kind, pp, v, m, rank)
+            # each backward once: whole (B) or split (I, then its W); DualPipeV mixes them
+            assert sorted(done[Op.BACKWARD] + done[Op.BACKWARD_INPUT]) == mine, (kind, pp, v, m)
+            assert done[Op.WEIGHT] == done[Op.BACKWARD_INPUT], (kind, pp, v, m, rank)
+            if kind.startswith("zb"):
+                assert not done[Op.BACKWARD]
+            elif kind != "dualpipev":
+                assert not done[Op.BACKWARD_INPUT]
 
 
 def _placed_next_to_compute(shape: PipeShape, compute: list[list[Action]]) -> list[list[Action]]:
@@ -239,6 +245,47 @@ def test_schedule_figure_has_a_legend_for_every_kind_and_chunk_in_chunk_units():
     texts, boxes, _, _ = legend_and_axis("zb-h1", 4, 1, 8)
     assert texts[:3] == ["F forward", "I backward, input half", "W backward, weight half"]
     assert not [t for t in texts if t.startswith("chunk")] and "3W7" in boxes
+
+
+@pytest.mark.parametrize(("pp", "m"), [(2, 4), (3, 9), (4, 8), (4, 16), (8, 16)])
+def test_dualpipev_pairs_forwards_with_other_backwards_at_a_closed_form_bubble(pp, m):
+    """DualPipeV (torch's generator of DeepSeek's order, in this IR): two chunks a rank in a
+    V; its steady state pairs each forward with a backward of the rank's other chunk and
+    another microbatch (the pair whose all-to-alls hide behind each other's compute), the
+    drain's backwards split into I and W. Played with the pairs run one after the other (as
+    the executor runs them; F : B : W = 1 : 2 : 1), each rank idles (pp − 1) chunk forwards:
+    bubble (pp − 1) / (6m + pp − 1), no more than ZBV's, with 2·pp + 1 chunks in flight."""
+    shape = pipe_shape("dualpipev", pp, 2, m)
+    sched = build_schedule("dualpipev", pp, 2, m)
+    for rank, actions in enumerate(sched):
+        compute = [a for a in actions if a.op in (Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT,
+                                                  Op.WEIGHT)]
+        pairs = [(f, b) for f, b in zip(compute, compute[1:], strict=False)
+                 if f.op is Op.FORWARD and b.op is Op.BACKWARD and f.stage != b.stage
+                 and f.microbatch != b.microbatch]
+        assert len(pairs) >= 2 * (m - 2 * pp) + 1, (rank, grid(sched))
+        assert {s for f, b in pairs for s in (f.stage, b.stage)} == set(shape.stages_of(rank))
+        assert any(a.op is Op.WEIGHT for a in compute)  # the drain's split backwards
+    played = simulate(sched, 2 * pp, m, Costs(1 / 2, 1.0), shape=shape)
+    assert played.bubble_fraction == pytest.approx((pp - 1) / (6 * m + pp - 1))
+    zbv = simulate(build_schedule("zbv", pp, 2, m), 2 * pp, m, Costs(1 / 2, 1.0),
+                   shape=pipe_shape("zbv", pp, 2, m))
+    assert played.bubble_fraction <= zbv.bubble_fraction + 1e-9
+    assert played.peak_in_flight == [2 * pp + 1] * pp
+
+
+def test_dualpipev_in_the_schedule_cli(capsys, tmp_path):
+    from trainmesh.cli.main import main
+
+    png = tmp_path / "dualpipev.png"
+    assert main(["schedule", "--pp", "2", "--vpp", "2", "--microbatches", "4", "--schedule",
+                 "dualpipev", "--png", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "3W0" in out and "0B0" in out and "bubble 4.0%" in out  # 1 / (24 + 1)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["schedule", "--pp", "4", "--vpp", "2", "--microbatches", "6", "--schedule",
+                 "dualpipev"]) == 2
+    assert "--microbatches 8" in capsys.readouterr().err
 
 
 def test_zero_bubble_in_the_schedule_cli_shows_weight_actions(capsys, tmp_path):

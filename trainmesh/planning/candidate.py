@@ -11,12 +11,12 @@ from dataclasses import dataclass
 
 from trainmesh.models.llama.model_math import rank_blocks, stage_split
 from trainmesh.parallel.dims import replicates
-from trainmesh.parallel.pipeline.ir import PipeShape, splits_backward
+from trainmesh.parallel.pipeline.ir import PipeShape, splits_backward, v_shaped
 
 GIB = 1024**3
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev")
 AUTO_SCHEDULES = SCHEDULES[:3]  # what the planner weighs unasked; zero-bubble ones when named
-CHUNKED = ("interleaved-1f1b", "zbv")  # schedules that run vpp chunks per rank
+CHUNKED = ("interleaved-1f1b", "zbv", "dualpipev")  # schedules that run vpp chunks per rank
 RECOMPUTE = ("none", "selective", "full")  # selective: every recompute_stride-th block
 
 
@@ -112,7 +112,7 @@ def bubble_fraction(schedule: str, pp: int, vpp: int, m: int,
 
 def _rank_stages(schedule: str, pp: int, vpp: int) -> list[list[int]]:
     """Each rank's stages, as the schedule places them (``PipeShape.stages_of``)."""
-    shape = PipeShape(pp, vpp, 1, v_shape=schedule == "zbv")
+    shape = PipeShape(pp, vpp, 1, v_shape=v_shaped(schedule))
     return [shape.stages_of(r) for r in range(pp)]
 
 
@@ -173,7 +173,7 @@ def in_flight_chunks(schedule: str, pp: int, vpp: int, m: int, pp_rank: int) -> 
         return min(m, pp - pp_rank)
     if schedule == "zb-h1":  # rank r holds its W's back r microbatches: pp on every rank
         return min(m, pp)
-    if schedule == "zbv":
+    if v_shaped(schedule):
         return _played(schedule, pp, vpp, m)[1][pp_rank]
     # microbatches through a chunk at once: the first (largest) of interleaved 1F1B's groups
     # (``schedules.interleave_groups``: m // pp groups, sizes differing by at most one)

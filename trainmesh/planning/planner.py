@@ -289,7 +289,7 @@ def _inner(req: PlanRequest, tp: int, pp: int, max_dp: int,
             continue
         # The zero-bubble schedules are considered when named (schedule.name), not on their own.
         schedules = ("1f1b",) if pp == 1 else (
-            ("interleaved-1f1b", "zbv") if vpp == 2 else ("interleaved-1f1b",) if vpp > 1
+            ("interleaved-1f1b", "zbv", "dualpipev") if vpp == 2 else ("interleaved-1f1b",) if vpp > 1
             else ("gpipe", "1f1b", "zb-h1"))
         schedules = tuple(s for s in schedules if not splits_backward(s) or fixed.get("schedule") == s)
         for schedule in schedules:
@@ -378,7 +378,7 @@ def _stage_layers(req: PlanRequest, pp: int, vpp: int, schedule: str) -> tuple[i
     splits only)."""
     if "stage_layers" in req.fixed:
         return tuple(req.fixed["stage_layers"]) if pp > 1 else None
-    if pp == 1 or "pp" in req.fixed or schedule == "zbv":
+    if pp == 1 or "pp" in req.fixed or schedule in ("zbv", "dualpipev"):
         return None
     k = pp * vpp
     split = memo("cost_split", req.model, (req.seq_len, k),

@@ -345,9 +345,11 @@ class ActivationCheckpointConfig(_Section):
 class ScheduleConfig(_Section):
     """Pipeline schedule used when ``parallelism.pp > 1``."""
 
-    name: Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv"] = Field(
+    name: Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev"] = Field(
         "1f1b", description="zb-h1 / zbv: zero-bubble schedules (backward split into input and "
-        "weight gradients; zbv places parallelism.vpp=2 chunks per rank in a V)")
+        "weight gradients; zbv places parallelism.vpp=2 chunks per rank in a V); dualpipev: "
+        "DeepSeek's DualPipeV (vpp=2 chunks in a V, a forward paired with another microbatch's "
+        "backward, the drain's backwards split; at least 2·pp microbatches)")
 
 
 class OptimizerConfig(_Section):

@@ -31,7 +31,8 @@ from trainmesh.spec.problems import Problem
 # The byte tokenizer's vocabulary (``data/tokenizer.py``'s VOCAB_SIZE: 256 bytes + end of
 # document; data/ imports nothing, so the spec states it and a test keeps the two equal).
 BYTE_TOKENIZER_VOCAB = 257
-INTERLEAVED = ("interleaved-1f1b", "zbv")  # the schedules that run vpp > 1 chunks per stage
+INTERLEAVED = ("interleaved-1f1b", "zbv", "dualpipev")  # schedules running vpp > 1 chunks a rank
+V_SHAPED = ("zbv", "dualpipev")  # ... two of them in a V (stages r and 2·pp−1−r on rank r)
 
 
 class LayoutLike(Protocol):
@@ -123,17 +124,18 @@ def layout_problems(work: Workload, lay: LayoutLike, runnable: bool = True) -> l
     if lay.vpp > 1 and lay.schedule not in INTERLEAVED:
         out.append(Problem("schedule.name", f"{lay.schedule} runs one model chunk per stage but "
                            f"parallelism.vpp={lay.vpp}", "use schedule.name=interleaved-1f1b (the "
-                           "default when vpp > 1) or zbv, or set vpp=1"))
-    if lay.schedule == "zbv" and lay.pp > 1 and lay.vpp != 2:
-        out.append(Problem("parallelism.vpp", f"zbv places two chunks per rank in a V, but "
+                           "default when vpp > 1), zbv or dualpipev, or set vpp=1"))
+    v = lay.schedule
+    if v in V_SHAPED and lay.pp > 1 and lay.vpp != 2:
+        out.append(Problem("parallelism.vpp", f"{v} places two chunks per rank in a V, but "
                            f"parallelism.vpp={lay.vpp}", "set parallelism.vpp=2"))
-    if lay.schedule == "zbv" and lay.pp > 1 and len(set(lay.stage_layers or [0])) > 1:
-        out.append(Problem("parallelism.stage_layers", f"zbv with stages of unequal size "
+    if v in V_SHAPED and lay.pp > 1 and len(set(lay.stage_layers or [0])) > 1:
+        out.append(Problem("parallelism.stage_layers", f"{v} with stages of unequal size "
                            f"({list(lay.stage_layers)}) is not built: its V places stages r and "
                            "2·pp−1−r on rank r", "give every stage the same count, or use "
                            "another schedule", DIVISIBILITY))
-    elif lay.schedule == "zbv" and lay.pp > 1 and m.n_layers % (lay.pp * lay.vpp):
-        out.append(Problem("parallelism.pp", f"zbv with stages of unequal size (n_layers="
+    elif v in V_SHAPED and lay.pp > 1 and m.n_layers % (lay.pp * lay.vpp):
+        out.append(Problem("parallelism.pp", f"{v} with stages of unequal size (n_layers="
                            f"{m.n_layers} over pp × vpp = {lay.pp}×{lay.vpp}) is not built: its V "
                            "places stages r and 2·pp−1−r on rank r", "choose pp × vpp dividing "
                            "model.n_layers, or another schedule", DIVISIBILITY))
@@ -153,8 +155,8 @@ def layout_problems(work: Workload, lay: LayoutLike, runnable: bool = True) -> l
                                    "exchange does not take", "set model.moe.capacity_factor="
                                    "null (dropless), parallelism.tp=1 and parallelism.cp=1, "
                                    "or model.mtp=null"))
-            if lay.schedule == "zbv" and lay.pp > 1:
-                out.append(Problem("schedule.name", "zbv beside model.mtp: its V puts the last "
+            if v in V_SHAPED and lay.pp > 1:
+                out.append(Problem("schedule.name", f"{v} beside model.mtp: its V puts the last "
                                    "stage, which holds the prediction modules, on the first "
                                    "stage's rank, which is not built", "use schedule.name="
                                    "interleaved-1f1b or 1f1b, or model.mtp=null"))

@@ -65,7 +65,7 @@ def rank_model(model_args, pp_rank: int, pp: int, vpp: int,
                          "to false when parallelism.pp > 1")
     if model_args.mtp is not None and pp > 1 and 0 in stages and num_stages - 1 in stages:
         raise ValueError("model.mtp beside a schedule that puts the first and the last stage on "
-                         "one rank (zbv) is not built; use schedule.name=1f1b or "
+                         "one rank (zbv, dualpipev) is not built; use schedule.name=1f1b or "
                          "interleaved-1f1b")
     model = Llama(model_args, layer_ids=ids, has_embedding=0 in stages,
                   has_head=num_stages - 1 in stages)

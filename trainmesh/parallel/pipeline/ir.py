@@ -2,7 +2,7 @@
 
 The model is cut into ``S = pp × v`` *stages* (virtual stages); stage ``s`` lives on rank
 ``s % pp`` as its chunk ``s // pp`` (round-robin, Megatron's interleaving), or, for the V-shaped
-zero-bubble schedule, on rank ``s`` going down and ``2pp - 1 - s`` coming back. An action names
+schedules (ZBV, DualPipeV), on rank ``s`` going down and ``2pp - 1 - s`` coming back. An action names
 an op, a stage, a microbatch and the phase of the schedule it belongs to. Sends and receives
 are derived from the compute order by ``lower`` (below). The simulator (``simulate.py``) checks
 any such list, and the executor runs exactly the same list.
@@ -37,11 +37,17 @@ class ScheduleKind(str, Enum):
     INTERLEAVED_1F1B = "interleaved-1f1b"
     ZB_H1 = "zb-h1"
     ZBV = "zbv"
+    DUALPIPEV = "dualpipev"
 
 
 def splits_backward(kind: ScheduleKind | str) -> bool:
-    """Whether ``kind`` splits each backward into I and W."""
-    return ScheduleKind(kind) in (ScheduleKind.ZB_H1, ScheduleKind.ZBV)
+    """Whether ``kind`` splits backwards into I and W (DualPipeV: some of them)."""
+    return ScheduleKind(kind) in (ScheduleKind.ZB_H1, ScheduleKind.ZBV, ScheduleKind.DUALPIPEV)
+
+
+def v_shaped(kind: ScheduleKind | str) -> bool:
+    """Whether ``kind`` places its two chunks a rank in a V (the last stage on rank 0)."""
+    return ScheduleKind(kind) in (ScheduleKind.ZBV, ScheduleKind.DUALPIPEV)
 
 
 COMPUTE = (Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.WEIGHT)
@@ -64,7 +70,7 @@ class PipeShape:
     pp: int
     vpp: int
     microbatches: int
-    v_shape: bool = False  # two chunks per rank placed in a V (ZBV) instead of round-robin
+    v_shape: bool = False  # two chunks per rank placed in a V (ZBV, DualPipeV), not round-robin
 
     @property
     def num_stages(self) -> int:

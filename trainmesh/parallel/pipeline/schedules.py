@@ -10,14 +10,16 @@ from trainmesh.parallel.pipeline.ir import (
     Schedule,
     ScheduleKind,
     lower,
+    v_shaped,
 )
 
 
 def pipe_shape(kind: ScheduleKind | str, pp: int, vpp: int, microbatches: int) -> PipeShape:
-    """Where ``kind`` puts the stages: ZBV two per rank in a V, the others round-robin."""
+    """Where ``kind`` puts the stages: ZBV and DualPipeV two per rank in a V, the others
+    round-robin."""
     kind = ScheduleKind(kind)
     check(kind, pp, vpp, microbatches)
-    return PipeShape(pp, vpp, microbatches, v_shape=kind is ScheduleKind.ZBV)
+    return PipeShape(pp, vpp, microbatches, v_shape=v_shaped(kind))
 
 
 def build_schedule(kind: ScheduleKind | str, pp: int, vpp: int, microbatches: int) -> Schedule:
@@ -26,6 +28,8 @@ def build_schedule(kind: ScheduleKind | str, pp: int, vpp: int, microbatches: in
     shape = pipe_shape(kind, pp, vpp, microbatches)
     if kind is ScheduleKind.ZBV:  # 1F1B's peak, in half-size chunks: 2·pp of them
         return lower(shape, zero_bubble(shape, limit=2 * pp))
+    if kind is ScheduleKind.DUALPIPEV:
+        return lower(shape, [_phases(actions) for actions in dualpipev(shape)])
     gen = {ScheduleKind.GPIPE: _gpipe, ScheduleKind.ONE_F_ONE_B: _one_f_one_b,
            ScheduleKind.INTERLEAVED_1F1B: _interleaved, ScheduleKind.ZB_H1: _zb_h1}[kind]
     return lower(shape, [gen(shape, r) for r in range(pp)])
@@ -54,13 +58,16 @@ def check(kind: ScheduleKind, pp: int, vpp: int, m: int) -> None:
         if m < pp:
             raise ScheduleMisfit(f"interleaved 1F1B needs at least pp={pp} microbatches, not {m}",
                                  {"microbatches": pp})
-    elif kind is ScheduleKind.ZBV:
+    elif v_shaped(kind):
         if vpp != 2:
-            raise ScheduleMisfit(f"zbv places two chunks per rank in a V (vpp=2), not vpp={vpp}",
-                                 {"vpp": 2})
+            raise ScheduleMisfit(f"{kind.value} places two chunks per rank in a V (vpp=2), not "
+                                 f"vpp={vpp}", {"vpp": 2})
+        if kind is ScheduleKind.DUALPIPEV and m < 2 * pp:
+            raise ScheduleMisfit(f"dualpipev needs at least as many microbatches as stages "
+                                 f"(2·pp = {2 * pp}), not {m}", {"microbatches": 2 * pp})
     elif vpp != 1:
         raise ScheduleMisfit(f"schedule {kind.value} has one chunk per rank (vpp={vpp}); use "
-                             "interleaved-1f1b or zbv for vpp > 1", {"vpp": 1})
+                             "interleaved-1f1b, zbv or dualpipev for vpp > 1", {"vpp": 1})
 
 
 def zero_bubble(shape: PipeShape, limit: int) -> list[list[Action]]:
@@ -131,6 +138,29 @@ def zero_bubble(shape: PipeShape, limit: int) -> list[list[Action]]:
             out[r].append(Action(Op.FORWARD if op == "F" else Op.BACKWARD_INPUT, s, i))
         clock[r] = start + 1.0
     return [_phases(actions) for actions in out]
+
+
+def dualpipev(shape: PipeShape) -> list[list[Action]]:
+    """DeepSeek's DualPipeV (the V-shaped half of DualPipe): two chunks a rank in a V; after
+    the warm-up each rank runs pairs, the forward of one chunk's microbatch beside the full
+    backward of the other chunk's (where one's all-to-all can hide behind the other's
+    compute), and splits the last backwards into I and W to fill the drain. The compute
+    orders are torch.distributed.pipelining's (``ScheduleDualPipeV``, built from DeepSeek's
+    code), each pair as its forward then its backward, which is how this executor runs them."""
+    from torch.distributed.pipelining.schedules import OVERLAP_F_B, ScheduleDualPipeV
+
+    generator = object.__new__(ScheduleDualPipeV)  # its order alone: no stages, no groups
+    generator.pp_group_size, generator._n_microbatches = shape.pp, shape.microbatches
+    ops = {"F": Op.FORWARD, "B": Op.BACKWARD, "I": Op.BACKWARD_INPUT, "W": Op.WEIGHT}
+    out = []
+    for rank in range(shape.pp):
+        actions = []
+        for a in generator._calculate_single_rank_operations(rank):
+            for sub in (a.sub_actions if a.computation_type == OVERLAP_F_B else (a,)):
+                actions.append(Action(ops[sub.computation_type.value], sub.stage_index,
+                                      sub.microbatch_index))
+        out.append(actions)
+    return out
 
 
 def _phases(actions: list[Action]) -> list[Action]:

@@ -190,9 +190,13 @@ def _compute_ready(a: Action, done, shape: PipeShape, nccl: bool, arrived) -> fl
 
 
 def _check_complete(done, num_stages: int, microbatches: int) -> None:
-    split = any(op is Op.BACKWARD_INPUT for op, _, _ in done)
-    ops = (Op.FORWARD, Op.BACKWARD_INPUT, Op.WEIGHT) if split else (Op.FORWARD, Op.BACKWARD)
-    missing = [f"{s}{op.value}{m}" for op in ops for s in range(num_stages)
-               for m in range(microbatches) if (op, s, m) not in done]
+    """Every stage's forward of every microbatch ran, and its backward: whole (B), or split
+    (I and W) — a schedule may mix the two (DualPipeV splits only its drain's)."""
+    missing = []
+    for s in range(num_stages):
+        for m in range(microbatches):
+            split = (Op.BACKWARD_INPUT, s, m) in done or (Op.WEIGHT, s, m) in done
+            ops = (Op.FORWARD, Op.BACKWARD_INPUT, Op.WEIGHT) if split else (Op.FORWARD, Op.BACKWARD)
+            missing += [f"{s}{op.value}{m}" for op in ops if (op, s, m) not in done]
     if missing:
         raise ScheduleError(f"unmet: {len(missing)} actions never run, e.g. {missing[:6]}")
