@@ -227,54 +227,6 @@ def test_a_chosen_pipeline_is_split_by_its_stages_cost():
     assert kept.pp > 1 and kept.stage_layers is None
 
 
-def test_a_cost_split_that_does_not_fit_falls_back_to_the_even_split():
-    """The cost split can put a block more on an early stage, whose rank holds the most
-    activations: where that exceeds the device and the even split does not, the plan runs the
-    even split (not rejected)."""
-    from trainmesh.planning.memory_model import memory_bytes, uses_fused_kernels
-
-    spec = load_spec("jobs/llama-70b.yaml", ["parallelism=auto"])
-    req = request_for(spec)
-    h200 = device_spec("h200")
-    fused = uses_fused_kernels(req.kernels, "h200", req.compiled)
-
-    def gib(c):
-        return memory_bytes(req.model, c, req.seq_len, req.compute_bytes,
-                            h200.framework_gib * 1024**3, fused) / 1024**3
-
-    roomy = plan(req, Topology.uniform(128, 8, h200))
-    split = next(p.candidate for p in roomy.plans if p.candidate.stage_layers is not None
-                 and gib(p.candidate) > 1.01 * gib(dataclasses.replace(p.candidate, stage_layers=None)))
-    even = dataclasses.replace(split, stage_layers=None)
-    between = (gib(split) + gib(even)) / 2 / MEMORY_HEADROOM  # the even split fits, not the cost's
-    result = plan(req, Topology.uniform(128, 8, dataclasses.replace(h200, memory_gib=between)))
-    assert even in [p.candidate for p in result.plans]
-    assert split not in [p.candidate for p in result.plans]
-
-
-def test_the_multi_token_modules_ring_traffic_is_priced_on_the_rank_with_the_head():
-    """Under context parallel each multi-token module's block attends over the ring like the
-    model's: the rank holding the head (the last pipeline stage) pays for its blocks and the
-    modules'; without MTP, for its blocks alone."""
-    with_mtp = load_spec(None, ["model.preset=deepseek-v3-671b", "model.mtp.depth=1"]).model
-    without = _model("deepseek-v3-671b")  # 61 blocks
-    assert without.mtp is None
-
-    def ring(model, pp: int) -> float:
-        c = candidate.Candidate(1, pp, 8, 1, "1f1b", 1, 16, "none", False, True, "float32",
-                                8, cp=4)
-        return cost_model.cp_exposed(model, c, 65536, device_spec("h100"), 8, 2)
-
-    assert ring(with_mtp, 1) == pytest.approx(ring(without, 1) * 62 / 61)
-    # over 16 stages: the module's block counts on the last stage's rank, the longest ring if
-    # it then holds more than the fullest rank
-    c16 = candidate.Candidate(1, 16, 8, 1, "1f1b", 1, 16, "none", False, True, "float32", 8, cp=4)
-    held = max(cost_model.blocks_held(61, 16))
-    last = cost_model.blocks_held(61, 16)[-1]
-    assert cost_model.ring_blocks(with_mtp, c16) == max(held, last + 1)
-    assert cost_model.ring_blocks(without, c16) == held
-
-
 def test_explicit_infeasible_degrees_say_why():
     spec = load_spec(None, ["model.preset=70b", "parallelism.dp=8", "training.seq_len=4096",
                             "training.global_batch_size=64", "training.microbatch_size=8"])

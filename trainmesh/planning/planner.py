@@ -427,13 +427,6 @@ def _plan(req: PlanRequest, topo: Topology, long: bool | None) -> PlanResult:
     # the capacity, whatever ep) do not change. So once one does not fit, the smaller ones
     # are rejected by its bytes, a bound (``too_big``: the layout without ep → those bytes).
     too_big: dict[tuple, float] = {}  # (_without_ep)
-
-    def problems(c: Candidate) -> list[Problem]:
-        layout = (c.tp, c.pp, c.dp, c.cp, c.ep, c.vpp, c.dp_replicate, c.schedule,
-                  c.sequence_parallel, c.microbatch_size, c.stage_layers)
-        if layout not in checked:
-            checked[layout] = layout_problems(work, c)
-        return checked[layout]
     for c in candidates(req, topo, long):
         if isinstance(c, Rejection):
             rejected.append(c)
@@ -447,25 +440,19 @@ def _plan(req: PlanRequest, topo: Topology, long: bool | None) -> PlanResult:
             continue
         # The spec's own rules, so that what is planned can be pinned: once per layout (the
         # candidates of one differ in recomputation, ZeRO-3 policy and cp mode only)
-        broken = problems(c)
+        layout = (c.tp, c.pp, c.dp, c.cp, c.ep, c.vpp, c.dp_replicate, c.schedule,
+                  c.sequence_parallel, c.microbatch_size, c.stage_layers)
+        if layout not in checked:
+            checked[layout] = layout_problems(work, c)
+        broken = checked[layout]
         if broken:
             rejected.append(Rejection(c, f"{broken[0].kind or 'spec'}: {broken[0]}"))
             continue
         mem = memory_bytes(req.model, c, req.seq_len, req.compute_bytes,
                            topo.device.framework_gib * 1024**3, fused)
-        least = mem
-        if mem > limit and c.stage_layers is not None and "stage_layers" not in req.fixed:
-            # Split by cost (the planner's), the first stage may hold more than at the even
-            # split: where that does not fit, the even split may
-            even = dataclasses.replace(c, stage_layers=None)
-            least = min(mem, memory_bytes(req.model, even, req.seq_len, req.compute_bytes,
-                                          topo.device.framework_gib * 1024**3, fused))
-            if least <= limit and not problems(even):
-                c, mem = even, least
         if mem > limit:
             if without_ep is not None:
-                # (the lesser split's bytes where neither fits: a smaller ep tries both)
-                too_big[without_ep] = least if least > limit else mem
+                too_big[without_ep] = mem
             need, have = gib_apart(mem, limit)
             rejected.append(Rejection(c, f"memory: {need} GiB per rank exceeds "
                                          f"{have} GiB ({MEMORY_HEADROOM:.0%} of "
