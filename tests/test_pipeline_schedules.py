@@ -288,6 +288,38 @@ def test_dualpipev_in_the_schedule_cli(capsys, tmp_path):
     assert "--microbatches 8" in capsys.readouterr().err
 
 
+def test_dualpipev_with_fewer_microbatches_a_replica_than_stages_is_refused_not_planned():
+    """A spec (or a plan) whose replicas each get fewer than 2·pp microbatches under dualpipev
+    is refused naming training.global_batch_size and the batch that would run: by the spec's
+    rules, so that the planner rejects such a layout instead of failing to build it."""
+    import dataclasses
+
+    from trainmesh.cli.loading import load_spec
+    from trainmesh.planning.job_plan import plan_job, request_for
+    from trainmesh.planning.planner import plan
+    from trainmesh.planning.topology import Topology
+    from trainmesh.spec.problems import SpecError
+    from trainmesh.spec.validate import Layout, Workload, layout_problems
+
+    args = ["model.preset=tiny", "parallelism.pp=2", "parallelism.vpp=2",
+            "schedule.name=dualpipev", "training.global_batch_size=8",
+            "training.microbatch_size=1", "runtime.device=cpu"]
+    fits = load_spec(None, [*args, "parallelism.dp=2"])  # 4 microbatches a replica: 2·pp
+    assert not layout_problems(Workload.of(fits), Layout.pinned(fits))
+    [problem] = layout_problems(Workload.of(fits), dataclasses.replace(Layout.pinned(fits), dp=4))
+    assert problem.path == "training.global_batch_size" and "16 or more" in problem.fix
+    with pytest.raises(SpecError, match="training.global_batch_size"):
+        load_spec(None, [*args, "parallelism.dp=4"])  # 2 a replica
+    dims, _ = plan_job(fits, Topology.uniform(1, 8, "cpu"))
+    assert (dims.pp, dims.dp) == (2, 2)
+    # with dp left to it (a re-plan), the planner rejects dp 4 for it rather than failing
+    req = request_for(fits)
+    free = dataclasses.replace(req, fixed={k: v for k, v in req.fixed.items() if k != "dp"})
+    result = plan(free, Topology.uniform(1, 8, "cpu"))
+    assert {p.candidate.dp for p in result.plans} == {1, 2}
+    assert any("dualpipev needs at least" in r.reason for r in result.rejected)
+
+
 def test_zero_bubble_in_the_schedule_cli_shows_weight_actions(capsys, tmp_path):
     from trainmesh.cli.main import main
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from trainmesh.models.llama.model_math import cost_split, stage_split
 from trainmesh.parallel.dims import replicates
-from trainmesh.parallel.pipeline.ir import splits_backward
+from trainmesh.parallel.pipeline.ir import splits_backward, v_shaped
 from trainmesh.planning.candidate import RECOMPUTE, SCHEDULES, Candidate, has_moe_blocks
 from trainmesh.planning.cost_model import Estimate, estimate
 from trainmesh.planning.devices import DeviceSpec
@@ -378,7 +378,7 @@ def _stage_layers(req: PlanRequest, pp: int, vpp: int, schedule: str) -> tuple[i
     splits only)."""
     if "stage_layers" in req.fixed:
         return tuple(req.fixed["stage_layers"]) if pp > 1 else None
-    if pp == 1 or "pp" in req.fixed or schedule in ("zbv", "dualpipev"):
+    if pp == 1 or "pp" in req.fixed or v_shaped(schedule):
         return None
     k = pp * vpp
     split = memo("cost_split", req.model, (req.seq_len, k),

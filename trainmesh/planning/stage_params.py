@@ -16,14 +16,13 @@ from trainmesh.models.llama.model_math import (
     mlp_params,
     stage_split,
 )
-
-V_SHAPED = ("zbv", "dualpipev")  # schedules placing two chunks a rank in a V
+from trainmesh.parallel.pipeline.ir import v_shaped
 
 
 def holds_head(schedule: str, pp: int, pp_rank: int) -> bool:
     """Whether pipeline rank ``pp_rank`` holds the last stage (norm, head, loss): the last
     rank, or the first for a V (ZBV, DualPipeV)."""
-    return pp_rank == (0 if schedule in V_SHAPED and pp > 1 else pp - 1)
+    return pp_rank == (0 if v_shaped(schedule) and pp > 1 else pp - 1)
 
 
 @dataclass(frozen=True)

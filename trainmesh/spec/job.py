@@ -349,7 +349,8 @@ class ScheduleConfig(_Section):
         "1f1b", description="zb-h1 / zbv: zero-bubble schedules (backward split into input and "
         "weight gradients; zbv places parallelism.vpp=2 chunks per rank in a V); dualpipev: "
         "DeepSeek's DualPipeV (vpp=2 chunks in a V, a forward paired with another microbatch's "
-        "backward, the drain's backwards split; at least 2·pp microbatches)")
+        "backward, the drain's backwards split; at least 2·pp microbatches per data-parallel "
+        "replica)")
 
 
 class OptimizerConfig(_Section):

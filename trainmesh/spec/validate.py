@@ -22,6 +22,7 @@ from trainmesh.spec.mesh_rules import (
     cp_problems,
     dp_problems,
     hsdp_problems,
+    microbatches_per_replica,
     runnable_problems,
     shape_problems,
     stage_layers_problems,
@@ -139,6 +140,17 @@ def layout_problems(work: Workload, lay: LayoutLike, runnable: bool = True) -> l
                            f"{m.n_layers} over pp × vpp = {lay.pp}×{lay.vpp}) is not built: its V "
                            "places stages r and 2·pp−1−r on rank r", "choose pp × vpp dividing "
                            "model.n_layers, or another schedule", DIVISIBILITY))
+    if (v == "dualpipev" and lay.pp > 1 and not work.global_batch_size % lay.microbatch_size
+            and lay.dp <= work.global_batch_size // lay.microbatch_size):
+        share = microbatches_per_replica(work.global_batch_size, lay.microbatch_size, lay.dp)
+        if share < 2 * lay.pp:
+            need = 2 * lay.pp * lay.microbatch_size * lay.dp
+            out.append(Problem("training.global_batch_size", f"dualpipev needs at least as many "
+                               f"microbatches per data-parallel replica as stages (2·pp = "
+                               f"{2 * lay.pp}), but {work.global_batch_size} / microbatch_size "
+                               f"{lay.microbatch_size} over dp={lay.dp} gives {share}",
+                               f"raise it to {need} or more, lower training.microbatch_size or "
+                               "parallelism.dp, or use another schedule", DIVISIBILITY))
     if runnable:
         out += runnable_problems(m, lay.tp, lay.pp, lay.sequence_parallel)
         if getattr(m, "mtp", None) is not None:

@@ -12,7 +12,8 @@ A split backward (zero-bubble schedules) runs I — input gradients only, with t
 ``stage_backward_weight``; on the first stage, which has no input gradient to send, I does
 nothing and W runs the whole backward, as torch.distributed.pipelining does. Gradients
 accumulate across microbatches; a ZeRO-3 stage reduces its gradients as its ``ZeroPolicy``
-says, and under a split backward once, after the stage's last W.
+says, and under a split backward once, after the stage's last W (DualPipeV, whose drain
+alone is split: its last B or W, whichever comes last).
 
 Each action is timed: host clocks on CPU, CUDA events on GPUs (resolved after the step, so the
 timeline shows when the GPU ran each action, not when it was launched).

@@ -147,20 +147,44 @@ def dualpipev(shape: PipeShape) -> list[list[Action]]:
     compute), and splits the last backwards into I and W to fill the drain. The compute
     orders are torch.distributed.pipelining's (``ScheduleDualPipeV``, built from DeepSeek's
     code), each pair as its forward then its backward, which is how this executor runs them."""
-    from torch.distributed.pipelining.schedules import OVERLAP_F_B, ScheduleDualPipeV
+    import torch
 
-    generator = object.__new__(ScheduleDualPipeV)  # its order alone: no stages, no groups
-    generator.pp_group_size, generator._n_microbatches = shape.pp, shape.microbatches
     ops = {"F": Op.FORWARD, "B": Op.BACKWARD, "I": Op.BACKWARD_INPUT, "W": Op.WEIGHT}
     out = []
-    for rank in range(shape.pp):
-        actions = []
-        for a in generator._calculate_single_rank_operations(rank):
-            for sub in (a.sub_actions if a.computation_type == OVERLAP_F_B else (a,)):
-                actions.append(Action(ops[sub.computation_type.value], sub.stage_index,
-                                      sub.microbatch_index))
-        out.append(actions)
+    try:  # (the generator is torch's own method, read without a runtime: its stages, groups)
+        from torch.distributed.pipelining.schedules import OVERLAP_F_B, ScheduleDualPipeV
+
+        generator = object.__new__(ScheduleDualPipeV)
+        generator.pp_group_size, generator._n_microbatches = shape.pp, shape.microbatches
+        for rank in range(shape.pp):
+            actions = []
+            for a in generator._calculate_single_rank_operations(rank):
+                if a is None:
+                    continue
+                for sub in (a.sub_actions if a.computation_type == OVERLAP_F_B else (a,)):
+                    actions.append(Action(ops[sub.computation_type.value], sub.stage_index,
+                                          sub.microbatch_index))
+            out.append(actions)
+    except (ImportError, AttributeError, KeyError, TypeError) as err:
+        raise RuntimeError(f"dualpipev's order comes from torch.distributed.pipelining's "
+                           f"ScheduleDualPipeV, which torch {torch.__version__} does not give as "
+                           f"torch 2.13 does ({type(err).__name__}: {err}); pin torch 2.13 or "
+                           "use schedule.name=zbv") from err
+    _check_each_once(shape, out)
     return out
+
+
+def _check_each_once(shape: PipeShape, compute: list[list[Action]]) -> None:
+    """Each rank runs its stages' forward of every microbatch once and its backward once:
+    whole (B), or split (I, then its W)."""
+    for rank, actions in enumerate(compute):
+        mine = {(s, i) for s in shape.stages_of(rank) for i in range(shape.microbatches)}
+        seen = {op: [(a.stage, a.microbatch) for a in actions if a.op is op] for op in Op}
+        backs = seen[Op.BACKWARD] + seen[Op.BACKWARD_INPUT]
+        if (sorted(seen[Op.FORWARD]) != sorted(mine) or sorted(backs) != sorted(mine)
+                or sorted(seen[Op.WEIGHT]) != sorted(seen[Op.BACKWARD_INPUT])):
+            raise RuntimeError(f"a generated schedule does not run rank {rank}'s stages' "
+                               "forward and backward once for every microbatch")
 
 
 def _phases(actions: list[Action]) -> list[Action]:

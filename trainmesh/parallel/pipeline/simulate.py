@@ -196,6 +196,9 @@ def _check_complete(done, num_stages: int, microbatches: int) -> None:
     for s in range(num_stages):
         for m in range(microbatches):
             split = (Op.BACKWARD_INPUT, s, m) in done or (Op.WEIGHT, s, m) in done
+            if split and (Op.BACKWARD, s, m) in done:
+                raise ScheduleError(f"stage {s}'s backward of microbatch {m} runs both whole "
+                                    "and split")
             ops = (Op.FORWARD, Op.BACKWARD_INPUT, Op.WEIGHT) if split else (Op.FORWARD, Op.BACKWARD)
             missing += [f"{s}{op.value}{m}" for op in ops if (op, s, m) not in done]
     if missing:
