@@ -227,6 +227,44 @@ def test_a_chosen_pipeline_is_split_by_its_stages_cost():
     assert kept.pp > 1 and kept.stage_layers is None
 
 
+def test_a_candidate_over_memory_is_rejected_at_its_first_rank_over_and_reported_exactly():
+    """The search stops pricing a candidate's ranks at the first over the device
+    (``memory_over``): its rejection holds that rank's bytes as a bound and makes its text —
+    the heaviest rank's bytes, as pricing every rank gives — when read; the summary's closest
+    candidate for memory is the one whose heaviest rank holds least, as if all were priced."""
+    from trainmesh.planning.memory_model import memory_bytes, memory_over, uses_fused_kernels
+    from trainmesh.planning.planner import _closest_for_memory, gib_apart, summarize_rejections
+
+    spec = load_spec(None, ["model.preset=70b", "parallelism=auto", "training.seq_len=8192",
+                            "training.global_batch_size=512"])
+    req, topo = request_for(spec), Topology.uniform(8, 8, "h100")
+    result = plan(req, topo)
+    limit = topo.device.memory_gib * MEMORY_HEADROOM * 1024**3
+    framework = topo.device.framework_gib * 1024**3
+    fused = uses_fused_kernels(req.kernels, "h100", req.compiled)
+    over = [r for r in result.rejected if r.at_least > 0]
+    assert len(over) > 100
+    exact = {}
+    for r in over:
+        full = memory_bytes(req.model, r.candidate, req.seq_len, req.compute_bytes, framework,
+                            fused)
+        assert full >= r.at_least > limit
+        assert memory_over(req.model, r.candidate, req.seq_len, req.compute_bytes, framework,
+                           fused, limit) == (r.at_least, True)
+        assert r.reason.startswith(f"memory: {gib_apart(full, limit)[0]} GiB per rank exceeds"), r.reason
+        exact[id(r)] = full
+    memory = [r for r in result.rejected if r.reason.startswith("memory")]
+    closest = _closest_for_memory(memory)
+    assert exact.get(id(closest), float(closest.reason.split()[1]) * 1024**3) <= min(
+        exact.values()) + 0.01 * 1024**3
+    assert closest.reason in summarize_rejections(result.rejected)
+    for p in result.plans[:20]:  # a plan's memory: every rank priced
+        mem, exceeded = memory_over(req.model, p.candidate, req.seq_len, req.compute_bytes,
+                                    framework, fused, limit)
+        assert not exceeded
+        assert mem == pytest.approx(p.estimate.memory_per_rank_gib * 1024**3)
+
+
 def test_explicit_infeasible_degrees_say_why():
     spec = load_spec(None, ["model.preset=70b", "parallelism.dp=8", "training.seq_len=4096",
                             "training.global_batch_size=64", "training.microbatch_size=8"])

@@ -318,10 +318,32 @@ def memory_bytes(model, c: Candidate, seq_len: int, compute_bytes: int = 2,
     """Peak bytes on the heaviest rank: the first pipeline rank (embedding, most activations
     in flight), the last (head, logits), or where the stages are uneven the first of those
     holding the most blocks and the first of those holding the most MoE blocks."""
-    ranks = {0, c.pp - 1, *fullest_ranks(model.n_layers, c.pp, c.vpp, dense_layers(model),
-                                         c.stage_layers)}
     return max(rank_memory(model, c, seq_len, r, compute_bytes, framework_bytes, fused).total
-               for r in ranks)
+               for r in heaviest_ranks(model, c))
+
+
+def memory_over(model, c: Candidate, seq_len: int, compute_bytes: int, framework_bytes: float,
+                fused: Fused, limit: float) -> tuple[float, bool]:
+    """``memory_bytes``, stopping at the first of those ranks over ``limit``: (its bytes, True)
+    — the heaviest rank's are at least that —, or (the heaviest rank's, False) where all fit.
+    A plan's search rejects most candidates for memory: it needs no more to reject one."""
+    worst = 0.0
+    for r in heaviest_ranks(model, c):
+        held = rank_memory(model, c, seq_len, r, compute_bytes, framework_bytes, fused).total
+        if held > limit:
+            return held, True
+        worst = max(worst, held)
+    return worst, False
+
+
+def heaviest_ranks(model, c: Candidate) -> tuple[int, ...]:
+    """The pipeline ranks one of which holds the most (``memory_bytes``), the first (the most
+    activations in flight) first."""
+    if c.pp == 1:
+        return (0,)
+    ranks = [0, c.pp - 1, *fullest_ranks(model.n_layers, c.pp, c.vpp, dense_layers(model),
+                                         c.stage_layers)]
+    return tuple(dict.fromkeys(ranks))
 
 def cp_transient_bytes(model, c: Candidate, seq_len: int, compute_bytes: int) -> float:
     """What context-parallel attention holds while a layer runs, beyond saved activations: the

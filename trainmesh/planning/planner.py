@@ -14,10 +14,10 @@ from typing import Any
 from trainmesh.models.llama.model_math import cost_split, stage_split
 from trainmesh.parallel.dims import replicates
 from trainmesh.parallel.pipeline.ir import splits_backward, v_shaped
-from trainmesh.planning.candidate import RECOMPUTE, SCHEDULES, Candidate, has_moe_blocks
+from trainmesh.planning.candidate import GIB, RECOMPUTE, SCHEDULES, Candidate, has_moe_blocks
 from trainmesh.planning.cost_model import Estimate, estimate
 from trainmesh.planning.devices import DeviceSpec
-from trainmesh.planning.memory_model import memory_bytes, uses_fused_kernels
+from trainmesh.planning.memory_model import memory_bytes, memory_over, uses_fused_kernels
 from trainmesh.planning.stage_params import memo, memoized
 from trainmesh.planning.topology import Topology
 from trainmesh.spec.mesh_rules import (
@@ -93,7 +93,16 @@ class RankedPlan:
 @dataclass(frozen=True)
 class Rejection:
     candidate: Candidate | None
-    reason: str  # "memory: ...", "divisibility: ...", "topology: ...", "tied embeddings: ..."
+    # "memory: ...", "divisibility: ...", "topology: ...", "tied embeddings: ..."; or what
+    # makes it when first read (a memory rejection's exact bytes: ``reason``)
+    why: str | Callable[[], str]
+    at_least: float = 0.0  # a memory rejection's bytes on the rank that exceeded (a bound)
+
+    @property
+    def reason(self) -> str:
+        if not isinstance(self.why, str):
+            object.__setattr__(self, "why", self.why())
+        return self.why
 
 
 @dataclass(frozen=True)
@@ -140,13 +149,27 @@ def summarize_rejections(rejected: list[Rejection]) -> str:
     text = ", ".join(f"{n} rejected for {k}" for k, n in sorted(kinds.items()))
     mem = [r for r in rejected if r.reason.startswith("memory")]
     if mem:
-        closest = min(mem, key=lambda r: float(r.reason.split()[1]))
+        closest = _closest_for_memory(mem)
         c = closest.candidate
         text += (f"; closest for memory: tp={c.tp} pp={c.pp} dp={c.dp} recompute={c.recompute} "
                  f"— {closest.reason}")
     elif rejected:
         text += f"; e.g. {rejected[0].reason}"
     return text
+
+
+def _closest_for_memory(rejected: list[Rejection]) -> Rejection:
+    """The memory rejection whose heaviest rank holds least: those rejected at a bound
+    (``at_least``) made exact only while the bound could still beat the best so far."""
+    def exact(r: Rejection) -> float:
+        return float(r.reason.split()[1])
+    best, best_gib = None, float("inf")
+    for r in sorted(rejected, key=lambda r: r.at_least):
+        if r.at_least / GIB >= best_gib:
+            break
+        if exact(r) < best_gib:
+            best, best_gib = r, exact(r)
+    return best
 
 
 def _rule_rejection(problem: Problem) -> Rejection:
@@ -448,15 +471,14 @@ def _plan(req: PlanRequest, topo: Topology, long: bool | None) -> PlanResult:
         if broken:
             rejected.append(Rejection(c, f"{broken[0].kind or 'spec'}: {broken[0]}"))
             continue
-        mem = memory_bytes(req.model, c, req.seq_len, req.compute_bytes,
-                           topo.device.framework_gib * 1024**3, fused)
-        if mem > limit:
+        framework = topo.device.framework_gib * 1024**3
+        mem, over = memory_over(req.model, c, req.seq_len, req.compute_bytes, framework, fused,
+                                limit)
+        if over:  # (its heaviest rank's bytes, exact, when the reason is read)
             if without_ep is not None:
                 too_big[without_ep] = mem
-            need, have = gib_apart(mem, limit)
-            rejected.append(Rejection(c, f"memory: {need} GiB per rank exceeds "
-                                         f"{have} GiB ({MEMORY_HEADROOM:.0%} of "
-                                         f"{topo.device.memory_gib:g} GiB {topo.device.name})"))
+            rejected.append(Rejection(c, functools.partial(
+                _over_memory, req, c, framework, fused, limit, topo.device), at_least=mem))
             continue
         key = (c.tp, c.world_size)
         if key not in layouts:
@@ -471,6 +493,15 @@ def _plan(req: PlanRequest, topo: Topology, long: bool | None) -> PlanResult:
             req.model, p.candidate, req.seq_len, topo.device, p.node_ranks[0], req.compute_bytes,
             fused, p.estimate.memory_per_rank_gib * 1024**3))
     return PlanResult(_by_stage(ranked, price), rejected, req.model, topo.device, price, req)
+
+
+def _over_memory(req: PlanRequest, c: Candidate, framework: float, fused, limit: float,
+                 device: DeviceSpec) -> str:
+    with memoized():
+        mem = memory_bytes(req.model, c, req.seq_len, req.compute_bytes, framework, fused)
+    need, have = gib_apart(mem, limit)
+    return (f"memory: {need} GiB per rank exceeds {have} GiB ({MEMORY_HEADROOM:.0%} of "
+            f"{device.memory_gib:g} GiB {device.name})")
 
 
 # The first plans of a search priced stage by stage (at least as many as a plan's table shows)
