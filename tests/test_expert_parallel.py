@@ -91,6 +91,12 @@ CASES = {  # largest meshes first: the rank pool then only shrinks
         "model.moe.capacity_factor=1.0", "training.global_batch_size=6",
         "activation_checkpoint.mode=full", "model.moe.aux_loss_coef=0.1",
         "parallelism.keep_gathered=false"]),
+    # ... under model.compile (each block compiled, its exchange and routed experts eager
+    # between the compiled parts: sized by the routing on the host), whole and in halves
+    "compile-ep2-dp2": (ParallelDims(dp=2, ep=2), ["model.compile=true",
+                                                   "model.moe.aux_loss_coef=0.1"]),
+    "compile-ep2-dp2-overlap": (ParallelDims(dp=2, ep=2), [
+        "model.compile=true", "parallelism.ep_overlap=true", "model.moe.shared_experts=1"]),
     # ... under a zero-bubble pipeline: each backward split in its input half (where the
     # exchanges' gradients travel, in halves) and its weight half.
     "pp2-ep2-dp2-zb-h1-overlap": (ParallelDims(pp=2, dp=2, ep=2), [
