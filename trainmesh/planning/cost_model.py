@@ -291,7 +291,7 @@ def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: in
     if moe is not None and moe.capacity_factor is not None and c.tp * c.cp > 1:
         # Capacity decided over the whole microbatch: its tp × cp ranks all-gather its
         # assignments (8 bytes each) per MoE block and microbatch, again under recompute.
-        moe_layers = sum(1 for i in range(model.n_layers) if i >= moe.dense_layers) / c.pp
+        moe_layers = moe_blocks(model) / c.pp
         g = c.tp * c.cp
         gathered = seq_len * c.microbatch_size * moe.top_k * 8 * (g - 1) / g
         bw = device.intra_node_gbps if g <= per_node else device.inter_node_gbps
