@@ -1,4 +1,5 @@
-"""Planning time from 8 to 16,384 accelerators (target: under 1 s at 16,384), with the first
+"""Planning time from 8 to 16,384 accelerators (target: under 1 s at 16,384): the search as it
+runs (tiers of idle accelerators, fewest first) beside every candidate priced, with the first
 plans priced stage by stage (each pipeline stage at its own cost, the simulator playing the
 schedule: ``planner._by_stage``) and, beside it in the same run, with every plan priced
 at the least its stages allow, no play (``candidate._least_makespan``: the bound the search
@@ -55,28 +56,68 @@ def microbatch_table() -> None:
               f"{100 * device_s / e.step_time_s:>11.0f} {'-' if busy is None else busy:>10}")
 
 
+def _cold() -> None:
+    """The simulator's plays and the bubbles kept between searches, dropped."""
+    candidate._played.cache_clear()
+    candidate.bubble_fraction.cache_clear()
+
+
+def _timed(req: PlanRequest, topo: Topology, every: bool = False) -> tuple[float, object]:
+    _cold()
+    t0 = time.perf_counter()
+    result = plan(req, topo, every=every)
+    return time.perf_counter() - t0, result
+
+
+def _label(result) -> str:
+    c = result.best.candidate if result.plans else None
+    return f"({c.tp}, {c.pp}, {c.dp}, {c.ep}, {c.vpp})" if c else "-"
+
+
 def main() -> None:
     model = load_spec(None, ["model.preset=70b"]).model
-    print(f"{'GPUs':>7} {'nodes':>6} {'plan s':>8} {'bound s':>8} {'feasible':>9} {'rejected':>9}  "
-          "best (tp, pp, dp, vpp; played | bound)")
+    print("Llama 70B, seq 8192, global batch max(GPUs, 1024), nodes of 8 H100. 'plan s': the "
+          "search (idle tiers, fewest first, until 10 plans); 'bound s': the same, no plan "
+          "priced stage by stage; 'every s': every candidate priced")
+    print(f"{'GPUs':>7} {'nodes':>6} {'plan s':>8} {'bound s':>8} {'every s':>8} {'weighed':>8} "
+          f"{'feasible':>9} {'rejected':>9} {'unpriced':>9}  best (tp, pp, dp, ep, vpp)")
     first = planner.PRICED_FIRST
     for gpus in (8, 64, 512, 1024, 4096, 16384):
         topo = Topology.uniform(gpus // 8, 8, "h100")
         req = PlanRequest(model, global_batch_size=max(gpus, 1024), seq_len=8192)
-        times, bests = [], []
-        for priced in (first, 0):  # (each from cold caches: the simulator's plays are kept)
-            candidate._played.cache_clear()
-            planner.PRICED_FIRST = priced
-            t0 = time.perf_counter()
-            result = plan(req, topo)
-            times.append(time.perf_counter() - t0)
-            c = result.best.candidate if result.plans else None
-            bests.append(f"({c.tp}, {c.pp}, {c.dp}, {c.vpp})" if c else "-")
+        took, result = _timed(req, topo)
+        planner.PRICED_FIRST = 0
+        bound, _ = _timed(req, topo)
         planner.PRICED_FIRST = first
-        print(f"{gpus:>7} {gpus // 8:>6} {times[0]:>8.3f} {times[1]:>8.3f} {len(result.plans):>9} "
-              f"{len(result.rejected):>9}  {bests[0]} | {bests[1]}")
+        every_s, every = _timed(req, topo, every=True)
+        same = "" if _label(every) == _label(result) else f" (every: {_label(every)})"
+        print(f"{gpus:>7} {gpus // 8:>6} {took:>8.3f} {bound:>8.3f} {every_s:>8.3f} "
+              f"{len(result.plans):>8} {len(every.plans):>9} {len(every.rejected):>9} "
+              f"{result.unpriced:>9}  {_label(result)}{same}")
+    print("\nMoE and the largest dense preset, seq 4096, global batch max(GPUs, 15360) for "
+          "DeepSeek-V3 and Kimi K2 (DeepSeek's), max(GPUs, 1024) for the rest, `parallelism: "
+          "auto`")
+    print("'+ table s': then the 10 rows of a plan's table priced stage by stage "
+          "(`trainmesh plan` does; a re-plan does not)")
+    print(f"{'model':>18} {'GPUs':>6} {'plan s':>8} {'+ table s':>9} {'every s':>8} {'ratio':>6} "
+          f"{'weighed':>8} {'feasible':>9} {'rejected':>9}  best (tp, pp, dp, ep, vpp)")
+    for preset in ("mixtral-8x22b", "qwen3-235b-a22b", "deepseek-v3-671b", "kimi-k2", "405b"):
+        model = load_spec(None, [f"model.preset={preset}"]).model
+        batch = 15360 if preset in ("deepseek-v3-671b", "kimi-k2") else 1024
+        for gpus in (1024, 2048, 16384):
+            topo = Topology.uniform(gpus // 8, 8, "h100")
+            req = PlanRequest(model, global_batch_size=max(gpus, batch), seq_len=4096)
+            took, result = _timed(req, topo)
+            t0 = time.perf_counter()
+            result.first(10)
+            table = time.perf_counter() - t0
+            every_s, every = _timed(req, topo, every=True)
+            same = "" if _label(every) == _label(result) else f" (every: {_label(every)})"
+            print(f"{preset:>18} {gpus:>6} {took:>8.3f} {table:>9.3f} {every_s:>8.3f} "
+                  f"{took / every_s:>6.2f} "
+                  f"{len(result.plans):>8} {len(every.plans):>9} {len(every.rejected):>9}  "
+                  f"{_label(result)}{same}")
     microbatch_table()
-
 
 if __name__ == "__main__":
     main()

@@ -315,7 +315,7 @@ def test_dualpipev_with_fewer_microbatches_a_replica_than_stages_is_refused_not_
     # with dp left to it (a re-plan), the planner rejects dp 4 for it rather than failing
     req = request_for(fits)
     free = dataclasses.replace(req, fixed={k: v for k, v in req.fixed.items() if k != "dp"})
-    result = plan(free, Topology.uniform(1, 8, "cpu"))
+    result = plan(free, Topology.uniform(1, 8, "cpu"), every=True)
     assert {p.candidate.dp for p in result.plans} == {1, 2}
     assert any("dualpipev needs at least" in r.reason for r in result.rejected)
 

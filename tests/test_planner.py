@@ -140,8 +140,8 @@ def test_interleaving_divides_the_bubble():
 def test_the_first_plans_are_priced_stage_by_stage_and_ordered_as_if_all_were():
     """A search prices every candidate at the least its pipeline stages allow (each stage at
     its own cost: its blocks, the head on the last; no simulator play), then the first ones
-    with the simulator playing the schedule: at least a table's rows (PRICED_FIRST, more on
-    asking: ``first``), in the order pricing every candidate so would give. The play is
+    with the simulator playing the schedule: the first (PRICED_FIRST), and a table's rows on
+    asking (``first``), in the order pricing every candidate so would give. The play is
     never faster than the bound."""
     from trainmesh.planning.planner import PRICED_FIRST, _order
 
@@ -149,11 +149,13 @@ def test_the_first_plans_are_priced_stage_by_stage_and_ordered_as_if_all_were():
                                           "training.seq_len=4096", "training.global_batch_size=256"]), 4),
                         (load_spec("jobs/llama-70b.yaml", ["parallelism=auto"]), 4)):
         result = plan(request_for(spec), Topology.uniform(nodes, 8, "h100"))
-        first = result.plans[:PRICED_FIRST]
+        assert all(p.estimate.by_stage for p in result.plans[:PRICED_FIRST])
+        first = result.first(10)
         assert all(p.estimate.by_stage for p in first)
         assert any(p.candidate.pp > 1 for p in first)
         everything = sorted((result.priced(p) for p in result.plans), key=_order)
-        assert [p.candidate for p in everything[:PRICED_FIRST]] == [p.candidate for p in first]
+        assert [p.candidate for p in everything[:10]] == [p.candidate for p in first]
+        assert everything[0].candidate == result.best.candidate
         assert [p.candidate for p in result.first(25)] == [p.candidate for p in everything[:25]]
         # (stages alike are no bound: DeepSeek-V3 split by cost over 4 interleaved stages
         # plays shorter than the closed form; the bound used is below both)
@@ -858,9 +860,10 @@ def test_plan_prices_the_llama3_papers_layout_beside_its_choice(capsys):
     same = [p for p in ours.plans
             if (p.candidate.tp, p.candidate.pp, p.candidate.dp, p.candidate.cp) == (8, 16, 128, 1)]
     assert same, "the search prices the published degrees too"
-    assert f"(dp=128, vpp={same[0].candidate.vpp}, " in line
-    assert f": {same[0].estimate.tokens_per_s:,.0f} tokens/s, " in line, line
-    gap = 1 - same[0].estimate.tokens_per_s / ours.best.estimate.tokens_per_s
+    head = ours.first_priced(same)  # (priced stage by stage, as a search's best is)
+    assert f"(dp=128, vpp={head.candidate.vpp}, " in line
+    assert f": {head.estimate.tokens_per_s:,.0f} tokens/s, " in line, line
+    gap = 1 - head.estimate.tokens_per_s / ours.best.estimate.tokens_per_s
     assert f"{abs(gap):.1%} {'slower' if gap >= 0 else 'faster'} than the choice" in line
     assert "Not priced: " in line
     odd = price(request_for(spec), Topology.uniform(2047, 8, "h100"), PUBLISHED["405b"])
@@ -894,3 +897,40 @@ def test_plan_prices_deepseeks_layout_and_names_the_nodes_its_expert_groups_span
         assert (f"Its ep=64 spreads each expert group over 8 node(s) of 8, the choice's "
                 f"ep={ep} over {max(1, ep * tp // 8)}") in line
     assert "Not priced: DualPipe" in line
+
+
+@pytest.mark.parametrize("preset, nodes, batch, extra, fixed", [
+    ("70b", 64, 1024, [], {}),  # a tier of every accelerator used, many plans in it
+    ("tiny-dsv3", 2, 16, ["training.seq_len=256"], {}),  # MoE: ep choices inside each layout
+    ("8b", 1, 8, ["training.seq_len=65536", "model.max_seq_len=65536"], {}),  # long: cp
+    # 9 plans use every accelerator: the next tier (8 idle) is priced too, the rest not
+    ("70b", 5, 36, [], {"tp": 8, "recompute": "full", "microbatch_size": 1}),
+])
+def test_the_search_prices_tiers_of_idle_accelerators_fewest_first(preset, nodes, batch, extra,
+                                                                   fixed):
+    """Layouts are priced a tier of idle accelerators at a time (fewest first) until the
+    tiers priced hold PLANS_WEIGHED feasible plans; the rest are counted, not priced. The
+    best plan, the first PLANS_WEIGHED in order (a plan's table) and every rejection kept are
+    those pricing every candidate gives; each plan left out leaves more idle than every plan
+    kept."""
+    from trainmesh.planning.planner import PLANS_WEIGHED
+
+    spec = load_spec(None, [f"model.preset={preset}", "parallelism=auto",
+                            f"training.global_batch_size={batch}", *extra])
+    req, topo = request_for(spec), Topology.uniform(nodes, 8, "h100")
+    req = dataclasses.replace(req, fixed={**req.fixed, **fixed})
+    fast, every = plan(req, topo), plan(req, topo, every=True)
+    assert fast.plans and every.unpriced == 0
+    assert fast.best == every.best
+    head = min(len(every.plans), PLANS_WEIGHED)
+    assert [p.candidate for p in fast.first(head)] == [p.candidate for p in every.first(head)]
+    assert [p.estimate for p in fast.first(head)] == [p.estimate for p in every.first(head)]
+    kept = {p.candidate for p in fast.plans}
+    assert kept <= {p.candidate for p in every.plans}
+    most_idle = max(p.idle for p in fast.plans)
+    left = [p for p in every.plans if p.candidate not in kept]
+    assert all(p.idle > most_idle for p in left)
+    assert {r.reason for r in fast.rejected} <= {r.reason for r in every.rejected}
+    if left:
+        assert fast.unpriced > 0
+        assert f"Not priced: {fast.unpriced} layout(s)" in explain(fast)

@@ -23,7 +23,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-node", type=int, default=8, help="accelerators per node")
     p.add_argument("--device", default=None, type=device_kind,
                    help="h100, h200, a100-40gb, a100-80gb, b200, l40s, cpu")
-    p.add_argument("--top", type=int, default=10, help="rows to show")
+    p.add_argument("--top", type=int, default=10, help="rows to show (of the plans weighed: "
+                   "those leaving the fewest accelerators idle, at least 10 where as many fit)")
     p.add_argument("--json", action="store_true", help="print the plans as JSON (best first)")
     return p
 

@@ -86,6 +86,8 @@ class Candidate:
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp * self.cp
 
+
+@functools.lru_cache(maxsize=4096)  # (a plan's search asks per candidate: few are distinct)
 def bubble_fraction(schedule: str, pp: int, vpp: int, m: int,
                     stage_costs: tuple[float, ...] | None = None, bound: bool = False) -> float:
     """Idle fraction of a pipelined step (backward = 2 × forward; a split backward's input and

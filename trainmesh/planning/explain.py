@@ -152,4 +152,7 @@ def explain(result: PlanResult) -> str:
                      f"{abs(gap):.1%} {'slower' if gap >= 0 else 'faster'}.")
     if result.rejected:
         parts.append("Rejected: " + summarize_rejections(result.rejected) + ".")
+    if result.unpriced:
+        parts.append(f"Not priced: {result.unpriced} layout(s) leaving more accelerators idle "
+                     f"than the {len(result.plans)} plans weighed (none could come first).")
     return " ".join(parts)

@@ -5,11 +5,13 @@ memory). No torch, no ray."""
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import functools
+import gc
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from trainmesh.models.llama.model_math import cost_split, stage_split
 from trainmesh.parallel.dims import replicates
@@ -22,6 +24,7 @@ from trainmesh.planning.stage_params import memo, memoized
 from trainmesh.planning.topology import Topology
 from trainmesh.spec.mesh_rules import (
     cp_problems,
+    divisors,
     dp_fits,
     dp_problems,
     ep_degrees,
@@ -36,6 +39,10 @@ from trainmesh.spec.problems import Problem
 from trainmesh.spec.validate import Workload, layout_problems
 
 MEMORY_HEADROOM = 0.9  # plan within this fraction of device memory
+# A search prices layouts a tier of idle accelerators at a time (fewest first) until it holds
+# this many feasible plans: a plan's table (``trainmesh plan --top``'s default) and what
+# ``explain`` compares the choice with are among them
+PLANS_WEIGHED = 10
 MICROBATCH_SIZES = (1, 2, 4, 8)
 VPP_CHOICES = (1, 2, 4)
 CP_CHOICES = (1, 2, 4, 8, 16, 32)
@@ -114,6 +121,9 @@ class PlanResult:
     # A plan priced stage by stage (``_by_stage``), for those the search left at its bound
     price: Callable[[RankedPlan], RankedPlan] | None = field(default=None, repr=False)
     request: PlanRequest | None = field(default=None, repr=False)  # what was planned for
+    # Layouts not priced: each leaves more accelerators idle than a feasible plan does (the
+    # search's order puts their plans after every such plan: ``plan``'s ``every`` prices them)
+    unpriced: int = 0
 
     def priced(self, p: RankedPlan) -> RankedPlan:
         """``p`` with its stages each priced at its own cost (as the first plans are)."""
@@ -188,12 +198,7 @@ def _pipeline_degrees(n_layers: int) -> tuple[int, ...]:
     them whose uneven stages (``model_math.stage_split``) are near even (``UNEVEN_STAGES_MAX``)."""
     uneven = {1 << k for k in range(n_layers.bit_length())
               if max(stage_split(n_layers, 1 << k)) <= UNEVEN_STAGES_MAX * n_layers / (1 << k)}
-    return tuple(sorted({*_divisors(n_layers), *uneven}))
-
-
-@functools.lru_cache(maxsize=256)
-def _divisors(n: int) -> tuple[int, ...]:
-    return tuple(d for d in range(1, n + 1) if n % d == 0)
+    return tuple(sorted({*divisors(n_layers), *uneven}))
 
 
 def _cp_choices(req: PlanRequest, long: bool) -> list[int]:
@@ -207,10 +212,19 @@ def _cp_choices(req: PlanRequest, long: bool) -> list[int]:
                                                  and req.seq_len // c >= CP_MIN_TOKENS)]
 
 
+class Layout(NamedTuple):
+    """A candidate layout (degrees, schedule, microbatching): the accelerators it uses, and its
+    candidates (recomputation, ZeRO-3 policy, hybrid sharding, ep, cp mode) made on asking."""
+
+    world_size: int
+    options: Callable[[], Iterator[Candidate]]
+
+
 def candidates(req: PlanRequest, topo: Topology,
-               long: bool | None = None) -> Iterator[Candidate | Rejection]:
-    """Every (tp, pp, dp, vpp, schedule, microbatch size, recompute) that fits the cluster,
-    yielding a Rejection (with its reason) for the structurally impossible ones.
+               long: bool | None = None) -> Iterator[Layout | Rejection]:
+    """Every (tp, pp, dp, vpp, schedule, microbatch size) that fits the cluster (a ``Layout``:
+    its recomputation, ZeRO-3 and sharding options made when it is priced), yielding a
+    Rejection (with its reason) for the structurally impossible ones.
 
     A plan need not use every accelerator: tp divides the accelerators of the largest node
     and TP groups stay whole inside nodes (``Topology.usable``), and tp × pp × dp may be
@@ -220,7 +234,7 @@ def candidates(req: PlanRequest, topo: Topology,
     m, fixed = req.model, req.fixed
     cps = _cp_choices(req, req.seq_len >= LONG_CONTEXT if long is None else long)
     largest = topo.largest_node
-    tps = [int(fixed["tp"])] if "tp" in fixed else _divisors(largest)
+    tps = [int(fixed["tp"])] if "tp" in fixed else divisors(largest)
     for tp in tps:
         if largest % tp:
             yield Rejection(None, f"topology: tp={tp} does not divide the {largest} "
@@ -253,7 +267,15 @@ def candidates(req: PlanRequest, topo: Topology,
                 yield from _inner(req, tp, pp, usable // (tp * pp * cp), largest, cp)
 
 
-def _dp_choices(req: PlanRequest, pp: int, mbs: int, max_dp: int) -> Iterator[int | Rejection]:
+def _dp_choices(req: PlanRequest, pp: int, mbs: int, max_dp: int) -> list[int | Rejection]:
+    """``_dp_options``, kept for the search (many layouts share pp, microbatch size and the
+    replicas the cluster holds)."""
+    return memo("dp_choices", req.model, (req.global_batch_size, mbs, max_dp, pp,
+                                          req.fixed.get("dp")),
+                lambda: list(_dp_options(req, pp, mbs, max_dp)))
+
+
+def _dp_options(req: PlanRequest, pp: int, mbs: int, max_dp: int) -> Iterator[int | Rejection]:
     """The data-parallel degrees whose microbatches fill the pipeline, at most ``max_dp`` (the
     replicas the usable accelerators hold) and at most the global batch's microbatches. Any dp
     runs (shares differ by one microbatch at most, the shorter ones padded: see
@@ -288,7 +310,7 @@ def _dp_choices(req: PlanRequest, pp: int, mbs: int, max_dp: int) -> Iterator[in
     top = min(max_dp, micro)
     fits = lambda d: dp_fits(B, mbs, d, pp) and not wasted(d)  # noqa: E731
     largest = next((d for d in range(top, 0, -1) if fits(d)), None)
-    dps = sorted({d for d in _divisors(micro) if d <= top and fits(d)}
+    dps = sorted({d for d in divisors(micro) if d <= top and fits(d)}
                  | ({largest} if largest else set()))
     if not dps:
         yield Rejection(None, f"divisibility: no dp ≤ {max_dp} splits the global batch {B} into "
@@ -297,7 +319,7 @@ def _dp_choices(req: PlanRequest, pp: int, mbs: int, max_dp: int) -> Iterator[in
 
 
 def _inner(req: PlanRequest, tp: int, pp: int, max_dp: int,
-           per_node: int, cp: int = 1) -> Iterator[Candidate | Rejection]:
+           per_node: int, cp: int = 1) -> Iterator[Layout | Rejection]:
     m, fixed, B = req.model, req.fixed, req.global_batch_size
     for vpp in VPP_CHOICES:
         if ("vpp" in fixed and vpp != fixed["vpp"]) or (pp == 1 and vpp > 1):
@@ -326,8 +348,9 @@ def _inner(req: PlanRequest, tp: int, pp: int, max_dp: int,
                         yield dp
                         continue
                     n_micro = microbatches_per_replica(B, mbs, dp)
-                    yield from _options(req, tp, pp, dp, vpp, schedule, mbs, n_micro,
-                                        n_micro * dp - B // mbs, per_node, cp)
+                    yield Layout(tp * pp * dp * cp, functools.partial(
+                        _options, req, tp, pp, dp, vpp, schedule, mbs, n_micro,
+                        n_micro * dp - B // mbs, per_node, cp))
 
 
 def _replicate_choices(req: PlanRequest, tp: int, dp: int, ep: int, per_node: int,
@@ -425,20 +448,36 @@ def _ep_choices(req: PlanRequest, dp: int, cp: int = 1) -> list[int]:
     return valid[::-1]  # largest first: where it does not fit, no smaller ep ≥ 2 does (_plan)
 
 
-def plan(req: PlanRequest, topo: Topology) -> PlanResult:
-    """All feasible plans, best first: fewest accelerators idle, then predicted tokens/s; and
-    every rejection. A sequence shorter than LONG_CONTEXT is planned with context parallel
+def plan(req: PlanRequest, topo: Topology, every: bool = False) -> PlanResult:
+    """The feasible plans that leave the fewest accelerators idle, best first (then by
+    predicted tokens/s), and every rejection among the candidates priced; those leaving more
+    idle are counted unpriced (``every``: all feasible plans, whatever they leave idle, and
+    all rejections). A sequence shorter than LONG_CONTEXT is planned with context parallel
     only when nothing fits without it."""
-    with memoized():
-        result = _plan(req, topo, None)
+    with memoized(), _no_cycle_collection():
+        result = _plan(req, topo, None, every)
         if not result.plans and "cp" not in req.fixed and req.seq_len < LONG_CONTEXT:
-            again = _plan(req, topo, True)
+            again = _plan(req, topo, True, every)
             if again.plans:
                 return again
         return result
 
 
-def _plan(req: PlanRequest, topo: Topology, long: bool | None) -> PlanResult:
+@contextlib.contextmanager
+def _no_cycle_collection() -> Iterator[None]:
+    """Python's cycle collector paused for a search's length: a search makes ~10^5 short-lived
+    objects (candidates, rejections) and no cycles, and the collector's passes over them took
+    a fifth of a 16,384-GPU plan's time (measured). Resumed after, if it ran before."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _plan(req: PlanRequest, topo: Topology, long: bool | None, every: bool) -> PlanResult:
     limit = topo.device.memory_gib * MEMORY_HEADROOM * 1024**3
     fused = uses_fused_kernels(req.kernels, topo.device.name, req.compiled)
     ranked, rejected = [], []
@@ -450,17 +489,29 @@ def _plan(req: PlanRequest, topo: Topology, long: bool | None) -> PlanResult:
     # the capacity, whatever ep) do not change. So once one does not fit, the smaller ones
     # are rejected by its bytes, a bound (``too_big``: the layout without ep → those bytes).
     too_big: dict[tuple, float] = {}  # (_without_ep)
+    # The search's order puts fewer accelerators idle before any speed (``_order``): the
+    # layouts are priced a tier of idle accelerators at a time, fewest first, and once the
+    # tiers priced hold PLANS_WEIGHED feasible plans, those leaving more idle
+    # are dominated — none could come before them — and are counted, not priced
+    # (``PlanResult.unpriced``; ``every``: priced all the same).
+    tiers: dict[int, list[Layout]] = {}
     for c in candidates(req, topo, long):
         if isinstance(c, Rejection):
             rejected.append(c)
-            continue
+        else:
+            tiers.setdefault(topo.world_size - c.world_size, []).append(c)
+    order = sorted(tiers)
+    framework = topo.device.framework_gib * 1024**3
+
+    def weigh(c: Candidate) -> None:
+        """``c`` ranked, or rejected with its reason."""
         without_ep = _without_ep(c) if c.ep > 1 else None
         if without_ep in too_big:
             need, have = gib_apart(too_big[without_ep], limit)
             rejected.append(Rejection(c, f"memory: {need} GiB per rank or more (as at a larger ep) "
                                          f"exceeds {have} GiB ({MEMORY_HEADROOM:.0%} of "
                                          f"{topo.device.memory_gib:g} GiB {topo.device.name})"))
-            continue
+            return
         # The spec's own rules, so that what is planned can be pinned: once per layout (the
         # candidates of one differ in recomputation, ZeRO-3 policy and cp mode only)
         layout = (c.tp, c.pp, c.dp, c.cp, c.ep, c.vpp, c.dp_replicate, c.schedule,
@@ -470,8 +521,7 @@ def _plan(req: PlanRequest, topo: Topology, long: bool | None) -> PlanResult:
         broken = checked[layout]
         if broken:
             rejected.append(Rejection(c, f"{broken[0].kind or 'spec'}: {broken[0]}"))
-            continue
-        framework = topo.device.framework_gib * 1024**3
+            return
         mem, over = memory_over(req.model, c, req.seq_len, req.compute_bytes, framework, fused,
                                 limit)
         if over:  # (its heaviest rank's bytes, exact, when the reason is read)
@@ -479,7 +529,7 @@ def _plan(req: PlanRequest, topo: Topology, long: bool | None) -> PlanResult:
                 too_big[without_ep] = mem
             rejected.append(Rejection(c, functools.partial(
                 _over_memory, req, c, framework, fused, limit, topo.device), at_least=mem))
-            continue
+            return
         key = (c.tp, c.world_size)
         if key not in layouts:
             layouts[key] = topo.allocate(c.tp, c.world_size)
@@ -488,11 +538,21 @@ def _plan(req: PlanRequest, topo: Topology, long: bool | None) -> PlanResult:
                        fused, mem, by_stage=False)
         ranked.append(RankedPlan(c, est, topo.world_size - c.world_size, node_ranks))
 
+    unpriced = 0  # (layouts)
+    for n, idle in enumerate(order):
+        if len(ranked) >= max(1, PLANS_WEIGHED) and not every:
+            unpriced = sum(len(tiers[i]) for i in order[n:])
+            break
+        for layout in tiers[idle]:
+            for c in layout.options():
+                weigh(c)
+
     def price(p: RankedPlan) -> RankedPlan:
         return dataclasses.replace(p, estimate=estimate(
             req.model, p.candidate, req.seq_len, topo.device, p.node_ranks[0], req.compute_bytes,
             fused, p.estimate.memory_per_rank_gib * 1024**3))
-    return PlanResult(_by_stage(ranked, price), rejected, req.model, topo.device, price, req)
+    return PlanResult(_by_stage(ranked, price), rejected, req.model, topo.device, price, req,
+                      unpriced)
 
 
 def _over_memory(req: PlanRequest, c: Candidate, framework: float, fused, limit: float,
@@ -504,8 +564,10 @@ def _over_memory(req: PlanRequest, c: Candidate, framework: float, fused, limit:
             f"{device.memory_gib:g} GiB {device.name})")
 
 
-# The first plans of a search priced stage by stage (at least as many as a plan's table shows)
-PRICED_FIRST = 10
+# The first plans of a search priced stage by stage: the best is then certain (a table's rows
+# are priced on asking, ``PlanResult.first``; a re-plan needs the best only). Each play of a
+# deep interleaved pipeline with uneven stages takes ~0.1 s here (405B: pp 16 × vpp 4).
+PRICED_FIRST = 1
 
 
 def _order(p: RankedPlan) -> tuple:
