@@ -59,6 +59,7 @@ def microbatch_table() -> None:
 def _cold() -> None:
     """The simulator's plays and the bubbles kept between searches, dropped."""
     candidate._played.cache_clear()
+    candidate._least_makespan.cache_clear()
     candidate.bubble_fraction.cache_clear()
 
 

@@ -45,7 +45,9 @@ def plan(spec: JobSpec, nodes: int | None = None, gpus_per_node: int = 8,
     """The planner's ranked layouts for ``nodes`` × ``gpus_per_node`` accelerators of kind
     ``device`` (default: the spec's ``topology.device``, else h100), best first, as
     ``trainmesh plan --json`` prints them; without ``nodes``, for the cluster the spec's
-    ``runtime.ray_address`` names (``local``: this machine's CPUs)."""
+    ``runtime.ray_address`` names (``local``: this machine's CPUs). At most ``top``, of the
+    plans the search weighs: those leaving the fewest accelerators idle, at least 10 where
+    as many fit (the rest leave more idle, and are not priced)."""
     from trainmesh.cli.plan import cluster_topology
     from trainmesh.planning.job_plan import plan_job
 

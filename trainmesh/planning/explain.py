@@ -9,7 +9,7 @@ import dataclasses
 from trainmesh.models.llama.model_math import stage_split
 from trainmesh.planning.candidate import Candidate, runs_ddp
 from trainmesh.planning.devices import DeviceSpec
-from trainmesh.planning.planner import PlanResult, RankedPlan, summarize_rejections
+from trainmesh.planning.planner import PlanResult, RankedPlan, degrees_of, summarize_rejections
 
 
 def _overlap_text(e) -> str:
@@ -139,9 +139,8 @@ def explain(result: PlanResult) -> str:
                      "the attention does not hide.")
     parts += _microbatch_choice(result, best, result.device) if result.device else []
     parts += _sharding_choice(result, best)
-    degrees = (c.tp, c.pp, c.dp, c.vpp, c.cp)
-    others = [p for p in result.plans if (p.candidate.tp, p.candidate.pp, p.candidate.dp,
-                                          p.candidate.vpp, p.candidate.cp) != degrees]
+    degrees = degrees_of(c)
+    others = [p for p in result.plans if degrees_of(p.candidate) != degrees]
     if others:
         nxt = result.first_priced(others)
         gap = 1 - nxt.estimate.tokens_per_s / e.tokens_per_s

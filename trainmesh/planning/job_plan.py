@@ -138,8 +138,12 @@ def plan_for(spec: JobSpec, topo: Topology, replan: bool) -> Replan:
         new = replan_job(spec, topo)
         fits = [] if snapshot_problem(spec, new.result.best.candidate, topo) is None else [
             p for p in new.result.plans if snapshot_problem(spec, p.candidate, topo) is None]
-        # (among the plans weighed: one leaving more accelerators idle holds no less on a
-        # node, its ranks' shards larger by as much as there are fewer of them)
+        if not fits and new.result.unpriced and snapshot_problem(
+                spec, new.result.best.candidate, topo) is not None:
+            # none weighed fits: those leaving more accelerators idle too (usually no lighter
+            # on a node, their ranks' shards larger by as much as they are fewer: not always)
+            new = dataclasses.replace(new, result=plan(new.result.request, topo, every=True))
+            fits = [p for p in new.result.plans if snapshot_problem(spec, p.candidate, topo) is None]
         if fits:  # the fastest plan whose snapshots fit (a DDP rank's hold the whole state:
             # dp times a ZeRO-3 rank's)
             head = new.result.first_priced(fits)  # (priced stage by stage, as the first are)

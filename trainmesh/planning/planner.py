@@ -491,7 +491,8 @@ def _plan(req: PlanRequest, topo: Topology, long: bool | None, every: bool) -> P
     too_big: dict[tuple, float] = {}  # (_without_ep)
     # The search's order puts fewer accelerators idle before any speed (``_order``): the
     # layouts are priced a tier of idle accelerators at a time, fewest first, and once the
-    # tiers priced hold PLANS_WEIGHED feasible plans, those leaving more idle
+    # tiers priced hold PLANS_WEIGHED feasible plans of two layouts of degrees or more, those
+    # leaving more idle
     # are dominated — none could come before them — and are counted, not priced
     # (``PlanResult.unpriced``; ``every``: priced all the same).
     tiers: dict[int, list[Layout]] = {}
@@ -540,7 +541,9 @@ def _plan(req: PlanRequest, topo: Topology, long: bool | None, every: bool) -> P
 
     unpriced = 0  # (layouts)
     for n, idle in enumerate(order):
-        if len(ranked) >= max(1, PLANS_WEIGHED) and not every:
+        # (and two layouts of degrees at least: ``explain`` names the best other one)
+        if (len(ranked) >= max(1, PLANS_WEIGHED) and not every
+                and len({degrees_of(p.candidate) for p in ranked}) >= 2):
             unpriced = sum(len(tiers[i]) for i in order[n:])
             break
         for layout in tiers[idle]:
@@ -582,7 +585,7 @@ def _by_stage(ranked: list[RankedPlan], price: Callable[[RankedPlan], RankedPlan
               first: int | None = None) -> list[RankedPlan]:
     """``ranked`` in the search's order with its ``first`` (default PRICED_FIRST) plans
     priced stage by stage (``estimate``'s ``by_stage``: each pipeline stage at its own cost,
-    the simulator playing the schedule). A search prices every candidate at the least its
+    the simulator playing the schedule). A search prices every plan it weighs at the least its
     stages allow (``candidate._least_makespan``: no play, a bound the play never beats), so
     plans are priced in that order until the next one's bound is slower than the
     ``first``-th priced: none left at its bound can come before them."""
@@ -596,6 +599,11 @@ def _by_stage(ranked: list[RankedPlan], price: Callable[[RankedPlan], RankedPlan
             ranked[i] = p = price(p)
         bisect.insort(done, _order(p))
     return sorted(ranked, key=_order)
+
+
+def degrees_of(c: Candidate) -> tuple[int, ...]:
+    """What makes two plans different layouts to ``explain``: (tp, pp, dp, vpp, cp)."""
+    return c.tp, c.pp, c.dp, c.vpp, c.cp
 
 
 def _without_ep(c: Candidate) -> tuple:

@@ -16,6 +16,7 @@ Pure: plain integers in, problems out."""
 from __future__ import annotations
 
 import functools
+import math
 from typing import Protocol
 
 from trainmesh.spec.problems import Problem
@@ -147,7 +148,7 @@ def dp_problems(global_batch: int, microbatch_size: int, dp: int, pp: int = 1) -
 @functools.lru_cache(maxsize=1024)
 def divisors(n: int) -> tuple[int, ...]:
     """``n``'s divisors, ascending (a plan's search names them in messages ~10^4 times)."""
-    low = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    low = [d for d in range(1, math.isqrt(max(n, 0)) + 1) if n % d == 0]
     return tuple(low + [n // d for d in reversed(low) if d * d != n])
 
 
