@@ -34,6 +34,7 @@ from trainmesh.spec.problems import Problem
 BYTE_TOKENIZER_VOCAB = 257
 INTERLEAVED = ("interleaved-1f1b", "zbv", "dualpipev")  # schedules running vpp > 1 chunks a rank
 V_SHAPED = ("zbv", "dualpipev")  # ... two of them in a V (stages r and 2·pp−1−r on rank r)
+SPLIT_BACKWARD = ("zb-h1", "zbv", "dualpipev")  # backwards split into I and W (some, DualPipeV)
 
 
 class LayoutLike(Protocol):
@@ -167,11 +168,12 @@ def layout_problems(work: Workload, lay: LayoutLike, runnable: bool = True) -> l
                                    "exchange does not take", "set model.moe.capacity_factor="
                                    "null (dropless), parallelism.tp=1 and parallelism.cp=1, "
                                    "or model.mtp=null"))
-            if v in V_SHAPED and lay.pp > 1:
-                out.append(Problem("schedule.name", f"{v} beside model.mtp: its V puts the last "
-                                   "stage, which holds the prediction modules, on the first "
-                                   "stage's rank, which is not built", "use schedule.name="
-                                   "interleaved-1f1b or 1f1b, or model.mtp=null"))
+            if v in SPLIT_BACKWARD and lay.pp > 1:
+                out.append(Problem("schedule.name", f"{v} beside model.mtp is not built: its "
+                                   "backward split in two (input gradients, then weights' "
+                                   "later) does not yet run through the prediction modules, "
+                                   "which share one embedding lookup", "use schedule.name="
+                                   "1f1b or interleaved-1f1b, or model.mtp=null"))
 
     return out
 
