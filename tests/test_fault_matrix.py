@@ -407,8 +407,11 @@ def test_every_fault_is_recovered_warm_in_seconds_with_nothing_lost(cluster, tmp
                                                        str(tmp_path))).read_text())
     hung = next(e for e in events if e["kind"] == "failure" and "HangDetected" in e["cause"])
     assert frozen["at"] < hung["time"], (frozen, hung)
-    print(f"frozen machine: its ranks found hung {hung['time'] - markers['hang'].stat().st_mtime:.1f} s "
-          "after the first froze")
+    froze = markers["hang"].stat().st_mtime
+    hung_rec = next(r for r in recs if "HangDetected" in r["cause"])
+    print(f"frozen machine: its ranks found hung {hung['time'] - froze:.1f} s after the first "
+          f"froze; the next step {hung_rec['failed_at'] + hung_rec['downtime_s'] - froze:.1f} s "
+          f"after it (bound {spec.elastic.hang_timeout_s:g} s, recovery {hung_rec['mode']})")
     assert len(frozen["pids"]) >= 5 and set(frozen["at_kill"].values()) == {"T"}, frozen
     hung_pids = set(frozen["pids"][:2])
     kept = [(set(a), set(b)) for a, b in zip(s["rank_pids"], s["rank_pids"][1:], strict=False)
