@@ -75,6 +75,30 @@ def _label(result) -> str:
     return f"({c.tp}, {c.pp}, {c.dp}, {c.ep}, {c.vpp})" if c else "-"
 
 
+# float8 tensorwise under torch.compile on the same H200 (2026-11-27, bench/RESULTS.md): step s
+# by (model, global batch, microbatch size); the cost model's float8 constants are fitted to
+# the first (its cast bytes, to the step's ratio to bf16's) and the last (its host factor).
+H200_FLOAT8_S = {("8b8", 16, 4): 0.695, ("8b8", 8, 2): 0.394, ("1b", 8, 2): 0.500}
+FLOAT8_FITTED = {("8b8", 16, 4), ("1b", 8, 2)}
+
+
+def float8_table() -> None:
+    h200 = device_spec("h200")
+    print("\nOne H200, seq 2048, float8 tensorwise: step s, the cost model beside what the GPU "
+          "ran ('recorded', 2026-11-27); rows marked * are the float8 constants' fitting points")
+    print(f"{'model':>6} {'batch':>5} {'microbatch':>10} {'bf16 pred':>9} {'float8 pred':>11} "
+          f"{'recorded':>9} {'ratio':>6} {'host-bound':>10}")
+    for (name, batch, mbs), recorded in H200_FLOAT8_S.items():
+        model = load_spec(None, MODELS[name]).model
+        c = Candidate(1, 1, 1, 1, "1f1b", mbs, batch // mbs, "none")
+        bf16, f8 = (estimate(model, c, 2048, h200, 1, compute_bytes=2, fused=True, float8=f)
+                    for f in ("none", "tensorwise"))
+        fitted = "*" if (name, batch, mbs) in FLOAT8_FITTED else " "
+        print(f"{name:>5}{fitted} {batch:>5} {mbs:>10} {bf16.step_time_s:>9.3f} "
+              f"{f8.step_time_s:>11.3f} {recorded:>9.3f} {f8.step_time_s / recorded:>6.2f} "
+              f"{'yes' if f8.host_bound else 'no':>10}")
+
+
 def main() -> None:
     model = load_spec(None, ["model.preset=70b"]).model
     print("Llama 70B, seq 8192, global batch max(GPUs, 1024), nodes of 8 H100. 'plan s': the "
@@ -119,6 +143,7 @@ def main() -> None:
                   f"{len(result.plans):>8} {len(every.plans):>9} {len(every.rejected):>9}  "
                   f"{_label(result)}{same}")
     microbatch_table()
+    float8_table()
 
 if __name__ == "__main__":
     main()

@@ -936,3 +936,78 @@ def test_the_search_prices_tiers_of_idle_accelerators_fewest_first(preset, nodes
     # the explanation's best other layout is the one pricing all gives
     other = re.search(r"The best other layout \(([^)]*)\)", explain(every))
     assert other and other.group(1) in explain(fast)
+
+
+@pytest.mark.parametrize("preset", ["1b", "8b", "qwen3-30b-a3b", "mixtral-8x7b", "tiny-dsv3",
+                                    "deepseek-v2-lite", "deepseek-v3-671b"])
+def test_the_float8_linears_are_the_blocks_matmul_parameters(preset):
+    """``model_math.linear_shapes``: every matrix of a block's attention and MLP (experts one
+    per expert), less the router and the norms, for dense, GQA with q/k norms, MoE and latent
+    attention (with and without the query's low-rank pair)."""
+    from trainmesh.models.llama.model_math import attention_params, linear_shapes, mlp_params
+
+    m = _model(preset)
+    mla, moe = getattr(m, "mla", None), getattr(m, "moe", None)
+    norms = (2 * (m.head_dim or m.dim // m.n_heads) if getattr(m, "qk_norm", False) else 0) + (
+        (mla.q_lora_rank or 0) + mla.kv_lora_rank if mla is not None else 0)
+    for layer in {0, m.n_layers - 1}:
+        router = m.dim * moe.experts if moe is not None and layer >= moe.dense_layers else 0
+        held = sum(a * b * n for a, b, _, n in linear_shapes(m, layer))
+        assert held + router + norms == attention_params(m) + mlp_params(m, layer), layer
+
+
+def test_float8_is_priced_as_its_matmuls_at_the_float8_peak_less_their_casts():
+    """``training.float8``: the blocks' linears at the device's float8 peak, less their casts
+    (memory-bound: each linear's input and output per token, its weights per microbatch), and
+    the host issuing more kernels. On an H200 the 8B shape gains more at microbatch 4 than at
+    2 (its weights' casts shared by more tokens: measured 0.83× and 0.86× of bf16's step),
+    `1b` at microbatch 2 is slower (host-bound: measured 1.5×); nothing changes on CPU ranks
+    (emulated); a GPU without float8 is refused naming the field; an MoE block's routed
+    experts cast only the rank's experts' weights."""
+    from trainmesh.planning.cost_model import estimate, float8_parts
+
+    h200, cpu = device_spec("h200"), device_spec("cpu")
+
+    def step(preset_args, batch, mbs, float8, device=h200, ep=1):
+        model = load_spec(None, preset_args).model
+        c = dataclasses.replace(candidate.Candidate(1, 1, max(ep, 1), 1, "1f1b", mbs, batch // mbs,
+                                                    "none"), ep=ep)
+        return estimate(model, c, 2048, device, 1, compute_bytes=2, fused=True, float8=float8)
+
+    eight = ["model.preset=8b", "model.n_layers=8"]
+    ratios = {}
+    for mbs, batch in ((4, 16), (2, 8)):
+        bf16, f8 = step(eight, batch, mbs, "none"), step(eight, batch, mbs, "tensorwise")
+        assert f8.step_time_s < bf16.step_time_s and not f8.host_bound
+        assert f8.float8_gain_s == pytest.approx(bf16.step_time_s - f8.step_time_s)
+        assert bf16.float8_gain_s == 0
+        ratios[mbs] = f8.step_time_s / bf16.step_time_s
+    assert ratios[4] < ratios[2] < 1
+    small = step(["model.preset=1b"], 8, 2, "tensorwise")
+    assert small.host_bound and small.float8_gain_s < 0
+    on_cpu = [step(eight, 16, 4, f8, cpu) for f8 in ("none", "tensorwise")]
+    assert on_cpu[0] == on_cpu[1]
+    # experts: the rank's share of the routed experts' weights is cast, its tokens' copies
+    moe = load_spec(None, ["model.preset=mixtral-8x7b"]).model
+    c1, c8 = (dataclasses.replace(candidate.Candidate(1, 1, 8, 1, "1f1b", 1, 8, "none"), ep=e)
+              for e in (1, 8))
+    (lin1, cast1), (lin8, cast8) = (float8_parts(moe, c, 2048, h200) for c in (c1, c8))
+    assert lin1 == lin8 and cast8 < cast1
+    # a GPU without float8 matmuls: refused, naming the field
+    spec = load_spec(None, ["model.preset=8b", "parallelism=auto", "training.float8=tensorwise",
+                            "model.compile=true", "training.global_batch_size=64",
+                            "training.seq_len=8192"])
+    result = plan(request_for(spec), Topology.uniform(1, 8, "a100-80gb"))
+    assert not result.plans and "training.float8=none" in summarize(result)
+    with pytest.raises(PlanError, match="training.float8"):
+        plan_job(spec, Topology.uniform(1, 8, "a100-80gb"))
+    # ... and on one that has them, the explanation says what it gains
+    text = explain(plan(request_for(spec), Topology.uniform(1, 8, "h100")))
+    assert re.search(r"float8 \(tensorwise\) linears: predicted [\d.]+ s a step faster than bf16",
+                     text), text
+
+
+def summarize(result) -> str:
+    from trainmesh.planning.planner import summarize_rejections
+
+    return summarize_rejections(result.rejected)

@@ -39,7 +39,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from trainmesh.models.llama.model_math import blocks_held, flops_per_token, stage_flops
+from trainmesh.models.llama.model_math import (
+    blocks_held,
+    flops_per_token,
+    linear_shapes,
+    stage_flops,
+)
 from trainmesh.planning.candidate import (
     CHUNKED,
     GIB,
@@ -68,6 +73,17 @@ DDP_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size (bucket_cap_mb)
 # sharding choice at scale rests on them.
 HOP_LATENCY_INTER_S = 5e-6
 HOP_LATENCY_INTRA_S = 1e-6
+# training.float8 (``float8_parts``): the blocks' linears (and experts) at the device's float8
+# peak, less what their casts cost: bytes moved per element cast (each linear's input and
+# output per token, its weight per microbatch: reading, finding the scale, writing, forward and
+# backward), fitted to the step ratio of 8 of Llama 3 8B's blocks at microbatch 4 on an H200
+# (tensorwise, under torch.compile: 0.695 s against bf16's 0.837); and the host's time to
+# issue a block's work, this many times bf16's (the scaling and cast kernels), fitted to `1b`
+# at microbatch 2 there (0.500 s, the GPU 47% busy). The 8B shape at microbatch 2, not fitted
+# to: 0.393 s predicted, 0.394 measured (bench/planner.py). Rowwise scales and the experts'
+# grouped GEMMs: assumed alike (not measured).
+FLOAT8_CAST_BYTES = 28.0
+FLOAT8_HOST_FACTOR = 2.05
 
 
 @dataclass(frozen=True)
@@ -91,6 +107,9 @@ class Estimate:
     ep_overlap: bool = False  # the all-to-alls in two halves (``parallelism.ep_overlap``)
     # The step time the halves save, or would (negative: where they cost more)
     ep_overlap_gain_s: float = 0.0
+    # training.float8: the step time its matmuls save less what its casts (and the host's extra
+    # work, where that bounds the step) cost (negative: slower than bf16)
+    float8_gain_s: float = 0.0
 
 
 def _ring_latency(participants: int, crosses_nodes: bool) -> float:
@@ -243,9 +262,31 @@ def ep_exposed(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: 
     return whole, (forwards * fwd + bwd) * layers * c.num_microbatches
 
 
+def float8_parts(model, c: Candidate, seq_len: int, device: DeviceSpec) -> tuple[float, float]:
+    """(the bf16 seconds a rank's float8 linears — ``model_math.linear_shapes``, its blocks'
+    share — take per step, the seconds their casts add), the matmuls at MATMUL_EFFICIENCY of
+    the dense peak: at the float8 peak they take ``peak / float8_tflops`` of it. Casts:
+    FLOAT8_CAST_BYTES per element at the device's memory bandwidth, each linear's input and
+    output per token copy, its weights per microbatch (routed experts: the rank's, 1/ep)."""
+    n, moe = model.n_layers, getattr(model, "moe", None)
+    dense = min(n, moe.dense_layers) if moe is not None else n
+    flops = acts = weights = 0.0
+    for layer, count in ((0, dense), (n - 1, n - dense)):
+        for a, b, k, held in linear_shapes(model, layer) if count else ():
+            flops += count * 6 * a * b * k
+            acts += count * (a + b) * k
+            weights += count * a * b * (held / c.ep if held > 1 else 1)
+    share = c.blocks(model) / n / c.tp  # (float8 is refused beside tp: kept for the form)
+    tokens = c.num_microbatches * c.microbatch_size * seq_len / c.cp
+    linear_s = flops * tokens * share / (device.peak_tflops * 1e12 * MATMUL_EFFICIENCY)
+    cast = FLOAT8_CAST_BYTES * (acts * tokens + weights * c.num_microbatches) * share
+    return linear_s, cast / (device.hbm_gbps * 1e9)
+
+
 def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: int,
              compute_bytes: int = 2, fused: Fused = False,
-             memory: float | None = None, by_stage: bool = True) -> Estimate:
+             memory: float | None = None, by_stage: bool = True,
+             float8: str = "none") -> Estimate:
     """``c``'s step time and throughput (module docstring) and its memory per rank
     (``memory``: the bytes ``memory_bytes`` gave for it, where the caller has them).
     ``by_stage``: a pipeline's bubble from its stages' own costs (``model_math.stage_flops``,
@@ -261,12 +302,18 @@ def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: in
     # Per block and microbatch: the device's fixed cost, and the host issuing the work.
     device_s = (ideal + layers * c.num_microbatches * device.kernel_overhead_s) * again
     host_s = layers * c.num_microbatches * device.host_dispatch_s * again
+    bf16_busy = max(device_s, host_s)
+    if float8 != "none" and device.float8_tflops > 0:
+        linear_s, cast_s = float8_parts(model, c, seq_len, device)
+        device_s += (cast_s - linear_s * (1 - device.peak_tflops / device.float8_tflops)) * again
+        host_s *= FLOAT8_HOST_FACTOR
     stages = (memo("stage_flops", model, (seq_len, c.pp * c.vpp, c.stage_layers),
                    lambda: stage_flops(model, seq_len, c.pp * c.vpp, c.stage_layers))
               if c.pp > 1 else None)
     bubble = bubble_fraction(c.schedule, c.pp, c.vpp, c.num_microbatches, stages,
                              bound=not by_stage)
     compute = max(device_s, host_s) / (1.0 - bubble)
+    f8_gain = bf16_busy / (1.0 - bubble) - compute  # (0 without float8)
     moe = getattr(model, "moe", None)
     ep_comm, ep_gain = 0.0, 0.0
     if moe is not None and c.ep > 1:
@@ -311,4 +358,4 @@ def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: in
         mfu=achieved / (device.peak_tflops * 1e12), bubble_fraction=bubble, compute_s=compute,
         tp_comm_s=tp_comm, pp_comm_s=pp_comm, dp_exposed_s=dp_exposed, ep_comm_s=ep_comm,
         cp_comm_s=cp_comm, host_bound=host_s > device_s, by_stage=by_stage or c.pp == 1,
-        ep_overlap=c.ep_overlap and c.ep > 1, ep_overlap_gain_s=ep_gain)
+        ep_overlap=c.ep_overlap and c.ep > 1, ep_overlap_gain_s=ep_gain, float8_gain_s=f8_gain)

@@ -30,15 +30,19 @@ class DeviceSpec:
     # apart yet, so the host figure bounds it.
     kernel_overhead_s: float = 0.78e-3
     host_dispatch_s: float = 3.8e-3
+    # Dense float8 peak (0: no float8 matmuls: ``training.float8`` is refused there, or on CPU
+    # emulated and not priced) and memory bandwidth (float8's casts are memory-bound), GB/s
+    float8_tflops: float = 0.0
+    hbm_gbps: float = 0.0
 
 
 DEVICES: dict[str, DeviceSpec] = {
-    "h100": DeviceSpec("h100", 80, 989.0, 450.0, 50.0),
-    "h200": DeviceSpec("h200", 141, 989.0, 450.0, 50.0),
-    "a100-40gb": DeviceSpec("a100-40gb", 40, 312.0, 300.0, 25.0),
-    "a100-80gb": DeviceSpec("a100-80gb", 80, 312.0, 300.0, 25.0),
-    "b200": DeviceSpec("b200", 192, 2250.0, 900.0, 50.0),
-    "l40s": DeviceSpec("l40s", 48, 362.0, 32.0, 12.5),
+    "h100": DeviceSpec("h100", 80, 989.0, 450.0, 50.0, float8_tflops=1979.0, hbm_gbps=3350.0),
+    "h200": DeviceSpec("h200", 141, 989.0, 450.0, 50.0, float8_tflops=1979.0, hbm_gbps=4800.0),
+    "a100-40gb": DeviceSpec("a100-40gb", 40, 312.0, 300.0, 25.0, hbm_gbps=1555.0),
+    "a100-80gb": DeviceSpec("a100-80gb", 80, 312.0, 300.0, 25.0, hbm_gbps=2039.0),
+    "b200": DeviceSpec("b200", 192, 2250.0, 900.0, 50.0, float8_tflops=4500.0, hbm_gbps=8000.0),
+    "l40s": DeviceSpec("l40s", 48, 362.0, 32.0, 12.5, float8_tflops=733.0, hbm_gbps=864.0),
     # One CPU rank (one core's share): a nominal fp32 figure so MFU has a denominator.
     # Its host is its device: per-op costs sit inside the nominal throughput.
     "cpu": DeviceSpec("cpu", 8, 0.1, 5.0, 1.0, framework_gib=0.65, streams=False,

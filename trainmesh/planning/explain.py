@@ -149,6 +149,14 @@ def explain(result: PlanResult) -> str:
         parts.append(f"The best other layout (tp={n.tp}, pp={n.pp}, dp={n.dp}, cp={n.cp}, vpp={n.vpp}, "
                      f"{n.schedule}, recompute {n.recompute}{more}) is predicted "
                      f"{abs(gap):.1%} {'slower' if gap >= 0 else 'faster'}.")
+    float8 = result.request.float8 if result.request is not None else "none"
+    if float8 != "none" and result.device is not None and result.device.float8_tflops:
+        g = e.float8_gain_s
+        parts.append(f"float8 ({float8}) linears: predicted {abs(g):.3g} s a step "
+                     f"{'faster' if g >= 0 else 'slower'} than bf16 (their matmuls at the "
+                     f"float8 peak, {result.device.float8_tflops:g} TFLOP/s, less their casts"
+                     + ("; the host issuing the casts' kernels bounds the step" if e.host_bound
+                        else "") + ").")
     if result.rejected:
         parts.append("Rejected: " + summarize_rejections(result.rejected) + ".")
     if result.unpriced:

@@ -481,6 +481,12 @@ def _plan(req: PlanRequest, topo: Topology, long: bool | None, every: bool) -> P
     limit = topo.device.memory_gib * MEMORY_HEADROOM * 1024**3
     fused = uses_fused_kernels(req.kernels, topo.device.name, req.compiled)
     ranked, rejected = [], []
+    if req.float8 != "none" and not topo.device.float8_tflops and topo.device.name != "cpu":
+        return PlanResult([], [Rejection(None, f"float8: training.float8={req.float8} needs "
+                                               f"float8 matmuls, which the {topo.device.name} "
+                                               "has not (H100, H200, L40S, B200 have): set "
+                                               "training.float8=none")],
+                          req.model, topo.device, None, req)
     layouts: dict[tuple[int, int], tuple[int, ...]] = {}
     work, checked = req.workload, {}
     # Expert parallel degrees ≥ 2 of one layout come largest first (``_ep_choices``), and a
@@ -536,7 +542,7 @@ def _plan(req: PlanRequest, topo: Topology, long: bool | None, every: bool) -> P
             layouts[key] = topo.allocate(c.tp, c.world_size)
         node_ranks = layouts[key]
         est = estimate(req.model, c, req.seq_len, topo.device, node_ranks[0], req.compute_bytes,
-                       fused, mem, by_stage=False)
+                       fused, mem, by_stage=False, float8=req.float8)
         ranked.append(RankedPlan(c, est, topo.world_size - c.world_size, node_ranks))
 
     unpriced = 0  # (layouts)
@@ -553,7 +559,7 @@ def _plan(req: PlanRequest, topo: Topology, long: bool | None, every: bool) -> P
     def price(p: RankedPlan) -> RankedPlan:
         return dataclasses.replace(p, estimate=estimate(
             req.model, p.candidate, req.seq_len, topo.device, p.node_ranks[0], req.compute_bytes,
-            fused, p.estimate.memory_per_rank_gib * 1024**3))
+            fused, p.estimate.memory_per_rank_gib * 1024**3, float8=req.float8))
     return PlanResult(_by_stage(ranked, price), rejected, req.model, topo.device, price, req,
                       unpriced)
 

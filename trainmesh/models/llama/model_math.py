@@ -48,6 +48,31 @@ def attention_params(shape) -> int:
     return q + kv + h * mla.v_head_dim * d
 
 
+def linear_shapes(shape, layer: int | None = None) -> list[tuple[int, int, float, int]]:
+    """The linear layers of block ``layer`` (None: an MoE block if the model has any) that
+    ``training.float8`` runs in float8, as (in features, out features, copies of a token
+    through it, matrices of that shape the block holds): the attention's projections, the
+    SwiGLU's three, or the routed experts' (top_k copies of a token; one matrix per expert)
+    and the shared experts'; not the router."""
+    d, h, mla = shape.dim, shape.n_heads, getattr(shape, "mla", None)
+    if mla is None:
+        hd, kv = head_dim(shape), shape.n_kv_heads
+        out = [(d, h * hd, 1.0, 1), (d, kv * hd, 1.0, 1), (d, kv * hd, 1.0, 1), (h * hd, d, 1.0, 1)]
+    else:
+        qk, qr, lat = mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.q_lora_rank, mla.kv_lora_rank
+        out = ([(d, h * qk, 1.0, 1)] if qr is None else [(d, qr, 1.0, 1), (qr, h * qk, 1.0, 1)]) + [
+            (d, lat + mla.qk_rope_head_dim, 1.0, 1),
+            (lat, h * (mla.qk_nope_head_dim + mla.v_head_dim), 1.0, 1),
+            (h * mla.v_head_dim, d, 1.0, 1)]
+    moe = _moe(shape, layer)
+    if moe is None:
+        return out + [(d, shape.ffn_dim, 1.0, 1)] * 2 + [(shape.ffn_dim, d, 1.0, 1)]
+    f, k, e = moe.expert_ffn_dim, float(moe.top_k), moe.experts
+    wide = moe.shared_experts * f
+    return out + [(d, f, k, e)] * 2 + [(f, d, k, e)] + (
+        [(d, wide, 1.0, 1)] * 2 + [(wide, d, 1.0, 1)] if wide else [])
+
+
 def attention_replicated(shape) -> int:
     """The attention's parameters that tensor parallel leaves whole on every tp rank: the
     per-head q/k norms, or Multi-head Latent Attention's latent projections with their norms
