@@ -247,7 +247,8 @@ class Engine:
         apply_activation_checkpointing(self.model, spec.activation_checkpoint.mode,
                                        spec.activation_checkpoint.stride)
         if spec.model.compile:
-            apply_compile(self.model, mesh.size(Axis.PP) > 1 and splits_backward(spec.schedule.name))
+            apply_compile(self.model, mesh.size(Axis.PP) > 1 and splits_backward(spec.schedule.name),
+                          prediction_blocks=mesh.size(Axis.TP) == 1)
         return experts
 
     def _model_hooks(self) -> ModelHooks:

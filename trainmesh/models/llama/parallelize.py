@@ -268,7 +268,8 @@ class MTPContextParallel:
         return rows, whole[:, wanted], share
 
 
-def apply_compile(model: nn.Module, split_backward: bool = False) -> nn.Module:
+def apply_compile(model: nn.Module, split_backward: bool = False,
+                  prediction_blocks: bool = True) -> nn.Module:
     """torch.compile every transformer block in place (``Module.compile``: the block keeps its
     name and its parameters theirs, so checkpoints do not change): regional compilation, one
     compiled graph shared by blocks of the same shape. After TP and activation checkpointing
@@ -276,10 +277,13 @@ def apply_compile(model: nn.Module, split_backward: bool = False) -> nn.Module:
     graph). What cannot be traced — context parallel's ring, an MoE block's dispatch with its
     host sync — runs eagerly between graphs. ``split_backward`` (zero-bubble schedules: the
     input gradients first, the weights' later, keeping the graph): the compiled backward may
-    not donate its buffers to the first part (a process-wide torch setting)."""
+    not donate its buffers to the first part (a process-wide torch setting).
+    ``prediction_blocks``: the multi-token modules' blocks too (False beside tensor parallel:
+    dynamo fails on them there, a RecursionError while tracing, torch 2.13; they run eagerly,
+    a block or two beside the model's)."""
     if split_backward:
         torch._functorch.config.donated_buffer = False
-    for block in [*model.layers.values(), *mtp_blocks(model)]:
+    for block in [*model.layers.values(), *(mtp_blocks(model) if prediction_blocks else ())]:
         block.compile()
     return model
 
