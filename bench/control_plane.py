@@ -9,8 +9,9 @@ simulated nodes of 8 accelerators (``ray.cluster_utils.Cluster``) on this one ma
 Per rank count, one job of --steps steps (a checkpoint at the middle step, an in-memory
 snapshot every 10 steps): the controller's CPU seconds per step over its training loop (its
 thread's), controller → rank calls per rank per step (every call each rank received, counted
-by the rank), start → first step, each checkpoint's and snapshot's coordination (the
-controller's call: the ranks' writes are a few bytes here); then, unless --no-kill, a second
+by the rank), start → first step (and the controller thread's CPU seconds in it), each
+checkpoint's and snapshot's coordination (the controller's call: the ranks' writes are a few
+bytes here); then, unless --no-kill, a second
 job in which one rank's process exits mid-run: its death → the first step on the new mesh
 (orchestration only); then, with --long N, a job of N steps with no checkpoint and no
 snapshot, whose only boundaries are the segments' own: the controller's CPU per step amortised
@@ -78,6 +79,17 @@ def cluster_of(ranks: int):
     return cluster
 
 
+def settled(timeout_s: float = 600.0) -> None:
+    """Wait until every accelerator of the cluster is free again: a job's rank processes exit
+    after it returns, and the next job's could not all start beside them (128 ranks, 2 cores)."""
+    import ray
+
+    total = ray.cluster_resources().get("GPU", 0)
+    end = time.monotonic() + timeout_s
+    while ray.available_resources().get("GPU", 0) < total and time.monotonic() < end:
+        time.sleep(1.0)
+
+
 def slope(xs: list[float], ys: list[float]) -> float:
     mx, my = statistics.mean(xs), statistics.mean(ys)
     den = sum((x - mx) ** 2 for x in xs)
@@ -108,9 +120,11 @@ def main() -> None:
                                   "calls": [x["calls"] for x in s["calls"][:2]]}), flush=True)
                 rec = long = None
                 if not args.no_kill:
+                    settled()
                     k = job(n, args.step_s, args.steps, Path(tmp) / "b", kill=True)
                     rec = k["recoveries"][0] if k["recoveries"] else None
                 if args.long:
+                    settled()
                     long = job(n, args.step_s, args.long, Path(tmp) / "c", kill=False, saves=False)["control"]
             finally:
                 ray.shutdown()
@@ -120,6 +134,7 @@ def main() -> None:
         row = {"ranks": n, "cpu_ms_per_step": 1e3 * c["cpu_s"] / c["steps"],
                "calls_per_rank_step": statistics.mean(per_rank) / c["steps"] if per_rank else None,
                "segments": c["segments"], "first_step_s": c["first_step_s"],
+               "first_step_cpu_s": c.get("first_step_cpu_s"),
                "boundary_ms": 1e3 * statistics.median(c["boundary_cpu_s"]) if c["boundary_cpu_s"] else None,
                "save_s": statistics.median(c["save_s"]) if c["save_s"] else None,
                "snapshot_s": statistics.median(c["snapshot_s"]) if c["snapshot_s"] else None,
@@ -136,22 +151,22 @@ def main() -> None:
     print(f"\nstand-in ranks, {args.step_s * 1e3:.0f} ms steps, {args.steps} steps, simulated "
           "nodes of 8 on one 2-core machine")
     print("\n| ranks | controller CPU ms / step | boundary CPU ms (per rank) | calls / rank / step | "
-          "segments | start → first step s | checkpoint s | snapshot s | death → step s | "
-          f"long job ({args.long} steps): CPU ms / step (segments) |")
+          "segments | start → first step s (controller CPU s) | checkpoint s | snapshot s | "
+          f"death → step s | long job ({args.long} steps): CPU ms / step (segments) |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         per = None if r["boundary_ms"] is None else r["boundary_ms"] / r["ranks"]
         print(f"| {r['ranks']} | {f(r['cpu_ms_per_step'], '{:.3f}')} | "
               f"{f(r['boundary_ms'])} ({f(per, '{:.3f}')}) | "
               f"{f(r['calls_per_rank_step'], '{:.3f}')} | {r['segments']} | "
-              f"{f(r['first_step_s'])} | {f(r['save_s'], '{:.3f}')} | "
+              f"{f(r['first_step_s'])} ({f(r['first_step_cpu_s'])}) | {f(r['save_s'], '{:.3f}')} | "
               f"{f(r['snapshot_s'], '{:.3f}')} | {f(r['death_to_step_s'])} | "
               f"{f(r['long_cpu_ms_per_step'], '{:.3f}')} ({r['long_segments'] or '-'}) |")
     if len(rows) > 1:
         xs = [r["ranks"] for r in rows]
         print("\nslope per rank added (least squares):")
-        for key in ("cpu_ms_per_step", "boundary_ms", "first_step_s", "save_s", "snapshot_s",
-                    "death_to_step_s", "long_cpu_ms_per_step"):
+        for key in ("cpu_ms_per_step", "boundary_ms", "first_step_s", "first_step_cpu_s",
+                    "save_s", "snapshot_s", "death_to_step_s", "long_cpu_ms_per_step"):
             ys = [r[key] for r in rows]
             if all(y is not None for y in ys):  # (in ms: the seconds' keys scaled)
                 scale = 1.0 if "ms" in key else 1e3

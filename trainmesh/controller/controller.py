@@ -109,9 +109,10 @@ class Controller(TrainingLoop):
         # from the run's start to its first step, each save's and snapshot's coordination, what
         # ended the segments (``RankWorker.train_segment``'s reasons, counted).
         self.control: dict[str, Any] = {"cpu_s": 0.0, "segments": 0, "steps": 0, "ended": {},
-                                        "first_step_s": None, "save_s": [], "snapshot_s": [],
-                                        "boundary_cpu_s": []}
+                                        "first_step_s": None, "first_step_cpu_s": None,
+                                        "save_s": [], "snapshot_s": [], "boundary_cpu_s": []}
         self._t_run = time.monotonic()
+        self._t_run_cpu = time.thread_time()  # (the controller thread's: its start's CPU cost)
         self.evals = Evaluator(self.spec)
         self.memory = MemoryTier(self.spec.checkpoint.in_memory.every)
 
@@ -135,7 +136,7 @@ class Controller(TrainingLoop):
         self.notices.append(text)
 
     def run(self) -> dict[str, Any]:
-        self._t_run = time.monotonic()
+        self._t_run, self._t_run_cpu = time.monotonic(), time.thread_time()
         self.out.mkdir(parents=True, exist_ok=True)
         broken = earlier_run_problems(self.spec, self.ckpts.store)
         if broken:

@@ -77,6 +77,7 @@ class TrainingLoop:
             self.control["steps"] += stats[0]["step"] - step
             if self.control["first_step_s"] is None:
                 self.control["first_step_s"] = time.monotonic() - self._t_run
+                self.control["first_step_cpu_s"] = time.thread_time() - self._t_run_cpu
             step = stats[0]["step"]
             done = AfterStep(step, step == tr.steps, stats, stats[0]["wall_s"], group, dims, tracker)
             self.losses.append(stats[0]["loss"])
