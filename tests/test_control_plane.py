@@ -63,6 +63,7 @@ def test_a_40_step_job_calls_each_rank_once_per_segment(ray_local, tmp_path):
     assert set(control["ended"]) <= {"steps", "save_written", "time"}, control["ended"]
     assert control["ended"].get("steps") == 3 and extra <= 1 + wall_s // SEGMENT_S, control["ended"]
     assert control["segments"] == 3 + extra and control["steps"] == 40, control
+    assert 0 < control["first_step_cpu_s"] < control["first_step_s"], control
     counted = _calls(calls_dir)
     assert sorted(c["rank"] for c in counted) == [0, 1]
     for c in counted:

@@ -952,8 +952,11 @@ def test_the_float8_linears_are_the_blocks_matmul_parameters(preset):
         (mla.q_lora_rank or 0) + mla.kv_lora_rank if mla is not None else 0)
     for layer in {0, m.n_layers - 1}:
         router = m.dim * moe.experts if moe is not None and layer >= moe.dense_layers else 0
-        held = sum(a * b * n for a, b, _, n in linear_shapes(m, layer))
+        shapes = linear_shapes(m, layer)
+        held = sum(a * b * n for a, b, _, n in shapes)
         assert held + router + norms == attention_params(m) + mlp_params(m, layer), layer
+        used = sum(a * b * k for a, b, k, _ in shapes)  # (a token's: top_k experts)
+        assert used + router + norms == attention_params(m) + mlp_params(m, layer, active=True)
 
 
 def test_float8_is_priced_as_its_matmuls_at_the_float8_peak_less_their_casts():
@@ -983,6 +986,7 @@ def test_float8_is_priced_as_its_matmuls_at_the_float8_peak_less_their_casts():
         assert bf16.float8_gain_s == 0
         ratios[mbs] = f8.step_time_s / bf16.step_time_s
     assert ratios[4] < ratios[2] < 1
+    assert ratios[4] == pytest.approx(0.695 / 0.837, abs=0.02)  # (the fitting point)
     small = step(["model.preset=1b"], 8, 2, "tensorwise")
     assert small.host_bound and small.float8_gain_s < 0
     on_cpu = [step(eight, 16, 4, f8, cpu) for f8 in ("none", "tensorwise")]
@@ -993,6 +997,21 @@ def test_float8_is_priced_as_its_matmuls_at_the_float8_peak_less_their_casts():
               for e in (1, 8))
     (lin1, cast1), (lin8, cast8) = (float8_parts(moe, c, 2048, h200) for c in (c1, c8))
     assert lin1 == lin8 and cast8 < cast1
+    # ... where the device runs no float8 grouped GEMM (Ada), the experts stay bf16
+    l40s = device_spec("l40s")
+    assert float8_parts(moe, c1, 2048, l40s)[0] < lin1 * h200.peak_tflops / l40s.peak_tflops
+    # a rank's share: half the blocks at pp 2, half the tokens at cp 2
+    dense = load_spec(None, eight).model
+    whole = candidate.Candidate(1, 1, 1, 1, "1f1b", 2, 4, "none")
+    for part in (dataclasses.replace(whole, pp=2), dataclasses.replace(whole, cp=2)):
+        assert float8_parts(dense, part, 2048, h200)[0] == pytest.approx(
+            float8_parts(dense, whole, 2048, h200)[0] / 2)
+    # a ZeRO-3 step: the gain is the whole step's (less of ZeRO-3's traffic hides)
+    wide = dataclasses.replace(whole, dp=64)
+    eight_b = load_spec(None, ["model.preset=8b"]).model
+    f8, bf16 = (estimate(eight_b, wide, 2048, h200, 8, fused=True, float8=f)
+                for f in ("tensorwise", "none"))
+    assert f8.float8_gain_s == pytest.approx(bf16.step_time_s - f8.step_time_s)
     # a GPU without float8 matmuls: refused, naming the field
     spec = load_spec(None, ["model.preset=8b", "parallelism=auto", "training.float8=tensorwise",
                             "model.compile=true", "training.global_batch_size=64",
@@ -1001,6 +1020,9 @@ def test_float8_is_priced_as_its_matmuls_at_the_float8_peak_less_their_casts():
     assert not result.plans and "training.float8=none" in summarize(result)
     with pytest.raises(PlanError, match="training.float8"):
         plan_job(spec, Topology.uniform(1, 8, "a100-80gb"))
+    # ... and without model.compile on a GPU (the ranks would refuse it: half bf16's speed)
+    eager = load_spec(None, ["model.preset=8b", "parallelism=auto", "training.float8=rowwise"])
+    assert "model.compile=true" in summarize(plan(request_for(eager), Topology.uniform(1, 8, "h100")))
     # ... and on one that has them, the explanation says what it gains
     text = explain(plan(request_for(spec), Topology.uniform(1, 8, "h100")))
     assert re.search(r"float8 \(tensorwise\) linears: predicted [\d.]+ s a step faster than bf16",

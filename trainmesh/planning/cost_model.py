@@ -80,8 +80,8 @@ HOP_LATENCY_INTRA_S = 1e-6
 # (tensorwise, under torch.compile: 0.695 s against bf16's 0.837); and the host's time to
 # issue a block's work, this many times bf16's (the scaling and cast kernels), fitted to `1b`
 # at microbatch 2 there (0.500 s, the GPU 47% busy). The 8B shape at microbatch 2, not fitted
-# to: 0.393 s predicted, 0.394 measured (bench/planner.py). Rowwise scales and the experts'
-# grouped GEMMs: assumed alike (not measured).
+# to: 0.88× bf16's step predicted, 0.86× measured (bench/planner.py). Rowwise scales and the
+# experts' grouped GEMMs: assumed alike (not measured).
 FLOAT8_CAST_BYTES = 28.0
 FLOAT8_HOST_FACTOR = 2.05
 
@@ -267,12 +267,18 @@ def float8_parts(model, c: Candidate, seq_len: int, device: DeviceSpec) -> tuple
     share — take per step, the seconds their casts add), the matmuls at MATMUL_EFFICIENCY of
     the dense peak: at the float8 peak they take ``peak / float8_tflops`` of it. Casts:
     FLOAT8_CAST_BYTES per element at the device's memory bandwidth, each linear's input and
-    output per token copy, its weights per microbatch (routed experts: the rank's, 1/ep)."""
+    output per token copy, its weights per microbatch (routed experts: the rank's, 1/ep).
+    Only what ``apply_float8`` converts: sides that divide by 16; routed experts where the
+    device runs float8 grouped GEMMs (``DeviceSpec.float8_grouped``)."""
     n, moe = model.n_layers, getattr(model, "moe", None)
     dense = min(n, moe.dense_layers) if moe is not None else n
     flops = acts = weights = 0.0
+
+    def converted(a: int, b: int, held: int) -> bool:
+        return not (a % 16 or b % 16) and (held == 1 or device.float8_grouped)
     for layer, count in ((0, dense), (n - 1, n - dense)):
-        for a, b, k, held in linear_shapes(model, layer) if count else ():
+        for a, b, k, held in [x for x in linear_shapes(model, layer) if converted(x[0], x[1], x[3])
+                              ] if count else ():
             flops += count * 6 * a * b * k
             acts += count * (a + b) * k
             weights += count * a * b * (held / c.ep if held > 1 else 1)
@@ -302,8 +308,7 @@ def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: in
     # Per block and microbatch: the device's fixed cost, and the host issuing the work.
     device_s = (ideal + layers * c.num_microbatches * device.kernel_overhead_s) * again
     host_s = layers * c.num_microbatches * device.host_dispatch_s * again
-    bf16_busy = max(device_s, host_s)
-    if float8 != "none" and device.float8_tflops > 0:
+    if float8 != "none" and device.float8_tflops > 0 and device.hbm_gbps > 0:
         linear_s, cast_s = float8_parts(model, c, seq_len, device)
         device_s += (cast_s - linear_s * (1 - device.peak_tflops / device.float8_tflops)) * again
         host_s *= FLOAT8_HOST_FACTOR
@@ -313,7 +318,6 @@ def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: in
     bubble = bubble_fraction(c.schedule, c.pp, c.vpp, c.num_microbatches, stages,
                              bound=not by_stage)
     compute = max(device_s, host_s) / (1.0 - bubble)
-    f8_gain = bf16_busy / (1.0 - bubble) - compute  # (0 without float8)
     moe = getattr(model, "moe", None)
     ep_comm, ep_gain = 0.0, 0.0
     if moe is not None and c.ep > 1:
@@ -351,6 +355,10 @@ def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: in
     cp_comm = cp_exposed(model, c, seq_len, device, per_node, compute_bytes)
     step = compute + tp_comm + pp_comm + dp_exposed + ep_comm + cp_comm
     achieved = flops / step / c.world_size
+    f8_gain = 0.0  # (the whole step's: ZeRO-3 hides less behind a shorter compute)
+    if float8 != "none" and device.float8_tflops > 0 and device.hbm_gbps > 0:
+        f8_gain = estimate(model, c, seq_len, device, per_node, compute_bytes, fused, memory,
+                           by_stage).step_time_s - step
     return Estimate(
         memory_per_rank_gib=(memory if memory is not None else memory_bytes(
             model, c, seq_len, compute_bytes, device.framework_gib * GIB, fused)) / GIB,

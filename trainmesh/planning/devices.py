@@ -34,11 +34,17 @@ class DeviceSpec:
     # emulated and not priced) and memory bandwidth (float8's casts are memory-bound), GB/s
     float8_tflops: float = 0.0
     hbm_gbps: float = 0.0
+    # Whether an MoE block's experts run float8 grouped GEMMs there (``moe.float8_grouped_kind``:
+    # Hopper's rowwise; Blackwell's MXFP8 only where torchao's SM100 kernels are installed,
+    # so not assumed; not on Ada): elsewhere they stay bf16 under training.float8
+    float8_grouped: bool = False
 
 
 DEVICES: dict[str, DeviceSpec] = {
-    "h100": DeviceSpec("h100", 80, 989.0, 450.0, 50.0, float8_tflops=1979.0, hbm_gbps=3350.0),
-    "h200": DeviceSpec("h200", 141, 989.0, 450.0, 50.0, float8_tflops=1979.0, hbm_gbps=4800.0),
+    "h100": DeviceSpec("h100", 80, 989.0, 450.0, 50.0, float8_tflops=1979.0, hbm_gbps=3350.0,
+                       float8_grouped=True),
+    "h200": DeviceSpec("h200", 141, 989.0, 450.0, 50.0, float8_tflops=1979.0, hbm_gbps=4800.0,
+                       float8_grouped=True),
     "a100-40gb": DeviceSpec("a100-40gb", 40, 312.0, 300.0, 25.0, hbm_gbps=1555.0),
     "a100-80gb": DeviceSpec("a100-80gb", 80, 312.0, 300.0, 25.0, hbm_gbps=2039.0),
     "b200": DeviceSpec("b200", 192, 2250.0, 900.0, 50.0, float8_tflops=4500.0, hbm_gbps=8000.0),

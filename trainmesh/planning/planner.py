@@ -28,6 +28,7 @@ from trainmesh.spec.mesh_rules import (
     dp_fits,
     dp_problems,
     ep_degrees,
+    float8_device_problems,
     hsdp_problems,
     microbatches_per_replica,
     pp_problems,
@@ -481,12 +482,15 @@ def _plan(req: PlanRequest, topo: Topology, long: bool | None, every: bool) -> P
     limit = topo.device.memory_gib * MEMORY_HEADROOM * 1024**3
     fused = uses_fused_kernels(req.kernels, topo.device.name, req.compiled)
     ranked, rejected = [], []
-    if req.float8 != "none" and not topo.device.float8_tflops and topo.device.name != "cpu":
-        return PlanResult([], [Rejection(None, f"float8: training.float8={req.float8} needs "
-                                               f"float8 matmuls, which the {topo.device.name} "
-                                               "has not (H100, H200, L40S, B200 have): set "
-                                               "training.float8=none")],
-                          req.model, topo.device, None, req)
+    gpu = topo.device.name != "cpu"
+    broken = float8_device_problems(req.float8, "cuda" if gpu else "cpu", None, req.compiled)
+    if req.float8 != "none" and gpu and not topo.device.float8_tflops:
+        broken = [f"training.float8={req.float8} needs float8 matmuls, which the "
+                  f"{topo.device.name} has not (H100, H200, L40S, B200 have): set "
+                  "training.float8=none"]
+    if broken:  # (the reason the ranks would refuse it with)
+        return PlanResult([], [Rejection(None, f"float8: {broken[0]}")], req.model, topo.device,
+                          None, req)
     layouts: dict[tuple[int, int], tuple[int, ...]] = {}
     work, checked = req.workload, {}
     # Expert parallel degrees ≥ 2 of one layout come largest first (``_ep_choices``), and a
