@@ -154,9 +154,10 @@ class RayWorkerGroup:
         """A failure is known: every survivor aborts its communicators now (out of band),
         asked first whether it lives (``alive_ranks`` reads the answers). Returns once every
         rank that answers has aborted (at most ``limit_s``) and the rest are silent:
-        ``answer_s`` after the question, or 3 × the slowest answer when answers come slowly (a
-        loaded host). A silent rank is taken for gone (Ray fails a call to a rank on a lost
-        node only ~2 s later here: waiting for that was most of a recovery's decision); were it
+        ``answer_s`` after the questions are out, or 3 × the slowest answer when answers come
+        slowly (a loaded host), or ``limit_s`` while none has answered. A silent rank is taken
+        for gone (Ray fails a call to a rank on a lost node only ~2 s later here: waiting for
+        that was most of a recovery's decision); were it
         alive after all, it is ended and its place refilled, as a stuck one's. While the group
         re-forms (new rank processes may still be starting) every rank gets ``limit_s``."""
         import ray
@@ -168,11 +169,17 @@ class RayWorkerGroup:
         self._asked = (asked, asks)
         calls = {ref: ("ask", r) for ref, r in asks.items()}
         calls.update({ref: ("abort", r) for r, ref in enumerate(self.group.abort())})
+        # (issuing two calls a rank takes milliseconds a rank on a loaded host: the window
+        # opens when the last is out)
+        issued = time.monotonic()
         answered, silent_or_done, aborted, slowest = set(), set(), set(), 0.0
         while True:
             open_ = set(range(self.group.world_size)) - silent_or_done
             unanswered = open_ - answered
-            deadline = max(asked + min(limit_s, max(answer_s, 3 * slowest)) if unanswered else 0.0,
+            # until one rank has answered, silence says the host is slow, not that every node
+            # is gone: wait the limit (128 ranks on 2 cores answered none within 0.5 s)
+            wait = max(answer_s, 3 * slowest) if answered else limit_s
+            deadline = max(issued + min(limit_s, wait) if unanswered else 0.0,
                            asked + limit_s if open_ & answered else 0.0)
             left = deadline - time.monotonic()
             refs = [ref for ref, (_, r) in calls.items() if r in open_]
