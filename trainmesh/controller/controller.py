@@ -53,9 +53,9 @@ from trainmesh.data.shards import resolve_data_dir
 from trainmesh.parallel.dims import ParallelDims
 from trainmesh.planning.cadence import CheckpointCadence
 from trainmesh.planning.job_plan import PlanError, plan_for
+from trainmesh.planning.planner import float8_refusal
 from trainmesh.planning.topology import Topology
 from trainmesh.spec.job import JobSpec
-from trainmesh.spec.mesh_rules import float8_device_problems
 from trainmesh.spec.problems import SpecError
 from trainmesh.spec.validate import Layout, Workload, layout_problems, problems
 from trainmesh.tracking.mlflow_tracker import open_tracker
@@ -304,6 +304,9 @@ class Controller(TrainingLoop):
     def _plan(self, replan: bool) -> Topology:
         """Plan (or re-plan) for the accelerators alive now; returns that topology."""
         topo = self._available()
+        broken = float8_refusal(self.spec.training.float8, topo.device, self.spec.model.compile)
+        if broken:  # (before any rank starts; the planner would find no plan for it)
+            raise JobFailed(broken)
         try:
             new = plan_for(self.spec, topo, replan)
         except PlanError as err:
@@ -316,13 +319,11 @@ class Controller(TrainingLoop):
         self.peak_tflops = topo.device.peak_tflops
         self.device, self.candidate = topo.device, result.best.candidate
         self.plan_row = result.best.as_row()
-        # Refused before any rank starts (the ranks check float8 again, knowing their GPU's
-        # capability): the plan written into the spec keeps every rule a layout keeps (its
-        # size against elastic's bounds is the planner's: bounded_topology, replan_job)
+        # Refused before any rank starts (float8 above; the ranks check it again, knowing
+        # their GPU's capability): the plan written into the spec keeps every rule a layout
+        # keeps (its size against elastic's bounds is the planner's: bounded_topology,
+        # replan_job)
         broken = [str(p) for p in layout_problems(Workload.of(self.eff), Layout.pinned(self.eff))]
-        broken += float8_device_problems(
-            self.spec.training.float8, "cpu" if topo.device.name == "cpu" else "cuda", None,
-            compiled=self.spec.model.compile)
         if broken:
             raise JobFailed(broken[0])
         if result.best.idle and (replan or self.spec.parallelism.auto):  # pinned: as asked

@@ -464,6 +464,18 @@ def plan(req: PlanRequest, topo: Topology, every: bool = False) -> PlanResult:
         return result
 
 
+def float8_refusal(float8: str, device: DeviceSpec, compiled: bool) -> str | None:
+    """Why ``training.float8`` cannot run on ``device``, naming the fix (None: it can): a GPU
+    without float8 matmuls, or float8 without ``model.compile`` on a GPU
+    (``mesh_rules.float8_device_problems``, the ranks' own check)."""
+    gpu = device.name != "cpu"
+    if float8 != "none" and gpu and not device.float8_tflops:
+        return (f"training.float8={float8} needs float8 matmuls, which the {device.name} has "
+                "not (H100, H200, L40S, B200 have): set training.float8=none")
+    broken = float8_device_problems(float8, "cuda" if gpu else "cpu", None, compiled)
+    return broken[0] if broken else None
+
+
 @contextlib.contextmanager
 def _no_cycle_collection() -> Iterator[None]:
     """Python's cycle collector paused for a search's length: a search makes ~10^5 short-lived
@@ -482,14 +494,9 @@ def _plan(req: PlanRequest, topo: Topology, long: bool | None, every: bool) -> P
     limit = topo.device.memory_gib * MEMORY_HEADROOM * 1024**3
     fused = uses_fused_kernels(req.kernels, topo.device.name, req.compiled)
     ranked, rejected = [], []
-    gpu = topo.device.name != "cpu"
-    broken = float8_device_problems(req.float8, "cuda" if gpu else "cpu", None, req.compiled)
-    if req.float8 != "none" and gpu and not topo.device.float8_tflops:
-        broken = [f"training.float8={req.float8} needs float8 matmuls, which the "
-                  f"{topo.device.name} has not (H100, H200, L40S, B200 have): set "
-                  "training.float8=none"]
+    broken = float8_refusal(req.float8, topo.device, req.compiled)
     if broken:  # (the reason the ranks would refuse it with)
-        return PlanResult([], [Rejection(None, f"float8: {broken[0]}")], req.model, topo.device,
+        return PlanResult([], [Rejection(None, f"float8: {broken}")], req.model, topo.device,
                           None, req)
     layouts: dict[tuple[int, int], tuple[int, ...]] = {}
     work, checked = req.workload, {}
