@@ -133,8 +133,8 @@ def test_the_controller_and_run_job_refuse_what_the_cli_refuses(tmp_path):
 # the machine a run starts from can see (output directory, checkpoint store, checkpoint step).
 PARSERS_AND_ENVIRONMENT = {"cli/loading.py", "controller/launch.py", "controller/preflight.py"}
 # The single rules of spec/mesh_rules.py, besides spec/validate.py: the planner prunes its search
-# with them, and the parallelizers guard the split they make.
-RULE_USERS = {"planning/planner.py", "models/llama/parallelize.py"}
+# with them (its search space and its search), and the parallelizers guard the split they make.
+RULE_USERS = {"planning/planner.py", "planning/search_space.py", "models/llama/parallelize.py"}
 
 
 def test_no_module_outside_spec_states_a_spec_rule():
