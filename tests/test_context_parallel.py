@@ -54,6 +54,13 @@ CASES = {  # largest meshes first: the rank pool then only shrinks
         "model.rope_scaling.mscale_all_dim=1"]),
     "dsv3-cp2-allgather-documents": (ParallelDims(cp=2), [
         "model.preset=tiny-dsv3", "parallelism.cp_mode=allgather", DOCS]),
+    # the ring moves MLA's latent (parallelism.cp_latent, the default) and each tp rank
+    # expands it for its heads: the latent's gradient summed over tp; and the expanded keys
+    # and values moved instead
+    "dsv3-cp2-tp2-sp-ring": (ParallelDims(cp=2, tp=2), [
+        "model.preset=tiny-dsv3", "parallelism.sequence_parallel=true"]),
+    "dsv3-cp2-dp2-ring-expanded": (ParallelDims(cp=2, dp=2), [
+        "model.preset=tiny-dsv3", "parallelism.ep=2", "parallelism.cp_latent=false"]),
 }
 
 
@@ -76,6 +83,35 @@ def test_context_parallel_matches_single_process(rank_pool, tmp_path, case):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     _close(grads, ref_grads)
     _close(params, ref_params, rtol=1e-5, atol=5e-5)  # after AdamW: see test_tensor_parallel
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("mode", ["ring", "allgather"])
+def test_mla_ring_moves_the_latent(rank_pool, tmp_path, mode):
+    """Multi-head Latent Attention over cp 2: moving each token's latent and rotary key
+    (tiny-dsv3: 32 + 8 values) and expanding them where they are attended gives the gradients
+    of moving the expanded keys and values (4 heads × 2 × 24 padded), and the ring carries
+    40/192 of their bytes, forward and backward (float32: every message scales alike)."""
+    from trainmesh.testing import probes
+
+    sent, grads = {}, {}
+    for latent in (True, False):
+        spec = load_spec(None, [*BASE, *LONG, "model.preset=tiny-dsv3", "parallelism.cp=2",
+                                f"parallelism.cp_mode={mode}", f"parallelism.cp_latent={latent}",
+                                f"runtime.output_dir={tmp_path}"])
+        data_dir = str(ensure_tiny_corpus(tmp_path / "data"))
+        group = rank_pool.group_for(spec, ParallelDims(cp=2))
+        try:
+            group.build(spec.model_dump_json(), ParallelDims(cp=2), data_dir)
+            stats = group.train_step()
+            sent[latent] = [r["breakdown"]["cp_sent_mib"] for r in stats]
+            grads[latent] = probes.full_grads(group)
+        finally:
+            rank_pool.release(group)
+    _close(grads[True], grads[False], rtol=1e-5, atol=1e-6)
+    assert sent[False][0] > 0
+    for moved, expanded in zip(sent[True], sent[False], strict=True):
+        assert moved / expanded == pytest.approx(40 / 192, rel=1e-9)
 
 
 def _resumed_at_cp1(rank_pool, tmp_path) -> None:

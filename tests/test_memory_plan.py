@@ -48,6 +48,9 @@ PLANS = {  # every plan on 4 ranks
     # ... beside context parallel: the module on each rank's chunks, attending over the ring
     "dsv3-mtp-cp2-dp2": ["model.preset=tiny-dsv3", "model.mtp.depth=1", "parallelism.cp=2",
                          "parallelism.dp=2"],
+    # ... the ring moving the expanded keys and values (kept for backward) in the latents' place
+    "dsv3-cp2-dp2-expanded": ["model.preset=tiny-dsv3", "parallelism.cp=2", "parallelism.dp=2",
+                              "parallelism.cp_latent=false"],
     # ... on two pipeline stages: the module, the head and a copy of the embedding on the last
     "dsv3-mtp-pp2-dp2": ["model.preset=tiny-dsv3", "model.mtp.depth=1", "parallelism.pp=2",
                          "parallelism.dp=2", "schedule.name=1f1b"],

@@ -646,6 +646,40 @@ def test_ring_traffic_hides_behind_attention_at_long_sequences_only():
     assert exposed(131072, "allgather") > exposed(131072, "ring")
 
 
+def test_mla_context_parallel_is_priced_by_what_its_ring_moves():
+    """DeepSeek-V3 over a cp 8 ring: moving each token's latent and rotary key (512 + 64
+    values, whole on every tp rank) against its expanded keys and values (128 heads × 2 ×
+    192, split by tp) — less ring traffic exposed, the latents' expansion priced beside it,
+    fewer saved activations (no expanded keys and values kept) and the planner's spec
+    carrying the choice; a split-backward schedule moves the expanded ones."""
+    from trainmesh.planning import memory_model
+    from trainmesh.planning.job_plan import effective_spec, request_for
+
+    m = _model("deepseek-v3-671b")
+    dev = Topology.uniform(1, 8, "h100").device
+    seq = 32768
+
+    def cand(latent: bool, tp: int = 1, schedule: str = "1f1b"):
+        return candidate.Candidate(tp, 1, 1, 1, schedule, 1, 1, "none", cp=8, cp_latent=latent)
+
+    part = seq // 8
+    assert candidate.cp_moved(m, cand(True, tp=2), part) == part * 576
+    assert candidate.cp_moved(m, cand(False, tp=2), part) == 2 * part * 128 * 192 / 2
+    assert candidate.cp_moved(m, cand(True, schedule="zb-h1"), part) == 2 * part * 128 * 192
+    assert candidate.latent_expansion_flops(m, cand(False), part) == 0
+    assert candidate.latent_expansion_flops(m, cand(True), part) == 29 * 2 * part * 512 * 128 * 256
+    for mode in ("ring", "allgather"):
+        latent, expanded = (dataclasses.replace(cand(x), cp_mode=mode) for x in (True, False))
+        assert (cost_model.cp_exposed(m, latent, seq, dev, 4, 2)
+                < cost_model.cp_exposed(m, expanded, seq, dev, 4, 2))
+        # (across nodes: per_node 4 < cp)
+    acts = {x: memory_model.rank_memory(m, cand(x), seq).activations for x in (True, False)}
+    assert acts[True] < acts[False]
+    spec = load_spec(None, ["model.preset=tiny-dsv3", "parallelism.cp=2", "parallelism.cp_latent=false"])
+    c = plan(request_for(spec), Topology.uniform(1, 2, "cpu")).best.candidate
+    assert not c.cp_latent and effective_spec(spec, c).parallelism.cp_latent is False
+
+
 def test_a_dense_model_whose_state_fits_each_rank_runs_as_ddp_where_that_is_faster():
     """Under ``parallelism: auto`` the planner weighs DDP (shard groups of one replica) beside
     ZeRO-3. On CPU ranks FSDP2 cannot hide its all-gathers and reduce-scatters (no streams)

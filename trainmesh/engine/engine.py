@@ -321,6 +321,8 @@ class Engine:
         return ContextParallel(
             cp=cp, rank=mesh.coord(Axis.CP), group=mesh[Axis.CP].get_group() if cp > 1 else None,
             mode=spec.parallelism.cp_mode, eos=eos if spec.data.document_mask else None,
+            # a split backward's weight pass would run the ring's backward a second time
+            compressed=spec.parallelism.cp_latent and not splits_backward(spec.schedule.name),
             post=self._post(timeout),
             block=ops.attention_block, block_backward=ops.attention_block_backward)
 
@@ -381,6 +383,8 @@ class Engine:
         ring = self.context.waited_s() if self.context is not None else 0.0
         breakdown = clock.breakdown(ring, self.exchanges.waited_s(), self._bubble_s,
                                     self.forward_timer.seconds())
+        if self.context is not None and self.context.cp > 1:  # what this rank sent on the ring
+            breakdown["cp_sent_mib"] = self.context.sent / 2**20
         self.forward_timer.start(None)  # evaluations between steps are not timed
         for log in self._wait_logs():
             log.start(None)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -63,7 +64,9 @@ class ContextParallel(WaitLog):
     """One rank's place in a context-parallel ring (``group`` None at cp = 1) and how it
     attends: ``mode`` ring | allgather; ``eos``: the end-of-document token when documents are
     masked from each other (None: one causal sequence); ``post``: ``batch_isend_irecv`` or the
-    NCCL-rules layer; ``block``/``block_backward``: the attention-with-LSE kernels. Its
+    NCCL-rules layer; ``block``/``block_backward``: the attention-with-LSE kernels;
+    ``compressed``: a model that offers fewer values than its keys and values to move
+    (``attend_compressed``) moves those at cp > 1 (``parallelism.cp_latent``). Its
     ``WaitLog`` holds where the rank was blocked on the ring this step."""
 
     cp: int = 1
@@ -74,7 +77,9 @@ class ContextParallel(WaitLog):
     post: Callable = dist.batch_isend_irecv
     block: Callable = attention.attention_block
     block_backward: Callable = attention.attention_block_backward
+    compressed: bool = True
     peers: list[int] = field(default_factory=list)  # global ranks, by cp coordinate
+    sent: int = 0  # bytes this rank sent over the ring this step (a ring collective's share)
 
     def ring_positions(self, seq_len: int) -> torch.Tensor:
         """Every rank's tokens' positions in a sequence of ``seq_len``, rank after rank (the
@@ -86,6 +91,21 @@ class ContextParallel(WaitLog):
             raise ValueError(f"parallelism.cp_mode={self.mode!r}; use one of {', '.join(MODES)}")
         if self.cp > 1 and not self.peers:
             self.peers = [dist.get_global_rank(self.group, i) for i in range(self.cp)]
+
+    def start(self, clock) -> None:
+        super().start(clock)
+        self.sent = 0
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """(cp, *t.shape): every rank's ``t``, waited for and counted."""
+        self.sent += t.nbytes * (self.cp - 1)
+        return self.timed(_all_gather, t, self.cp, self.group)
+
+    def reduce_scatter(self, out: torch.Tensor, parts: torch.Tensor) -> None:
+        """``out``: the sum over the ring of every rank's ``parts[own rank]`` (``parts``
+        (cp, *out.shape)), waited for and counted."""
+        self.sent += out.nbytes * (self.cp - 1)
+        self.timed(dist.reduce_scatter_single, out, parts.flatten(0, 1), group=self.group)
 
     @property
     def next_peer(self) -> int:
@@ -106,7 +126,7 @@ class ContextParallel(WaitLog):
         ends = (tokens_BT == self.eos).view(B, 2, T // 2).long()
         counts = ends.sum(-1)  # (B, 2): documents ended in each local chunk
         if self.cp > 1:
-            every = self.timed(_all_gather, counts.contiguous(), self.cp, self.group)
+            every = self.gather(counts.contiguous())
             by_chunk = counts.new_zeros((B, 2 * self.cp))
             for r in range(self.cp):
                 by_chunk[:, list(chunk_ids(r, self.cp))] = every[r]
@@ -129,8 +149,22 @@ class ContextParallel(WaitLog):
         q = q_BTHD.view(B, T, Hkv, H // Hkv, D).permute(0, 2, 3, 1, 4)
         k = k_BTHD.unsqueeze(3).permute(0, 2, 3, 1, 4)
         v = v_BTHD.unsqueeze(3).permute(0, 2, 3, 1, 4)
-        out = _Attention.apply(q, k, v, docs_BT, self, scale)  # (B, Hkv, rep, T, D)
-        return out.permute(0, 3, 1, 2, 4).reshape(B, T, H, D)
+        out = _Attention.apply(q, torch.stack([k, v]), docs_BT, self, scale, STACKED)
+        return out.permute(0, 3, 1, 2, 4).reshape(B, T, H, D)  # (from (B, Hkv, rep, T, D))
+
+    @torch.compiler.disable
+    def attend_compressed(self, q_BTHD: torch.Tensor, packed_BTP: torch.Tensor, keys: Keys,
+                          weights: Sequence[torch.Tensor], docs_BT: torch.Tensor | None = None,
+                          scale: float | None = None) -> torch.Tensor:
+        """``attend`` where a token's keys and values come from fewer values than they hold
+        (Multi-head Latent Attention's latent): ``packed_BTP`` (B, T_local, P) is what travels
+        round the ring (or is all-gathered) and ``keys.expand(block, weights)`` makes a block's
+        keys and values where they are used, one head per query head; their gradients fold
+        back into the packed values' (which travel home) and ``weights``' (summed here)."""
+        B, T, H, D = q_BTHD.shape
+        q = q_BTHD.permute(0, 2, 1, 3).unsqueeze(2)  # (B, H, 1, T, D)
+        out = _Attention.apply(q, packed_BTP, docs_BT, self, scale, keys, *weights)
+        return out.squeeze(2).permute(0, 2, 1, 3)
 
     def pairs(self, owner: int, docs_q: torch.Tensor | None, docs_k: torch.Tensor | None,
               c: int) -> list[tuple[int, int, bool, torch.Tensor | None]]:
@@ -162,7 +196,7 @@ class ContextParallel(WaitLog):
             yield 0, cur
             return
         if self.mode == "allgather":
-            every = [self.timed(_all_gather, t, self.cp, self.group) for t in cur]
+            every = [self.gather(t) for t in cur]
             for step in range(self.cp):
                 owner = (self.rank - step) % self.cp
                 yield owner, [e[owner] for e in every]
@@ -179,6 +213,7 @@ class ContextParallel(WaitLog):
 
     def exchange(self, send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor]) -> list:
         """Post one hop of the ring: ``send`` to the next rank, ``recv`` from the previous."""
+        self.sent += sum(t.nbytes for t in send)
         ops = [dist.P2POp(dist.isend, t, self.next_peer, self.group) for t in send]
         ops += [dist.P2POp(dist.irecv, t, self.prev_peer, self.group) for t in recv]
         return self.post(ops)
@@ -210,21 +245,55 @@ def _merge(acc: tuple | None, out: torch.Tensor, lse: torch.Tensor) -> tuple:
     return o * w_old + out * w_new, new
 
 
+class Keys(Protocol):
+    """How a block's keys and values come from what travels for them (``_Attention``)."""
+
+    def expand(self, block: torch.Tensor, weights: Sequence[torch.Tensor]
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k, v), each (B, Hkv, 1, T, D), from a travelling block."""
+
+    def grad_buffers(self, d_block: torch.Tensor, k: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 (dk, dv) the block's attention gradients are added to."""
+
+    def fold(self, block: torch.Tensor, weights: Sequence[torch.Tensor], dk: torch.Tensor,
+             dv: torch.Tensor, d_block: torch.Tensor, d_weights: list[torch.Tensor]) -> None:
+        """Add (dk, dv)'s share to the block's gradient ``d_block`` and ``d_weights``."""
+
+
+class _Stacked:
+    """Keys and values travel as themselves, stacked: one (2, B, Hkv, 1, T, D) buffer whose
+    gradient buffer holds dk and dv in place."""
+
+    def expand(self, block, weights):
+        return block[0], block[1]
+
+    def grad_buffers(self, d_block, k):
+        return d_block[0], d_block[1]
+
+    def fold(self, block, weights, dk, dv, d_block, d_weights) -> None:
+        pass  # (accumulated in place)
+
+
+STACKED = _Stacked()
+
+
 class _Attention(torch.autograd.Function):
     """Exact causal attention over a context-parallel ring (``ContextParallel``'s layout). A
-    block travels as one buffer of its keys and values stacked (and its tokens' documents),
-    its gradients as one fp32 buffer: one message per hop and direction, one collective."""
+    block travels as one buffer (its keys and values stacked, or what ``keys`` makes them
+    from) beside its tokens' documents, its gradient as one fp32 buffer: one message per hop
+    and direction, one collective."""
 
     @staticmethod
-    def forward(ctx, q, k, v, docs, cpx: ContextParallel, scale: float | None):
+    def forward(ctx, q, travel, docs, cpx: ContextParallel, scale: float | None, keys: Keys,
+                *weights):
         T = q.shape[3]
         c = T // 2
         scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
         qs = (q[..., :c, :], q[..., c:, :])
         acc: list[tuple | None] = [None, None]
-        travel = [torch.stack([k, v])] + ([] if docs is None else [docs])
-        for owner, block in cpx.blocks(travel):
-            kb, vb = block[0]
+        for owner, block in cpx.blocks([travel] + ([] if docs is None else [docs])):
+            kb, vb = keys.expand(block[0], weights)
             docs_k = block[1] if docs is not None else None
             for i, j, causal, mask in cpx.pairs(owner, docs, docs_k, c):
                 o, lse = cpx.block(qs[i], kb[..., j * c:(j + 1) * c, :],
@@ -232,55 +301,60 @@ class _Attention(torch.autograd.Function):
                 acc[i] = _merge(acc[i], o, lse)
         out = torch.cat([acc[0][0], acc[1][0]], dim=3).to(q.dtype)
         lse = torch.cat([acc[0][1], acc[1][1]], dim=3)
-        ctx.save_for_backward(q, k, v, out, lse, docs)
-        ctx.cpx, ctx.scale = cpx, scale
+        ctx.save_for_backward(q, travel, out, lse, docs, *weights)
+        ctx.cpx, ctx.scale, ctx.keys = cpx, scale, keys
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, docs = ctx.saved_tensors
-        cpx, scale = ctx.cpx, ctx.scale
+        q, travel, out, lse, docs, *weights = ctx.saved_tensors
+        cpx, scale, keys = ctx.cpx, ctx.scale, ctx.keys
         c = q.shape[3] // 2
         sl = (slice(0, c), slice(c, 2 * c))
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        d_weights = [torch.zeros(w.shape, dtype=torch.float32, device=w.device) for w in weights]
 
-        def accumulate(owner, kv, docs_k, dkv) -> None:
+        def accumulate(owner, block, docs_k, d_block) -> None:
+            kb, vb = keys.expand(block, weights)
+            dk, dv = keys.grad_buffers(d_block, kb)
             for i, j, causal, mask in cpx.pairs(owner, docs, docs_k, c):
                 gq, gk, gv = cpx.block_backward(
-                    dout[..., sl[i], :], q[..., sl[i], :], kv[0][..., sl[j], :],
-                    kv[1][..., sl[j], :], out[..., sl[i], :], lse[..., sl[i]], causal, mask, scale)
+                    dout[..., sl[i], :], q[..., sl[i], :], kb[..., sl[j], :], vb[..., sl[j], :],
+                    out[..., sl[i], :], lse[..., sl[i]], causal, mask, scale)
                 dq[..., sl[i], :] += gq
-                dkv[0][..., sl[j], :] += gk
-                dkv[1][..., sl[j], :] += gv
+                dk[..., sl[j], :] += gk
+                dv[..., sl[j], :] += gv
+            keys.fold(block, weights, dk, dv, d_block, d_weights)
 
-        travel = [torch.stack([k, v])] + ([] if docs is None else [docs])
+        travels = [travel] + ([] if docs is None else [docs])
         if cpx.cp == 1 or cpx.mode == "allgather":
-            every = ([cpx.timed(_all_gather, t, cpx.cp, cpx.group) for t in travel]
-                     if cpx.cp > 1 else [t.unsqueeze(0) for t in travel])
-            grads = torch.zeros((cpx.cp, 2, *k.shape), dtype=torch.float32, device=k.device)
+            every = ([cpx.gather(t) for t in travels]
+                     if cpx.cp > 1 else [t.unsqueeze(0) for t in travels])
+            grads = torch.zeros((cpx.cp, *travel.shape), dtype=torch.float32, device=q.device)
             for owner in range(cpx.cp):
                 accumulate(owner, every[0][owner], every[1][owner] if docs is not None else None,
                            grads[owner])
             if cpx.cp == 1:
-                dkv = grads[0]
-            else:  # each owner gets the sum of every rank's part of its keys' gradients
-                dkv = torch.empty_like(grads[0])
-                cpx.timed(dist.reduce_scatter_single, dkv, grads.flatten(0, 1), group=cpx.group)
+                d_travel = grads[0]
+            else:  # each owner gets the sum of every rank's part of its block's gradient
+                d_travel = torch.empty_like(grads[0])
+                cpx.reduce_scatter(d_travel, grads)
         else:  # ring: blocks go round again, their gradients travel with them back home
-            cur = travel
-            dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
+            cur = travels
+            d_travel = torch.zeros(travel.shape, dtype=torch.float32, device=q.device)
             for step in range(cpx.cp):
                 owner = (cpx.rank - step) % cpx.cp
                 nxt, handles = None, None
                 if step < cpx.cp - 1:
                     nxt = [torch.empty_like(t) for t in cur]
                     handles = cpx.exchange(cur, nxt)
-                accumulate(owner, cur[0], cur[1] if docs is not None else None, dkv)
-                arrived = torch.empty_like(dkv)
+                accumulate(owner, cur[0], cur[1] if docs is not None else None, d_travel)
+                arrived = torch.empty_like(d_travel)
                 if handles is not None:
                     cpx.timed(_wait, handles)
                     cur = nxt
-                cpx.timed(_wait, cpx.exchange([dkv], [arrived]))
-                dkv = arrived
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+                cpx.timed(_wait, cpx.exchange([d_travel], [arrived]))
+                d_travel = arrived
+        return (dq.to(q.dtype), d_travel.to(travel.dtype), None, None, None, None,
+                *(d.to(w.dtype) for w, d in zip(weights, d_weights, strict=True)))

@@ -49,6 +49,15 @@ class Candidate:
     # default split (``model_math.stage_split``)
     stage_layers: tuple[int, ...] | None = None
     ep_overlap: bool = False  # the MoE all-to-alls in two halves (``parallelism.ep_overlap``)
+    # Multi-head Latent Attention over the cp ring moves each token's latent, expanded on
+    # arrival (``parallelism.cp_latent``), or the expanded keys and values
+    cp_latent: bool = True
+
+    def moves_latent(self, model) -> bool:
+        """Whether context parallel moves ``model``'s compressed latent (``cp_moved``; not
+        under a split backward, whose weight pass would run the ring's backward again)."""
+        return (self.cp > 1 and self.cp_latent and getattr(model, "mla", None) is not None
+                and not splits_backward(self.schedule))
 
     def blocks(self, model) -> int:
         """The most blocks a pipeline rank holds (``model_math.rank_blocks``: uneven where
@@ -200,6 +209,32 @@ def dense_layers(model) -> int:
 
 def kv_dim(model) -> int:
     return model.n_kv_heads * head_width(model)
+
+
+def latent_dim(model) -> int:
+    """What Multi-head Latent Attention's ring moves for a token's keys and values: its
+    latent and its rotary key (whole on every tp rank)."""
+    return model.mla.kv_lora_rank + model.mla.qk_rope_head_dim
+
+
+def cp_moved(model, c: Candidate, part: int) -> float:
+    """Elements one rank's block of ``part`` tokens moves over the context-parallel ring: the
+    latents (``Candidate.moves_latent``), or the keys and values of its tp rank's heads."""
+    if c.moves_latent(model):
+        return part * latent_dim(model)
+    return 2 * part * kv_dim(model) / c.tp
+
+
+def latent_expansion_flops(model, c: Candidate, part: int) -> float:
+    """The extra FLOPs of expanding the moved latents where they are attended, per layer and
+    microbatch: each of cp blocks expanded by the rank's heads' rows of ``wkv_b`` in forward,
+    again in backward and folded back (two matmuls), less the expansion of its own tokens
+    the model runs anyway (forward and backward): (4·cp − 3) expansions of ``part`` tokens."""
+    if not c.moves_latent(model):
+        return 0.0
+    m = model.mla
+    rows = model.n_heads * (m.qk_nope_head_dim + m.v_head_dim) / c.tp
+    return (4 * c.cp - 3) * 2.0 * part * m.kv_lora_rank * rows
 
 
 def head_width(model) -> int:

@@ -50,7 +50,8 @@ from trainmesh.planning.candidate import (
     GIB,
     Candidate,
     bubble_fraction,
-    kv_dim,
+    cp_moved,
+    latent_expansion_flops,
     runs_ddp,
 )
 from trainmesh.planning.devices import DeviceSpec
@@ -193,14 +194,18 @@ def cp_exposed(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: 
     gathered in forward and again in backward, their fp32 gradients reduce-scattered; not
     hidden. Per layer and microbatch (the multi-token modules' blocks too, on the rank with
     the head: ``ring_blocks``); full recomputation runs the forward's again. The ring is
-    within a node when cp × tp fits one."""
+    within a node when cp × tp fits one. Multi-head Latent Attention's ring moves latents
+    (``cp_moved``) and adds their expansion where they arrive (``latent_expansion_flops``),
+    counted here as the ring's cost."""
     if c.cp == 1:
         return 0.0
     inside = c.cp * c.tp <= per_node
     bw = (device.intra_node_gbps if inside else device.inter_node_gbps) * 1e9
     part = seq_len // c.cp * c.microbatch_size
-    block = 2 * part * kv_dim(model) / c.tp  # elements of one rank's K and V
+    block = cp_moved(model, c, part)  # elements of one rank's block (K and V, or latents)
     forwards = 1 + c.recomputed(c.blocks(model))
+    expand_s = (latent_expansion_flops(model, c, part)
+                / (device.peak_tflops * 1e12 * MATMUL_EFFICIENCY))
     if c.cp_mode == "allgather":
         moved = (c.cp - 1) * block * ((forwards + 1) * compute_bytes + 4)
         per_layer = moved / bw + (forwards + 2) * _ring_latency(c.cp, not inside)
@@ -212,7 +217,7 @@ def cp_exposed(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: 
         bwd = (c.cp - 1) * max(hop - 2 * attn_s, PP_LATENCY_S)
         grads = c.cp * (block * 4 / bw + PP_LATENCY_S)
         per_layer = forwards * fwd + bwd + grads
-    return per_layer * ring_blocks(model, c) * c.num_microbatches
+    return (per_layer + expand_s) * ring_blocks(model, c) * c.num_microbatches
 
 
 def ring_blocks(model, c: Candidate) -> int:

@@ -31,6 +31,7 @@ def request_for(spec: JobSpec) -> PlanRequest:
     if par.keep_gathered is not None:
         fixed["keep_gathered"] = par.keep_gathered
     fixed["ep_overlap"] = par.ep_overlap
+    fixed["cp_latent"] = par.cp_latent
     if par.stage_layers is not None:
         fixed["stage_layers"] = tuple(par.stage_layers)
     fixed["reduce_dtype"] = par.reduce_dtype
@@ -62,7 +63,7 @@ def effective_spec(spec: JobSpec, c: Candidate) -> JobSpec:
         "ep": c.ep, "dp_replicate": c.dp_replicate, "cp": c.cp, "cp_mode": c.cp_mode,
         "sequence_parallel": c.sequence_parallel and c.tp > 1,
         "keep_gathered": c.keep_gathered, "reduce_dtype": c.reduce_dtype,
-        "ep_overlap": c.ep_overlap and c.ep > 1,
+        "ep_overlap": c.ep_overlap and c.ep > 1, "cp_latent": c.cp_latent,
         "stage_layers": list(c.stage_layers) if c.stage_layers else None})
     update = {"parallelism": par,
               "schedule": spec.schedule.model_copy(update={"name": c.schedule}),

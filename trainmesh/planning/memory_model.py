@@ -44,6 +44,7 @@ from trainmesh.models.llama.model_math import blocks_held, chunk_kinds, fullest_
 from trainmesh.planning.candidate import (
     GIB,
     Candidate,
+    cp_moved,
     dense_layers,
     head_width,
     in_flight_chunks,
@@ -88,20 +89,21 @@ class MemoryBreakdown:
 
 
 def activation_units(model, tp: int, sequence_parallel: bool, recompute: str,
-                     fused: Fused = False, ep: int = 1, cp: int = 1, moe_block: bool = True) -> float:
+                     fused: Fused = False, ep: int = 1, cp: int = 1, moe_block: bool = True,
+                     cp_latent: bool = True) -> float:
     """Saved activations of one layer and microbatch, in s·b·h elements (module docstring);
     ``moe_block``: of an MoE model's MoE block (False: one of its leading dense blocks).
     ``fused``: the Triton kernels (all, or the set of ops that run them), whose RMSNorm keeps
     only its input (not the normalised copy) and whose SwiGLU keeps gate and up only.
     ``cp`` > 1: the context-parallel attention keeps the key/value heads unexpanded (q, k, v:
-    1 + 2·kv/h instead of 3)."""
+    1 + 2·kv/h instead of 3); Multi-head Latent Attention's, ``mla_activation_units``."""
     if recompute == "full":
         return 1.0 / tp if sequence_parallel and tp > 1 else 1.0
     f = model.ffn_dim / model.dim
     attn = 5.0 if cp == 1 else 3.0 + 2.0 * model.n_kv_heads / model.n_heads
     latent = 0.0  # what tensor parallel does not split (each tp rank computes it whole)
     if getattr(model, "mla", None) is not None:
-        attn, latent = mla_activation_units(model)
+        attn, latent = mla_activation_units(model, cp, cp_latent)
     norm = 1 if _runs(fused, "rms_norm") else 2  # per norm, besides the output the next matmul keeps
     mlp = (3 if _runs(fused, "swiglu") else 4) * f
     moe = getattr(model, "moe", None)
@@ -112,14 +114,20 @@ def activation_units(model, tp: int, sequence_parallel: bool, recompute: str,
     return 2 + 2 * norm + (attn + mlp) / tp + latent
 
 
-def mla_activation_units(model) -> tuple[float, float]:
+def mla_activation_units(model, cp: int = 1, cp_latent: bool = True) -> tuple[float, float]:
     """Multi-head Latent Attention's saved activations of one layer, in s·b·h elements: the
     heads' part (split by tp: the query, the expanded keys with the shared rotary key in each,
     the values and the attention's output) and the latents' (whole on every tp rank: the
-    query's and the key/value latent with their norms' outputs, the rotary key)."""
+    query's and the key/value latent with their norms' outputs, the rotary key). Under
+    context parallel the ring keeps its heads padded to the wider width: the query, the
+    output and the output projection's input, and the expanded keys and values unless it
+    moves the latents (``cp_latent``), which it keeps in their place."""
     m, h = model.mla, model.n_heads
     qk = m.qk_nope_head_dim + m.qk_rope_head_dim
     heads = (2 * h * qk + 2 * h * m.v_head_dim) / model.dim
+    if cp > 1:
+        width = max(qk, m.v_head_dim)
+        heads = h * ((2 if cp_latent else 4) * width + m.v_head_dim) / model.dim
     latent = (2 * (m.q_lora_rank or 0) + 2 * m.kv_lora_rank + m.qk_rope_head_dim) / model.dim
     return heads, latent
 
@@ -168,7 +176,7 @@ def rank_memory(model, c: Candidate, seq_len: int, pp_rank: int = 0, compute_byt
     kinds = chunk_kinds(model.n_layers, c.pp, c.vpp, pp_rank, dense_layers(model), c.stage_layers)
     act_key = (seq_len, c.cp, c.cp_mode, c.microbatch_size, c.tp, sp, c.recompute,
                c.recompute_stride, fused_head, c.ep, c.pp, c.vpp, last, compute_bytes, kinds,
-               c.stage_layers)
+               c.stage_layers, c.cp_latent)
     per_chunk, head, transient, head_transient = memo(
         "activations", model, act_key,
         lambda: _activation_bytes(model, c, seq_len, compute_bytes, fused_head, sp, last, kinds))
@@ -226,9 +234,10 @@ def _activation_bytes(model, c: Candidate, seq_len: int, compute_bytes: int, fus
     tokens = seq_len // c.cp * c.microbatch_size  # a context-parallel rank's part of each sequence
     sbh = tokens * model.dim
     f = c.recomputed(c.blocks(model))
-    kept = activation_units(model, c.tp, sp, "none", fused_head, c.ep, c.cp)
+    kept = activation_units(model, c.tp, sp, "none", fused_head, c.ep, c.cp, cp_latent=c.cp_latent)
     full = activation_units(model, c.tp, sp, "full", fused_head, c.ep, c.cp) if f > 0 else 0.0
-    dense = (activation_units(model, c.tp, sp, "none", fused_head, c.ep, c.cp, moe_block=False)
+    dense = (activation_units(model, c.tp, sp, "none", fused_head, c.ep, c.cp, moe_block=False,
+                              cp_latent=c.cp_latent)
              if any(d for d, _ in kinds) else kept)
     per_chunk = max((1 - f) * (d * dense + m * kept) + f * full * (d + m) for d, m in kinds)
     per_chunk *= sbh * compute_bytes
@@ -251,7 +260,7 @@ def _activation_bytes(model, c: Candidate, seq_len: int, compute_bytes: int, fus
             again = c.recompute == "full" or (
                 c.recompute == "selective" and (held + k) % c.recompute_stride == 0)
             block = activation_units(model, c.tp, False, "full" if again else "none",
-                                     fused_head, c.ep, c.cp)
+                                     fused_head, c.ep, c.cp, cp_latent=c.cp_latent)
             head += (3 * norm + 3 + block) * sbh * compute_bytes
         if _runs(fused_head, "linear_cross_entropy"):  # the fused loss computes its gradients
             # in forward and keeps them
@@ -350,12 +359,15 @@ def cp_transient_bytes(model, c: Candidate, seq_len: int, compute_bytes: int) ->
     fp32 partial outputs merged in forward and the fp32 query gradient accumulated in
     backward (q-sized each); all-gather, every rank's keys and values (compute dtype) and in
     backward their fp32 gradients; ring, the block being used and the one arriving, and two
-    fp32 gradient blocks (the one travelling, the one arriving)."""
+    fp32 gradient blocks (the one travelling, the one arriving). Where the ring moves
+    latents (``cp_moved``) those are the blocks, and one block's keys and values are
+    expanded at a time (and in backward their fp32 gradients)."""
     if c.cp == 1:
         return 0.0
     part = seq_len // c.cp * c.microbatch_size
-    block = 2 * part * kv_dim(model) / c.tp  # K and V elements
+    block = cp_moved(model, c, part)
     queries = 4 * part * model.n_heads * head_width(model) / c.tp  # fp32, q-sized
+    expanded = 2 * part * kv_dim(model) / c.tp * (compute_bytes + 4) if c.moves_latent(model) else 0
     if c.cp_mode == "allgather":
-        return queries + c.cp * block * (compute_bytes + 4)
-    return queries + block * (2 * compute_bytes + 2 * 4)
+        return queries + c.cp * block * (compute_bytes + 4) + expanded
+    return queries + block * (2 * compute_bytes + 2 * 4) + expanded

@@ -306,7 +306,7 @@ def _without_ep(c: Candidate) -> tuple:
     """Every field of ``c`` but its expert-parallel degree."""
     return (c.tp, c.pp, c.dp, c.vpp, c.schedule, c.microbatch_size, c.num_microbatches,
             c.recompute, c.sequence_parallel, c.keep_gathered, c.reduce_dtype, c.padding,
-            c.dp_replicate, c.cp, c.cp_mode, c.recompute_stride)
+            c.dp_replicate, c.cp, c.cp_mode, c.recompute_stride, c.cp_latent)
 
 
 __all__ = ["PlanRequest", "PlanResult", "RankedPlan", "Rejection", "plan", "SCHEDULES"]

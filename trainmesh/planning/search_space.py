@@ -299,6 +299,7 @@ def _options(req: PlanRequest, tp: int, pp: int, dp: int, vpp: int, schedule: st
     split = _stage_layers(req, pp, vpp, schedule)
     moe = has_moe_blocks(req.model)
     overlap = bool(fixed.get("ep_overlap", False))  # (priced, not chosen: explain says)
+    latent = bool(fixed.get("cp_latent", True))
     modes = ("ring",) if cp == 1 else (str(fixed["cp_mode"]),) if "cp_mode" in fixed else CP_MODES
     for ep in _ep_choices(req, dp, cp):
         for rc in RECOMPUTE:
@@ -311,7 +312,7 @@ def _options(req: PlanRequest, tp: int, pp: int, dp: int, vpp: int, schedule: st
                     for mode in modes:
                         yield Candidate(tp, pp, dp, vpp, schedule, mbs, n_micro, rc, sp, keep,
                                         reduce, ep, padding, rep, cp, mode, stride, split,
-                                        overlap if ep > 1 else False)
+                                        overlap if ep > 1 else False, latent)
 
 
 def _stage_layers(req: PlanRequest, pp: int, vpp: int, schedule: str) -> tuple[int, ...] | None:

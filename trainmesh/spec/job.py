@@ -311,6 +311,13 @@ class ParallelismConfig(_Section):
         "ring", description="context parallel: ring (key/value blocks passed round the ring, "
         "each transfer overlapped with a block's attention) or allgather (all-gather the keys "
         "and values, then attend locally: cp× their memory, one collective)")
+    cp_latent: bool = Field(
+        True, description="context parallel with Multi-head Latent Attention (model.mla): move "
+        "each token's compressed latent and rotary key (kv_lora_rank + qk_rope_head_dim "
+        "values) and expand them by wkv_b where they are attended, or (false) move the "
+        "expanded keys and values (heads × 2 × the wider head), as split-backward schedules "
+        "(zb-h1, zbv, dualpipev) always do: their weight pass would run the ring's backward "
+        "again; no effect on other attention")
     sequence_parallel: bool = Field(False, description="with tp > 1: norms, dropout and the "
                                     "residual stream split over the sequence between tp's "
                                     "regions (Megatron's sequence parallel)")

@@ -85,14 +85,17 @@ class MLAttention(nn.Module):
         q = q.view(B, T, -1, m.qk_head_dim)
         q_nope, q_rope = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
         latent, k_rope = self.wkv_a(x_BTD).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
-        kv = self.wkv_b(self.kv_a_norm(latent)).view(B, T, -1, m.qk_nope_head_dim + m.v_head_dim)
-        k_nope, v = kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
+        latent = self.kv_a_norm(latent)
         # the tables sliced here, where T is the whole sequence even under sequence parallel
         q_rope = self.ops.rope(q_rope.contiguous(), cos[:T], sin[:T])
         k_rope = self.ops.rope(k_rope.reshape(B, T, 1, m.qk_rope_head_dim), cos[:T], sin[:T])
+        q = torch.cat([q_nope, q_rope], dim=-1)
+        if self._ring_moves_latent():
+            return self.wo(self._attend_compressed(q, latent, k_rope, docs).reshape(B, T, -1))
+        kv = self.wkv_b(latent).view(B, T, -1, m.qk_nope_head_dim + m.v_head_dim)
+        k_nope, v = kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
         if self.tp_mesh is not None:
             k_rope = _summed_in_backward(k_rope, self.tp_mesh)
-        q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
         if self.context is not None:  # context parallel and/or document masks
             return self.wo(self._attend_in_context(q, k, v, docs).reshape(B, T, -1))
@@ -100,6 +103,30 @@ class MLAttention(nn.Module):
                                              is_causal=True, scale=self.scale,
                                              dropout_p=self.dropout if self.training else 0.0)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+
+    def _ring_moves_latent(self) -> bool:
+        """Under context parallel (cp > 1) the ring moves each token's latent and rotary key
+        (``LatentKeys``) unless ``parallelism.cp_latent`` is off or ``wkv_b`` is no plain
+        linear (float8's: it keeps the expanded keys and values)."""
+        cx = self.context
+        return cx is not None and cx.cp > 1 and cx.compressed and type(self.wkv_b) is nn.Linear
+
+    def _attend_compressed(self, q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
+                           docs: torch.Tensor | None) -> torch.Tensor:
+        """Over the ring, which moves a token's latent and rotary key (kv_lora_rank +
+        qk_rope_head_dim values, against heads × 2 × the padded head width expanded) and
+        expands them by ``wkv_b`` where they are attended. Under tensor parallel the latent's
+        gradient is this rank's heads' part: summed over tp here, as the rotary key's."""
+        m = self.mla
+        width = max(q.shape[-1], m.v_head_dim)
+        packed = torch.cat([latent, k_rope.squeeze(2)], dim=-1)
+        if self.tp_mesh is not None:
+            packed = _summed_in_backward(packed, self.tp_mesh)
+        w = self.wkv_b.weight
+        w = w.to_local() if hasattr(w, "to_local") else w  # (tp: this rank's heads' rows)
+        out = self.context.attend_compressed(F.pad(q, (0, width - q.shape[-1])), packed,
+                                             LatentKeys(m, width), [w], docs, scale=self.scale)
+        return out[..., :m.v_head_dim]
 
     def _attend_in_context(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            docs: torch.Tensor | None) -> torch.Tensor:
@@ -111,6 +138,42 @@ class MLAttention(nn.Module):
         q, k = (F.pad(t, (0, width - t.shape[-1])) for t in (q, k))
         out = self.context.attend(q, k, F.pad(v, (0, width - v.shape[-1])), docs, scale=self.scale)
         return out[..., :v.shape[-1]]
+
+
+@dataclass(frozen=True)
+class LatentKeys:
+    """MLA's keys and values made from what context parallel moves for them (``parallel.
+    context.Keys``): a block (B, T, kv_lora_rank + qk_rope_head_dim) of tokens' normed latents
+    and rotated rotary keys, expanded by ``wkv_b``'s weight (rows: heads × (qk_nope_head_dim
+    + v_head_dim)) into (B, heads, 1, T, width) keys and values, padded to ``width`` as
+    ``_attend_in_context`` pads them. Gradients are folded back in float32."""
+
+    mla: MLAArgs
+    width: int
+
+    def expand(self, block: torch.Tensor, weights) -> tuple[torch.Tensor, torch.Tensor]:
+        m = self.mla
+        B, T, _ = block.shape
+        latent, k_rope = block.split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+        kv = F.linear(latent, weights[0]).view(B, T, -1, m.qk_nope_head_dim + m.v_head_dim)
+        k_nope, v = kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(-1, -1, kv.shape[2], -1)], dim=-1)
+        k, v = (F.pad(t, (0, self.width - t.shape[-1])) for t in (k, v))
+        return k.transpose(1, 2).unsqueeze(2), v.transpose(1, 2).unsqueeze(2)
+
+    def grad_buffers(self, d_block: torch.Tensor, k: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.zeros(k.shape, dtype=torch.float32, device=k.device),
+                torch.zeros(k.shape, dtype=torch.float32, device=k.device))
+
+    def fold(self, block, weights, dk, dv, d_block, d_weights) -> None:
+        m = self.mla
+        L, nope = m.kv_lora_rank, m.qk_nope_head_dim
+        dk, dv = dk.squeeze(2).transpose(1, 2), dv.squeeze(2).transpose(1, 2)  # (B, T, H, width)
+        d_kv = torch.cat([dk[..., :nope], dv[..., :m.v_head_dim]], dim=-1).flatten(2)
+        d_block[..., :L] += d_kv @ weights[0].float()
+        d_block[..., L:] += dk[..., nope:nope + m.qk_rope_head_dim].sum(2)
+        d_weights[0] += d_kv.flatten(0, 1).T @ block[..., :L].float().flatten(0, 1)
 
 
 def _summed_in_backward(t: torch.Tensor, mesh) -> torch.Tensor:
