@@ -59,6 +59,11 @@ CASES = {  # largest meshes first: the rank pool then only shrinks
     # and values moved instead
     "dsv3-cp2-tp2-sp-ring": (ParallelDims(cp=2, tp=2), [
         "model.preset=tiny-dsv3", "parallelism.sequence_parallel=true"]),
+    # ... its weight re-gathered for backward (keep_gathered off) and the ring run again
+    # in the recomputation
+    "dsv3-cp2-dp2-ring-reshard-full-ac": (ParallelDims(cp=2, dp=2), [
+        "model.preset=tiny-dsv3", "parallelism.keep_gathered=false",
+        "activation_checkpoint.mode=full"]),
     "dsv3-cp2-dp2-ring-expanded": (ParallelDims(cp=2, dp=2), [
         "model.preset=tiny-dsv3", "parallelism.ep=2", "parallelism.cp_latent=false"]),
 }
@@ -86,23 +91,25 @@ def test_context_parallel_matches_single_process(rank_pool, tmp_path, case):
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("mode", ["ring", "allgather"])
-def test_mla_ring_moves_the_latent(rank_pool, tmp_path, mode):
+@pytest.mark.parametrize("mode,tp", [("ring", 1), ("allgather", 1), ("ring", 2)])
+def test_mla_ring_moves_the_latent(rank_pool, tmp_path, mode, tp):
     """Multi-head Latent Attention over cp 2: moving each token's latent and rotary key
     (tiny-dsv3: 32 + 8 values) and expanding them where they are attended gives the gradients
     of moving the expanded keys and values (4 heads × 2 × 24 padded), and the ring carries
-    40/192 of their bytes, forward and backward (float32: every message scales alike)."""
+    40/192 of their bytes, forward and backward (float32: every message scales alike); under
+    tp 2 each rank moves the whole latent against its 2 heads' keys and values: 40/96."""
     from trainmesh.testing import probes
 
     sent, grads = {}, {}
+    dims = ParallelDims(cp=2, tp=tp)
     for latent in (True, False):
         spec = load_spec(None, [*BASE, *LONG, "model.preset=tiny-dsv3", "parallelism.cp=2",
-                                f"parallelism.cp_mode={mode}", f"parallelism.cp_latent={latent}",
-                                f"runtime.output_dir={tmp_path}"])
+                                f"parallelism.tp={tp}", f"parallelism.cp_mode={mode}",
+                                f"parallelism.cp_latent={latent}", f"runtime.output_dir={tmp_path}"])
         data_dir = str(ensure_tiny_corpus(tmp_path / "data"))
-        group = rank_pool.group_for(spec, ParallelDims(cp=2))
+        group = rank_pool.group_for(spec, dims)
         try:
-            group.build(spec.model_dump_json(), ParallelDims(cp=2), data_dir)
+            group.build(spec.model_dump_json(), dims, data_dir)
             stats = group.train_step()
             sent[latent] = [r["breakdown"]["cp_sent_mib"] for r in stats]
             grads[latent] = probes.full_grads(group)
@@ -111,7 +118,7 @@ def test_mla_ring_moves_the_latent(rank_pool, tmp_path, mode):
     _close(grads[True], grads[False], rtol=1e-5, atol=1e-6)
     assert sent[False][0] > 0
     for moved, expanded in zip(sent[True], sent[False], strict=True):
-        assert moved / expanded == pytest.approx(40 / 192, rel=1e-9)
+        assert moved / expanded == pytest.approx(40 / (192 / tp), rel=1e-9)
 
 
 def _resumed_at_cp1(rank_pool, tmp_path) -> None:

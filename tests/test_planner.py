@@ -668,6 +668,7 @@ def test_mla_context_parallel_is_priced_by_what_its_ring_moves():
     assert candidate.cp_moved(m, cand(True, schedule="zb-h1"), part) == 2 * part * 128 * 192
     assert candidate.latent_expansion_flops(m, cand(False), part) == 0
     assert candidate.latent_expansion_flops(m, cand(True), part) == 29 * 2 * part * 512 * 128 * 256
+    assert candidate.latent_expansion_flops(m, cand(True), part, 2) == 36 * 2 * part * 512 * 128 * 256
     for mode in ("ring", "allgather"):
         latent, expanded = (dataclasses.replace(cand(x), cp_mode=mode) for x in (True, False))
         assert (cost_model.cp_exposed(m, latent, seq, dev, 4, 2)
@@ -675,9 +676,16 @@ def test_mla_context_parallel_is_priced_by_what_its_ring_moves():
         # (across nodes: per_node 4 < cp)
     acts = {x: memory_model.rank_memory(m, cand(x), seq).activations for x in (True, False)}
     assert acts[True] < acts[False]
+    split = {x: memory_model.rank_memory(m, cand(x, schedule="zb-h1"), seq) for x in (True, False)}
+    assert split[True] == split[False]  # (the engine moves the expanded ones there)
     spec = load_spec(None, ["model.preset=tiny-dsv3", "parallelism.cp=2", "parallelism.cp_latent=false"])
     c = plan(request_for(spec), Topology.uniform(1, 2, "cpu")).best.candidate
     assert not c.cp_latent and effective_spec(spec, c).parallelism.cp_latent is False
+    on = load_spec(None, ["model.preset=tiny-dsv3", "parallelism.cp=2"])
+    assert plan(request_for(on), Topology.uniform(1, 2, "cpu")).best.candidate.cp_latent
+    # float8's wkv_b is a float8 linear: the ranks move the expanded keys and values, as priced
+    req = dataclasses.replace(request_for(on), float8="tensorwise", compiled=True)
+    assert not plan(req, Topology.uniform(1, 8, "h100")).best.candidate.cp_latent
 
 
 def test_a_dense_model_whose_state_fits_each_rank_runs_as_ddp_where_that_is_faster():

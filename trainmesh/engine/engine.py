@@ -321,8 +321,10 @@ class Engine:
         return ContextParallel(
             cp=cp, rank=mesh.coord(Axis.CP), group=mesh[Axis.CP].get_group() if cp > 1 else None,
             mode=spec.parallelism.cp_mode, eos=eos if spec.data.document_mask else None,
-            # a split backward's weight pass would run the ring's backward a second time
-            compressed=spec.parallelism.cp_latent and not splits_backward(spec.schedule.name),
+            # (a split backward's weight pass would run the ring's backward a second time;
+            # float8's wkv_b is a float8 linear)
+            compressed=(spec.parallelism.cp_latent and not splits_backward(spec.schedule.name)
+                        and spec.training.float8 == "none"),
             post=self._post(timeout),
             block=ops.attention_block, block_backward=ops.attention_block_backward)
 

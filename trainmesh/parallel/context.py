@@ -12,8 +12,13 @@ block (a rank's two chunks) at a time, and merges the partial results by their l
 - ``allgather`` (Llama 3's): all-gather the keys and values once (cheap with grouped-query
   attention: only the key/value heads travel), attend locally, reduce-scatter their gradients.
 
+What travels for a block's keys and values is the keys and values themselves, or fewer values
+they are made from where they are attended (``attend_compressed``: Multi-head Latent
+Attention's latent, expanded by each rank; their gradients fold back into it).
+
 Chunk pairs a query cannot see are skipped (a later key chunk under the causal mask, or with
-document masks two chunks without a common document). Key/value heads travel unexpanded.
+document masks two chunks without a common document). Grouped-query attention's key/value
+heads travel unexpanded.
 Point-to-point follows NCCL's rules: both directions of a hop are posted together in one batch,
 every rank posts the same sequence, and a batch's messages meet in posting order.
 
@@ -293,9 +298,12 @@ class _Attention(torch.autograd.Function):
         qs = (q[..., :c, :], q[..., c:, :])
         acc: list[tuple | None] = [None, None]
         for owner, block in cpx.blocks([travel] + ([] if docs is None else [docs])):
-            kb, vb = keys.expand(block[0], weights)
             docs_k = block[1] if docs is not None else None
-            for i, j, causal, mask in cpx.pairs(owner, docs, docs_k, c):
+            seen = cpx.pairs(owner, docs, docs_k, c)
+            if not seen:  # (documents can hide a whole block: nothing to expand)
+                continue
+            kb, vb = keys.expand(block[0], weights)
+            for i, j, causal, mask in seen:
                 o, lse = cpx.block(qs[i], kb[..., j * c:(j + 1) * c, :],
                                    vb[..., j * c:(j + 1) * c, :], causal, mask, scale)
                 acc[i] = _merge(acc[i], o, lse)
@@ -316,9 +324,12 @@ class _Attention(torch.autograd.Function):
         d_weights = [torch.zeros(w.shape, dtype=torch.float32, device=w.device) for w in weights]
 
         def accumulate(owner, block, docs_k, d_block) -> None:
+            seen = cpx.pairs(owner, docs, docs_k, c)
+            if not seen:
+                return
             kb, vb = keys.expand(block, weights)
             dk, dv = keys.grad_buffers(d_block, kb)
-            for i, j, causal, mask in cpx.pairs(owner, docs, docs_k, c):
+            for i, j, causal, mask in seen:
                 gq, gk, gv = cpx.block_backward(
                     dout[..., sl[i], :], q[..., sl[i], :], kb[..., sl[j], :], vb[..., sl[j], :],
                     out[..., sl[i], :], lse[..., sl[i]], causal, mask, scale)

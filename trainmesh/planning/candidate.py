@@ -225,16 +225,17 @@ def cp_moved(model, c: Candidate, part: int) -> float:
     return 2 * part * kv_dim(model) / c.tp
 
 
-def latent_expansion_flops(model, c: Candidate, part: int) -> float:
+def latent_expansion_flops(model, c: Candidate, part: int, forwards: float = 1.0) -> float:
     """The extra FLOPs of expanding the moved latents where they are attended, per layer and
-    microbatch: each of cp blocks expanded by the rank's heads' rows of ``wkv_b`` in forward,
-    again in backward and folded back (two matmuls), less the expansion of its own tokens
-    the model runs anyway (forward and backward): (4·cp − 3) expansions of ``part`` tokens."""
+    microbatch: each of cp blocks expanded by the rank's heads' rows of ``wkv_b`` in each of
+    ``forwards`` forwards (2 where recomputed), again in backward and folded back (two
+    matmuls), less the expansion of its own tokens the model runs anyway (its forwards and
+    backward): (forwards + 3)·cp − (forwards + 2) expansions of ``part`` tokens."""
     if not c.moves_latent(model):
         return 0.0
     m = model.mla
     rows = model.n_heads * (m.qk_nope_head_dim + m.v_head_dim) / c.tp
-    return (4 * c.cp - 3) * 2.0 * part * m.kv_lora_rank * rows
+    return ((forwards + 3) * c.cp - (forwards + 2)) * 2.0 * part * m.kv_lora_rank * rows
 
 
 def head_width(model) -> int:

@@ -204,7 +204,7 @@ def cp_exposed(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: 
     part = seq_len // c.cp * c.microbatch_size
     block = cp_moved(model, c, part)  # elements of one rank's block (K and V, or latents)
     forwards = 1 + c.recomputed(c.blocks(model))
-    expand_s = (latent_expansion_flops(model, c, part)
+    expand_s = (latent_expansion_flops(model, c, part, forwards)
                 / (device.peak_tflops * 1e12 * MATMUL_EFFICIENCY))
     if c.cp_mode == "allgather":
         moved = (c.cp - 1) * block * ((forwards + 1) * compute_bytes + 4)

@@ -234,10 +234,11 @@ def _activation_bytes(model, c: Candidate, seq_len: int, compute_bytes: int, fus
     tokens = seq_len // c.cp * c.microbatch_size  # a context-parallel rank's part of each sequence
     sbh = tokens * model.dim
     f = c.recomputed(c.blocks(model))
-    kept = activation_units(model, c.tp, sp, "none", fused_head, c.ep, c.cp, cp_latent=c.cp_latent)
+    latent = c.moves_latent(model)
+    kept = activation_units(model, c.tp, sp, "none", fused_head, c.ep, c.cp, cp_latent=latent)
     full = activation_units(model, c.tp, sp, "full", fused_head, c.ep, c.cp) if f > 0 else 0.0
     dense = (activation_units(model, c.tp, sp, "none", fused_head, c.ep, c.cp, moe_block=False,
-                              cp_latent=c.cp_latent)
+                              cp_latent=latent)
              if any(d for d, _ in kinds) else kept)
     per_chunk = max((1 - f) * (d * dense + m * kept) + f * full * (d + m) for d, m in kinds)
     per_chunk *= sbh * compute_bytes
@@ -260,7 +261,7 @@ def _activation_bytes(model, c: Candidate, seq_len: int, compute_bytes: int, fus
             again = c.recompute == "full" or (
                 c.recompute == "selective" and (held + k) % c.recompute_stride == 0)
             block = activation_units(model, c.tp, False, "full" if again else "none",
-                                     fused_head, c.ep, c.cp, cp_latent=c.cp_latent)
+                                     fused_head, c.ep, c.cp, cp_latent=latent)
             head += (3 * norm + 3 + block) * sbh * compute_bytes
         if _runs(fused_head, "linear_cross_entropy"):  # the fused loss computes its gradients
             # in forward and keeps them
@@ -360,14 +361,21 @@ def cp_transient_bytes(model, c: Candidate, seq_len: int, compute_bytes: int) ->
     backward (q-sized each); all-gather, every rank's keys and values (compute dtype) and in
     backward their fp32 gradients; ring, the block being used and the one arriving, and two
     fp32 gradient blocks (the one travelling, the one arriving). Where the ring moves
-    latents (``cp_moved``) those are the blocks, and one block's keys and values are
-    expanded at a time (and in backward their fp32 gradients)."""
+    latents (``cp_moved``) those are the blocks, and one block is expanded at a time: its
+    keys and values and their padded copies (compute dtype), in backward their fp32
+    gradients, the expansion's output and its gradient, and the fp32 gradient of ``wkv_b``'s
+    rows that the ring's backward accumulates."""
     if c.cp == 1:
         return 0.0
     part = seq_len // c.cp * c.microbatch_size
     block = cp_moved(model, c, part)
     queries = 4 * part * model.n_heads * head_width(model) / c.tp  # fp32, q-sized
-    expanded = 2 * part * kv_dim(model) / c.tp * (compute_bytes + 4) if c.moves_latent(model) else 0
+    expanded = 0.0
+    if c.moves_latent(model):
+        m = model.mla
+        rows = model.n_heads * (m.qk_nope_head_dim + m.v_head_dim) / c.tp
+        expanded = (2 * part * kv_dim(model) / c.tp * (2 * compute_bytes + 4)
+                    + part * rows * (compute_bytes + 4) + rows * m.kv_lora_rank * 4)
     if c.cp_mode == "allgather":
         return queries + c.cp * block * (compute_bytes + 4) + expanded
     return queries + block * (2 * compute_bytes + 2 * 4) + expanded

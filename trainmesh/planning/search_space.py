@@ -299,7 +299,7 @@ def _options(req: PlanRequest, tp: int, pp: int, dp: int, vpp: int, schedule: st
     split = _stage_layers(req, pp, vpp, schedule)
     moe = has_moe_blocks(req.model)
     overlap = bool(fixed.get("ep_overlap", False))  # (priced, not chosen: explain says)
-    latent = bool(fixed.get("cp_latent", True))
+    latent = bool(fixed.get("cp_latent", True)) and req.float8 == "none"  # (float8: expanded)
     modes = ("ring",) if cp == 1 else (str(fixed["cp_mode"]),) if "cp_mode" in fixed else CP_MODES
     for ep in _ep_choices(req, dp, cp):
         for rc in RECOMPUTE:

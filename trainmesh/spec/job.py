@@ -317,7 +317,8 @@ class ParallelismConfig(_Section):
         "values) and expand them by wkv_b where they are attended, or (false) move the "
         "expanded keys and values (heads × 2 × the wider head), as split-backward schedules "
         "(zb-h1, zbv, dualpipev) always do: their weight pass would run the ring's backward "
-        "again; no effect on other attention")
+        "again; and so does training.float8 (its wkv_b is a float8 linear); no effect on "
+        "other attention")
     sequence_parallel: bool = Field(False, description="with tp > 1: norms, dropout and the "
                                     "residual stream split over the sequence between tp's "
                                     "regions (Megatron's sequence parallel)")

@@ -9,7 +9,8 @@ every head shares (decoupled RoPE), beside each head's unrotated key. A head's q
 Tensor parallel splits the heads: ``wq``/``wq_b`` and ``wkv_b`` by columns, ``wo`` by rows; the
 latent projections and their norms are whole on every tp rank, and so are their gradients: the
 column-parallel up-projections sum their inputs' gradients over tp, and the shared rotary key,
-used by this rank's heads alone, has its gradient summed here (``tp_mesh``).
+used by this rank's heads alone, has its gradient summed here (``tp_mesh``); where context
+parallel moves the latent (``LatentKeys``) the latent and rotary key are summed here together.
 
 RoPE rotates interleaved pairs (2i, 2i+1) here, as DeepSeek's weights are laid out
 (``rope_interleave``), so Hugging Face's rows need no permutation.
@@ -106,8 +107,9 @@ class MLAttention(nn.Module):
 
     def _ring_moves_latent(self) -> bool:
         """Under context parallel (cp > 1) the ring moves each token's latent and rotary key
-        (``LatentKeys``) unless ``parallelism.cp_latent`` is off or ``wkv_b`` is no plain
-        linear (float8's: it keeps the expanded keys and values)."""
+        (``LatentKeys``) unless ``parallelism.cp_latent`` is off (the engine turns it off
+        under split-backward schedules) or ``wkv_b`` is no plain linear (float8's: the
+        expanded keys and values then travel, as the planner prices them)."""
         cx = self.context
         return cx is not None and cx.cp > 1 and cx.compressed and type(self.wkv_b) is nn.Linear
 
@@ -146,7 +148,8 @@ class LatentKeys:
     context.Keys``): a block (B, T, kv_lora_rank + qk_rope_head_dim) of tokens' normed latents
     and rotated rotary keys, expanded by ``wkv_b``'s weight (rows: heads × (qk_nope_head_dim
     + v_head_dim)) into (B, heads, 1, T, width) keys and values, padded to ``width`` as
-    ``_attend_in_context`` pads them. Gradients are folded back in float32."""
+    ``_attend_in_context`` pads them. The gradients fold back through matmuls in the
+    weight's dtype (as a linear's backward runs), accumulated in float32."""
 
     mla: MLAArgs
     width: int
@@ -170,10 +173,11 @@ class LatentKeys:
         m = self.mla
         L, nope = m.kv_lora_rank, m.qk_nope_head_dim
         dk, dv = dk.squeeze(2).transpose(1, 2), dv.squeeze(2).transpose(1, 2)  # (B, T, H, width)
-        d_kv = torch.cat([dk[..., :nope], dv[..., :m.v_head_dim]], dim=-1).flatten(2)
-        d_block[..., :L] += d_kv @ weights[0].float()
+        w = weights[0]
+        d_kv = torch.cat([dk[..., :nope], dv[..., :m.v_head_dim]], dim=-1).flatten(2).to(w.dtype)
+        d_block[..., :L] += d_kv @ w
         d_block[..., L:] += dk[..., nope:nope + m.qk_rope_head_dim].sum(2)
-        d_weights[0] += d_kv.flatten(0, 1).T @ block[..., :L].float().flatten(0, 1)
+        d_weights[0] += d_kv.flatten(0, 1).T @ block[..., :L].to(w.dtype).flatten(0, 1)
 
 
 def _summed_in_backward(t: torch.Tensor, mesh) -> torch.Tensor:

@@ -161,7 +161,9 @@ def _mla_plan(mla, between) -> dict[str, object]:
     ``wq_b``, ``wkv_b``) by columns, ``wo`` by rows. The block's input is gathered whole and the
     latent projections and their norms are not split: every tp rank computes them whole, and
     their gradients are whole too — the up-projections' inputs are summed over tp in backward
-    (as a column-parallel input is), and so is the shared rotary key's (``MLAttention.tp_mesh``)."""
+    (as a column-parallel input is), and so is the shared rotary key's (``MLAttention.tp_mesh``;
+    where context parallel moves the latent, ``wkv_b``'s weight is used directly and the
+    latent's gradient is summed there)."""
     return {
         "attention": PrepareModuleInput(input_layouts=(between, None, None),
                                         desired_input_layouts=(Replicate(), None, None),
