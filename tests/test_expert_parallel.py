@@ -65,6 +65,11 @@ CASES = {  # largest meshes first: the rank pool then only shrinks
     "dsv3-mtp2-ep2-cp2-dp2": (ParallelDims(cp=2, dp=2, ep=2), [
         "model.preset=tiny-dsv3", "model.mtp.depth=2", "model.moe.balance=aux_loss",
         "model.moe.aux_loss_coef=0.1"]),
+    # ... beside context and tensor parallel at once: the modules' inputs whole on each tp
+    # rank of each ring rank's part, their MoE blocks routing a tp rank's share of the rows
+    "dsv3-mtp2-ep2-cp2-tp2-sp": (ParallelDims(cp=2, tp=2, ep=2), [
+        "model.preset=tiny-dsv3", "model.mtp.depth=2", "parallelism.sequence_parallel=true",
+        "model.moe.bias_update_rate=0.01"]),
     # ... on two pipeline stages (the dense block and an MoE one on the first), 1F1B.
     "dsv3-pp2-ep2-dp2": (ParallelDims(pp=2, dp=2, ep=2), [
         "model.preset=tiny-dsv3", "model.moe.bias_update_rate=0.01"]),

@@ -48,6 +48,9 @@ PLANS = {  # every plan on 4 ranks
     # ... beside context parallel: the module on each rank's chunks, attending over the ring
     "dsv3-mtp-cp2-dp2": ["model.preset=tiny-dsv3", "model.mtp.depth=1", "parallelism.cp=2",
                          "parallelism.dp=2"],
+    # ... beside both at once: the modules' inputs whole on each tp rank of a ring rank's part
+    "dsv3-mtp-cp2-tp2-sp": ["model.preset=tiny-dsv3", "model.mtp.depth=1", "parallelism.cp=2",
+                            "parallelism.tp=2", "parallelism.sequence_parallel=true"],
     # ... the ring moving the expanded keys and values (kept for backward) in the latents' place
     "dsv3-cp2-dp2-expanded": ["model.preset=tiny-dsv3", "parallelism.cp=2", "parallelism.dp=2",
                               "parallelism.cp_latent=false"],

@@ -67,6 +67,10 @@ class AllToAllDispatch:
             raise ValueError(f"a dispatch splits a microbatch in 1 or 2 parts, not {halves}")
         self.ep_group, self.ep, self.experts, self.token_group = ep_group, ep, experts, token_group
         self.positions, self.seq_len = positions, seq_len
+        # The positions of the input a multi-token module's MoE block takes whole on every tp
+        # rank (``parallelize._split_positions_over_tp``): its T − k, or beside context
+        # parallel the rank's whole part of the sequence
+        self.whole_len = seq_len
         self.halves = halves if ep > 1 else 1  # (nothing to hide at ep 1)
         self.log = log if log is not None else WaitLog()
         self.in_flight = 0  # all-to-alls started and not yet waited for
@@ -269,7 +273,8 @@ def apply_expert_parallel(model: nn.Module, mesh: Mesh, seq_len: int, overlap: b
         if block_name.startswith("mtp.") and token_group is not None:  # multi-token module k
             # (from 0): over the first seq_len - k - 1 positions
             length = seq_len - int(block_name.split(".")[1]) - 1
-            if cp > 1:  # on the rank's whole part (tp 1 beside it: the spec), routing those
+            if cp > 1:  # on the rank's whole part (beside tp its tp rank's share of it),
+                # routing those
                 rows = torch.nonzero(positions < length).flatten()
                 where = positions[rows]
                 moe.rows = rows if rows.numel() < positions.numel() else None  # (None: all)
@@ -285,6 +290,8 @@ def apply_expert_parallel(model: nn.Module, mesh: Mesh, seq_len: int, overlap: b
         moe.dispatch = AllToAllDispatch(mesh["ep"].get_group() if ep > 1 else None, ep,
                                         moe.args.experts, token_group, where, length,
                                         halves=2 if overlap else 1, log=log)
+        if block_name.startswith("mtp.") and cp > 1:
+            moe.dispatch.whole_len = seq_len // cp
     return model
 
 

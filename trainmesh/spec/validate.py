@@ -155,11 +155,6 @@ def layout_problems(work: Workload, lay: LayoutLike, runnable: bool = True) -> l
     if runnable:
         out += runnable_problems(m, lay.tp, lay.pp, lay.sequence_parallel)
         if getattr(m, "mtp", None) is not None:
-            if lay.cp > 1 and lay.tp > 1:
-                out.append(Problem("parallelism.cp", f"cp={lay.cp} and tp={lay.tp} together "
-                                   "beside model.mtp: multi-token prediction is built beside "
-                                   "either, not both at once", "set parallelism.tp=1 or "
-                                   "parallelism.cp=1, or model.mtp=null"))
             split = " × ".join(f"{n}={d}" for n, d in (("tp", lay.tp), ("cp", lay.cp)) if d > 1)
             if split and m.moe is not None and m.moe.capacity_factor is not None:
                 out.append(Problem("model.moe.capacity_factor", "capacity beside model.mtp and "

@@ -402,10 +402,14 @@ def _mtp_hidden(model: nn.Module, h: torch.Tensor, ahead: torch.Tensor):
 def _mtp_hidden_in_context(model: nn.Module, cp, h: torch.Tensor, whole: torch.Tensor):
     """``_mtp_hidden`` under context parallel (``parallelize.MTPContextParallel``): each
     module over the rank's whole part of the sequence, from the embedding of the tokens k
-    ahead of its positions (``whole``: the gathered targets)."""
-    T = h.shape[1]
+    ahead of its positions (``whole``: the gathered targets); beside tensor parallel both
+    whole on every tp rank first, as ``_mtp_hidden`` gathers them."""
+    tp = getattr(model, "mtp_tp", None)
     depth = len(model.mtp)
     embedded = model.tok_embeddings(torch.cat([cp.ahead(whole, k) for k in range(1, depth + 1)], 1))
+    if tp is not None:
+        h, embedded = tp.model_output(h), tp.embedded(embedded)
+    T = h.shape[1]
     for k, module in enumerate(model.mtp.values(), start=1):
         h = module(embedded[:, (k - 1) * T:k * T], h, model.rope_cos, model.rope_sin)
         yield h
@@ -424,7 +428,9 @@ def _mtp_term(model: nn.Module, head: nn.Module, h: torch.Tensor,
         whole = cp.whole(targets)
         for k, h_k in enumerate(_mtp_hidden_in_context(model, cp, h, whole), start=1):
             rows, wanted, share = cp.scored(whole, k)
-            losses.append(_head_loss(model, head, h_k.index_select(1, rows), wanted) * share)
+            scored = h_k.index_select(1, rows)
+            losses.append(_head_loss(model, head, tp.head_input(scored) if tp else scored,
+                                     wanted) * share)
     else:
         losses = [_head_loss(model, head, tp.head_input(h_k) if tp else h_k, targets[:, k:])
                   for k, h_k in enumerate(_mtp_hidden(model, h, targets), start=1)]

@@ -80,7 +80,8 @@ def _split_positions_over_tp(moe: MoE, tp_mesh: DeviceMesh) -> None:
     positions (``torch.chunk``'s, as DTensor shards: uneven where tp does not divide them) and
     gives back the whole output; in backward its input's gradient is gathered whole. The
     whole length is the block's dispatch's (``expert.apply_expert_parallel``: the module's
-    T − k), so nothing is kept between the two hooks (a recomputation may stop between them)."""
+    T − k, or beside context parallel the rank's part of the sequence), so nothing is kept
+    between the two hooks (a recomputation may stop between them)."""
 
     def before(module, args):
         (x,) = args
@@ -88,7 +89,7 @@ def _split_positions_over_tp(moe: MoE, tp_mesh: DeviceMesh) -> None:
                 .redistribute(tp_mesh, [Shard(1)]).to_local(),)
 
     def after(module, args, out):
-        shape = torch.Size((out.shape[0], module.dispatch.seq_len, *out.shape[2:]))
+        shape = torch.Size((out.shape[0], module.dispatch.whole_len, *out.shape[2:]))
         whole = DTensor.from_local(out, tp_mesh, [Shard(1)], run_check=False, shape=shape,
                                    stride=torch.empty(shape, device="meta").stride())
         return whole.redistribute(tp_mesh, [Replicate()]).to_local()
