@@ -6,7 +6,8 @@ section part by part (a run cut off keeps the parts it finished). Parts in the o
     make gpu-check            # = python3 bench/gpu_check.py --append bench/history/journal.md
 
 Where one command may run 10 minutes at most, split it: ``--parts tests,lce,kernels``, then
-``--parts attention,moe,moe-float8,moe-halves,mla,memory`` (and ``microbatch`` when calibrating the cost model).
+``--parts attention,moe,moe-float8,moe-halves,mla,mla-latent,memory`` (and ``microbatch`` when
+calibrating the cost model).
 
 1. tests: the GPU test modules (Triton kernels compiled for real against the torch
    references; the step's breakdown on CUDA events).
@@ -40,6 +41,10 @@ Where one command may run 10 minutes at most, split it: ``--parts tests,lce,kern
 8. mla: Multi-head Latent Attention's SDPA at DeepSeek-V3's heads (query/key 192, value
    128; and the values padded to 192, as context parallel moves them) on each backend (flash,
    efficient, cuDNN, math) that takes it, beside 128-wide heads (added 2026-11-29: not run yet).
+   mla-latent: what context parallel's latent ring (``parallelism.cp_latent``) adds where a
+   block arrives — expanding DeepSeek-V3's latents by ``wkv_b`` (twice: forward and again in
+   backward) and folding the gradients back — against the transfer it saves at the device's
+   NVLink and network bandwidths (blocks of 2,048–8,192 tokens; added 2026-11-30: not run yet).
 9. memory: planned vs measured CUDA memory: one rank builds the `1b` preset the way a job
    does (meta build, FSDP2 over a 1-rank mesh, bf16, seq 2048) and runs two steps
    (activations counted in the first, the peak of the second: steady state, no counting
@@ -476,13 +481,56 @@ def mla_attention() -> list[str]:
     return lines
 
 
+def mla_latent() -> list[str]:
+    """Context parallel's latent ring on CUDA (see the module docstring, 8): one arriving
+    block of DeepSeek-V3's latents (512 + 64 rotary values a token) expanded by a rank's
+    ``wkv_b`` (128 heads × (128 + 128) rows, tp 1) and, in backward, expanded again and its
+    keys' and values' gradients folded back (``mla.LatentKeys``), bf16 with fp32
+    accumulation; beside it the time the moved bytes would take at the device's links: a
+    block travels twice (forward, backward) in bf16 and its gradient once in fp32."""
+    import torch
+    from triton.testing import do_bench
+
+    from trainmesh.models.llama.mla import LatentKeys, MLAArgs
+    from trainmesh.planning.devices import device_spec
+
+    m = MLAArgs(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                q_lora_rank=1536)
+    keys, heads = LatentKeys(m, 192), 128
+    dev = device_spec("h200" if "h200" in torch.cuda.get_device_name().lower() else "h100")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(heads * 256, 512, device="cuda", dtype=torch.bfloat16, generator=g) / 23
+    lines = ["block tokens | expand ms | fold ms | latent's extra ms (2 expands + fold) | "
+             "bytes saved MB | their time over NVLink ms | over the network ms",
+             "", "| tokens | expand | fold | extra | saved MB | NVLink | network |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    for T in (2048, 4096, 8192):
+        block = torch.randn(1, T, 576, device="cuda", dtype=torch.bfloat16, generator=g)
+        k, v = keys.expand(block, [w])
+        dk, dv = (torch.randn(t.shape, device="cuda", generator=g) for t in (k, v))
+        d_block = torch.zeros(block.shape, device="cuda")
+        d_w = [torch.zeros(w.shape, device="cuda")]
+        expand = do_bench(lambda b=block: keys.expand(b, [w]), warmup=5, rep=20,
+                          return_mode="median")
+        fold = do_bench(lambda b=block, dk=dk, dv=dv, d=d_block, dw=d_w: keys.fold(b, [w], dk, dv, d, dw),
+                        warmup=5, rep=20, return_mode="median")
+        expanded, latent = 2 * T * heads * 192, T * 576  # elements a block moves
+        saved = (expanded - latent) * (2 + 2 + 4)
+        lines.append(f"| {T} | {expand:.2f} | {fold:.2f} | {2 * expand + fold:.2f} | "
+                     f"{saved / 1e6:.0f} | {saved / (dev.intra_node_gbps * 1e9) * 1e3:.2f} | "
+                     f"{saved / (dev.inter_node_gbps * 1e9) * 1e3:.2f} |")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--append", metavar="FILE", help="append the section to FILE (RESULTS.md)")
     ap.add_argument("--parts",
-                    default="tests,lce,kernels,attention,moe,moe-float8,moe-halves,mla,memory",
+                    default="tests,lce,kernels,attention,moe,moe-float8,moe-halves,mla,mla-latent,"
+                            "memory",
                     help="comma-separated subset of tests, lce, kernels, attention, moe, "
-                         "moe-float8, moe-halves, mla, memory, microbatch, microbatch-compile")
+                         "moe-float8, moe-halves, mla, mla-latent, memory, microbatch, "
+                         "microbatch-compile")
     args = ap.parse_args()
     import torch
 
@@ -511,6 +559,8 @@ def main() -> None:
              "moe-halves": ("An MoE block's exchanges whole or in two halves (one GPU)",
                             moe_halves),
              "mla": ("Multi-head Latent Attention's attention: SDPA backends", mla_attention),
+             "mla-latent": ("Context parallel's latent ring: expansion against bytes saved",
+                            mla_latent),
              "attention": ("Context parallel's attention block with its log-sum-exp",
                            attention_lse),
              "microbatch": ("1b's step by microbatch size", microbatch_sweep),
