@@ -242,7 +242,7 @@ def test_a_recovery_interrupted_by_a_failure_times_its_last_attempt_apart(monkey
     now[0] += 2.0  # restoring, when another node goes
     book.begin(book.joined(Stop(FAILURE, "ActorUnavailableError", 3, mesh, at=6.0)))
     for phase, dt in (("aborted", 0.6), ("released", 0.0), ("checked", 0.1), ("planned", 0.2),
-                      ("group", 2.0), ("restored", 1.0)):
+                      ("group", 2.0), ("built", 0.25), ("restored", 0.75)):
         now[0] += dt
         book.mark(phase)
     now[0] += 0.5
@@ -254,6 +254,7 @@ def test_a_recovery_interrupted_by_a_failure_times_its_last_attempt_apart(monkey
     parts = ("interrupted_s", "abort_s", "stuck_s", "health_s", "plan_s")
     assert sum(p[k] for k in parts) == pytest.approx(p["decide_s"])
     assert (p["restore_s"], p["first_step_s"]) == pytest.approx((1.0, 0.5))
+    assert (p["build_s"], p["load_s"]) == pytest.approx((0.25, 0.75))
 
 
 def test_a_recovery_and_a_resize_are_one_console_line_each():

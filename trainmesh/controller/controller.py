@@ -381,6 +381,7 @@ class Controller(TrainingLoop):
         self._set(state="building")
         self.ckpts.forget()  # a save in flight when the job stopped never counts
         group.build(self.eff.model_dump_json(), self.dims, self._data_dir())
+        self.book.mark("built")
         if (failed := tracker.opened()) is not None:  # (it opened while the ranks started)
             raise JobFailed(failed)
         start = self._resume(group, tracker)

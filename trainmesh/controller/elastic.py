@@ -71,9 +71,11 @@ def mesh_text(mesh: dict) -> str:
 def recovery_phases(marks: dict[str, float]) -> dict[str, float]:
     """Seconds per recovery phase from the wall times marked on the way (``failed``,
     ``planned``, ``group``, ``restored``, ``first_step``; within deciding, after a failure,
-    ``aborted``, ``released`` and ``checked``; ``interrupted``: the last failure that struck
-    while recovering), where both ends were marked. Deciding's parts (``interrupted_s``,
-    ``abort_s``, ``stuck_s``, ``health_s``, ``plan_s``) add up to ``decide_s``."""
+    ``aborted``, ``released`` and ``checked``; within restoring ``built``; ``interrupted``:
+    the last failure that struck while recovering), where both ends were marked. Deciding's
+    parts (``interrupted_s``, ``abort_s``, ``stuck_s``, ``health_s``, ``plan_s``) add up to
+    ``decide_s``, restoring's (``build_s``: the ranks' model parts; ``load_s``: finding and
+    reading the newest state) to ``restore_s``."""
     phases = {}
     # a recovery interrupted by another failure: the attempts before it, then the last one's
     start = "interrupted" if "interrupted" in marks else "failed"
@@ -82,7 +84,8 @@ def recovery_phases(marks: dict[str, float]) -> dict[str, float]:
                        ("first_step_s", "restored", "first_step"),
                        ("interrupted_s", "failed", "interrupted"),
                        ("abort_s", start, "aborted"), ("stuck_s", "aborted", "released"),
-                       ("health_s", "released", "checked"), ("plan_s", "checked", "planned")):
+                       ("health_s", "released", "checked"), ("plan_s", "checked", "planned"),
+                       ("build_s", "group", "built"), ("load_s", "built", "restored")):
         if a in marks and b in marks:
             phases[name] = round(marks[b] - marks[a], 3)
     return phases

@@ -52,7 +52,7 @@ class RecoveryBook:
         self.marks = {"failed": self.marks["failed"], **dict.fromkeys(("interrupted", *also), now)}
 
     def mark(self, phase: str) -> None:
-        """The wall time ``phase`` ended (``planned``, ``group``, ``restored``)."""
+        """The wall time ``phase`` ended (``planned``, ``group``, ``built``, ``restored``)."""
         self.marks[phase] = time.time()
 
     def spend(self, decision: Decision) -> None:
