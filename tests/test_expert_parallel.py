@@ -39,6 +39,12 @@ CASES = {  # largest meshes first: the rank pool then only shrinks
     "dsv3-mtp2-pp4-ep2-dp2": (ParallelDims(pp=4, dp=2, ep=2), [
         "model.preset=tiny-dsv3", "model.mtp.depth=2", "model.moe.bias_update_rate=0.01",
         "optimizer.grad_clip=0.1"]),  # (a clip that bites: the copy is clipped, not counted)
+    # ... under a zero-bubble schedule (zb-h1): the first stage's backward split (I, then W
+    # later), the modules' stage's run whole at I (torch's split backward fails on their
+    # shared lookup of the tokens ahead)
+    "dsv3-mtp2-pp2-ep2-dp2-zb-h1": (ParallelDims(pp=2, dp=2, ep=2), [
+        "model.preset=tiny-dsv3", "model.mtp.depth=2", "model.moe.bias_update_rate=0.01",
+        "schedule.name=zb-h1"]),
     # Qwen3's attention too: heads wider than dim / n_heads, per-head q/k norms (whole on each
     # tp rank, each rank's gradient from its heads only: summed over tp like the MoE block's).
     "ep2-tp2-dp2-sp-qk-norm": (ParallelDims(tp=2, dp=2, ep=2), [

@@ -348,8 +348,11 @@ class Engine:
                       device=self.device, timeout=timeout,
                       post=self._post(timeout))
         self._shape, self._stages, self._p2p = shape, stages, p2p  # for the eval executor
+        # (the multi-token modules' stage: torch's split backward fails on their lookup of the
+        # tokens ahead, shared by the modules)
+        unsplit = frozenset(s for s, m in stages.items() if getattr(m, "mtp", None) is not None)
         return PipelineExecutor(shape, self._schedule[c[Axis.PP]], stages, p2p, self.loss_context,
-                                zero, self.on_phase, before_microbatch)
+                                zero, self.on_phase, before_microbatch, unsplit)
 
     def _wait_logs(self) -> list[WaitLog]:
         """Where this rank waits on communication inside its blocks, timed each step."""

@@ -163,12 +163,12 @@ def layout_problems(work: Workload, lay: LayoutLike, runnable: bool = True) -> l
                                    "exchange does not take", "set model.moe.capacity_factor="
                                    "null (dropless), parallelism.tp=1 and parallelism.cp=1, "
                                    "or model.mtp=null"))
-            if v in SPLIT_BACKWARD and lay.pp > 1:
-                out.append(Problem("schedule.name", f"{v} beside model.mtp is not built: its "
-                                   "backward split in two (input gradients, then weights' "
-                                   "later) does not yet run through the prediction modules, "
-                                   "which share one embedding lookup", "use schedule.name="
-                                   "1f1b or interleaved-1f1b, or model.mtp=null"))
+            if v in SPLIT_BACKWARD and v != "zb-h1" and lay.pp > 1:
+                out.append(Problem("schedule.name", f"{v} beside model.mtp is not built: the "
+                                   "prediction modules' stage shares the first's rank in its "
+                                   "V, and with it the embedding the modules look the tokens "
+                                   "ahead up in", "use schedule.name=zb-h1, 1f1b or "
+                                   "interleaved-1f1b, or model.mtp=null"))
 
     return out
 

@@ -10,7 +10,9 @@ NCCL ignores (the lowering posts every pair's messages in the same order on both
 A split backward (zero-bubble schedules) runs I — input gradients only, with torch's
 ``stage_backward_input``, keeping what the weight gradients will need — and later W, with
 ``stage_backward_weight``; on the first stage, which has no input gradient to send, I does
-nothing and W runs the whole backward, as torch.distributed.pipelining does. Gradients
+nothing and W runs the whole backward, as torch.distributed.pipelining does; on a stage whose
+backward cannot be split (``unsplit``: the multi-token modules' stage, whose lookup of the
+tokens ahead torch's split backward fails on) I runs the whole backward and W nothing. Gradients
 accumulate across microbatches; a ZeRO-3 stage reduces its gradients as its ``ZeroPolicy``
 says, and under a split backward once, after the stage's last W (DualPipeV, whose drain
 alone is split: its last B or W, whichever comes last).
@@ -70,21 +72,27 @@ def _wait(work, timeout: timedelta | None) -> None:
         work.wait(timeout)
 
 
+_WHOLE = object()  # a split backward's state where I ran the whole backward (``unsplit``)
+
+
 class PipelineExecutor:
     def __init__(self, shape: PipeShape, actions: list[Action], stages: dict[int, nn.Module],
                  p2p: P2PSpec, loss_context: Callable[[], AbstractContextManager] = nullcontext,
                  zero: ZeroPolicy | None = None,
                  on_phase: Callable[[str], None] = lambda phase: None,
-                 set_weight: Callable[[float], None] | None = None):
+                 set_weight: Callable[[float], None] | None = None,
+                 unsplit: frozenset[int] = frozenset()):
         """``stages[s](x)`` runs stage s; the last stage is called as ``stages[s](x, y)`` and
         returns the microbatch's mean loss. ``set_weight`` hears the weight of each compute
         action's microbatch before it runs (a loss the stages add themselves, MoE balancing,
-        takes the microbatch's share of the step from its forward)."""
+        takes the microbatch's share of the step from its forward). ``unsplit``: stages whose
+        split backward runs whole at I (the module docstring)."""
         self.shape, self.actions, self.stages, self.p2p = shape, actions, stages, p2p
         self.loss_context = loss_context
         self.zero = zero  # the stages' ZeRO-3 policy (None: stages are not sharded)
         self.on_phase = on_phase  # hears "forward" / "backward" as each action begins
         self.set_weight = set_weight
+        self.unsplit = unsplit
         last = {}
         for a in actions:
             if a.op in (Op.BACKWARD, Op.WEIGHT):
@@ -196,8 +204,9 @@ class PipelineExecutor:
         last = self.last_backward[a.stage] == a.microbatch
         if self.zero is not None:  # ZeRO-3: when this stage gathers and reduce-scatters
             self.zero.before_backward(stage, last)
-        out = self._outputs.pop((a.stage, a.microbatch))
-        grad = self._output_grad(a)
+        self._whole_backward(self._outputs.pop((a.stage, a.microbatch)), self._output_grad(a))
+
+    def _whole_backward(self, out: torch.Tensor, grad: torch.Tensor | None) -> None:
         with self.loss_context():
             if grad is None:
                 out.backward()
@@ -208,7 +217,10 @@ class PipelineExecutor:
         out = self._outputs.pop((a.stage, a.microbatch))
         grad = self._output_grad(a)
         state = None
-        if a.stage > 0:  # the first stage has no input gradient: its W does it all
+        if a.stage in self.unsplit:  # the whole backward now, W nothing (the docstring)
+            self._whole_backward(out, grad)
+            out, grad, state = None, None, _WHOLE
+        elif a.stage > 0:  # the first stage has no input gradient: its W does it all
             # (imported here: torch's pipelining package brings in dynamo, ~0.5 s of every
             # rank's start, and only split-backward schedules need it)
             from torch.distributed.pipelining._backward import stage_backward_input
@@ -223,7 +235,9 @@ class PipelineExecutor:
         stage = self.stages[a.stage]
         out, grad, state = self._split_state.pop((a.stage, a.microbatch))
         with self.loss_context():
-            if state is None:
+            if state is _WHOLE:
+                pass  # (run whole at I)
+            elif state is None:
                 torch.autograd.backward(out, grad_tensors=grad)
             else:
                 from torch.distributed.pipelining._backward import stage_backward_weight
