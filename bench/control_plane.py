@@ -13,7 +13,8 @@ by the rank), start → first step (and the controller thread's CPU seconds in i
 checkpoint's and snapshot's coordination (the controller's call: the ranks' writes are a few
 bytes here); then, unless --no-kill, a second
 job in which one rank's process exits mid-run: its death → the first step on the new mesh
-(orchestration only); then, with --long N, a job of N steps with no checkpoint and no
+(orchestration only) and the controller thread's CPU seconds in it; then,
+with --long N, a job of N steps with no checkpoint and no
 snapshot, whose only boundaries are the segments' own: the controller's CPU per step amortised
 over a long run (the segments stretched so that a boundary is at most 1% of one). Then the
 slope of each against the ranks (least squares over the rank counts, per rank added).
@@ -139,6 +140,7 @@ def main() -> None:
                "save_s": statistics.median(c["save_s"]) if c["save_s"] else None,
                "snapshot_s": statistics.median(c["snapshot_s"]) if c["snapshot_s"] else None,
                "death_to_step_s": rec["downtime_s"] if rec else None,
+               "recovery_cpu_s": rec.get("controller_cpu_s") if rec else None,
                "recovery_phases": rec["phases"] if rec else None, "job_wall_s": wall,
                "long_cpu_ms_per_step": 1e3 * long["cpu_s"] / long["steps"] if long else None,
                "long_segments": long["segments"] if long else None}
@@ -152,7 +154,8 @@ def main() -> None:
           "nodes of 8 on one 2-core machine")
     print("\n| ranks | controller CPU ms / step | boundary CPU ms (per rank) | calls / rank / step | "
           "segments | start → first step s (controller CPU s) | checkpoint s | snapshot s | "
-          f"death → step s | long job ({args.long} steps): CPU ms / step (segments) |")
+          f"death → step s (controller CPU s) | long job ({args.long} steps): CPU ms / step "
+          "(segments) |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         per = None if r["boundary_ms"] is None else r["boundary_ms"] / r["ranks"]
@@ -160,13 +163,15 @@ def main() -> None:
               f"{f(r['boundary_ms'])} ({f(per, '{:.3f}')}) | "
               f"{f(r['calls_per_rank_step'], '{:.3f}')} | {r['segments']} | "
               f"{f(r['first_step_s'])} ({f(r['first_step_cpu_s'])}) | {f(r['save_s'], '{:.3f}')} | "
-              f"{f(r['snapshot_s'], '{:.3f}')} | {f(r['death_to_step_s'])} | "
+              f"{f(r['snapshot_s'], '{:.3f}')} | {f(r['death_to_step_s'])} "
+              f"({f(r['recovery_cpu_s'])}) | "
               f"{f(r['long_cpu_ms_per_step'], '{:.3f}')} ({r['long_segments'] or '-'}) |")
     if len(rows) > 1:
         xs = [r["ranks"] for r in rows]
         print("\nslope per rank added (least squares):")
         for key in ("cpu_ms_per_step", "boundary_ms", "first_step_s", "first_step_cpu_s",
-                    "save_s", "snapshot_s", "death_to_step_s", "long_cpu_ms_per_step"):
+                    "save_s", "snapshot_s", "death_to_step_s", "recovery_cpu_s",
+                    "long_cpu_ms_per_step"):
             ys = [r[key] for r in rows]
             if all(y is not None for y in ys):  # (in ms: the seconds' keys scaled)
                 scale = 1.0 if "ms" in key else 1e3

@@ -370,6 +370,11 @@ def test_every_fault_is_recovered_warm_in_seconds_with_nothing_lost(cluster, tmp
         if rec["cause"] not in ("preemption", "scale-up"):
             assert None not in parts and min(parts) >= 0, rec
             assert sum(parts) == pytest.approx(rec["phases"]["decide_s"], abs=0.01), rec
+        # restoring's parts, the ranks' build and the load, add up to it
+        assert rec["phases"]["build_s"] + rec["phases"]["load_s"] == pytest.approx(
+            rec["phases"]["restore_s"], abs=0.01), rec
+        # the controller's own CPU in it: some, and less than the time it took
+        assert 0 < rec["controller_cpu_s"] < rec["downtime_s"], rec
     # A fault while recovering (restoring, re-forming) joins that recovery.
     assert sum(", then " in r["cause"] for r in recs) >= 2, [r["cause"] for r in recs]
     (notice,) = [r for r in recs if r["cause"] == "preemption"]

@@ -36,6 +36,9 @@ class Recovery:
     # the new ranks that took a ready process ("ready"; their pids "ready_pids") and those that
     # started one ("started")
     processes: dict = field(default_factory=dict)
+    # the controller thread's CPU seconds from the failure to the first step (what the
+    # orchestration costs the controller, apart from the ranks' time it waits for)
+    controller_cpu_s: float = 0.0
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

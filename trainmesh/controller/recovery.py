@@ -23,6 +23,7 @@ class RecoveryBook:
     restored_from: str = "none"  # where the last restore read from: memory | storage | none
     done: list[dict[str, Any]] = field(default_factory=list)  # as in summary.json's recoveries
     processes: dict[str, list[int]] = field(default_factory=dict)  # new ranks: ready | started
+    cpu_at_failure: float = 0.0  # the controller thread's CPU clock when the open one began
 
     def joined(self, stop: Stop) -> Stop:
         """``stop`` as part of the recovery still open, if there is one (one recovery, timed
@@ -36,6 +37,7 @@ class RecoveryBook:
         if self.open is None:
             self.marks = {"failed": time.time()}
             self.processes = {}
+            self.cpu_at_failure = time.thread_time()
         else:
             self._interrupted()
         self.open = stop
@@ -66,7 +68,8 @@ class RecoveryBook:
                        downtime_s=time.monotonic() - stop.at, steps_lost=max(0, stop.step - start),
                        mode=mode, restored_from=self.restored_from,
                        failed_at=marks.get("failed", 0.0), phases=recovery_phases(marks),
-                       processes=self.processes)
+                       processes=self.processes,
+                       controller_cpu_s=time.thread_time() - self.cpu_at_failure)
         self.open, self.in_a_row = None, 0
         self.done.append(rec.as_dict())
         return rec
