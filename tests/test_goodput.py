@@ -153,7 +153,7 @@ def test_goodput_command_side_by_side_on_the_70b_reference_job(capsys, tmp_path)
     table = capsys.readouterr().out
     assert "1,024" in table and "2,048" in table and "spare_nodes=2" in table
     # every cost term says where it comes from: measured (where, at how many ranks) or assumed
-    assert "boundary_ms_per_rank = 1.73: measured, 128 stand-in ranks" in table
+    assert "boundary_ms_per_rank = 0.52: measured, 128 stand-in ranks" in table
     assert "pg_init_s_per_1k_ranks = 5: assumed (--pg-init-s-per-1k-ranks)" in table
     assert got["measured"]["restart_s"]["source"].startswith("measured")
 

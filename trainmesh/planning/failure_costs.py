@@ -62,10 +62,10 @@ class Measured:
     first_step_s: float = 1.46  # the first step on the new mesh (its set-up included)
     restart_s: float = 13.0  # Ray Train v2: failure to restarted workers with the state loaded
     planner_s_16k: float = 2.1  # a plan for 16,384 GPUs (bench/planner.py, 2026-11-26)
-    # the controller's time per rank at a segment boundary (bench/control_plane.py, 2026-11-29:
-    # 0.89, 1.40 and 1.73 ms at 8, 32 and 128 ranks; the largest count's, which this machine's
-    # 2 cores shared with the rank processes made the slowest)
-    boundary_ms_per_rank: float = 1.73
+    # the controller's time per rank at a segment boundary (bench/control_plane.py, 2026-11-30:
+    # 0.45, 0.56 and 0.52 ms at 8, 32 and 128 ranks; the largest count's. 2026-11-29's run of
+    # the same bench gave 0.89, 1.40 and 1.73 ms on the same machine, then about half as fast)
+    boundary_ms_per_rank: float = 0.52
 
 
 # Where each term comes from, as ``trainmesh goodput`` prints it: measured (the bench, its
@@ -80,7 +80,7 @@ SOURCES = {
     "first_step_s": "measured, 4 ranks (bench/recovery.py, 2026-11-22)",
     "restart_s": "measured, Ray Train v2, 4 workers (bench/recovery.py, 2026-11-22); + pg_init_s_per_1k_ranks",
     "planner_s_16k": "measured, 16,384 GPUs planned (bench/planner.py, 2026-11-26)",
-    "boundary_ms_per_rank": "measured, 128 stand-in ranks (bench/control_plane.py, 2026-11-29)",
+    "boundary_ms_per_rank": "measured, 128 stand-in ranks (bench/control_plane.py, 2026-11-30)",
 }
 
 
