@@ -1075,3 +1075,10 @@ def summarize(result) -> str:
     from trainmesh.planning.planner import summarize_rejections
 
     return summarize_rejections(result.rejected)
+
+
+def test_explained_durations_print_without_an_exponent():
+    """The sharding sentence's exposed times: "7,510 ms", not "7.51e+03 ms"."""
+    from trainmesh.planning.explain import _ms
+
+    assert (_ms(7.51), _ms(4.12e-4), _ms(0.0123)) == ("7,510 ms", "0.412 ms", "12.3 ms")

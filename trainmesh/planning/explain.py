@@ -73,10 +73,16 @@ def _sharding_choice(result: PlanResult, best: RankedPlan) -> list[str]:
         return (f"hybrid sharding {x.dp_replicate}×{x.dp_shard} (ZeRO-3 inside groups of "
                 f"{x.dp_shard} replicas, gradients all-reduced across {x.dp_replicate} groups)"
                 if x.dp_replicate > 1 else f"ZeRO-3 over all {x.dp} replicas")
-    return [f"It runs {name(c)}: {e.dp_exposed_s * 1e3:.3g} ms of its step is exposed "
-            f"data-parallel traffic and latency, against {ae.dp_exposed_s * 1e3:.3g} ms with "
+    return [f"It runs {name(c)}: {_ms(e.dp_exposed_s)} of its step is exposed "
+            f"data-parallel traffic and latency, against {_ms(ae.dp_exposed_s)} with "
             f"{name(a)}, which holds {ae.memory_per_rank_gib:.1f} GiB per rank instead of "
             f"{e.memory_per_rank_gib:.1f} (each collective's latency grows with its ring)."]
+
+
+def _ms(seconds: float) -> str:
+    """A duration as ms, three significant digits and no exponent ("7,510 ms", "0.412 ms")."""
+    ms = seconds * 1e3
+    return f"{ms:,.0f} ms" if ms >= 1000 else f"{float(f'{ms:.3g}'):g} ms"
 
 
 def _runs(counts: list[int]) -> str:
