@@ -463,16 +463,18 @@ class RankWorker:
 
         return self._memory.read(directory, name)
 
-    def memory_load(self, directory: str, holders: dict, step: int, rng_states: bytes | None) -> None:
+    def memory_load(self, directory: str, holders: dict, step: int, rng_states: bytes | None,
+                    workers: list) -> None:
         """Collective: restore from snapshot ``directory`` onto this rank's (new) part: files it
-        does not hold are fetched from ``holders`` (file name → the rank actor holding it)."""
+        does not hold are fetched from ``holders`` (file name → the rank holding it, an index
+        into ``workers``, the group's rank actors)."""
         from trainmesh.checkpoint import memory_fs
 
         def fetch(path: str) -> bytes | None:
             name = path.rpartition("/")[2]
             holder = holders.get(name)
-            return None if holder is None else ray.get(holder.memory_file.remote(directory, name),
-                                                       timeout=self._timeout_s)
+            return None if holder is None else ray.get(
+                workers[holder].memory_file.remote(directory, name), timeout=self._timeout_s)
 
         with self._memory.fetching(fetch):
             self.load(memory_fs.uri(directory), step, rng_states,

@@ -370,10 +370,12 @@ class RayWorkerGroup:
         return self.group.call("memory_inventory", timeout_s=self.timeout)
 
     def memory_load(self, directory: str, holders: dict[str, int], step: int, rng: bytes | None) -> None:
-        """Collective restore from snapshot ``directory``; ``holders``: file → rank holding it."""
-        w = self.group.workers
-        self.watched("memory_load", directory, {f: w[r] for f, r in holders.items()}, step, _shared(rng),
-                      timeout_s=self.timeout * 2)
+        """Collective restore from snapshot ``directory``; ``holders``: file → rank holding it.
+        The map and the ranks' actor handles go to the object store once and every rank reads
+        them from its node's copy: the calls carry references, not 2 × ranks handles each
+        (ranks² in all, which the controller serialised one call at a time)."""
+        self.watched("memory_load", directory, _shared(holders), step, _shared(rng),
+                     _shared(list(self.group.workers)), timeout_s=self.timeout * 2)
 
     def timelines(self) -> list[list]:
         return self.group.call("timeline", timeout_s=self.timeout)

@@ -132,7 +132,7 @@ class StandInRank(RankWorker):
         self._memory.keep_newest(2)
         return sum(len(b) for b in files.values())
 
-    def memory_load(self, directory: str, holders: dict, step: int, rng_states) -> None:
+    def memory_load(self, directory: str, holders: dict, step: int, rng_states, workers) -> None:
         self.load(directory, step, rng_states)
 
     @ray.method(concurrency_group="control")
