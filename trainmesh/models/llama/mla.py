@@ -107,11 +107,10 @@ class MLAttention(nn.Module):
 
     def _ring_moves_latent(self) -> bool:
         """Under context parallel (cp > 1) the ring moves each token's latent and rotary key
-        (``LatentKeys``) unless ``parallelism.cp_latent`` is off (the engine turns it off
-        under split-backward schedules) or ``wkv_b`` is no plain linear (float8's: the
-        expanded keys and values then travel, as the planner prices them)."""
+        (``LatentKeys``) where the ring is told to (``ContextParallel.compressed``: the engine
+        decides, from ``parallelism.cp_latent``, the schedule and float8)."""
         cx = self.context
-        return cx is not None and cx.cp > 1 and cx.compressed and type(self.wkv_b) is nn.Linear
+        return cx is not None and cx.cp > 1 and cx.compressed
 
     def _attend_compressed(self, q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
                            docs: torch.Tensor | None) -> torch.Tensor:
