@@ -33,6 +33,16 @@ CASES = {  # largest meshes first: the rank pool then only shrinks
     # every microbatch, all-reduced across the groups at the last.
     "ep2-cp2-dp4-hsdp2-regather": (ParallelDims(dp=4, cp=2, ep=2), [
         "parallelism.dp_replicate=2", "parallelism.keep_gathered=false"]),
+    # The two-hop dispatch (parallelism.ep_dispatch: relay), beside tp with sequence parallel:
+    # an EP group every other rank, 2 of its 4 ranks on each of 2 nodes of 4 (ep_node_ranks);
+    # a token crosses once to each node holding its experts, the rank there at its own local
+    # index hands it on and sums that node's outputs; capacity decided over the token group,
+    # a shared expert, every block recomputed in backward (the hops run again there).
+    "ep4-tp2-dp4-sp-relay-capacity-shared-recompute": (ParallelDims(tp=2, dp=4, ep=4), [
+        "parallelism.ep_dispatch=relay", "parallelism.ep_node_ranks=4",
+        "parallelism.sequence_parallel=true", "model.moe.capacity_factor=1.0",
+        "model.moe.shared_experts=1", "activation_checkpoint.mode=full",
+        "model.moe.aux_loss_coef=0.1"]),
     # Multi-token prediction under a pipeline (tiny-dsv3, 2 modules): the prediction modules
     # with the head on the last of 4 stages, which holds a copy of the first's embedding
     # (gradients summed between the two; the middle stages take no part); ZeRO-3 and EP.
@@ -91,6 +101,15 @@ CASES = {  # largest meshes first: the rank pool then only shrinks
         "schedule.name=dualpipev", "parallelism.vpp=2", "training.global_batch_size=16",
         "parallelism.ep_overlap=true", "model.moe.aux_loss_coef=0.1"]),
     "ep4-dp4": (ParallelDims(dp=4, ep=4), []),
+    # ... relayed on its own (ep_dispatch auto: the EP group spans 2 nodes of 2 ranks), with
+    # DeepSeek-V3's group-limited routing, its groups of experts on the nodes
+    "dsv3-ep4-dp4-relay-2-nodes": (ParallelDims(dp=4, ep=4), [
+        "model.preset=tiny-dsv3", "parallelism.ep_node_ranks=2",
+        "model.moe.bias_update_rate=0.01"]),
+    # ... a node a rank (each relay is the expert's own rank) under a zero-bubble pipeline: the
+    # hops' gradients travel in the backward's input half
+    "pp2-ep2-dp2-zb-h1-relay-rank-nodes": (ParallelDims(pp=2, dp=2, ep=2), [
+        "schedule.name=zb-h1", "parallelism.ep_node_ranks=1", "model.moe.aux_loss_coef=0.1"]),
     # The exchanges overlapped (parallelism.ep_overlap): each microbatch's tokens in two halves,
     # one half's all-to-all in flight while the other's experts compute, forward and backward
     # (and again in the recomputation of checkpointed blocks); the shared expert beside the
@@ -190,7 +209,14 @@ def test_expert_parallel_matches_single_process(rank_pool, tmp_path, case):
         assert held and all(len(n) == 1 for n in held.values()), held
         if spec.parallelism.ep_overlap:
             probes.execute(group, _watch_overlap)
+        relayed = probes.execute(group, _relayed)
+        if spec.parallelism.ep_node_ranks is not None:  # two hops wherever an EP group spans
+            assert all(r == [True] * len(r) and r for r in relayed if r), relayed  # nodes
+        else:
+            assert not any(any(r) for r in relayed), relayed
         first = group.train_step()  # (a rank of a stage without MoE blocks has no experts)
+        if spec.parallelism.ep_node_ranks is not None:  # tokens crossed between nodes
+            assert any(r["breakdown"]["a2a_internode_mib"] > 0 for r in first), first
         if spec.parallelism.ep_overlap:  # every time a half's experts computed, forward and
             # backward, the other half's exchange was in flight; the waits were timed
             for seen in probes.execute(group, _seen_overlap):
@@ -245,6 +271,14 @@ def test_expert_parallel_matches_single_process(rank_pool, tmp_path, case):
     if spec.model.moe.balance == "bias":  # the bias moved, and equally on every mesh
         bias = {k: v for k, v in params.items() if k.endswith("expert_bias")}
         assert bias and all(v.abs().sum() > 0 for v in bias.values())
+
+
+def _relayed(engine) -> list[bool]:
+    """Whether each of a rank's MoE blocks dispatches in two hops."""
+    from trainmesh.models.moe.moe import moe_layers
+    from trainmesh.parallel.expert import NodeRelayDispatch
+
+    return [isinstance(moe.dispatch, NodeRelayDispatch) for _, moe in moe_layers(engine.model)]
 
 
 def _watch_overlap(engine) -> None:

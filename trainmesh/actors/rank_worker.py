@@ -225,8 +225,9 @@ class RankWorker:
         return backend
 
     # -- training --------------------------------------------------------------------------
-    def build(self, spec_json: str, dims: dict, data_dir: str) -> int:
-        """Build this rank's mesh and engine; returns its parameter count (local shards)."""
+    def build(self, spec_json: str, dims: dict, data_dir: str, nodes: tuple[int, ...] = ()) -> int:
+        """Build this rank's mesh and engine (``nodes``: each rank's node, ``Mesh.nodes``);
+        returns its parameter count (local shards)."""
         from trainmesh.engine.engine import Engine
         from trainmesh.parallel.mesh import Mesh
 
@@ -239,7 +240,7 @@ class RankWorker:
         with self._gloo.opened() if self.device.type == "cpu" else contextlib.nullcontext():
             mesh = Mesh.build(ParallelDims(**dims), self.device.type, self.rank,
                               moe=spec.model.moe is not None,
-                              dp_replicate=spec.parallelism.dp_replicate)
+                              dp_replicate=spec.parallelism.dp_replicate, nodes=tuple(nodes))
         if spec.checkpoint.async_save and self._save_group is None:
             self._save_group = self._new_save_group()
         # (read from the class: a plain function set there is not bound as a method)

@@ -219,7 +219,8 @@ class RayWorkerGroup:
 
     def build(self, spec_json: str, dims: ParallelDims, data_dir: str) -> None:
         d = {"pp": dims.pp, "dp": dims.dp, "tp": dims.tp, "ep": dims.ep, "cp": dims.cp}
-        self.watched("build", spec_json, d, data_dir, timeout_s=self.timeout + 120)
+        self.watched("build", spec_json, d, data_dir, tuple(self.group.placement.rank_bundle),
+                     timeout_s=self.timeout + 120)
 
     def train_step(self, measure_activations: bool = False) -> list[dict]:
         """One step on every rank, watched for hung ranks past ``hang_bound_s`` (by silence

@@ -48,6 +48,7 @@ from trainmesh.parallel.clock import WaitLog
 from trainmesh.parallel.context import ContextParallel, local_positions, local_spans
 from trainmesh.parallel.dims import AXES, Axis, replicates
 from trainmesh.parallel.expert import (
+    ExchangeLog,
     apply_expert_parallel,
     expert_divide_factor,
     is_moe,
@@ -229,7 +230,7 @@ class Engine:
                          all_gather_in_float8=mesh.replicas > 1 and not self.replicated,
                          capability=cap)
         self.context = None
-        self.exchanges = WaitLog()  # the MoE blocks' waits on their all-to-alls
+        self.exchanges = ExchangeLog()  # the MoE blocks' waits on their all-to-alls, and bytes
         if cp > 1 or spec.data.document_mask:
             self.context = self._context(eos)
             apply_context_parallel(self.model, self.context, local_positions(
@@ -240,8 +241,11 @@ class Engine:
             self.loss_context = loss_parallel
         experts = None
         if is_moe(self.model):
-            apply_expert_parallel(self.model, mesh, tr.seq_len, spec.parallelism.ep_overlap,
-                                  self.exchanges)
+            par = spec.parallelism
+            nodes = (tuple(g // par.ep_node_ranks for g in range(mesh.dims.world_size))
+                     if par.ep_node_ranks else mesh.nodes)
+            apply_expert_parallel(self.model, mesh, tr.seq_len, par.ep_overlap, self.exchanges,
+                                  par.ep_dispatch, nodes)
             if mesh.dims.ep > 1:
                 experts = ExpertSharding(mesh.expert_mesh, expert_divide_factor(mesh))
         apply_activation_checkpointing(self.model, spec.activation_checkpoint.mode,
@@ -390,6 +394,9 @@ class Engine:
                                     self.forward_timer.seconds())
         if self.context is not None and self.context.cp > 1:  # what this rank sent on the ring
             breakdown["cp_sent_mib"] = self.context.sent / 2**20
+        if self.mesh.dims.ep > 1:  # ... and to its experts' ranks, inside its node and out
+            breakdown["a2a_intranode_mib"] = self.exchanges.within_nodes / 2**20
+            breakdown["a2a_internode_mib"] = self.exchanges.between_nodes / 2**20
         self.forward_timer.start(None)  # evaluations between steps are not timed
         for log in self._wait_logs():
             log.start(None)

@@ -28,7 +28,8 @@ nothing to a peer sends it zero rows, never skips the call.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -43,10 +44,34 @@ from trainmesh.models.moe.moe import (
     keep_whole_microbatch,
     moe_layers,
 )
-from trainmesh.parallel.clock import WaitLog
+from trainmesh.parallel.clock import DeviceClock, WaitLog
 from trainmesh.parallel.context import local_positions
 from trainmesh.parallel.dims import Axis
 from trainmesh.parallel.mesh import Mesh
+
+
+@dataclass(kw_only=True)
+class ExchangeLog(WaitLog):
+    """A rank's MoE exchanges this step: where it waited on them (``WaitLog``) and the bytes
+    it sent to other ranks, to ranks of its own node and of others (forward and backward,
+    recomputation included)."""
+
+    within_nodes: int = 0
+    between_nodes: int = 0
+
+    def start(self, clock: DeviceClock | None) -> None:
+        super().start(clock)
+        self.within_nodes = self.between_nodes = 0
+
+    def count(self, dispatch: AllToAllDispatch, rows: list[int], row_bytes: int) -> None:
+        """``rows[c]`` rows of ``row_bytes`` sent to the rank of ep coordinate c."""
+        me, nodes = dispatch.coord, dispatch.member_nodes
+        for c, r in enumerate(rows):
+            if r and c != me:
+                if nodes[c] == nodes[me]:
+                    self.within_nodes += r * row_bytes
+                else:
+                    self.between_nodes += r * row_bytes
 
 
 class AllToAllDispatch:
@@ -54,12 +79,16 @@ class AllToAllDispatch:
     that split a microbatch's tokens (tensor and context parallel), or None; ``positions``:
     where this rank's tokens sit in a sequence of ``seq_len`` (its share, in its order);
     ``halves``: 2 to overlap the exchange with the experts (``exchange``); ``log``: where the
-    rank waited on the all-to-alls (one per rank, shared by its blocks: the step's
-    breakdown)."""
+    rank waited on the all-to-alls and what it sent (one per rank, shared by its blocks: the
+    step's breakdown); ``member_nodes[c]``: the node of the EP group's rank c (empty: one
+    node), which only the bytes' count reads here."""
+
+    combines = False  # (``NodeRelayDispatch``: weights and sums the experts' outputs itself)
 
     def __init__(self, ep_group: dist.ProcessGroup | None, ep: int, experts: int,
                  token_group: dist.ProcessGroup | None, positions: torch.Tensor | None = None,
-                 seq_len: int = 0, halves: int = 1, log: WaitLog | None = None):
+                 seq_len: int = 0, halves: int = 1, log: ExchangeLog | None = None,
+                 member_nodes: Sequence[int] = ()):
         if token_group is not None and (positions is None or seq_len <= 0):
             raise ValueError("a dispatch whose tokens a group splits needs their positions and "
                              "the sequence length")
@@ -72,7 +101,12 @@ class AllToAllDispatch:
         # parallel the rank's whole part of the sequence
         self.whole_len = seq_len
         self.halves = halves if ep > 1 else 1  # (nothing to hide at ep 1)
-        self.log = log if log is not None else WaitLog()
+        self.log = log if log is not None else ExchangeLog()
+        self.coord = dist.get_rank(ep_group) if ep > 1 else 0
+        self.member_nodes = tuple(member_nodes) or (0,) * ep
+        if len(self.member_nodes) != ep:
+            raise ValueError(f"an EP group of {ep} ranks was given the nodes of "
+                             f"{len(self.member_nodes)}")
         self.in_flight = 0  # all-to-alls started and not yet waited for
         self._placed: tuple | None = None  # ((tokens, top_k, device), place, every rank's places)
 
@@ -151,6 +185,92 @@ class AllToAllDispatch:
         return self._placed[1], self._placed[2]
 
 
+class NodeRelayDispatch(AllToAllDispatch):
+    """Dispatch in two hops, as DeepSeek-V3's (``parallelism.ep_dispatch: relay``): the EP
+    group's ranks sit on nodes of equal counts, and the rank at local index l of its node is
+    the relay, on every other node, of the ranks at index l. A token crosses once to each
+    node holding any of its experts, to its relay there, with the weights of that node's
+    experts; the relay hands it on inside the node (``AllToAllDispatch``'s exchange: it sends
+    only to its own node), weights and sums those experts' outputs, and sends the one row
+    back. Between nodes a token moves once per node reached instead of once per chosen
+    expert: at most ``topk_group`` times where the router's groups map onto nodes.
+
+    Both hops run over the EP group itself, a rank sending zero rows to the ranks outside its
+    hop (under NCCL a zero-sized peer moves nothing); each hop's counts are exchanged first
+    (the block's host syncs: two). Each all-to-all is an autograd node, so backward runs the
+    hops in reverse; the weights travel with the token (one float64 row of the weights and the
+    experts' ids), and their gradients come back with it."""
+
+    combines = True
+
+    def __init__(self, ep_group: dist.ProcessGroup, ep: int, experts: int,
+                 token_group: dist.ProcessGroup | None, positions: torch.Tensor | None,
+                 seq_len: int, log: ExchangeLog | None, member_nodes: Sequence[int]):
+        super().__init__(ep_group, ep, experts, token_group, positions, seq_len, 1, log,
+                         member_nodes)
+        nodes = sorted(set(self.member_nodes))
+        members = {m: [c for c, n in enumerate(self.member_nodes) if n == m] for m in nodes}
+        counts = {len(v) for v in members.values()}
+        if len(counts) != 1:
+            raise ValueError(f"a relayed dispatch needs the same number of an EP group's ranks "
+                             f"on each node, not {sorted(len(v) for v in members.values())}")
+        mine = members[self.member_nodes[self.coord]].index(self.coord)
+        # Node i (in order of their relays for this rank's index) holds experts whose rank is
+        # on it; ``relay[i]`` is the ep coordinate of this rank's relay there.
+        relays = sorted(members[m][mine] for m in nodes)
+        index = {self.member_nodes[c]: i for i, c in enumerate(relays)}
+        local = experts // ep
+        self.relays = relays
+        self.expert_node = torch.tensor([index[self.member_nodes[e // local]]
+                                         for e in range(experts)])
+
+    @torch.compiler.disable  # eager in a compiled block: sized by the routing, on the host
+    def combine(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
+                keep: torch.Tensor | None, experts: Callable) -> torch.Tensor:
+        """Σ_j weights[t, j] · expert_{chosen[t, j]}(x[t]) for every token t of ``x`` (n, D),
+        over its kept choices (``keep``, (n, k); None: all), ``chosen`` and ``weights`` (n, k)."""
+        n, dim = x.shape
+        k, nodes = chosen.shape[1], len(self.relays)
+        if self.expert_node.device != x.device:  # (once)
+            self.expert_node = self.expert_node.to(x.device)
+        node = self.expert_node[chosen]
+        kept = keep if keep is not None else torch.ones_like(node, dtype=torch.bool)
+        # A row per (node, token) that node's experts take, in node (= relay) order
+        reach = torch.zeros(nodes, n, dtype=torch.bool, device=x.device)
+        reach[node[kept], torch.arange(n, device=x.device)[:, None].expand(n, k)[kept]] = True
+        to_node, token = torch.nonzero(reach, as_tuple=True)
+        here = (node[token] == to_node[:, None]) & kept[token]  # (rows, k): the node's choices
+        meta = torch.cat([torch.where(here, weights[token], 0).double(),
+                          torch.where(here, chosen[token], -1).double()], 1)
+        per_node = torch.bincount(to_node, minlength=nodes)
+        sent = torch.zeros(self.ep, dtype=torch.int64, device=x.device)
+        sent[torch.tensor(self.relays, device=x.device)] = per_node
+        got = torch.empty_like(sent)
+        self.log.timed(dist.all_to_all_single, got, sent, group=self.ep_group)
+        host = torch.cat([sent, got]).tolist()
+        send, recv = host[:self.ep], host[self.ep:]
+        rows = self._across(x[token], send, recv)
+        their = self._across(meta, send, recv)
+        # At the relay: each row's choices on this node, to their ranks here and back
+        w, ids = their[:, :k].to(torch.float32), their[:, k:].detach().long()
+        row, slot = torch.nonzero(ids >= 0, as_tuple=True)
+        expert = ids[row, slot]
+        order = torch.argsort(expert, stable=True)
+        row, slot, expert = row[order], slot[order], expert[order]
+        counts = torch.bincount(expert, minlength=self.experts).view(1, -1)
+        out, _ = self._over_ep(rows[row], counts, experts, None)
+        summed = rows.new_zeros(rows.shape).index_add(
+            0, row, out * w[row, slot].unsqueeze(-1).to(out.dtype))
+        back = self._across(summed, recv, send)
+        return x.new_zeros(n, dim).index_add(0, token, back)
+
+    def _across(self, t: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        """One all-to-all of ``t``'s rows, ``send[c]`` to rank c, ``recv[c]`` from it; its
+        gradient's way back in backward."""
+        ticket = _Ticket(self, send, recv)
+        return _Finish.apply(_Post.apply(t, ticket), ticket)
+
+
 def assignment_places(positions: torch.Tensor, seq_len: int, tokens: int, top_k: int) -> torch.Tensor:
     """Where a rank's assignments (its ``tokens`` in (batch, token) order, ``top_k`` each) sit
     in the microbatch's (batch, token, choice) order, its tokens being at ``positions`` of each
@@ -209,6 +329,7 @@ class _Ticket:
         out = x.new_empty((sum(recv), *x.shape[1:]))
         self.work = dist.all_to_all_single(out, x, recv, send, group=self.owner.ep_group,
                                            async_op=True)
+        self.owner.log.count(self.owner, send, x[0].nbytes if len(x) else 0)
         self.keep = (x, out)  # (alive until it lands)
         self.owner.in_flight += 1
         return out
@@ -250,15 +371,31 @@ class _Finish(torch.autograd.Function):
         return grad, None
 
 
+def relays(choice: str, nodes_spanned: int, top_k: int, overlap: bool) -> bool:
+    """Whether an EP group's dispatch runs in two hops (``parallelism.ep_dispatch``): as asked,
+    or (auto) where the group spans nodes, a token takes several experts and the exchanges
+    are not in halves."""
+    if choice != "auto":
+        return choice == "relay"
+    return nodes_spanned > 1 and top_k > 1 and not overlap
+
+
 def apply_expert_parallel(model: nn.Module, mesh: Mesh, seq_len: int, overlap: bool = False,
-                          log: WaitLog | None = None) -> nn.Module:
+                          log: ExchangeLog | None = None, dispatch: str = "direct",
+                          nodes: Sequence[int] = ()) -> nn.Module:
     """Split every MoE block's experts over "ep" (on the meta device, before ZeRO-3) and give
     each block the all-to-all dispatcher; under tp and cp, the tp × cp ranks split its tokens
     (sequences of ``seq_len``). ``overlap``: each microbatch in two halves whose exchanges
     hide behind each other's experts (``parallelism.ep_overlap``); ``log``: where the blocks'
-    waits on the exchanges go."""
-    log = log if log is not None else WaitLog()
+    waits on the exchanges go; ``dispatch``: direct, relay or auto (``relays``); ``nodes[g]``:
+    the node of global rank g (empty: one node)."""
+    log = log if log is not None else ExchangeLog()
     ep, tp, cp = mesh.dims.ep, mesh.dims.tp, mesh.dims.cp
+    member_nodes: tuple[int, ...] = ()
+    if ep > 1 and nodes:
+        member_nodes = tuple(nodes[g] for g in dist.get_process_group_ranks(mesh["ep"].get_group()))
+    relay = ep > 1 and any(relays(dispatch, len(set(member_nodes)), moe.args.top_k, overlap)
+                           for _, moe in moe_layers(model))
     # The ranks that split a microbatch's tokens: its tensor- and context-parallel ranks.
     token_group = positions = None
     if cp > 1 or tp > 1:
@@ -287,9 +424,14 @@ def apply_expert_parallel(model: nn.Module, mesh: Mesh, seq_len: int, overlap: b
                 local = full.detach().chunk(ep, dim=0)[coord]
                 setattr(moe.experts, name, nn.Parameter(DTensor.from_local(
                     local, mesh["ep"], [Shard(0)], run_check=False)))
-        moe.dispatch = AllToAllDispatch(mesh["ep"].get_group() if ep > 1 else None, ep,
-                                        moe.args.experts, token_group, where, length,
-                                        halves=2 if overlap else 1, log=log)
+        if relay:
+            moe.dispatch = NodeRelayDispatch(mesh["ep"].get_group(), ep, moe.args.experts,
+                                             token_group, where, length, log, member_nodes)
+        else:
+            moe.dispatch = AllToAllDispatch(mesh["ep"].get_group() if ep > 1 else None, ep,
+                                            moe.args.experts, token_group, where, length,
+                                            halves=2 if overlap else 1, log=log,
+                                            member_nodes=member_nodes)
         if block_name.startswith("mtp.") and cp > 1:
             moe.dispatch.whole_len = seq_len // cp
     return model

@@ -30,10 +30,23 @@ class Mesh:
     rank: int
 
     dp_replicate: int = 1  # hybrid sharding: ZeRO-3 groups of dp / dp_replicate replicas
+    # The node (placement bundle) of each global rank; empty: one node. What a relayed expert
+    # dispatch reads (``parallel/expert.py``); nothing else depends on it.
+    nodes: tuple[int, ...] = ()
 
     @classmethod
     def build(cls, dims: ParallelDims, device_type: str, rank: int, moe: bool = False,
-              dp_replicate: int = 1) -> Mesh:
+              dp_replicate: int = 1, nodes: tuple[int, ...] = ()) -> Mesh:
+        """``_layout``'s mesh, on ``nodes`` (the node of each global rank; empty: one)."""
+        if nodes and len(nodes) != dims.world_size:
+            raise ValueError(f"{len(nodes)} ranks' nodes for a world of {dims.world_size}")
+        mesh = cls._layout(dims, device_type, rank, moe, dp_replicate)
+        mesh.nodes = tuple(nodes)
+        return mesh
+
+    @classmethod
+    def _layout(cls, dims: ParallelDims, device_type: str, rank: int, moe: bool,
+                dp_replicate: int) -> Mesh:
         """Collective over the default process group: every rank must call it. Each view is a
         process group to set up, which a rank's start pays for: only those the layout uses
         exist ("dp_tp" only for an MoE model, ``moe``; "dp_cp" only with cp > 1).

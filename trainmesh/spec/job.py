@@ -304,6 +304,20 @@ class ParallelismConfig(_Section):
         "back, and backward's last out (the step's breakdown: a2a_s); no effect at ep 1. The "
         "planner prices it and `trainmesh plan` says what it would hide, but does not turn it "
         "on: not yet measured on GPUs")
+    ep_dispatch: Literal["auto", "direct", "relay"] = Field(
+        "auto", description="with ep > 1, how tokens reach their experts: direct (each of a "
+        "token's top-k copies sent straight to its expert's rank) or relay (two hops, as "
+        "DeepSeek-V3's: a token crosses once to each node holding its experts, to the rank there "
+        "with its own local index, which hands it on inside the node and sums the outputs of "
+        "that node's experts before the one row goes back; the bytes between nodes fall from "
+        "top_k to the nodes reached, at most moe.topk_group where moe.n_group groups map onto "
+        "nodes); auto: relay where an EP group spans nodes, top_k > 1 and ep_overlap is off, "
+        "else direct")
+    ep_node_ranks: int | None = Field(
+        None, ge=1, description="the ranks one node (one fast-link domain) holds, for "
+        "ep_dispatch: consecutive ranks share a node; null: the nodes the ranks were placed on "
+        "(one Ray placement bundle a node). Set it where the fast domain is not a Ray node "
+        "(an NVL72 rack of several nodes), or to simulate nodes on one machine")
     cp: int = Field(1, ge=1, description="context-parallel degree: each sequence split over cp "
                     "ranks (2·cp chunks, load-balanced), attention exact across them; "
                     "training.seq_len must divide by 2·cp")

@@ -197,6 +197,9 @@ def field_problems(spec) -> list[Problem]:
          "multi-token prediction beside document masks is not built",
          "set data.document_mask=false, or model.mtp=null")
     split, par = spec.parallelism.stage_layers, spec.parallelism
+    need(par.ep_dispatch != "relay" or not par.ep_overlap, "parallelism.ep_dispatch",
+         "relay beside parallelism.ep_overlap is not built (the two hops run whole)",
+         "set parallelism.ep_dispatch=auto (it relays without ep_overlap), or ep_overlap=false")
     need(split is None or sum(split) == m.n_layers, "parallelism.stage_layers",
          f"{split} holds {sum(split or [])} blocks, the model {m.n_layers}",
          f"give counts that add up to model.n_layers={m.n_layers}")

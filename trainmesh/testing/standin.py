@@ -85,7 +85,7 @@ class StandInRank(RankWorker):
         self.device, self._timeout_s = SimpleNamespace(type="cpu"), timeout_s
         return "stand-in"
 
-    def build(self, spec_json: str, dims: dict, data_dir: str) -> int:
+    def build(self, spec_json: str, dims: dict, data_dir: str, nodes: tuple[int, ...] = ()) -> int:
         spec = JobSpec.model_validate_json(spec_json)
         self.engine = StandInEngine(spec, self.rank, dims, self._progress.mark)
         self._collector = Collector(spec.runtime.gc_every)

@@ -62,6 +62,7 @@ class Dispatch(Protocol):
     """Moves assignments (token copies sorted by expert) to the experts' ranks and back."""
 
     halves: int  # the parts a microbatch's assignments come in (2: overlapped; ``exchange``)
+    combines: bool  # takes the tokens and weights their outputs itself (``combine``)
 
     def exchange(self, x_sorted: torch.Tensor, counts_HE: torch.Tensor,
                  experts: Callable[[torch.Tensor, list[int] | torch.Tensor], torch.Tensor],
@@ -73,6 +74,13 @@ class Dispatch(Protocol):
         experts. With two parts, one part's exchange runs while the other's experts compute,
         and ``beside`` (the shared expert) while the last part comes back. Returns the outputs
         and ``beside()`` (None without it)."""
+
+    def combine(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
+                keep: torch.Tensor | None,
+                experts: Callable[[torch.Tensor, list[int] | torch.Tensor], torch.Tensor]
+                ) -> torch.Tensor:
+        """Where ``combines``: the tokens ``x`` (n, D) to the experts ``chosen`` (n, k), those
+        ``keep`` (n, k; None: all) kept, and back as Σ_j weights[:, j] · expert output."""
 
     def sum_over_tokens(self, counts: torch.Tensor) -> torch.Tensor:
         """``counts`` summed over the ranks that split one microbatch's tokens (in place)."""
@@ -88,6 +96,7 @@ class LocalDispatch:
     """Every expert on this rank: nothing moves (and nothing waits for the host)."""
 
     halves = 1
+    combines = False
 
     def exchange(self, x_sorted, counts_HE, experts, beside=None):
         return experts(x_sorted, counts_HE[0]), beside() if beside is not None else None
@@ -147,15 +156,20 @@ class GroupedExperts(nn.Module):
         self.float8: str | None = None  # torchao's float8 grouped GEMMs (FLOAT8_GROUPED)
 
     def forward(self, x: torch.Tensor, counts: list[int] | torch.Tensor,
-                dispatch: Dispatch | None = None, beside: Callable[[], torch.Tensor] | None = None):
+                dispatch: Dispatch | None = None, beside: Callable[[], torch.Tensor] | None = None,
+                route: tuple | None = None):
         """``x``: rows grouped by (local) expert, ``counts[e]`` of them for expert e. With
         ``dispatch``: ``x`` holds this rank's assignments (``Dispatch.exchange``'s parts,
         ``counts`` its ``counts_HE``), which travel to their experts' ranks and back inside
         this call: ZeRO-3's hooks (this module is a unit of its own) gather the weights once
         before the exchange and reduce their gradients once after it, however many parts.
-        Returns the outputs, and with ``dispatch`` also ``beside()``."""
+        Returns the outputs, and with ``dispatch`` also ``beside()``. With ``route`` (a
+        dispatch that ``combines``: (chosen, weights, keep), ``Dispatch.combine``'s), ``x``
+        holds the tokens and the outputs are their weighted sums; ``counts`` is unread."""
         if dispatch is None:
             return self.compute(x, counts)
+        if route is not None:
+            return dispatch.combine(x, *route, self.compute), None
         return dispatch.exchange(x, counts, self.compute, beside)
 
     def compute(self, x: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor:
@@ -414,9 +428,13 @@ class MoE(nn.Module):
             ).view(halves, -1))
         # (the shared expert, in parts, runs while the last part's outputs come back)
         beside = (lambda: self.shared(x)) if self.shared is not None and halves > 1 else None
-        y_sorted, y_shared = self.experts(x[order // k], kept_HE, self.dispatch, beside)
-        per_assignment = x.new_zeros(n * k, shape[-1]).index_copy(0, order, y_sorted)
-        y = (per_assignment.view(n, k, -1) * weights.unsqueeze(-1).to(x.dtype)).sum(1)
+        if self.dispatch.combines:  # the tokens themselves, weighted where their experts are
+            y, y_shared = self.experts(x, kept_HE, self.dispatch, route=(
+                idx, weights, keep.view(n, k) if capped else None))
+        else:
+            y_sorted, y_shared = self.experts(x[order // k], kept_HE, self.dispatch, beside)
+            per_assignment = x.new_zeros(n * k, shape[-1]).index_copy(0, order, y_sorted)
+            y = (per_assignment.view(n, k, -1) * weights.unsqueeze(-1).to(x.dtype)).sum(1)
         if self.shared is not None:
             y = y + (y_shared if y_shared is not None else self.shared(x))
         if not torch.is_grad_enabled():  # evaluation: no balancing, nothing counted
