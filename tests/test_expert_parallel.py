@@ -357,6 +357,74 @@ def test_a_checkpoint_at_ep4_restores_at_ep2_and_goes_on_with_the_same_losses(ra
                                rtol=1e-5, atol=0)
 
 
+@pytest.mark.timeout(300)
+def test_the_relay_crosses_once_to_each_node_a_token_reaches(rank_pool, tmp_path):
+    """DeepSeek-V3's routing at top_k 4 from its 2 best of 4 groups, each group one node's
+    experts (ep 4, a node a rank): on every rank the same tokens through the relayed dispatch
+    and the direct one give the same outputs, and between nodes the direct one moves a row per
+    choice on another node (there and back), the relay one per other node reached, at most
+    topk_group a token (and its weights and ids beside it, on the way out)."""
+    spec = load_spec(None, [*BASE, "model.preset=tiny-dsv3", "model.moe.top_k=4",
+                            "parallelism.dp=4", "parallelism.ep=4", "parallelism.ep_node_ranks=1",
+                            f"runtime.output_dir={tmp_path}"])
+    dims = ParallelDims(dp=4, ep=4)
+    data_dir = str(ensure_tiny_corpus(tmp_path / "data"))
+    group = rank_pool.group_for(spec, dims)
+    try:
+        group.build(spec.model_dump_json(), dims, data_dir)
+        cloudpickle.register_pickle_by_value(sys.modules[__name__])
+        seen = probes.execute(group, _both_dispatches)
+    finally:
+        rank_pool.release(group)
+    k, row = 4, spec.model.dim * 4  # (float32 tokens)
+    for s in seen:
+        torch.testing.assert_close(s["relayed"], s["direct"], rtol=1e-6, atol=1e-6)
+        assert max(s["nodes_a_token"]) <= 2 < k, s  # the group limit, onto the nodes
+        assert s["direct_bytes"][0] == s["relay_bytes"][0] == 0  # (no two ranks share a node)
+    # What every rank sent, out (its own tokens) and back (others' outputs): the bytes of
+    # every row that crossed, twice; the relay's rows out carry the weights and ids too.
+    remote_choices = sum(s["remote_choices"] for s in seen)
+    remote_nodes = sum(s["remote_nodes"] for s in seen)
+    assert sum(s["direct_bytes"][1] for s in seen) == 2 * remote_choices * row
+    assert sum(s["relay_bytes"][1] for s in seen) == remote_nodes * (2 * row + 2 * k * 8)
+    assert remote_nodes < 0.75 * remote_choices  # fewer, by about top_k / topk_group
+
+
+def _both_dispatches(engine) -> dict:
+    """The first MoE block's output for this rank's random tokens through its relayed dispatch
+    and through a direct one over the same group, the bytes each sent (within, between
+    nodes), and what routing predicts them to be."""
+    from trainmesh.models.moe.moe import moe_layers
+    from trainmesh.parallel.expert import AllToAllDispatch, ExchangeLog, NodeRelayDispatch
+
+    name, moe = moe_layers(engine.model)[0]
+    relay = moe.dispatch
+    assert isinstance(relay, NodeRelayDispatch)
+    direct = AllToAllDispatch(relay.ep_group, relay.ep, relay.experts, None,
+                              log=ExchangeLog(), member_nodes=relay.member_nodes)
+    block = engine.model.layers[name.split(".")[1]]
+    block.unshard()  # (its router: the experts' unit gathers its own in the call)
+    x = torch.randn(2, 24, moe.router.weight.shape[1],
+                    generator=torch.Generator().manual_seed(engine.mesh.rank))
+    out, sent = {}, {}
+    with torch.no_grad():
+        for kind, dispatch in (("relayed", relay), ("direct", direct)):
+            moe.dispatch = dispatch
+            dispatch.log.start(None)
+            out[kind] = moe(x)
+            sent[kind] = (dispatch.log.within_nodes, dispatch.log.between_nodes)
+        _, chosen, _ = moe.route(x.reshape(-1, x.shape[-1]))
+    moe.dispatch = relay
+    block.reshard()
+    nodes = torch.tensor(relay.member_nodes)[chosen // (relay.experts // relay.ep)]
+    mine = relay.member_nodes[relay.coord]
+    reached = [set(t.tolist()) for t in nodes]
+    return {**out, "direct_bytes": sent["direct"], "relay_bytes": sent["relayed"],
+            "remote_choices": int((nodes != mine).sum()),
+            "remote_nodes": sum(len(r - {mine}) for r in reached),
+            "nodes_a_token": [len(r) for r in reached]}
+
+
 def _expert_shard_sizes(engine) -> dict[str, int]:
     return {n: p.to_local().numel() for n, p in engine.model.named_parameters()
             if ".experts." in n}

@@ -42,6 +42,10 @@ BAD_SPECS = [
      "model: {n_heads: 4, n_kv_heads: 4}", "training.seq_len"),
     ("model: {preset: tiny-moe}\nparallelism: {dp: 2, cp: 4, ep: 2}", "parallelism.ep"),
     ("data: {document_mask: true}\nparallelism: {pp: 2}", "data.document_mask"),
+    # the two-hop expert dispatch runs its hops whole; a node holds at least one rank
+    ("model: {preset: tiny-moe}\nparallelism: {dp: 2, ep: 2, ep_dispatch: relay, "
+     "ep_overlap: true}", "parallelism.ep_dispatch"),
+    ("parallelism: {ep_node_ranks: 0}", "parallelism.ep_node_ranks"),
     ("parallelism: {cp: 2, cp_mode: ulysses}", "parallelism.cp_mode"),
     ("training: {float8: tensorwise}\nparallelism: {tp: 2}", "training.float8"),
     ("training: {float8: mxfp8}", "training.float8"),

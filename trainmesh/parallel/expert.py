@@ -28,6 +28,7 @@ nothing to a peer sends it zero rows, never skips the call.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -208,19 +209,15 @@ class NodeRelayDispatch(AllToAllDispatch):
                  seq_len: int, log: ExchangeLog | None, member_nodes: Sequence[int]):
         super().__init__(ep_group, ep, experts, token_group, positions, seq_len, 1, log,
                          member_nodes)
+        relays("relay", self.member_nodes, 2, False)  # (each node as many of the ranks)
         nodes = sorted(set(self.member_nodes))
         members = {m: [c for c, n in enumerate(self.member_nodes) if n == m] for m in nodes}
-        counts = {len(v) for v in members.values()}
-        if len(counts) != 1:
-            raise ValueError(f"a relayed dispatch needs the same number of an EP group's ranks "
-                             f"on each node, not {sorted(len(v) for v in members.values())}")
         mine = members[self.member_nodes[self.coord]].index(self.coord)
         # Node i (in order of their relays for this rank's index) holds experts whose rank is
         # on it; ``relay[i]`` is the ep coordinate of this rank's relay there.
-        relays = sorted(members[m][mine] for m in nodes)
-        index = {self.member_nodes[c]: i for i, c in enumerate(relays)}
+        self.relays = sorted(members[m][mine] for m in nodes)
+        index = {self.member_nodes[c]: i for i, c in enumerate(self.relays)}
         local = experts // ep
-        self.relays = relays
         self.expert_node = torch.tensor([index[self.member_nodes[e // local]]
                                          for e in range(experts)])
 
@@ -371,13 +368,19 @@ class _Finish(torch.autograd.Function):
         return grad, None
 
 
-def relays(choice: str, nodes_spanned: int, top_k: int, overlap: bool) -> bool:
-    """Whether an EP group's dispatch runs in two hops (``parallelism.ep_dispatch``): as asked,
-    or (auto) where the group spans nodes, a token takes several experts and the exchanges
-    are not in halves."""
+def relays(choice: str, member_nodes: Sequence[int], top_k: int, overlap: bool) -> bool:
+    """Whether an EP group (its ranks on ``member_nodes``) dispatches in two hops
+    (``parallelism.ep_dispatch``): as asked, or (auto) where it spans nodes, each holding as
+    many of its ranks, a token takes several experts and the exchanges are not in halves."""
+    held = Counter(member_nodes).values()
+    even = len(set(held)) <= 1
+    if choice == "relay" and not even:
+        raise ValueError(f"parallelism.ep_dispatch=relay needs each node to hold as many ranks "
+                         f"of an EP group; its nodes hold {sorted(held)}: use ep_dispatch=auto "
+                         "(direct there), or set parallelism.ep_node_ranks to a divisor")
     if choice != "auto":
         return choice == "relay"
-    return nodes_spanned > 1 and top_k > 1 and not overlap
+    return len(held) > 1 and even and top_k > 1 and not overlap
 
 
 def apply_expert_parallel(model: nn.Module, mesh: Mesh, seq_len: int, overlap: bool = False,
@@ -394,7 +397,7 @@ def apply_expert_parallel(model: nn.Module, mesh: Mesh, seq_len: int, overlap: b
     member_nodes: tuple[int, ...] = ()
     if ep > 1 and nodes:
         member_nodes = tuple(nodes[g] for g in dist.get_process_group_ranks(mesh["ep"].get_group()))
-    relay = ep > 1 and any(relays(dispatch, len(set(member_nodes)), moe.args.top_k, overlap)
+    relay = ep > 1 and any(relays(dispatch, member_nodes, moe.args.top_k, overlap)
                            for _, moe in moe_layers(model))
     # The ranks that split a microbatch's tokens: its tensor- and context-parallel ranks.
     token_group = positions = None
