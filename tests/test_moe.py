@@ -349,7 +349,7 @@ def test_the_dispatch_relays_where_an_ep_group_spans_nodes_of_equal_counts():
     """ep_dispatch auto relays an EP group that spans nodes each holding as many of its ranks,
     for top_k > 1 and whole exchanges; direct otherwise. relay on nodes of unequal counts is
     refused naming the field and the fix."""
-    from trainmesh.parallel.expert import relays
+    from trainmesh.parallel.dims import relays
 
     two_nodes = (0, 0, 1, 1)
     assert relays("auto", two_nodes, 2, False)

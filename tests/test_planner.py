@@ -499,10 +499,11 @@ def test_the_all_to_alls_in_halves_are_priced_and_explained_but_left_as_the_spec
     def priced(tp: int, seq_len: int, overlap: bool, ep: int = 8):
         spec = load_spec(None, ["model.preset=mixtral-8x7b", f"training.seq_len={seq_len}"])
         return cost_model.estimate(spec.model, candidate.Candidate(
-            tp, 4, 8, 1, "1f1b", 1, 32, "none", False, True, "float32", ep, ep_overlap=overlap),
-            seq_len, device_spec("h100"), 8, 2)
+            tp, 4, 8, 1, "1f1b", 1, 32, "none", False, True, "float32", ep, ep_overlap=overlap,
+            ep_dispatch="direct"), seq_len, device_spec("h100"), 8, 2)
 
     # ep 8 × tp 2 spans two nodes: long messages over the slower links hide behind the experts
+    # (whole, the copies sent directly: the relay's own test is below)
     whole, halves = priced(2, 4096, False), priced(2, 4096, True)
     assert halves.ep_comm_s < whole.ep_comm_s
     # ... not all: the first way out and backward's two last exchanges stay (3 of 8 halves)
@@ -938,7 +939,44 @@ def test_plan_prices_deepseeks_layout_and_names_the_nodes_its_expert_groups_span
     if ep != 64:
         assert (f"Its ep=64 spreads each expert group over 8 node(s) of 8, the choice's "
                 f"ep={ep} over {max(1, ep * tp // 8)}") in line
+        # ... relayed (ep_dispatch auto): once to each of the 4 nodes its groups sit on
+        assert "relayed, a token crosses once to each node its experts sit on (4 on " in line
     assert "Not priced: DualPipe" in line
+
+
+def test_the_relay_is_priced_by_the_nodes_a_token_reaches():
+    """parallelism.ep_dispatch: relayed, a token crosses once to each other node its experts
+    sit on (at most topk_group where the router's groups map onto the nodes), then inside
+    the node; direct, once per copy on another rank. The planner relays where the engine
+    would (auto: the EP group spans nodes), prices the other way beside it, and says so."""
+    dsv3 = load_spec(None, ["model.preset=deepseek-v3-671b"]).model
+    mixtral = load_spec(None, ["model.preset=mixtral-8x7b"]).model
+    # 4 of 8 groups on 8 nodes, a node each: 4 nodes exactly; 2 of 8 experts over 2 nodes
+    assert cost_model.nodes_reached(dsv3.moe, 8) == 4.0
+    assert cost_model.nodes_reached(mixtral.moe, 2) == pytest.approx(2 * (1 - 6 / 28))
+    assert cost_model.nodes_reached(dsv3.moe, 1) == 1.0
+
+    def priced(ep: int, dispatch: str):
+        c = candidate.Candidate(1, 16, 128, 1, "1f1b", 1, 60, "full", False, True, "float32", ep,
+                                ep_dispatch=dispatch)
+        return cost_model.estimate(dsv3, c, 4096, device_spec("h100"), 8, 2)
+
+    auto, direct, relay = priced(64, "auto"), priced(64, "direct"), priced(64, "relay")
+    assert auto.ep_relay and relay.ep_relay and not direct.ep_relay
+    assert auto.ep_nodes_reached == 4.0
+    # half the copies cross (4 of 8 nodes, 7/8 of them another), a second hop inside the node
+    assert 0 < auto.ep_relay_gain_s == direct.ep_relay_gain_s
+    assert auto.ep_comm_s == pytest.approx(direct.ep_comm_s - direct.ep_relay_gain_s)
+    assert auto.ep_comm_s < 0.6 * direct.ep_comm_s
+    inside = priced(8, "auto")  # an EP group inside a node: nothing to save, direct
+    assert not inside.ep_relay and inside.ep_nodes_reached == 1.0 and inside.ep_relay_gain_s < 0
+    # said by the plan's explanation
+    from trainmesh.planning.explain import _relay_text
+    assert "in two hops (parallelism.ep_dispatch: relay)" in _relay_text(auto, dsv3)
+    assert "a token's 8 experts sit on 4 nodes on average" in _relay_text(auto, dsv3)
+    assert "at most topk_group=4" in _relay_text(auto, dsv3)
+    assert "the step" in _relay_text(direct, dsv3) and "would cross" in _relay_text(direct, dsv3)
+    assert _relay_text(inside, dsv3) == ""
 
 
 @pytest.mark.parametrize("preset, nodes, batch, extra, fixed", [

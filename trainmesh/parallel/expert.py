@@ -28,7 +28,6 @@ nothing to a peer sends it zero rows, never skips the call.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -47,7 +46,7 @@ from trainmesh.models.moe.moe import (
 )
 from trainmesh.parallel.clock import DeviceClock, WaitLog
 from trainmesh.parallel.context import local_positions
-from trainmesh.parallel.dims import Axis
+from trainmesh.parallel.dims import Axis, relays
 from trainmesh.parallel.mesh import Mesh
 
 
@@ -366,21 +365,6 @@ class _Finish(torch.autograd.Function):
         t = ctx.ticket
         t.start(grad, t.recv, t.send)
         return grad, None
-
-
-def relays(choice: str, member_nodes: Sequence[int], top_k: int, overlap: bool) -> bool:
-    """Whether an EP group (its ranks on ``member_nodes``) dispatches in two hops
-    (``parallelism.ep_dispatch``): as asked, or (auto) where it spans nodes, each holding as
-    many of its ranks, a token takes several experts and the exchanges are not in halves."""
-    held = Counter(member_nodes).values()
-    even = len(set(held)) <= 1
-    if choice == "relay" and not even:
-        raise ValueError(f"parallelism.ep_dispatch=relay needs each node to hold as many ranks "
-                         f"of an EP group; its nodes hold {sorted(held)}: use ep_dispatch=auto "
-                         "(direct there), or set parallelism.ep_node_ranks to a divisor")
-    if choice != "auto":
-        return choice == "relay"
-    return len(held) > 1 and even and top_k > 1 and not overlap
 
 
 def apply_expert_parallel(model: nn.Module, mesh: Mesh, seq_len: int, overlap: bool = False,

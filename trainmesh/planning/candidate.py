@@ -10,7 +10,7 @@ import functools
 from dataclasses import dataclass
 
 from trainmesh.models.llama.model_math import rank_blocks, stage_split
-from trainmesh.parallel.dims import replicates
+from trainmesh.parallel.dims import relays, replicates
 from trainmesh.parallel.pipeline.ir import PipeShape, splits_backward, v_shaped
 
 GIB = 1024**3
@@ -52,6 +52,20 @@ class Candidate:
     # Multi-head Latent Attention over the cp ring moves each token's latent, expanded on
     # arrival (``parallelism.cp_latent``), or the expanded keys and values
     cp_latent: bool = True
+    # How tokens reach their experts (``parallelism.ep_dispatch``: auto, direct or relay; not
+    # searched: the spec's, priced with the other way beside it)
+    ep_dispatch: str = "auto"
+
+    def relays(self, model, per_node: int, overlap: bool | None = None) -> bool:
+        """Whether the EP groups dispatch in two hops (``dims.relays``, the engine's rule): an
+        EP group's ranks are every tp-th, ``per_node / tp`` of them to a node. ``overlap``:
+        with the exchanges in halves or not (None: as the candidate has them)."""
+        moe = getattr(model, "moe", None)
+        if self.ep == 1 or moe is None:
+            return False
+        on_node = max(1, per_node // self.tp)
+        return relays(self.ep_dispatch, tuple(r // on_node for r in range(self.ep)), moe.top_k,
+                      self.ep_overlap if overlap is None else overlap)
 
     def moves_latent(self, model) -> bool:
         """Whether context parallel moves ``model``'s compressed latent (``cp_moved``; not

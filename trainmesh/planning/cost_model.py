@@ -108,6 +108,10 @@ class Estimate:
     ep_overlap: bool = False  # the all-to-alls in two halves (``parallelism.ep_overlap``)
     # The step time the halves save, or would (negative: where they cost more)
     ep_overlap_gain_s: float = 0.0
+    ep_relay: bool = False  # the exchanges in two hops (``parallelism.ep_dispatch``)
+    # The step time relaying saves over the direct exchange, or would (negative: it costs)
+    ep_relay_gain_s: float = 0.0
+    ep_nodes_reached: float = 0.0  # the nodes a token's experts sit on, on average
     # training.float8: the step time its matmuls save less what its casts (and the host's extra
     # work, where that bounds the step) cost (negative: slower than bf16)
     float8_gain_s: float = 0.0
@@ -248,16 +252,17 @@ def ep_exposed(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: 
     out is exposed, the second's hides behind the first half's experts, the first's way back
     behind the second half's experts, and the second's way back behind the shared expert;
     backward the same with the experts' backward (twice their forward), the last way out
-    exposed (``estimate`` adds what issuing the experts' part twice costs). The exchanges are
-    within a node when ep × tp fits one."""
+    exposed (``estimate`` adds what issuing the experts' part twice costs). Whole, each
+    exchange is relayed where ``parallelism.ep_dispatch`` would relay it without the halves,
+    else direct (``ep_exchange_s``); in halves, direct."""
     moe = model.moe
     layers = moe_blocks(model) / c.pp
     tokens = seq_len // c.cp * c.microbatch_size / c.tp
-    per_a2a = tokens * moe.top_k * model.dim * compute_bytes * (c.ep - 1) / c.ep
-    bw = device.intra_node_gbps if c.ep * c.tp <= per_node else device.inter_node_gbps
-    x = per_a2a / (bw * 1e9)
     forwards = 1 + c.recomputed(c.blocks(model))
-    whole = (2 * forwards + 2) * (x + PP_LATENCY_S) * layers * c.num_microbatches
+    direct, relayed = ep_exchange_s(model, c, seq_len, device, per_node, compute_bytes)
+    exchange = relayed if c.relays(model, per_node, overlap=False) else direct  # (whole)
+    whole = (2 * forwards + 2) * exchange * layers * c.num_microbatches
+    x = direct - PP_LATENCY_S  # (the halves: direct exchanges)
     rate = device.peak_tflops * 1e12 * MATMUL_EFFICIENCY
     experts_s = tokens * moe.top_k * 6 * model.dim * moe.expert_ffn_dim / rate  # forward
     shared_s = tokens * 6 * model.dim * moe.shared_experts * moe.expert_ffn_dim / rate
@@ -265,6 +270,47 @@ def ep_exposed(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: 
     fwd = half + 2 * max(0.0, half - experts_s / 2) + max(0.0, half - shared_s)
     bwd = 2 * half + 2 * max(0.0, half - experts_s)
     return whole, (forwards * fwd + bwd) * layers * c.num_microbatches
+
+
+def nodes_reached(moe, nodes: int) -> float:
+    """The nodes a token's experts sit on, on average, the experts spread evenly over
+    ``nodes``: where the router's groups map onto the nodes (``n_group`` a multiple of them,
+    each node whole groups), those of its ``topk_group`` groups (at most ``topk_group``);
+    else those of ``top_k`` experts drawn at random."""
+    if nodes <= 1:
+        return 1.0
+    if moe.n_group > 1 and moe.n_group % nodes == 0:
+        g, t = moe.n_group, moe.topk_group
+        missed = math.comb(g - g // nodes, t) / math.comb(g, t)
+    else:
+        e, k = moe.experts, moe.top_k
+        missed = math.comb(e - e // nodes, k) / math.comb(e, k)
+    return nodes * (1 - missed)
+
+
+def ep_exchange_s(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: int,
+                  compute_bytes: int) -> tuple[float, float]:
+    """One MoE exchange's seconds (a block's dispatch or combine, forward or backward), direct
+    and relayed (``parallelism.ep_dispatch``). Direct: a rank's top_k copies of its tokens
+    less the 1/ep that stay, over the node's links when ep × tp fits one, else between nodes,
+    plus a message's latency. Relayed (an EP group over N nodes of P of its ranks): a token
+    crosses once to each other node it reaches (``nodes_reached``, with its weights and ids:
+    16 bytes a choice), then the relay hands the node's choices on over the node's links
+    (top_k copies, (P − 1) / P of them to another rank): the two hops one after the other,
+    a latency each."""
+    moe = model.moe
+    tokens = seq_len // c.cp * c.microbatch_size / c.tp
+    row = model.dim * compute_bytes
+    spans = c.ep * c.tp > per_node
+    bw = (device.inter_node_gbps if spans else device.intra_node_gbps) * 1e9
+    direct = tokens * moe.top_k * row * (c.ep - 1) / c.ep / bw + PP_LATENCY_S
+    on_node = max(1, min(c.ep, per_node // c.tp))
+    nodes = max(1, c.ep // on_node)
+    across = tokens * nodes_reached(moe, nodes) * (nodes - 1) / nodes * (row + 16 * moe.top_k)
+    inside = tokens * moe.top_k * row * (on_node - 1) / on_node
+    relayed = (across / (device.inter_node_gbps * 1e9) + inside / (device.intra_node_gbps * 1e9)
+               + 2 * PP_LATENCY_S)
+    return direct, relayed
 
 
 def float8_parts(model, c: Candidate, seq_len: int, device: DeviceSpec) -> tuple[float, float]:
@@ -324,9 +370,15 @@ def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: in
                              bound=not by_stage)
     compute = max(device_s, host_s) / (1.0 - bubble)
     moe = getattr(model, "moe", None)
-    ep_comm, ep_gain = 0.0, 0.0
+    ep_comm, ep_gain, relay_gain, reached = 0.0, 0.0, 0.0, 0.0
     if moe is not None and c.ep > 1:
         whole, halves = ep_exposed(model, c, seq_len, device, per_node, compute_bytes)
+        # The relay's saving over the direct exchange (negative: its cost), whichever runs
+        direct, relayed = ep_exchange_s(model, c, seq_len, device, per_node, compute_bytes)
+        calls = (2 * (1 + c.recomputed(layers)) + 2) * moe_blocks(model) / c.pp * c.num_microbatches
+        relay_gain = (direct - relayed) * calls
+        on_node = max(1, min(c.ep, per_node // c.tp))
+        reached = nodes_reached(moe, max(1, c.ep // on_node))
         # In halves the experts' part of each MoE block is issued twice: HALVES_EXTRA more of
         # its fixed costs, on the device and on the host (hidden where the other is longer).
         extra = HALVES_EXTRA * moe_blocks(model) / c.pp * c.num_microbatches * again
@@ -371,4 +423,5 @@ def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: in
         mfu=achieved / (device.peak_tflops * 1e12), bubble_fraction=bubble, compute_s=compute,
         tp_comm_s=tp_comm, pp_comm_s=pp_comm, dp_exposed_s=dp_exposed, ep_comm_s=ep_comm,
         cp_comm_s=cp_comm, host_bound=host_s > device_s, by_stage=by_stage or c.pp == 1,
-        ep_overlap=c.ep_overlap and c.ep > 1, ep_overlap_gain_s=ep_gain, float8_gain_s=f8_gain)
+        ep_overlap=c.ep_overlap and c.ep > 1, ep_overlap_gain_s=ep_gain, float8_gain_s=f8_gain,
+        ep_relay=c.relays(model, per_node), ep_relay_gain_s=relay_gain, ep_nodes_reached=reached)

@@ -28,6 +28,30 @@ def _overlap_text(e) -> str:
             "messages' latency add.")
 
 
+def _relay_text(e, model) -> str:
+    """How tokens cross between nodes (``parallelism.ep_dispatch``): the relay's saving, or
+    what it would save or cost, where an EP group spans nodes."""
+    if e.ep_nodes_reached <= 1.0 and not e.ep_relay:
+        return ""
+    moe, gain = model.moe, e.ep_relay_gain_s
+    capped = (f", at most topk_group={moe.topk_group}: the router's {moe.n_group} groups map "
+              "onto the nodes" if moe.n_group > 1 and e.ep_nodes_reached <= moe.topk_group
+              else "")
+    reach = (f"a token's {moe.top_k} experts sit on {e.ep_nodes_reached:.2g} nodes on average"
+             + capped)
+    if e.ep_relay:
+        return (f" Its tokens cross between nodes in two hops (parallelism.ep_dispatch: relay): "
+                f"once to each node reached, not once per expert ({reach}); the step "
+                f"{abs(gain):.3g} s {'shorter' if gain >= 0 else 'longer'} than sending each "
+                "copy directly.")
+    if gain > 0:
+        return (f" Relayed (parallelism.ep_dispatch: relay, or auto without ep_overlap) a token "
+                f"would cross once to each node reached ({reach}), the step {gain:.3g} s "
+                "shorter.")
+    return (f" Relaying would not pay here ({reach}): its second hop costs "
+            f"{-gain:.3g} s more than the copies it saves between nodes.")
+
+
 def _microbatch_choice(result: PlanResult, best: RankedPlan, device: DeviceSpec) -> list[str]:
     """Why this microbatch size: the same plan at the smallest size that was weighed, its
     time (each microbatch pays a fixed device cost per block, and the host's issuing of the
@@ -135,7 +159,8 @@ def explain(result: PlanResult) -> str:
                  f"(bubble {e.bubble_fraction:.1%}), TP communication {e.tp_comm_s:.3g} s, "
                  f"PP {e.pp_comm_s:.3g} s"
                  + (f", exposed ZeRO-3 traffic {e.dp_exposed_s:.3g} s and MoE all-to-all "
-                    f"{e.ep_comm_s:.3g} s" + _overlap_text(e) if c.ep > 1
+                    f"{e.ep_comm_s:.3g} s" + _overlap_text(e) + _relay_text(e, result.model)
+                    if c.ep > 1
                     else f" and exposed {'DDP all-reduce' if runs_ddp(result.model, c) else 'ZeRO-3'} "
                          f"traffic {e.dp_exposed_s:.3g} s."))
     if c.cp > 1:

@@ -31,6 +31,7 @@ def request_for(spec: JobSpec) -> PlanRequest:
     if par.keep_gathered is not None:
         fixed["keep_gathered"] = par.keep_gathered
     fixed["ep_overlap"] = par.ep_overlap
+    fixed["ep_dispatch"] = par.ep_dispatch
     fixed["cp_latent"] = par.cp_latent
     if par.stage_layers is not None:
         fixed["stage_layers"] = tuple(par.stage_layers)

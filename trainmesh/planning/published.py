@@ -26,8 +26,8 @@ PUBLISHED = {
     "deepseek-v3-671b": Published(
         "DeepSeek-V3's technical report (2,048 H800)", {"tp": 1, "pp": 16, "ep": 64, "cp": 1},
         "DualPipe, which hides the all-to-all behind compute (priced here as exposed), ZeRO-1 "
-        "(priced here as ZeRO-3 or hybrid sharding), FP8 matmuls, and routing capped at 4 nodes "
-        "a token (the all-to-all is priced for every copy)"),
+        "(priced here as ZeRO-3 or hybrid sharding), FP8 matmuls, and DeepEP's kernels (the "
+        "relay's two hops priced as all-to-alls at the links' bandwidths)"),
     "405b": Published(
         "the Llama 3 paper (16,384 H100, 8k tokens)", {"tp": 8, "pp": 16, "cp": 1},
         "its pipeline schedule's own tuning (how many microbatches each stage runs in a row)"),
@@ -103,9 +103,11 @@ def compare(ours: PlanResult, theirs: PlanResult | str, pub: Published, per_node
         text.append("Of its step (" + f"{eb.step_time_s:.3g} s against {ea.step_time_s:.3g} s), "
                     + "; ".join(shown) + ".")
     if c.ep != a.candidate.ep:
+        crossing = ("a token's copies cross nodes where the groups do" if not eb.ep_relay else
+                    f"relayed, a token crosses once to each node its experts sit on "
+                    f"({eb.ep_nodes_reached:.2g} on average), not once per copy")
         text.append(f"Its ep={c.ep} spreads each expert group over {_nodes(c, per_node)} "
                     f"node(s) of {per_node}, the choice's ep={a.candidate.ep} over "
-                    f"{_nodes(a.candidate, per_node)}: a token's copies cross nodes where the "
-                    "groups do.")
+                    f"{_nodes(a.candidate, per_node)}: {crossing}.")
     text.append(f"Not priced: {pub.not_priced}.")
     return " ".join(text)
