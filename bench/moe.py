@@ -1,7 +1,9 @@
 """One MoE block against a dense SwiGLU MLP with the same active parameters, and the exposed
-all-to-all time at ep 1, 2 and 4, the exchanges whole or overlapped (``parallelism.ep_overlap``:
+all-to-all time at ep 1, 2 and 4, the exchanges whole, overlapped (``parallelism.ep_overlap``:
 each microbatch in two halves, one half's exchange in flight while the other's experts
-compute), with Mixtral's routing and DeepSeek-V3's (sigmoid, group-limited, bias); a whole
+compute) or relayed (``parallelism.ep_dispatch: relay``: two hops, a token once to each
+simulated node its experts sit on, ``--node-ranks`` ranks a node), with Mixtral's routing and
+DeepSeek-V3's (sigmoid, group-limited, bias: its groups map onto the nodes); a whole
 training step of ``--step-preset`` on real rank actors at dp 2 · ep 2, whole against
 overlapped; and one block's attention, grouped-query against DeepSeek-V3's latent attention;
 in one run.
@@ -15,7 +17,7 @@ the experts per rank shrink). Rows: median seconds of forward + backward per ran
 alone, the time the rank waited on the all-to-alls in forward and backward (counts, tokens and
 the way back, as ``parallel.expert.AllToAllDispatch`` times them: what is exposed; a whole
 exchange is all exposed), and the ratio to the dense MLP. The step table reads each rank's
-step breakdown (``a2a_s``) and compares the two runs' losses. On one CPU the ranks share
+step breakdown (``a2a_s``) and compares the runs' losses. On one CPU the ranks share
 cores, so the ep > 1 rows show the exchange's cost more than its speed-up, and an exchange
 in flight competes with the experts for the same cores.
 """
@@ -41,7 +43,8 @@ def _block(args, ep: int, rank: int, deepseek: bool = False):
     torch.manual_seed(0)
     routing = (dict(router="sigmoid", balance="bias", n_group=args.groups,
                     topk_group=args.topk_group, routed_scaling_factor=2.5) if deepseek else {})
-    moe = MoE(args.dim, MoEArgs(experts=args.experts, top_k=args.top_k,
+    moe = MoE(args.dim, MoEArgs(experts=args.experts,
+                                top_k=args.ds_top_k if deepseek else args.top_k,
                                 expert_ffn_dim=args.expert_ffn, aux_loss_coef=0.0, **routing),
               kernel_set("torch"))
     with torch.no_grad():
@@ -64,15 +67,21 @@ def _time(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def _measure(args, ep: int, rank: int, deepseek: bool = False, overlap: bool = False) -> dict:
+def _measure(args, ep: int, rank: int, deepseek: bool = False, mode: str = "whole") -> dict:
     import torch
     import torch.distributed as dist
 
-    from trainmesh.parallel.expert import AllToAllDispatch
+    from trainmesh.parallel.expert import AllToAllDispatch, NodeRelayDispatch
 
     moe = _block(args, ep, rank, deepseek)
     group = dist.group.WORLD if ep > 1 else None
-    dispatch = AllToAllDispatch(group, ep, args.experts, None, halves=2 if overlap else 1)
+    nodes = tuple(r // args.node_ranks for r in range(ep))  # simulated nodes of the ranks
+    if mode == "relayed":
+        dispatch = NodeRelayDispatch(group, ep, args.experts, None, None, 0, None, nodes)
+    else:
+        dispatch = AllToAllDispatch(group, ep, args.experts, None,
+                                    halves=2 if mode == "overlapped" else 1,
+                                    member_nodes=nodes if ep > 1 else ())
     moe.dispatch = dispatch
     g = torch.Generator().manual_seed(1 + rank)
     x = torch.randn(1, args.tokens, args.dim, generator=g, requires_grad=True)
@@ -92,18 +101,19 @@ def _measure(args, ep: int, rank: int, deepseek: bool = False, overlap: bool = F
     dispatch.log.start(None)
     total = _time(step, args.reps)
     exchange = dispatch.log.waited_s() / (args.reps + 1)
+    between = dispatch.log.between_nodes / (args.reps + 1) / 2**20
     fwd = _time(forward, args.reps)
-    return {"step": total, "forward": fwd, "exchange": exchange}
+    return {"step": total, "forward": fwd, "exchange": exchange, "between": between}
 
 
 def _rank(rank: int, ep: int, port: int, args, out, deepseek: bool = False,
-          overlap: bool = False) -> None:
+          mode: str = "whole") -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=ep)
     try:
-        out[rank] = _measure(args, ep, rank, deepseek, overlap)
+        out[rank] = _measure(args, ep, rank, deepseek, mode)
     finally:
         dist.destroy_process_group()
 
@@ -120,13 +130,14 @@ def _dense(args) -> dict:
     step = _time(lambda: ffn(x).sum().backward(), args.reps)
     with torch.no_grad():
         fwd = _time(lambda: ffn(x), args.reps)
-    return {"step": step, "forward": fwd, "exchange": 0.0}
+    return {"step": step, "forward": fwd, "exchange": 0.0, "between": 0.0}
 
 
 def _steps(args) -> None:
     """A whole training step of ``--step-preset`` at dp 2 · ep 2 on real rank actors (a local
-    Ray instance, gloo), the exchanges whole and overlapped: the step, each rank's exposed
-    all-to-all (its breakdown's ``a2a_s``), the losses of the two runs side by side."""
+    Ray instance, gloo), the exchanges whole, overlapped and relayed (a node a rank): the
+    step, each rank's exposed all-to-all (its breakdown's ``a2a_s``) and bytes sent to the
+    other node (``a2a_internode_mib``), the losses of the runs side by side."""
     import statistics
     import tempfile
 
@@ -144,10 +155,12 @@ def _steps(args) -> None:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             data_dir = str(ensure_tiny_corpus(os.path.join(tmp, "data")))
-            for overlap in (False, True):
+            for mode in ("whole", "overlapped", "relayed"):
                 spec = load_spec(None, [
                     f"model.preset={args.step_preset}", "parallelism.dp=2", "parallelism.ep=2",
-                    f"parallelism.ep_overlap={str(overlap).lower()}",
+                    f"parallelism.ep_overlap={str(mode == 'overlapped').lower()}",
+                    f"parallelism.ep_dispatch={'relay' if mode == 'relayed' else 'direct'}",
+                    "parallelism.ep_node_ranks=1",
                     f"training.seq_len={args.step_seq_len}", "training.global_batch_size=4",
                     "training.microbatch_size=1", "optimizer.warmup_steps=1",
                     f"training.steps={args.step_steps + 1}", "runtime.device=cpu",
@@ -158,26 +171,30 @@ def _steps(args) -> None:
                 try:
                     group.build(spec.model_dump_json(), dims, data_dir)
                     losses = [group.train_step()[0]["loss"]]  # (a warm-up: not timed)
-                    steps, a2a = [], []
+                    steps, a2a, between = [], [], []
                     for _ in range(args.step_steps):
                         stats = group.train_step()
                         losses.append(stats[0]["loss"])
                         steps.append(max(r["breakdown"]["step_s"] for r in stats))
                         a2a.append(max(r["breakdown"]["a2a_s"] for r in stats))
+                        between.append(statistics.mean(r["breakdown"]["a2a_internode_mib"]
+                                                       for r in stats))
                 finally:
                     group.shutdown()
-                rows.append((overlap, statistics.median(steps), statistics.median(a2a), losses))
+                rows.append((mode, statistics.median(steps), statistics.median(a2a),
+                             statistics.median(between), losses))
     finally:
         ray.shutdown()
     whole = rows[0]
-    print(f"\nA whole step: {args.step_preset}, dp 2 · ep 2, seq {args.step_seq_len}, global "
-          f"batch 4 × microbatch 1 (median of {args.step_steps} steps; the slowest rank)")
+    print(f"\nA whole step: {args.step_preset}, dp 2 · ep 2 (a node a rank), seq "
+          f"{args.step_seq_len}, global batch 4 × microbatch 1 (median of {args.step_steps} "
+          "steps; the slowest rank; MiB a rank sent to the other node, the mean)")
     print(f"{'':14} {'step s':>8} {'exposed all-to-all s':>21} {'share':>6} {'vs whole':>9} "
-          f"{'max |loss - whole|':>19}")
-    for overlap, step, a2a, losses in rows:
-        diff = max(abs(a - b) for a, b in zip(losses, whole[3], strict=True))
-        print(f"{'overlapped' if overlap else 'whole':14} {step:8.4f} {a2a:21.4f} "
-              f"{a2a / step:6.1%} {step / whole[1]:8.2f}x {diff:19.2e}")
+          f"{'between nodes MiB':>18} {'max |loss - whole|':>19}")
+    for mode, step, a2a, between, losses in rows:
+        diff = max(abs(a - b) for a, b in zip(losses, whole[4], strict=True))
+        print(f"{mode:14} {step:8.4f} {a2a:21.4f} {a2a / step:6.1%} {step / whole[1]:8.2f}x "
+              f"{between:18.2f} {diff:19.2e}")
 
 
 def _attention(args) -> list[tuple[str, dict]]:
@@ -227,6 +244,10 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--groups", type=int, default=4, help="DeepSeek-V3 rows: expert groups")
     p.add_argument("--topk-group", type=int, default=2, help="DeepSeek-V3 rows: groups per token")
+    p.add_argument("--ds-top-k", type=int, default=4,
+                   help="DeepSeek-V3 rows: experts per token (V3: 8 of 256 from 4 of 8 groups)")
+    p.add_argument("--node-ranks", type=int, default=1,
+                   help="ranks a simulated node holds (bytes between nodes; the relay's hops)")
     p.add_argument("--heads", type=int, default=8, help="the attention table's heads")
     p.add_argument("--step-preset", default="tiny-moe", help="the whole-step table's model")
     p.add_argument("--step-steps", type=int, default=4, help="its timed steps (0: no table)")
@@ -237,29 +258,31 @@ def main() -> None:
 
     rows = [("dense SwiGLU (same active params)", _dense(args))]
     for deepseek in (False, True):
-        kind = (f"DeepSeek-V3 routing ({args.topk_group} of {args.groups} groups, sigmoid)"
-                if deepseek else "MoE")
+        kind = (f"DeepSeek-V3 routing (top-{args.ds_top_k} from {args.topk_group} of "
+                f"{args.groups} groups, sigmoid)" if deepseek else f"MoE top-{args.top_k}")
         for ep in (int(e) for e in args.eps.split(",")):
             if ep == 1:
                 rows.append((f"{kind} ep=1", _measure(args, 1, 0, deepseek)))
                 continue
-            for overlap in (False, True):
+            for mode in ("whole", "overlapped", "relayed"):
                 with mp.Manager() as manager:
                     out = manager.dict()
-                    mp.spawn(_rank, args=(ep, 29600 + ep, args, out, deepseek, overlap), nprocs=ep)
+                    mp.spawn(_rank, args=(ep, 29600 + ep, args, out, deepseek, mode), nprocs=ep)
                     worst = {k: max(out[r][k] for r in range(ep))
                              for k in ("step", "forward", "exchange")}
-                rows.append((f"{kind} ep={ep} {'overlapped' if overlap else 'whole'}", worst))
+                    worst["between"] = sum(out[r]["between"] for r in range(ep)) / ep
+                rows.append((f"{kind} ep={ep} {mode}", worst))
     dense = rows[0][1]["step"]
     print(f"\nMoE block: dim {args.dim}, {args.experts} experts × ffn {args.expert_ffn}, "
-          f"top-{args.top_k}, {args.tokens} tokens per rank (median of {args.reps}; ep > 1: the "
-          "slowest rank)")
-    print(f"{'':66} {'fwd+bwd s':>10} {'fwd s':>9} {'exposed all-to-all s':>21} {'share':>6} "
-          f"{'vs dense':>9}")
+          f"{args.tokens} tokens per rank (median of {args.reps}; ep > 1: the slowest rank; "
+          f"nodes of {args.node_ranks} rank(s): MiB a rank sent to other nodes per fwd+bwd, "
+          "the mean; relayed: two hops, once to each node a token reaches)")
+    print(f"{'':74} {'fwd+bwd s':>10} {'fwd s':>9} {'exposed all-to-all s':>21} {'share':>6} "
+          f"{'vs dense':>9} {'between nodes MiB':>18}")
     for name, r in rows:
         share = r["exchange"] / r["step"] if r["step"] else 0.0
-        print(f"{name:66} {r['step']:10.4f} {r['forward']:9.4f} {r['exchange']:21.4f} "
-              f"{share:6.1%} {r['step'] / dense:8.2f}x")
+        print(f"{name:74} {r['step']:10.4f} {r['forward']:9.4f} {r['exchange']:21.4f} "
+              f"{share:6.1%} {r['step'] / dense:8.2f}x {r['between']:18.2f}")
     if args.step_steps:
         _steps(args)
     attention = _attention(args)
