@@ -1092,6 +1092,20 @@ def test_float8_is_priced_as_its_matmuls_at_the_float8_peak_less_their_casts():
     f8, bf16 = (estimate(eight_b, wide, 2048, h200, 8, fused=True, float8=f)
                 for f in ("tensorwise", "none"))
     assert f8.float8_gain_s == pytest.approx(bf16.step_time_s - f8.step_time_s)
+    # ... and tensorwise's weights gather in float8 (a byte an element: torchao's float8
+    # all-gather), every block linear of Llama 3 8B; rowwise's in bf16
+    from trainmesh.planning.cost_model import _zero3_exposed, float8_gathered
+    assert float8_gathered(eight_b, whole, h200) == 32 * (2 * 4096**2 + 2 * 4096 * 1024
+                                                          + 3 * 4096 * 14336)
+    regather = dataclasses.replace(wide, keep_gathered=False)  # (2 gathers a microbatch)
+    elements = float8_gathered(eight_b, regather, h200)
+    saved = (_zero3_exposed(eight_b, regather, h200, 8, 2, 0.0)
+             - _zero3_exposed(eight_b, regather, h200, 8, 2, 0.0, elements))
+    assert saved == pytest.approx(2 * regather.num_microbatches * elements * 63 / 64
+                                  / (h200.inter_node_gbps * 1e9))
+    tensorwise, rowwise = (estimate(eight_b, regather, 2048, h200, 8, fused=True, float8=f)
+                           for f in ("tensorwise", "rowwise"))
+    assert tensorwise.dp_exposed_s < rowwise.dp_exposed_s
     # a GPU without float8 matmuls: refused, naming the field
     spec = load_spec(None, ["model.preset=8b", "parallelism=auto", "training.float8=tensorwise",
                             "model.compile=true", "training.global_batch_size=64",

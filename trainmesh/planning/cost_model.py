@@ -124,7 +124,7 @@ def _ring_latency(participants: int, crosses_nodes: bool) -> float:
 
 
 def _zero3_exposed(model, c: Candidate, device: DeviceSpec, per_node: int, compute_bytes: int,
-                   compute: float) -> float:
+                   compute: float, float8_elements: float = 0.0) -> float:
     """ZeRO-3's step time not hidden behind compute. Inside a shard group (all of dp, or
     dp / dp_replicate replicas under hybrid sharding): parameters all-gathered and gradients
     reduce-scattered, ring cost (s-1)/s × bytes / bandwidth; under hybrid sharding the
@@ -133,7 +133,8 @@ def _zero3_exposed(model, c: Candidate, device: DeviceSpec, per_node: int, compu
     gather and reduce over their own ring, s / ep (one FSDP unit per MoE block). A group within
     a node uses intra-node bandwidth. Overlapped with compute except what exceeds half of it;
     each collective's latency (one hop per other participant of its ring) is paid per FSDP
-    unit, not hidden."""
+    unit, not hidden. ``float8_elements`` of the dense weights gather in float8 (one byte
+    each; ``float8_gathered``)."""
     rp = rank_params(model, c.pp, 0, c.schedule, c.vpp, c.stage_layers)
     s, r = c.zero_shards, c.dp_replicate
     # Under expert parallel the experts (split over ep) are FSDP units of their own, one per
@@ -152,6 +153,8 @@ def _zero3_exposed(model, c: Candidate, device: DeviceSpec, per_node: int, compu
     bw = device.intra_node_gbps if shard_inside else device.inter_node_gbps
     if s > 1:
         time += per_element * dense * (s - 1) / s / (bw * 1e9)
+        # (a float8 weight gathers a byte an element, not compute_bytes)
+        time -= gathers * (compute_bytes - 1) * min(float8_elements, dense) * (s - 1) / s / (bw * 1e9)
         latency += (gathers + reduces) * units * _ring_latency(s, not shard_inside)
     if se > 1 and experts:
         time += per_element * experts * (se - 1) / se / (bw * 1e9)
@@ -340,6 +343,20 @@ def float8_parts(model, c: Candidate, seq_len: int, device: DeviceSpec) -> tuple
     return linear_s, cast / (device.hbm_gbps * 1e9)
 
 
+def float8_gathered(model, c: Candidate, device: DeviceSpec) -> float:
+    """The elements of a rank's weights that ZeRO-3 all-gathers in float8 under
+    ``training.float8: tensorwise`` (torchao's float8 all-gather): the converted linears of
+    its blocks (``float8_parts``' rule), not the routed experts (their grouped GEMMs cast
+    after the gather)."""
+    n, moe = model.n_layers, getattr(model, "moe", None)
+    dense = min(n, moe.dense_layers) if moe is not None else n
+    elements = 0.0
+    for layer, count in ((0, dense), (n - 1, n - dense)):
+        elements += count * sum(a * b for a, b, _, held in linear_shapes(model, layer)
+                                if held == 1 and not (a % 16 or b % 16)) if count else 0.0
+    return elements * c.blocks(model) / n / c.tp
+
+
 def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: int,
              compute_bytes: int = 2, fused: Fused = False,
              memory: float | None = None, by_stage: bool = True,
@@ -408,7 +425,9 @@ def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: in
     dp_exposed = 0.0
     if c.dp * c.cp > 1:
         dp_exposed = (_ddp_exposed(model, c, device, per_node, compute) if runs_ddp(model, c)
-                      else _zero3_exposed(model, c, device, per_node, compute_bytes, compute))
+                      else _zero3_exposed(model, c, device, per_node, compute_bytes, compute,
+                                          float8_gathered(model, c, device)
+                                          if float8 == "tensorwise" else 0.0))
     cp_comm = cp_exposed(model, c, seq_len, device, per_node, compute_bytes)
     step = compute + tp_comm + pp_comm + dp_exposed + ep_comm + cp_comm
     achieved = flops / step / c.world_size
