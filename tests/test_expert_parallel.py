@@ -102,14 +102,21 @@ CASES = {  # largest meshes first: the rank pool then only shrinks
         "parallelism.ep_overlap=true", "model.moe.aux_loss_coef=0.1"]),
     "ep4-dp4": (ParallelDims(dp=4, ep=4), []),
     # ... relayed on its own (ep_dispatch auto: the EP group spans 2 nodes of 2 ranks), with
-    # DeepSeek-V3's group-limited routing, its groups of experts on the nodes
-    "dsv3-ep4-dp4-relay-2-nodes": (ParallelDims(dp=4, ep=4), [
+    # DeepSeek-V3's group-limited routing, its groups of experts on the nodes, and capacity
+    # (the dropped choices neither travel nor count)
+    "dsv3-ep4-dp4-relay-2-nodes-capacity": (ParallelDims(dp=4, ep=4), [
         "model.preset=tiny-dsv3", "parallelism.ep_node_ranks=2",
+        "model.moe.bias_update_rate=0.01", "model.moe.capacity_factor=1.0"]),
+    # ... beside context parallel (an EP group two replicas' rings, over 2 nodes) with
+    # multi-token prediction (its blocks routing their rows only)
+    "dsv3-mtp2-ep4-cp2-dp2-relay-2-nodes": (ParallelDims(cp=2, dp=2, ep=4), [
+        "model.preset=tiny-dsv3", "model.mtp.depth=2", "parallelism.ep_node_ranks=2",
         "model.moe.bias_update_rate=0.01"]),
-    # ... a node a rank (each relay is the expert's own rank) under a zero-bubble pipeline: the
-    # hops' gradients travel in the backward's input half
-    "pp2-ep2-dp2-zb-h1-relay-rank-nodes": (ParallelDims(pp=2, dp=2, ep=2), [
-        "schedule.name=zb-h1", "parallelism.ep_node_ranks=1", "model.moe.aux_loss_coef=0.1"]),
+    # ... forced on one node (only the second hop moves rows) under a zero-bubble pipeline:
+    # the hops' gradients travel in the backward's input half
+    "pp2-ep2-dp2-zb-h1-relay-one-node": (ParallelDims(pp=2, dp=2, ep=2), [
+        "schedule.name=zb-h1", "parallelism.ep_dispatch=relay", "parallelism.ep_node_ranks=2",
+        "model.moe.aux_loss_coef=0.1"]),
     # The exchanges overlapped (parallelism.ep_overlap): each microbatch's tokens in two halves,
     # one half's all-to-all in flight while the other's experts compute, forward and backward
     # (and again in the recomputation of checkpointed blocks); the shared expert beside the
@@ -215,8 +222,11 @@ def test_expert_parallel_matches_single_process(rank_pool, tmp_path, case):
         else:
             assert not any(any(r) for r in relayed), relayed
         first = group.train_step()  # (a rank of a stage without MoE blocks has no experts)
-        if spec.parallelism.ep_node_ranks is not None:  # tokens crossed between nodes
-            assert any(r["breakdown"]["a2a_internode_mib"] > 0 for r in first), first
+        if spec.parallelism.ep_node_ranks is not None:  # rows crossed between nodes, or
+            # (one node) were handed on inside it
+            moved = ("a2a_internode_mib" if spec.parallelism.ep_dispatch == "auto"
+                     else "a2a_intranode_mib")
+            assert any(r["breakdown"][moved] > 0 for r in first), first
         if spec.parallelism.ep_overlap:  # every time a half's experts computed, forward and
             # backward, the other half's exchange was in flight; the waits were timed
             for seen in probes.execute(group, _seen_overlap):
@@ -358,14 +368,18 @@ def test_a_checkpoint_at_ep4_restores_at_ep2_and_goes_on_with_the_same_losses(ra
 
 
 @pytest.mark.timeout(300)
-def test_the_relay_crosses_once_to_each_node_a_token_reaches(rank_pool, tmp_path):
-    """DeepSeek-V3's routing at top_k 4 from its 2 best of 4 groups, each group one node's
-    experts (ep 4, a node a rank): on every rank the same tokens through the relayed dispatch
-    and the direct one give the same outputs, and between nodes the direct one moves a row per
-    choice on another node (there and back), the relay one per other node reached, at most
-    topk_group a token (and its weights and ids beside it, on the way out)."""
+@pytest.mark.parametrize("node_ranks", [1, 2], ids=["a-node-a-rank", "2-nodes-of-2"])
+def test_the_relay_crosses_once_to_each_node_a_token_reaches(rank_pool, tmp_path, node_ranks):
+    """DeepSeek-V3's routing at top_k 4 from its 2 best of 4 groups (ep 4; a node a rank: each
+    node a group's experts; or 2 nodes of 2): on every rank the same tokens through the
+    relayed dispatch and the direct one give the same outputs and input gradients, and between
+    nodes the direct one moves a row per choice on another node (out and back, forward and
+    backward), the relay one per other node reached (at most topk_group a token), with its
+    choices' weights and ids beside it out (8 bytes a choice) and the weights' gradients back
+    (4). Inside a node the relay hands the rows on (2 nodes of 2)."""
     spec = load_spec(None, [*BASE, "model.preset=tiny-dsv3", "model.moe.top_k=4",
-                            "parallelism.dp=4", "parallelism.ep=4", "parallelism.ep_node_ranks=1",
+                            "parallelism.dp=4", "parallelism.ep=4",
+                            f"parallelism.ep_node_ranks={node_ranks}",
                             f"runtime.output_dir={tmp_path}"])
     dims = ParallelDims(dp=4, ep=4)
     data_dir = str(ensure_tiny_corpus(tmp_path / "data"))
@@ -379,21 +393,23 @@ def test_the_relay_crosses_once_to_each_node_a_token_reaches(rank_pool, tmp_path
     k, row = 4, spec.model.dim * 4  # (float32 tokens)
     for s in seen:
         torch.testing.assert_close(s["relayed"], s["direct"], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(s["relayed_grad"], s["direct_grad"], rtol=1e-5, atol=1e-7)
         assert max(s["nodes_a_token"]) <= 2 < k, s  # the group limit, onto the nodes
-        assert s["direct_bytes"][0] == s["relay_bytes"][0] == 0  # (no two ranks share a node)
-    # What every rank sent, out (its own tokens) and back (others' outputs): the bytes of
-    # every row that crossed, twice; the relay's rows out carry the weights and ids too.
+    # What every rank sent between nodes, out (its own tokens) and back (others' outputs),
+    # and their gradients: every row that crossed, four times.
     remote_choices = sum(s["remote_choices"] for s in seen)
     remote_nodes = sum(s["remote_nodes"] for s in seen)
-    assert sum(s["direct_bytes"][1] for s in seen) == 2 * remote_choices * row
-    assert sum(s["relay_bytes"][1] for s in seen) == remote_nodes * (2 * row + 2 * k * 8)
+    assert sum(s["direct_bytes"][1] for s in seen) == 4 * remote_choices * row
+    assert sum(s["relay_bytes"][1] for s in seen) == remote_nodes * (4 * row + 12 * k)
     assert remote_nodes < 0.75 * remote_choices  # fewer, by about top_k / topk_group
+    within = [s["relay_bytes"][0] for s in seen]
+    assert (min(within) > 0) if node_ranks == 2 else (max(within) == 0), within
 
 
 def _both_dispatches(engine) -> dict:
-    """The first MoE block's output for this rank's random tokens through its relayed dispatch
-    and through a direct one over the same group, the bytes each sent (within, between
-    nodes), and what routing predicts them to be."""
+    """The first MoE block's output, and its input's gradient, for this rank's random tokens
+    through its relayed dispatch and through a direct one over the same group; the bytes each
+    sent (within, between nodes); what routing predicts them to be."""
     from trainmesh.models.moe.moe import moe_layers
     from trainmesh.parallel.expert import AllToAllDispatch, ExchangeLog, NodeRelayDispatch
 
@@ -404,15 +420,18 @@ def _both_dispatches(engine) -> dict:
                               log=ExchangeLog(), member_nodes=relay.member_nodes)
     block = engine.model.layers[name.split(".")[1]]
     block.unshard()  # (its router: the experts' unit gathers its own in the call)
-    x = torch.randn(2, 24, moe.router.weight.shape[1],
-                    generator=torch.Generator().manual_seed(engine.mesh.rank))
+    g = torch.Generator().manual_seed(engine.mesh.rank)
+    x = torch.randn(2, 24, moe.router.weight.shape[1], generator=g)
+    grad_out = torch.randn(x.shape, generator=g)
     out, sent = {}, {}
+    for kind, dispatch in (("relayed", relay), ("direct", direct)):
+        moe.dispatch = dispatch
+        dispatch.log.start(None)
+        mine = x.clone().requires_grad_()
+        y = moe(mine)
+        out[kind], (out[f"{kind}_grad"],) = y.detach(), torch.autograd.grad(y, mine, grad_out)
+        sent[kind] = (dispatch.log.within_nodes, dispatch.log.between_nodes)
     with torch.no_grad():
-        for kind, dispatch in (("relayed", relay), ("direct", direct)):
-            moe.dispatch = dispatch
-            dispatch.log.start(None)
-            out[kind] = moe(x)
-            sent[kind] = (dispatch.log.within_nodes, dispatch.log.between_nodes)
         _, chosen, _ = moe.route(x.reshape(-1, x.shape[-1]))
     moe.dispatch = relay
     block.reshard()

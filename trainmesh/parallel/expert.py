@@ -196,10 +196,12 @@ class NodeRelayDispatch(AllToAllDispatch):
     expert: at most ``topk_group`` times where the router's groups map onto nodes.
 
     Both hops run over the EP group itself, a rank sending zero rows to the ranks outside its
-    hop (under NCCL a zero-sized peer moves nothing); each hop's counts are exchanged first
-    (the block's host syncs: two). Each all-to-all is an autograd node, so backward runs the
-    hops in reverse; the weights travel with the token (one float64 row of the weights and the
-    experts' ids), and their gradients come back with it."""
+    hop (under NCCL a zero-sized peer moves nothing); each hop's counts are exchanged first.
+    The block waits for the host three times (the first hop's counts, the choices that
+    arrived, the second hop's counts), against the direct exchange's one. Each all-to-all is
+    an autograd node, so backward runs the hops in reverse. With a token travel its choices'
+    weights (float32, their gradients coming back) and experts' ids (int32, no gradient):
+    8 bytes a choice out, 4 back."""
 
     combines = True
 
@@ -215,6 +217,7 @@ class NodeRelayDispatch(AllToAllDispatch):
         # Node i (in order of their relays for this rank's index) holds experts whose rank is
         # on it; ``relay[i]`` is the ep coordinate of this rank's relay there.
         self.relays = sorted(members[m][mine] for m in nodes)
+        self.relay_coords = torch.tensor(self.relays)
         index = {self.member_nodes[c]: i for i, c in enumerate(self.relays)}
         local = experts // ep
         self.expert_node = torch.tensor([index[self.member_nodes[e // local]]
@@ -226,35 +229,37 @@ class NodeRelayDispatch(AllToAllDispatch):
         """Σ_j weights[t, j] · expert_{chosen[t, j]}(x[t]) for every token t of ``x`` (n, D),
         over its kept choices (``keep``, (n, k); None: all), ``chosen`` and ``weights`` (n, k)."""
         n, dim = x.shape
-        k, nodes = chosen.shape[1], len(self.relays)
-        if self.expert_node.device != x.device:  # (once)
-            self.expert_node = self.expert_node.to(x.device)
-        node = self.expert_node[chosen]
+        k, nodes, dev = chosen.shape[1], len(self.relays), x.device
+        if self.expert_node.device != dev:  # (once: not a copy per block)
+            self.expert_node, self.relay_coords = (self.expert_node.to(dev),
+                                                   self.relay_coords.to(dev))
+        node = self.expert_node[chosen]  # (n, k)
         kept = keep if keep is not None else torch.ones_like(node, dtype=torch.bool)
-        # A row per (node, token) that node's experts take, in node (= relay) order
-        reach = torch.zeros(nodes, n, dtype=torch.bool, device=x.device)
-        reach[node[kept], torch.arange(n, device=x.device)[:, None].expand(n, k)[kept]] = True
-        to_node, token = torch.nonzero(reach, as_tuple=True)
-        here = (node[token] == to_node[:, None]) & kept[token]  # (rows, k): the node's choices
-        meta = torch.cat([torch.where(here, weights[token], 0).double(),
-                          torch.where(here, chosen[token], -1).double()], 1)
-        per_node = torch.bincount(to_node, minlength=nodes)
-        sent = torch.zeros(self.ep, dtype=torch.int64, device=x.device)
-        sent[torch.tensor(self.relays, device=x.device)] = per_node
+        # Each node's kept choices of each token; a row per (node, token) with any, in node
+        # (= relay) order: counted on the device, their number known after the counts' exchange
+        held = torch.zeros(nodes, n, dtype=torch.int32, device=dev).index_put_(
+            (node, torch.arange(n, device=dev)[:, None].expand(n, k)), kept.int(), accumulate=True)
+        sent = torch.zeros(self.ep, dtype=torch.int64, device=dev).index_copy_(
+            0, self.relay_coords, (held > 0).sum(1))
         got = torch.empty_like(sent)
         self.log.timed(dist.all_to_all_single, got, sent, group=self.ep_group)
-        host = torch.cat([sent, got]).tolist()
+        host = torch.cat([sent, got]).tolist()  # (host sync 1 of 3)
         send, recv = host[:self.ep], host[self.ep:]
+        to_node, token = torch.nonzero_static(held > 0, size=sum(send)).unbind(1)
+        here = (node[token] == to_node[:, None]) & kept[token]  # (rows, k): the node's choices
         rows = self._across(x[token], send, recv)
-        their = self._across(meta, send, recv)
+        w = self._across(torch.where(here, weights[token].float(), 0.0), send, recv)
+        ids = _Ticket(self, send, recv)  # (no gradient: which expert each choice is)
+        ids.start(torch.where(here, chosen[token], -1).int(), send, recv)
+        ids = ids.wait()
         # At the relay: each row's choices on this node, to their ranks here and back
-        w, ids = their[:, :k].to(torch.float32), their[:, k:].detach().long()
-        row, slot = torch.nonzero(ids >= 0, as_tuple=True)
-        expert = ids[row, slot]
+        row, slot = torch.nonzero(ids >= 0, as_tuple=True)  # (host sync 2)
+        expert = ids[row, slot].long()
         order = torch.argsort(expert, stable=True)
         row, slot, expert = row[order], slot[order], expert[order]
-        counts = torch.bincount(expert, minlength=self.experts).view(1, -1)
-        out, _ = self._over_ep(rows[row], counts, experts, None)
+        counts = torch.zeros(self.experts, dtype=torch.int64, device=dev).index_add_(
+            0, expert, torch.ones_like(expert)).view(1, -1)
+        out, _ = self._over_ep(rows[row], counts, experts, None)  # (host sync 3: its counts)
         summed = rows.new_zeros(rows.shape).index_add(
             0, row, out * w[row, slot].unsqueeze(-1).to(out.dtype))
         back = self._across(summed, recv, send)
