@@ -347,9 +347,8 @@ def test_capacity_over_ranks_that_split_a_microbatch_is_decided_as_one_process_d
 
 def test_the_dispatch_relays_where_an_ep_group_spans_nodes_of_equal_counts():
     """ep_dispatch auto relays an EP group that spans nodes each holding as many of its ranks,
-    for top_k > 1 and whole exchanges; direct otherwise. relay on nodes of unequal counts is
-    refused naming the field and the fix."""
-    from trainmesh.parallel.dims import relays
+    for top_k > 1 and whole exchanges; direct otherwise; never on nodes of unequal counts."""
+    from trainmesh.spec.mesh_rules import relays
 
     two_nodes = (0, 0, 1, 1)
     assert relays("auto", two_nodes, 2, False)
@@ -358,5 +357,4 @@ def test_the_dispatch_relays_where_an_ep_group_spans_nodes_of_equal_counts():
     assert not relays("auto", two_nodes, 2, True)  # the halves' exchanges are direct
     assert not relays("auto", (0, 0, 1), 2, False)  # unequal: direct
     assert relays("relay", (0, 0, 0, 0), 1, False) and not relays("direct", two_nodes, 2, False)
-    with pytest.raises(ValueError, match="ep_dispatch=relay.*ep_node_ranks"):
-        relays("relay", (0, 0, 1), 2, False)
+    assert not relays("relay", (0, 0, 1), 2, False)  # (refused by validation: test_spec_...)

@@ -46,6 +46,9 @@ BAD_SPECS = [
     ("model: {preset: tiny-moe}\nparallelism: {dp: 2, ep: 2, ep_dispatch: relay, "
      "ep_overlap: true}", "parallelism.ep_dispatch"),
     ("parallelism: {ep_node_ranks: 0}", "parallelism.ep_node_ranks"),
+    # ... and relays only over nodes holding as many of an EP group's ranks (3 a node: 3 + 1)
+    ("model: {preset: tiny-moe}\nparallelism: {dp: 8, ep: 4, ep_dispatch: relay, "
+     "ep_node_ranks: 3}", "parallelism.ep_dispatch"),
     ("parallelism: {cp: 2, cp_mode: ulysses}", "parallelism.cp_mode"),
     ("training: {float8: tensorwise}\nparallelism: {tp: 2}", "training.float8"),
     ("training: {float8: mxfp8}", "training.float8"),

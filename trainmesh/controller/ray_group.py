@@ -13,6 +13,7 @@ from trainmesh.parallel.dims import ParallelDims
 from trainmesh.parallel.layout import Placement, plan_placement
 from trainmesh.planning.topology import Topology, topology_from_ray
 from trainmesh.spec.job import ElasticConfig, JobSpec
+from trainmesh.spec.validate import relay_problems
 
 HANG_STEPS, HANG_FLOOR_S, MEASURED = 10.0, 60.0, 3
 POLL_S = 1.0  # during a segment of steps: how often rank 0's reports and the cluster are read
@@ -219,8 +220,15 @@ class RayWorkerGroup:
 
     def build(self, spec_json: str, dims: ParallelDims, data_dir: str) -> None:
         d = {"pp": dims.pp, "dp": dims.dp, "tp": dims.tp, "ep": dims.ep, "cp": dims.cp}
-        self.watched("build", spec_json, d, data_dir, tuple(self.group.placement.rank_bundle),
-                     timeout_s=self.timeout + 120)
+        # Each rank's node as the ranks' actors report it (a bundle placed after a re-form may
+        # share a node with another), numbered by first appearance: ``Mesh.nodes``
+        first: dict[str, int] = {}
+        nodes = tuple(first.setdefault(n, len(first)) for n in self.group.nodes)
+        spec = JobSpec.model_validate_json(spec_json)
+        broken = relay_problems(spec, dims, None if spec.parallelism.ep_node_ranks else nodes)
+        if broken:  # (before any rank builds: some would fail, the others wait on them)
+            raise ValueError(str(broken[0]))
+        self.watched("build", spec_json, d, data_dir, nodes, timeout_s=self.timeout + 120)
 
     def train_step(self, measure_activations: bool = False) -> list[dict]:
         """One step on every rank, watched for hung ranks past ``hang_bound_s`` (by silence

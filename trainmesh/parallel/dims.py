@@ -15,8 +15,6 @@ the same way, dp = dp_replicate × dp_shard with shard fastest: a ZeRO-3 shard g
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -97,19 +95,3 @@ def replicates(dp: int, dp_replicate: int, pp: int, tp: int, cp: int, moe: bool)
     (dp_replicate = dp > 1), without pipeline, tensor or context parallel and dense (those
     keep FSDP2's HSDP: its per-stage hooks, DTensor parameters and expert meshes)."""
     return dp > 1 and dp_replicate == dp and pp == tp == cp == 1 and not moe
-
-
-def relays(choice: str, member_nodes: Sequence[int], top_k: int, overlap: bool) -> bool:
-    """Whether an EP group (its ranks on ``member_nodes``) dispatches in two hops
-    (``parallelism.ep_dispatch``; ``parallel/expert.py: NodeRelayDispatch``): as asked, or
-    (auto) where it spans nodes, each holding as many of its ranks, a token takes several
-    experts and the exchanges are not in halves. The engine's rule and the planner's."""
-    held = Counter(member_nodes).values()
-    even = len(set(held)) <= 1
-    if choice == "relay" and not even:
-        raise ValueError(f"parallelism.ep_dispatch=relay needs each node to hold as many ranks "
-                         f"of an EP group; its nodes hold {sorted(held)}: use ep_dispatch=auto "
-                         "(direct there), or set parallelism.ep_node_ranks to a divisor")
-    if choice != "auto":
-        return choice == "relay"
-    return len(held) > 1 and even and top_k > 1 and not overlap

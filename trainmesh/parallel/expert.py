@@ -46,8 +46,9 @@ from trainmesh.models.moe.moe import (
 )
 from trainmesh.parallel.clock import DeviceClock, WaitLog
 from trainmesh.parallel.context import local_positions
-from trainmesh.parallel.dims import Axis, relays
+from trainmesh.parallel.dims import Axis
 from trainmesh.parallel.mesh import Mesh
+from trainmesh.spec.mesh_rules import relays
 
 
 @dataclass(kw_only=True)
@@ -210,7 +211,9 @@ class NodeRelayDispatch(AllToAllDispatch):
                  seq_len: int, log: ExchangeLog | None, member_nodes: Sequence[int]):
         super().__init__(ep_group, ep, experts, token_group, positions, seq_len, 1, log,
                          member_nodes)
-        relays("relay", self.member_nodes, 2, False)  # (each node as many of the ranks)
+        if not relays("relay", self.member_nodes, 2, False):
+            raise ValueError(f"parallelism.ep_dispatch=relay needs each node to hold as many "
+                             f"ranks of an EP group; its nodes: {self.member_nodes}")
         nodes = sorted(set(self.member_nodes))
         members = {m: [c for c, n in enumerate(self.member_nodes) if n == m] for m in nodes}
         mine = members[self.member_nodes[self.coord]].index(self.coord)

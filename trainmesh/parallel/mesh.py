@@ -30,7 +30,7 @@ class Mesh:
     rank: int
 
     dp_replicate: int = 1  # hybrid sharding: ZeRO-3 groups of dp / dp_replicate replicas
-    # The node (placement bundle) of each global rank; empty: one node. What a relayed expert
+    # The node of each global rank (an index; empty: one node). What a relayed expert
     # dispatch reads (``parallel/expert.py``); nothing else depends on it.
     nodes: tuple[int, ...] = ()
 

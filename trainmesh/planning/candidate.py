@@ -10,8 +10,9 @@ import functools
 from dataclasses import dataclass
 
 from trainmesh.models.llama.model_math import rank_blocks, stage_split
-from trainmesh.parallel.dims import relays, replicates
+from trainmesh.parallel.dims import replicates
 from trainmesh.parallel.pipeline.ir import PipeShape, splits_backward, v_shaped
+from trainmesh.spec.mesh_rules import relays
 
 GIB = 1024**3
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev")
@@ -55,16 +56,27 @@ class Candidate:
     # How tokens reach their experts (``parallelism.ep_dispatch``: auto, direct or relay; not
     # searched: the spec's, priced with the other way beside it)
     ep_dispatch: str = "auto"
+    ep_node_ranks: int | None = None  # the ranks a node holds (``parallelism.ep_node_ranks``)
+
+    def node_ranks(self, per_node: int) -> int:
+        """The ranks one node (fast domain) holds: ``parallelism.ep_node_ranks``, else the
+        topology's ``per_node``."""
+        return self.ep_node_ranks or per_node
+
+    def ep_on_node(self, per_node: int) -> int:
+        """The ranks of an EP group on one node (its ranks are every tp-th)."""
+        return max(1, min(self.ep, self.node_ranks(per_node) // self.tp))
 
     def relays(self, model, per_node: int, overlap: bool | None = None) -> bool:
-        """Whether the EP groups dispatch in two hops (``dims.relays``, the engine's rule): an
-        EP group's ranks are every tp-th, ``per_node / tp`` of them to a node. ``overlap``:
+        """Whether the EP groups can and would dispatch in two hops (``mesh_rules.relays``, the
+        engine's rule; ``cost_model.relayed`` adds the price to auto's choice). ``overlap``:
         with the exchanges in halves or not (None: as the candidate has them)."""
         moe = getattr(model, "moe", None)
         if self.ep == 1 or moe is None:
             return False
-        on_node = max(1, per_node // self.tp)
-        return relays(self.ep_dispatch, tuple(r // on_node for r in range(self.ep)), moe.top_k,
+        nodes = self.node_ranks(per_node)
+        member_nodes = [g * self.tp // nodes for g in range(self.ep)]  # (a group at a node's start)
+        return relays(self.ep_dispatch, member_nodes, moe.top_k,
                       self.ep_overlap if overlap is None else overlap)
 
     def moves_latent(self, model) -> bool:

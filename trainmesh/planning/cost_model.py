@@ -111,6 +111,7 @@ class Estimate:
     ep_relay: bool = False  # the exchanges in two hops (``parallelism.ep_dispatch``)
     # The step time relaying saves over the direct exchange, or would (negative: it costs)
     ep_relay_gain_s: float = 0.0
+    ep_nodes: int = 1  # the nodes an EP group spans
     ep_nodes_reached: float = 0.0  # the nodes a token's experts sit on, on average
     # training.float8: the step time its matmuls save less what its casts (and the host's extra
     # work, where that bounds the step) cost (negative: slower than bf16)
@@ -262,9 +263,9 @@ def ep_exposed(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: 
     layers = moe_blocks(model) / c.pp
     tokens = seq_len // c.cp * c.microbatch_size / c.tp
     forwards = 1 + c.recomputed(c.blocks(model))
-    direct, relayed = ep_exchange_s(model, c, seq_len, device, per_node, compute_bytes)
-    exchange = relayed if c.relays(model, per_node, overlap=False) else direct  # (whole)
-    whole = (2 * forwards + 2) * exchange * layers * c.num_microbatches
+    direct, relay = ep_exchange_s(model, c, seq_len, device, per_node, compute_bytes)
+    whole_relayed = relayed(model, c, seq_len, device, per_node, compute_bytes, overlap=False)
+    whole = (2 * forwards + 2) * (relay if whole_relayed else direct) * layers * c.num_microbatches
     x = direct - PP_LATENCY_S  # (the halves: direct exchanges)
     rate = device.peak_tflops * 1e12 * MATMUL_EFFICIENCY
     experts_s = tokens * moe.top_k * 6 * model.dim * moe.expert_ffn_dim / rate  # forward
@@ -294,26 +295,41 @@ def nodes_reached(moe, nodes: int) -> float:
 def ep_exchange_s(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: int,
                   compute_bytes: int) -> tuple[float, float]:
     """One MoE exchange's seconds (a block's dispatch or combine, forward or backward), direct
-    and relayed (``parallelism.ep_dispatch``). Direct: a rank's top_k copies of its tokens
-    less the 1/ep that stay, over the node's links when ep × tp fits one, else between nodes,
-    plus a message's latency. Relayed (an EP group over N nodes of P of its ranks): a token
-    crosses once to each other node it reaches (``nodes_reached``, with its weights and ids:
-    16 bytes a choice), then the relay hands the node's choices on over the node's links
-    (top_k copies, (P − 1) / P of them to another rank): the two hops one after the other,
-    a latency each."""
+    and relayed (``parallelism.ep_dispatch``), an EP group over N nodes (``Candidate.ep_on_node``:
+    P of its ranks a node). Direct: a rank's top_k copies of its tokens, (N − 1)/N of them to
+    other nodes and (P − 1)/ep to its own node's other ranks, at once over the two links, plus
+    a message's latency. Relayed: a token crosses once to each other node it reaches
+    (``nodes_reached``; its choices' weights and ids beside it: 8 bytes a choice out and 4
+    back in the dispatch, none in the combine, 3 an exchange on average), then the relay hands
+    the node's choices on over the node's links (top_k copies, (P − 1)/P of them to another
+    rank): the two hops one after the other, and three latencies (its five collectives each
+    way out, two back)."""
     moe = model.moe
     tokens = seq_len // c.cp * c.microbatch_size / c.tp
     row = model.dim * compute_bytes
-    spans = c.ep * c.tp > per_node
-    bw = (device.inter_node_gbps if spans else device.intra_node_gbps) * 1e9
-    direct = tokens * moe.top_k * row * (c.ep - 1) / c.ep / bw + PP_LATENCY_S
-    on_node = max(1, min(c.ep, per_node // c.tp))
-    nodes = max(1, c.ep // on_node)
-    across = tokens * nodes_reached(moe, nodes) * (nodes - 1) / nodes * (row + 16 * moe.top_k)
-    inside = tokens * moe.top_k * row * (on_node - 1) / on_node
-    relayed = (across / (device.inter_node_gbps * 1e9) + inside / (device.intra_node_gbps * 1e9)
-               + 2 * PP_LATENCY_S)
+    on_node = c.ep_on_node(per_node)
+    nodes = max(1, -(-c.ep // on_node))
+    inter, intra = device.inter_node_gbps * 1e9, device.intra_node_gbps * 1e9
+    copies = tokens * moe.top_k * row
+    direct = max(copies * (nodes - 1) / nodes / inter,
+                 copies * (on_node - 1) / c.ep / intra) + PP_LATENCY_S
+    across = tokens * nodes_reached(moe, nodes) * (nodes - 1) / nodes * (row + 3 * moe.top_k)
+    inside = copies * (on_node - 1) / on_node
+    relayed = across / inter + inside / intra + 3 * PP_LATENCY_S
     return direct, relayed
+
+
+def relayed(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: int,
+            compute_bytes: int, overlap: bool | None = None) -> bool:
+    """Whether ``c``'s exchanges run relayed: where they can and the spec asks (``relay``), or
+    (``auto``, the planner's choice, written into the plan's spec) where they would and the
+    relay is priced faster (``ep_exchange_s``). ``overlap``: as ``Candidate.relays``."""
+    if not c.relays(model, per_node, overlap):
+        return False
+    if c.ep_dispatch == "relay":
+        return True
+    direct, relay = ep_exchange_s(model, c, seq_len, device, per_node, compute_bytes)
+    return relay < direct
 
 
 def float8_parts(model, c: Candidate, seq_len: int, device: DeviceSpec) -> tuple[float, float]:
@@ -387,15 +403,15 @@ def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: in
                              bound=not by_stage)
     compute = max(device_s, host_s) / (1.0 - bubble)
     moe = getattr(model, "moe", None)
-    ep_comm, ep_gain, relay_gain, reached = 0.0, 0.0, 0.0, 0.0
+    ep_comm, ep_gain, relay_gain, reached, ep_nodes = 0.0, 0.0, 0.0, 0.0, 1
     if moe is not None and c.ep > 1:
         whole, halves = ep_exposed(model, c, seq_len, device, per_node, compute_bytes)
         # The relay's saving over the direct exchange (negative: its cost), whichever runs
-        direct, relayed = ep_exchange_s(model, c, seq_len, device, per_node, compute_bytes)
+        direct, relay = ep_exchange_s(model, c, seq_len, device, per_node, compute_bytes)
         calls = (2 * (1 + c.recomputed(layers)) + 2) * moe_blocks(model) / c.pp * c.num_microbatches
-        relay_gain = (direct - relayed) * calls
-        on_node = max(1, min(c.ep, per_node // c.tp))
-        reached = nodes_reached(moe, max(1, c.ep // on_node))
+        relay_gain = (direct - relay) * calls
+        ep_nodes = max(1, -(-c.ep // c.ep_on_node(per_node)))
+        reached = nodes_reached(moe, ep_nodes)
         # In halves the experts' part of each MoE block is issued twice: HALVES_EXTRA more of
         # its fixed costs, on the device and on the host (hidden where the other is longer).
         extra = HALVES_EXTRA * moe_blocks(model) / c.pp * c.num_microbatches * again
@@ -443,4 +459,6 @@ def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: in
         tp_comm_s=tp_comm, pp_comm_s=pp_comm, dp_exposed_s=dp_exposed, ep_comm_s=ep_comm,
         cp_comm_s=cp_comm, host_bound=host_s > device_s, by_stage=by_stage or c.pp == 1,
         ep_overlap=c.ep_overlap and c.ep > 1, ep_overlap_gain_s=ep_gain, float8_gain_s=f8_gain,
-        ep_relay=c.relays(model, per_node), ep_relay_gain_s=relay_gain, ep_nodes_reached=reached)
+        ep_relay=(moe is not None and c.ep > 1
+                  and relayed(model, c, seq_len, device, per_node, compute_bytes)),
+        ep_relay_gain_s=relay_gain, ep_nodes=ep_nodes, ep_nodes_reached=reached)

@@ -29,25 +29,28 @@ def _overlap_text(e) -> str:
 
 
 def _relay_text(e, model) -> str:
-    """How tokens cross between nodes (``parallelism.ep_dispatch``): the relay's saving, or
-    what it would save or cost, where an EP group spans nodes."""
-    if e.ep_nodes_reached <= 1.0 and not e.ep_relay:
-        return ""
+    """How tokens cross between nodes (``parallelism.ep_dispatch``): what the relay saves or
+    costs where it runs, or would save where an EP group spans nodes (not beside ep_overlap,
+    whose halves' exchanges are direct)."""
     moe, gain = model.moe, e.ep_relay_gain_s
+    if e.ep_relay and e.ep_nodes == 1:
+        return (f" Its exchanges run in two hops inside one node (parallelism.ep_dispatch: "
+                f"relay): nothing crosses between nodes to save, the step {-gain:.3g} s longer.")
+    if e.ep_nodes == 1 or e.ep_overlap:
+        return ""
     capped = (f", at most topk_group={moe.topk_group}: the router's {moe.n_group} groups map "
-              "onto the nodes" if moe.n_group > 1 and e.ep_nodes_reached <= moe.topk_group
+              f"onto its {e.ep_nodes} nodes" if moe.n_group > 1 and moe.n_group % e.ep_nodes == 0
               else "")
-    reach = (f"a token's {moe.top_k} experts sit on {e.ep_nodes_reached:.2g} nodes on average"
-             + capped)
+    reach = (f"a token's {moe.top_k} experts sit on {e.ep_nodes_reached:.2g} of {e.ep_nodes} "
+             f"nodes on average" + capped)
     if e.ep_relay:
         return (f" Its tokens cross between nodes in two hops (parallelism.ep_dispatch: relay): "
                 f"once to each node reached, not once per expert ({reach}); the step "
                 f"{abs(gain):.3g} s {'shorter' if gain >= 0 else 'longer'} than sending each "
                 "copy directly.")
     if gain > 0:
-        return (f" Relayed (parallelism.ep_dispatch: relay, or auto without ep_overlap) a token "
-                f"would cross once to each node reached ({reach}), the step {gain:.3g} s "
-                "shorter.")
+        return (f" Relayed (parallelism.ep_dispatch: relay) a token would cross once to each "
+                f"node reached ({reach}), the step {gain:.3g} s shorter.")
     return (f" Relaying would not pay here ({reach}): its second hop costs "
             f"{-gain:.3g} s more than the copies it saves between nodes.")
 

@@ -32,6 +32,8 @@ def request_for(spec: JobSpec) -> PlanRequest:
         fixed["keep_gathered"] = par.keep_gathered
     fixed["ep_overlap"] = par.ep_overlap
     fixed["ep_dispatch"] = par.ep_dispatch
+    if par.ep_node_ranks is not None:
+        fixed["ep_node_ranks"] = par.ep_node_ranks
     fixed["cp_latent"] = par.cp_latent
     if par.stage_layers is not None:
         fixed["stage_layers"] = tuple(par.stage_layers)
@@ -57,14 +59,19 @@ def plan_job(spec: JobSpec, topo: Topology) -> tuple[ParallelDims, PlanResult]:
     return ParallelDims(pp=best.pp, dp=best.dp, tp=best.tp, ep=best.ep, cp=best.cp), result
 
 
-def effective_spec(spec: JobSpec, c: Candidate) -> JobSpec:
-    """The spec with the plan's choices written in: what the ranks build and run."""
+def effective_spec(spec: JobSpec, c: Candidate, relay: bool | None = None) -> JobSpec:
+    """The spec with the plan's choices written in: what the ranks build and run. ``relay``:
+    the plan's ``Estimate.ep_relay``, which resolves ``ep_dispatch: auto``."""
+    dispatch = spec.parallelism.ep_dispatch
+    if dispatch == "auto" and relay is not None:
+        dispatch = "relay" if relay else "direct"
     par = spec.parallelism.model_copy(update={
         "auto": False, "tp": c.tp, "pp": c.pp, "dp": c.dp, "vpp": c.vpp,
         "ep": c.ep, "dp_replicate": c.dp_replicate, "cp": c.cp, "cp_mode": c.cp_mode,
         "sequence_parallel": c.sequence_parallel and c.tp > 1,
         "keep_gathered": c.keep_gathered, "reduce_dtype": c.reduce_dtype,
         "ep_overlap": c.ep_overlap and c.ep > 1, "cp_latent": c.cp_latent,
+        "ep_dispatch": dispatch,
         "stage_layers": list(c.stage_layers) if c.stage_layers else None})
     update = {"parallelism": par,
               "schedule": spec.schedule.model_copy(update={"name": c.schedule}),
@@ -130,7 +137,7 @@ def replan_job(spec: JobSpec, topo: Topology) -> Replan:
     if changed:
         changed += f"; re-planned to tp={c.tp}, pp={c.pp}, cp={c.cp}, vpp={c.vpp}, dp={c.dp}"
     dims = ParallelDims(pp=c.pp, dp=c.dp, tp=c.tp, ep=c.ep, cp=c.cp)
-    return Replan(dims, result, effective_spec(spec, c), changed)
+    return Replan(dims, result, effective_spec(spec, c, best.estimate.ep_relay), changed)
 
 
 def plan_for(spec: JobSpec, topo: Topology, replan: bool) -> Replan:
@@ -154,10 +161,11 @@ def plan_for(spec: JobSpec, topo: Topology, replan: bool) -> Replan:
             result = dataclasses.replace(new.result, plans=[head, *(p for p in rest if p in fits),
                                                             *(p for p in rest if p not in fits)])
             new = Replan(ParallelDims(pp=c.pp, dp=c.dp, tp=c.tp, ep=c.ep, cp=c.cp), result,
-                         effective_spec(spec, c), new.changed)
+                         effective_spec(spec, c, head.estimate.ep_relay), new.changed)
     else:
         dims, result = plan_job(spec, topo)
-        new = Replan(dims, result, effective_spec(spec, result.best.candidate))
+        new = Replan(dims, result, effective_spec(spec, result.best.candidate,
+                                                  result.best.estimate.ep_relay))
     check_snapshot_memory(spec, new.result.best.candidate, topo)
     return new
 

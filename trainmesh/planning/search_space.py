@@ -313,7 +313,8 @@ def _options(req: PlanRequest, tp: int, pp: int, dp: int, vpp: int, schedule: st
                         yield Candidate(tp, pp, dp, vpp, schedule, mbs, n_micro, rc, sp, keep,
                                         reduce, ep, padding, rep, cp, mode, stride, split,
                                         overlap if ep > 1 else False, latent,
-                                        str(fixed.get("ep_dispatch", "auto")))
+                                        str(fixed.get("ep_dispatch", "auto")),
+                                        fixed.get("ep_node_ranks"))
 
 
 def _stage_layers(req: PlanRequest, pp: int, vpp: int, schedule: str) -> tuple[int, ...] | None:

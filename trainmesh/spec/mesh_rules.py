@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import functools
 import math
+from collections import Counter
+from collections.abc import Sequence
 from typing import Protocol
 
 from trainmesh.spec.problems import Problem
@@ -236,3 +238,37 @@ def float8_device_problems(recipe: str, device_type: str, capability: tuple[int,
                 "(torchao's scaling and casts fuse only under torch.compile): set "
                 "model.compile=true, or training.float8=none"]
     return []
+
+
+def relays(choice: str, member_nodes: Sequence[int], top_k: int, overlap: bool) -> bool:
+    """Whether an EP group (its ranks on ``member_nodes``) can dispatch in two hops and would
+    (``parallelism.ep_dispatch``; ``parallel/expert.py: NodeRelayDispatch``): never on nodes
+    holding unequal numbers of its ranks; else as asked, or (auto) where it spans nodes, a
+    token takes several experts and the exchanges are not in halves. The engine's rule for
+    a rank built without a plan; the planner resolves auto by price too
+    (``cost_model.relayed``)."""
+    held = Counter(member_nodes).values()
+    if len(set(held)) > 1 or choice == "direct":  # (relay there: refused, ``relay_problems``)
+        return False
+    return choice == "relay" or (len(held) > 1 and top_k > 1 and not overlap)
+
+
+def ep_groups(pp: int, dp: int, cp: int, tp: int, ep: int) -> list[list[int]]:
+    """Every EP group's global ranks, in ep-coordinate order: ranks laid out (pp, dp, cp, tp)
+    with tp fastest, an EP group is ``ep`` consecutive positions of a stage's flattened
+    (dp, cp) index at one tp coordinate (``parallel/dims.py``)."""
+    per_stage = dp * cp
+    return [[(p * per_stage + j * ep + e) * tp + t for e in range(ep)]
+            for p in range(pp) for t in range(tp) for j in range(per_stage // ep)]
+
+
+def uneven_ep_nodes(pp: int, dp: int, cp: int, tp: int, ep: int,
+                    nodes: Sequence[int]) -> list[int] | None:
+    """The ranks each node holds of the first EP group whose nodes (``nodes[g]``: global rank
+    g's) hold unequal numbers of its ranks, or None: where ``parallelism.ep_dispatch: relay``
+    cannot run."""
+    for group in ep_groups(pp, dp, cp, tp, ep) if ep > 1 else ():
+        held = Counter(nodes[g] for g in group)
+        if len(set(held.values())) > 1:
+            return sorted(held.values())
+    return None

@@ -12,7 +12,7 @@ metadata (``datasets``), whether Triton kernels are interpreted on this machine.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -26,6 +26,7 @@ from trainmesh.spec.mesh_rules import (
     runnable_problems,
     shape_problems,
     stage_layers_problems,
+    uneven_ep_nodes,
 )
 from trainmesh.spec.problems import Problem
 
@@ -224,6 +225,28 @@ def field_problems(spec) -> list[Problem]:
     return out
 
 
+def relay_problems(spec, dims, nodes: Sequence[int] | None = None) -> list[Problem]:
+    """``parallelism.ep_dispatch: relay`` where an EP group's nodes hold unequal numbers of its
+    ranks, on layout ``dims`` (its pp, dp, cp, tp, ep); ``nodes[g]``: global rank g's node
+    (default: ``ep_node_ranks``' consecutive nodes)."""
+    par = spec.parallelism
+    if par.ep_dispatch != "relay" or dims.ep == 1:
+        return []
+    if nodes is None:
+        if par.ep_node_ranks is None:
+            return []  # (the placement's nodes: checked where the ranks are placed)
+        world = dims.pp * dims.dp * dims.cp * dims.tp
+        nodes = [g // par.ep_node_ranks for g in range(world)]
+    held = uneven_ep_nodes(dims.pp, dims.dp, dims.cp, dims.tp, dims.ep, nodes)
+    if held is None:
+        return []
+    return [Problem("parallelism.ep_dispatch", f"relay needs each node to hold as many ranks of "
+                    f"an EP group, but one group's nodes hold {held} (ep={dims.ep}, tp={dims.tp}"
+                    + (f", ep_node_ranks={par.ep_node_ranks})" if par.ep_node_ranks else ")"),
+                    "set parallelism.ep_dispatch=auto (direct there), or nodes of a multiple "
+                    "of an EP group's share (parallelism.ep_node_ranks)")]
+
+
 def held_out_problems(spec) -> list[Problem]:
     """An evaluation (``trainmesh evaluate``) needs held-out data."""
     if spec.data.eval_path or spec.data.eval_fraction:
@@ -318,6 +341,7 @@ def problems(spec, layout: LayoutLike | None = None, *, runnable: bool = False,
     else:
         out += layout_problems(Workload.of(spec), lay, runnable)
         out += world_problems(spec, lay.tp * lay.pp * lay.dp * lay.cp)
+        out += relay_problems(spec, lay)
     if runnable and triton_interpreted is not None:
         out += kernel_problems(spec, triton_interpreted)
     if datasets is not None:
