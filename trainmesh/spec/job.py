@@ -311,12 +311,14 @@ class ParallelismConfig(_Section):
         "with its own local index, which hands it on inside the node and sums the outputs of "
         "that node's experts before the one row goes back; the bytes between nodes fall from "
         "top_k to the nodes reached, at most moe.topk_group where moe.n_group groups map onto "
-        "nodes); auto: relay where an EP group spans nodes, top_k > 1 and ep_overlap is off, "
-        "else direct")
+        "nodes; refused beside ep_overlap and where a node would hold more of an EP group's "
+        "ranks than another); auto: the planner's choice, relay where an EP group spans nodes "
+        "holding as many of its ranks each, top_k > 1, ep_overlap is off and the relay is "
+        "priced faster, else direct")
     ep_node_ranks: int | None = Field(
         None, ge=1, description="the ranks one node (one fast-link domain) holds, for "
-        "ep_dispatch: consecutive ranks share a node; null: the nodes the ranks were placed on "
-        "(one Ray placement bundle a node). Set it where the fast domain is not a Ray node "
+        "ep_dispatch: consecutive ranks share a node; null: the nodes the ranks' actors run "
+        "on. Set it where the fast domain is not a Ray node "
         "(an NVL72 rack of several nodes), or to simulate nodes on one machine")
     cp: int = Field(1, ge=1, description="context-parallel degree: each sequence split over cp "
                     "ranks (2·cp chunks, load-balanced), attention exact across them; "
