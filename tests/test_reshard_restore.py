@@ -108,7 +108,12 @@ def test_restore_from_peers_memory_onto_another_plan_is_bit_identical(rank_pool,
         assert pair, held  # 4 ranks: shards and metadata; two survivors covering all of them
         assert all(held[r] != files for r in pair)  # neither alone: the copies are needed
         holders = {f: next(r for r in pair if f in held[r]) for f in files}
-        g.memory_load(snapshot, holders, 2, None)
+        got = g.memory_load(snapshot, holders, 2, None)
+        # The ranks' metadata read once, by rank 0 (the merged metadata broadcast): the group
+        # fetches the metadata files rank 0 lacks, no other rank any.
+        meta = [{n for n in r["fetched"] if n.endswith(".metadata")} for r in got]
+        assert meta[0] == {f for f in files if f.endswith(".metadata")} - held[0], (meta, held)
+        assert not any(meta[1:]), meta
         probes.save_to(g, str(tmp_path / "again"))
     finally:
         rank_pool.release(g)

@@ -465,21 +465,27 @@ class RankWorker:
         return self._memory.read(directory, name)
 
     def memory_load(self, directory: str, holders: dict, step: int, rng_states: bytes | None,
-                    workers: list) -> None:
+                    workers: list) -> dict:
         """Collective: restore from snapshot ``directory`` onto this rank's (new) part: files it
         does not hold are fetched from ``holders`` (file name → the rank holding it, an index
-        into ``workers``, the group's rank actors)."""
+        into ``workers``, the group's rank actors). Returns the names it fetched."""
         from trainmesh.checkpoint import memory_fs
+
+        fetched: list[str] = []
 
         def fetch(path: str) -> bytes | None:
             name = path.rpartition("/")[2]
             holder = holders.get(name)
-            return None if holder is None else ray.get(
-                workers[holder].memory_file.remote(directory, name), timeout=self._timeout_s)
+            if holder is None:
+                return None
+            fetched.append(name)
+            return ray.get(workers[holder].memory_file.remote(directory, name),
+                           timeout=self._timeout_s)
 
         with self._memory.fetching(fetch):
             self.load(memory_fs.uri(directory), step, rng_states,
                       sorted(n for n in holders if n.endswith(".metadata")))
+        return {"fetched": fetched}
 
     def timeline(self) -> list:
         return self.engine.timeline()

@@ -12,6 +12,7 @@ import warnings
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -44,6 +45,27 @@ class _MergedReader(FsspecReader):
         self.store: MemoryStore | None = storage_options.get("store")
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
+        """Every rank's metadata merged, read once: under a process group (DCP's load calls
+        this on every rank at the same point) rank 0 reads and merges the files and broadcasts
+        the result, so the group makes ranks − 1 fetches of others' files in all, not one per
+        file on every rank (ranks², each a call to the rank holding it)."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            merged = self._merged()
+        else:
+            box: list = [None]
+            if dist.get_rank() == 0:
+                try:
+                    box = [(self._merged(), None)]
+                except Exception as e:  # (every rank raises it: none waits on the broadcast)
+                    box = [(None, f"{type(e).__name__}: {e}")]
+            dist.broadcast_object_list(box, src=0)
+            merged, error = box[0]
+            if error is not None:
+                raise RuntimeError(f"rank 0 could not read the snapshot's metadata: {error}")
+        merged.storage_meta.load_id = self.load_id
+        return merged
+
+    def _merged(self) -> Metadata:
         parts = []
         for name in self.metadata_files:
             with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as f:
@@ -60,7 +82,6 @@ class _MergedReader(FsspecReader):
             merged.planner_data.update(md.planner_data or {})
             for index, info in md.storage_data.items():  # a replica's copy: one is enough
                 merged.storage_data.setdefault(index, info)
-        merged.storage_meta.load_id = self.load_id
         return merged
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:

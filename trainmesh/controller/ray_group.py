@@ -378,12 +378,14 @@ class RayWorkerGroup:
         """Per rank: snapshot directory → the files it holds (its own and its replicas)."""
         return self.group.call("memory_inventory", timeout_s=self.timeout)
 
-    def memory_load(self, directory: str, holders: dict[str, int], step: int, rng: bytes | None) -> None:
+    def memory_load(self, directory: str, holders: dict[str, int], step: int, rng: bytes | None
+                    ) -> list[dict]:
         """Collective restore from snapshot ``directory``; ``holders``: file → rank holding it.
         The map and the ranks' actor handles go to the object store once and every rank reads
         them from its node's copy: the calls carry references, not 2 × ranks handles each
-        (ranks² in all, which the controller serialised one call at a time)."""
-        self.watched("memory_load", directory, _shared(holders), step, _shared(rng),
+        (ranks² in all, which the controller serialised one call at a time). Returns what each
+        rank fetched (``RankWorker.memory_load``)."""
+        return self.watched("memory_load", directory, _shared(holders), step, _shared(rng),
                      _shared(list(self.group.workers)), timeout_s=self.timeout * 2)
 
     def timelines(self) -> list[list]:
