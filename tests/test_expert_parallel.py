@@ -49,6 +49,16 @@ CASES = {  # largest meshes first: the rank pool then only shrinks
     "dsv3-mtp2-pp4-ep2-dp2": (ParallelDims(pp=4, dp=2, ep=2), [
         "model.preset=tiny-dsv3", "model.mtp.depth=2", "model.moe.bias_update_rate=0.01",
         "optimizer.grad_clip=0.1"]),  # (a clip that bites: the copy is clipped, not counted)
+    # ... under the V schedules (zbv, dualpipev): the modules' stage on rank 0 beside the
+    # first, looking the tokens ahead up in a copy of the embedding of its own (its gradient
+    # added to the embedding's, its values the embedding's after every update), its
+    # backward whole at I
+    "dsv3-mtp2-pp2-ep2-dp2-zbv": (ParallelDims(pp=2, dp=2, ep=2), [
+        "model.preset=tiny-dsv3", "model.mtp.depth=2", "model.moe.bias_update_rate=0.01",
+        "schedule.name=zbv", "parallelism.vpp=2"]),
+    "dsv3-mtp2-pp2-ep2-dp2-dualpipev": (ParallelDims(pp=2, dp=2, ep=2), [
+        "model.preset=tiny-dsv3", "model.mtp.depth=2", "model.moe.bias_update_rate=0.01",
+        "schedule.name=dualpipev", "parallelism.vpp=2", "training.global_batch_size=16"]),
     # ... under a zero-bubble schedule (zb-h1): the first stage's backward split (I, then W
     # later), the modules' stage's run whole at I (torch's split backward fails on their
     # shared lookup of the tokens ahead)
@@ -249,7 +259,12 @@ def test_expert_parallel_matches_single_process(rank_pool, tmp_path, case):
         if spec.model.mtp is not None and dims.pp > 1:  # the embedding's two copies: equal
             copies = [s["tok_embeddings.weight"] for s in probes.execute(group, probes._full_state)
                       if "tok_embeddings.weight" in s]
-            assert len(copies) == 2 * dims.dp and all(torch.equal(c, copies[0]) for c in copies)
+            v = spec.schedule.name in ("zbv", "dualpipev")  # (rank 0 holds both: one copy)
+            assert len(copies) == (1 if v else 2) * dims.dp
+            assert all(torch.equal(c, copies[0]) for c in copies)
+            if v:  # ... and its modules' lookup a copy of its own, equal to it
+                same = probes.execute(group, _lookup_is_the_embedding)
+                assert same.count(True) == dims.dp and set(same) <= {True, None}, same
     finally:
         rank_pool.release(group)
     if spec.model.moe.capacity_factor is not None:
@@ -281,6 +296,20 @@ def test_expert_parallel_matches_single_process(rank_pool, tmp_path, case):
     if spec.model.moe.balance == "bias":  # the bias moved, and equally on every mesh
         bias = {k: v for k, v in params.items() if k.endswith("expert_bias")}
         assert bias and all(v.abs().sum() > 0 for v in bias.values())
+
+
+def _lookup_is_the_embedding(engine) -> bool | None:
+    """Where the multi-token modules look up in a copy of the embedding (a V schedule): whether
+    the copy is another tensor holding the embedding's values; None where there is none."""
+    from torch.distributed.tensor import DTensor
+
+    if engine.lookup is None:
+        return None
+    mine, copy = engine.lookup.embedding.weight, engine.lookup.copy.weight
+
+    def local(t):
+        return t.to_local() if isinstance(t, DTensor) else t
+    return copy is not mine and torch.equal(local(copy), local(mine))
 
 
 def _relayed(engine) -> list[bool]:

@@ -358,3 +358,22 @@ def test_the_dispatch_relays_where_an_ep_group_spans_nodes_of_equal_counts():
     assert not relays("auto", (0, 0, 1), 2, False)  # unequal: direct
     assert relays("relay", (0, 0, 0, 0), 1, False) and not relays("direct", two_nodes, 2, False)
     assert not relays("relay", (0, 0, 1), 2, False)  # (refused by validation: test_spec_...)
+
+
+@pytest.mark.parametrize("pp, dp, cp, tp, ep", [(1, 4, 1, 1, 2), (2, 4, 1, 2, 4), (1, 2, 2, 2, 4),
+                                                (2, 4, 2, 1, 2)])
+def test_ep_groups_are_the_meshs_expert_parallel_groups(pp, dp, cp, tp, ep):
+    """Every EP group (``mesh_rules.ep_groups``: what the relay's refusal checks) is ep ranks of
+    one stage and one tp coordinate at consecutive (dp, cp) positions, in that order, the
+    groups covering every rank once, as ``parallel/mesh.py`` folds ep over dp × cp."""
+    from trainmesh.parallel.dims import Axis, ParallelDims
+    from trainmesh.spec.mesh_rules import ep_groups
+
+    dims = ParallelDims(pp=pp, dp=dp, cp=cp, tp=tp, ep=ep)
+    groups = ep_groups(pp, dp, cp, tp, ep)
+    assert sorted(g for group in groups for g in group) == list(range(dims.world_size))
+    for group in groups:
+        coords = [dims.coords(g) for g in group]
+        assert len({(c[Axis.PP], c[Axis.TP]) for c in coords}) == 1
+        positions = [c[Axis.DP] * cp + c[Axis.CP] for c in coords]
+        assert positions == list(range(positions[0], positions[0] + ep)) and positions[0] % ep == 0

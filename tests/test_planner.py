@@ -988,11 +988,34 @@ def test_the_relay_is_priced_by_the_nodes_a_token_reaches():
     wide = dataclasses.replace(c, ep_node_ranks=16)
     assert priced(64, "auto").ep_nodes == 8
     assert cost_model.estimate(dsv3, wide, 4096, device_spec("h100"), 8, 2).ep_nodes == 4
-    spec = load_spec(None, ["model.preset=deepseek-v3-671b"])
-    assert effective_spec(spec, c, True).parallelism.ep_dispatch == "relay"
-    assert effective_spec(spec, c, False).parallelism.ep_dispatch == "direct"
-    pinned = load_spec(None, ["model.preset=deepseek-v3-671b", "parallelism.ep_dispatch=direct"])
-    assert effective_spec(pinned, c, True).parallelism.ep_dispatch == "direct"
+    # A run's plan: where the relay does not pay (or cannot run: an EP group inside a node),
+    # auto becomes direct in the spec the ranks build; where it pays, auto stays (the ranks
+    # relay where their real nodes allow it, else run direct); the plan's row says which.
+    from trainmesh.planning.job_plan import plan_for
+    from trainmesh.planning.topology import Topology
+    for ep, extra, written, row in ((64, [], "auto", "relay"), (8, [], "direct", "direct"),
+                                    (64, ["parallelism.ep_dispatch=direct"], "direct", "direct")):
+        spec = load_spec(None, [
+            "model.preset=deepseek-v3-671b", "parallelism.tp=1", "parallelism.pp=16",
+            "parallelism.dp=128", f"parallelism.ep={ep}", "parallelism.vpp=2",
+            "training.seq_len=4096", "training.global_batch_size=15360",
+            "activation_checkpoint.mode=full", *extra])
+        new = plan_for(spec, Topology.uniform(256, 8, "h100"), replan=False)
+        assert new.spec.parallelism.ep_dispatch == written, (ep, extra)
+        assert new.result.best.as_row()["ep_dispatch"] == row, (ep, extra)
+    # ... a forced relay is not planned where a node would hold more of an EP group than
+    # another (nodes of 3 ranks: ep 4 or 8 over dp 8 straddle them unevenly), and the
+    # rejection says so; ep 2 stays
+    spec = load_spec(None, ["model.preset=tiny-moe", "parallelism=auto",
+                            "parallelism.ep_dispatch=relay", "parallelism.ep_node_ranks=3"])
+    _, result = plan_job(spec, Topology.uniform(1, 8, "h100"))
+    from trainmesh.spec.mesh_rules import uneven_ep_nodes
+    for p in result.plans:
+        c = p.candidate
+        assert uneven_ep_nodes(c.pp, c.dp, c.cp, c.tp, c.ep,
+                               [g // 3 for g in range(c.world_size)]) is None, c
+    assert {p.candidate.ep for p in result.plans if p.candidate.dp == 8} == {1, 2}
+    assert any("ep_dispatch=relay needs each node" in str(r.reason) for r in result.rejected)
 
 
 @pytest.mark.parametrize("preset, nodes, batch, extra, fixed", [

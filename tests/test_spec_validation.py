@@ -49,6 +49,10 @@ BAD_SPECS = [
     # ... and relays only over nodes holding as many of an EP group's ranks (3 a node: 3 + 1)
     ("model: {preset: tiny-moe}\nparallelism: {dp: 8, ep: 4, ep_dispatch: relay, "
      "ep_node_ranks: 3}", "parallelism.ep_dispatch"),
+    # (only the second EP group uneven: nodes of 5, group 0 = ranks 0-3 on one node, group 1
+    # = ranks 4-7 on 1 + 3)
+    ("model: {preset: tiny-moe}\nparallelism: {dp: 8, ep: 4, ep_dispatch: relay, "
+     "ep_node_ranks: 5}", "parallelism.ep_dispatch"),
     ("parallelism: {cp: 2, cp_mode: ulysses}", "parallelism.cp_mode"),
     ("training: {float8: tensorwise}\nparallelism: {tp: 2}", "training.float8"),
     ("training: {float8: mxfp8}", "training.float8"),

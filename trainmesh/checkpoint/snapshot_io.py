@@ -39,26 +39,33 @@ class _MergedReader(FsspecReader):
     replicated over ranks kept once). A file held in memory (``memory_fs``) is read in place:
     each tensor copied once, from the file's own bytes into its target."""
 
-    def __init__(self, directory: str, metadata_files: list[str], **storage_options):
+    def __init__(self, directory: str, metadata_files: list[str], collective: bool = False,
+                 **storage_options):
         super().__init__(directory, **storage_options)
         self.metadata_files = metadata_files
+        self.collective = collective
         self.store: MemoryStore | None = storage_options.get("store")
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
-        """Every rank's metadata merged, read once: under a process group (DCP's load calls
-        this on every rank at the same point) rank 0 reads and merges the files and broadcasts
-        the result, so the group makes ranks − 1 fetches of others' files in all, not one per
-        file on every rank (ranks², each a call to the rank holding it)."""
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        """Every rank's metadata merged. ``collective`` (a ``dcp.load`` over the default
+        process group, which calls this on every rank at the same point): rank 0 reads and
+        merges the files and broadcasts the result, so the group fetches only the files rank 0
+        lacks, not every file on every rank (ranks², each a call to the rank holding it)."""
+        if kwargs.get("rank") is not None:  # (DCP's per-rank fallback: there is none here)
+            raise FileNotFoundError("a snapshot has no per-rank global metadata")
+        if not self.collective or dist.get_world_size() == 1:
             merged = self._merged()
         else:
             box: list = [None]
+            failed: BaseException | None = None
             if dist.get_rank() == 0:
                 try:
                     box = [(self._merged(), None)]
-                except Exception as e:  # (every rank raises it: none waits on the broadcast)
-                    box = [(None, f"{type(e).__name__}: {e}")]
+                except BaseException as e:  # (broadcast first: no rank waits on rank 0)
+                    failed, box = e, [(None, f"{type(e).__name__}: {e}")]
             dist.broadcast_object_list(box, src=0)
+            if failed is not None:
+                raise failed
             merged, error = box[0]
             if error is not None:
                 raise RuntimeError(f"rank 0 could not read the snapshot's metadata: {error}")
@@ -263,10 +270,12 @@ def snapshot(directory: str, rank: int, state: dict, store: MemoryStore) -> None
         dcp.save(state, storage_writer=writer, no_dist=True, use_collectives=False)
 
 
-def snapshot_reader(directory: str, metadata_files: list[str], store: MemoryStore) -> _MergedReader:
+def snapshot_reader(directory: str, metadata_files: list[str], store: MemoryStore,
+                    collective: bool = False) -> _MergedReader:
     """DCP's storage reader of an uncoordinated save (``snapshot``) in ``store``: the ranks'
-    metadata (``metadata_files``) merged, tensors read in place."""
-    return _MergedReader(directory, metadata_files, store=store)
+    metadata (``metadata_files``) merged, tensors read in place; ``collective``: for a
+    ``dcp.load`` over the default process group (the metadata read once, by rank 0)."""
+    return _MergedReader(directory, metadata_files, collective, store=store)
 
 
 def load_snapshot(directory: str, metadata_files: list[str], model: nn.Module,
@@ -275,6 +284,7 @@ def load_snapshot(directory: str, metadata_files: list[str], model: nn.Module,
     made under any mesh: the ranks' metadata (``metadata_files``) merged into one, as a
     coordinated save would have written it, so DCP plans and reshards the load as usual."""
     state = rank_state(model, optimizer)
-    dcp.load(state, storage_reader=snapshot_reader(directory, metadata_files, store))
+    dcp.load(state, storage_reader=snapshot_reader(directory, metadata_files, store,
+                                                   collective=dist.is_initialized()))
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"], options=STATE_OPTIONS)

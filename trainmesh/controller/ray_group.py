@@ -9,6 +9,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
+from trainmesh.controller.elastic import JobFailed
 from trainmesh.parallel.dims import ParallelDims
 from trainmesh.parallel.layout import Placement, plan_placement
 from trainmesh.planning.topology import Topology, topology_from_ray
@@ -227,7 +228,7 @@ class RayWorkerGroup:
         spec = JobSpec.model_validate_json(spec_json)
         broken = relay_problems(spec, dims, None if spec.parallelism.ep_node_ranks else nodes)
         if broken:  # (before any rank builds: some would fail, the others wait on them)
-            raise ValueError(str(broken[0]))
+            raise JobFailed(str(broken[0]))
         self.watched("build", spec_json, d, data_dir, nodes, timeout_s=self.timeout + 120)
 
     def train_step(self, measure_activations: bool = False) -> list[dict]:

@@ -14,6 +14,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
@@ -58,7 +59,7 @@ from trainmesh.parallel.mesh import Mesh
 from trainmesh.parallel.pipeline.executor import P2PSpec, PipelineExecutor
 from trainmesh.parallel.pipeline.ir import PipeShape, splits_backward
 from trainmesh.parallel.pipeline.schedules import build_schedule, forward_only, pipe_shape
-from trainmesh.parallel.pipeline.shared import SharedAcrossStages, embedding_across_stages
+from trainmesh.parallel.pipeline.shared import LocalCopy, SharedAcrossStages, embedding_across_stages
 from trainmesh.parallel.zero import (
     ExpertSharding,
     ReplicatePolicy,
@@ -130,7 +131,11 @@ class Engine:
             sum_partial_grads_over_tp(partial, mesh[Axis.TP] if partial else None)
             if shared is not None:
                 shared.sum_grads()
+            if self.lookup is not None:
+                self.lookup.sum_grads()
 
+        if self.lookup is not None:  # (the copy follows the embedding after each update)
+            model_hooks = model_hooks.then_after_update(self.lookup.sync_values)
         self.hooks = StepHooks(model=model_hooks, before_clip=before_clip,
                                uncounted=(shared.param,) if shared and not shared.counted else ())
         self.optimizer = build_optimizer(self.model, spec.optimizer)
@@ -278,6 +283,7 @@ class Engine:
         dtype = getattr(torch, spec.training.dtype)
         pp = mesh.size(Axis.PP)
         self.executor = self.eval_executor = None
+        self.lookup: LocalCopy | None = None  # the multi-token modules' copy of the embedding
         # A split backward (zero-bubble schedules) keeps each stage gathered through the step:
         # its deferred W's need the parameters the forward used.
         split = pp > 1 and splits_backward(spec.schedule.name)
@@ -294,6 +300,13 @@ class Engine:
         elif pp == 1:
             apply_zero3(self.model, mesh.zero_mesh, self.zero, experts)
         else:
+            last = pp * par.vpp - 1
+            if self.model.mtp is not None and 0 in stage_ids and last in stage_ids:
+                # (a V schedule: the multi-token modules' stage beside the first, on this rank)
+                args = self.model.args
+                copy = nn.Embedding(args.vocab_size, args.dim, device="meta")
+                object.__setattr__(self.model, "mtp_lookup", copy)
+                self.lookup = LocalCopy(self.model.tok_embeddings, copy)
             stages = {s: PipelineStage(self.model, s, pp * par.vpp, par.stage_layers)
                       for s in stage_ids}
             # FSDP2 at dp = 1 shards nothing, it only casts (mixed precision): a stage that needs
@@ -310,6 +323,9 @@ class Engine:
         self.model.to_empty(device=self.device)
         self.model.init_buffers()  # (first: an import may fill some, e.g. a routing bias)
         self.imported_bytes = init_weights(self.model, self.spec)  # read from model.init_from
+        if self.lookup is not None:
+            self.lookup.copy.to_empty(device=self.device)
+            self.lookup.sync_values()
         if hooks.before_microbatch is not None:  # e.g. a balancing loss's weight
             hooks.before_microbatch(self.weight)
 
@@ -507,6 +523,8 @@ class Engine:
             snapshot_io.load_snapshot(directory, metadata_files, self.model, self.optimizer, store)
         else:
             dcp_io.load(directory, self.model, self.optimizer)
+        if self.lookup is not None:
+            self.lookup.sync_values()
         self.step = step
         self.scheduler.last_epoch = step
         for group, base, fn in zip(self.optimizer.param_groups, self.scheduler.base_lrs,

@@ -28,6 +28,7 @@ nothing to a peer sends it zero rows, never skips the call.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -211,9 +212,6 @@ class NodeRelayDispatch(AllToAllDispatch):
                  seq_len: int, log: ExchangeLog | None, member_nodes: Sequence[int]):
         super().__init__(ep_group, ep, experts, token_group, positions, seq_len, 1, log,
                          member_nodes)
-        if not relays("relay", self.member_nodes, 2, False):
-            raise ValueError(f"parallelism.ep_dispatch=relay needs each node to hold as many "
-                             f"ranks of an EP group; its nodes: {self.member_nodes}")
         nodes = sorted(set(self.member_nodes))
         members = {m: [c for c, n in enumerate(self.member_nodes) if n == m] for m in nodes}
         mine = members[self.member_nodes[self.coord]].index(self.coord)
@@ -389,6 +387,10 @@ def apply_expert_parallel(model: nn.Module, mesh: Mesh, seq_len: int, overlap: b
     member_nodes: tuple[int, ...] = ()
     if ep > 1 and nodes:
         member_nodes = tuple(nodes[g] for g in dist.get_process_group_ranks(mesh["ep"].get_group()))
+    if ep > 1 and dispatch == "relay" and len(set(Counter(member_nodes).values())) > 1:
+        raise ValueError(f"parallelism.ep_dispatch=relay needs each node to hold as many ranks "
+                         f"of an EP group; this rank's group is on nodes {member_nodes}: use "
+                         "ep_dispatch=auto (direct there)")
     relay = ep > 1 and any(relays(dispatch, member_nodes, moe.args.top_k, overlap)
                            for _, moe in moe_layers(model))
     # The ranks that split a microbatch's tokens: its tensor- and context-parallel ranks.

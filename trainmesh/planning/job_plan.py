@@ -61,10 +61,13 @@ def plan_job(spec: JobSpec, topo: Topology) -> tuple[ParallelDims, PlanResult]:
 
 def effective_spec(spec: JobSpec, c: Candidate, relay: bool | None = None) -> JobSpec:
     """The spec with the plan's choices written in: what the ranks build and run. ``relay``:
-    the plan's ``Estimate.ep_relay``, which resolves ``ep_dispatch: auto``."""
+    the plan's ``Estimate.ep_relay``; where it is False, ``ep_dispatch: auto`` becomes
+    direct (the relay would not pay, or cannot run). Where it is True auto stays: the ranks
+    relay where their real nodes allow it (``mesh_rules.relays``), which the planner assumed
+    (consecutive ranks on nodes of its topology's size), else run direct."""
     dispatch = spec.parallelism.ep_dispatch
-    if dispatch == "auto" and relay is not None:
-        dispatch = "relay" if relay else "direct"
+    if dispatch == "auto" and relay is False:
+        dispatch = "direct"
     par = spec.parallelism.model_copy(update={
         "auto": False, "tp": c.tp, "pp": c.pp, "dp": c.dp, "vpp": c.vpp,
         "ep": c.ep, "dp_replicate": c.dp_replicate, "cp": c.cp, "cp_mode": c.cp_mode,

@@ -26,7 +26,7 @@ from trainmesh.planning.search_space import (
 )
 from trainmesh.planning.stage_params import memoized
 from trainmesh.planning.topology import Topology
-from trainmesh.spec.mesh_rules import float8_device_problems
+from trainmesh.spec.mesh_rules import float8_device_problems, uneven_ep_nodes
 from trainmesh.spec.validate import layout_problems
 
 MEMORY_HEADROOM = 0.9  # plan within this fraction of device memory
@@ -51,6 +51,7 @@ class RankedPlan:
                 "recompute": c.recompute, "keep_gathered": c.keep_gathered,
                 "reduce_dtype": c.reduce_dtype, "sequence_parallel": c.sequence_parallel,
                 "ep": c.ep, "ep_overlap": c.ep_overlap and c.ep > 1,
+                "ep_dispatch": ("relay" if e.ep_relay else "direct") if c.ep > 1 else None,
                 "dp_replicate": c.dp_replicate, "cp": c.cp, "cp_mode": c.cp_mode,
                 "memory_per_rank_gib": round(e.memory_per_rank_gib, 3),
                 "step_time_s": e.step_time_s, "tokens_per_s": e.tokens_per_s,
@@ -231,6 +232,15 @@ def _plan(req: PlanRequest, topo: Topology, long: bool | None, every: bool) -> P
         if key not in layouts:
             layouts[key] = topo.allocate(c.tp, c.world_size)
         node_ranks = layouts[key]
+        if c.ep > 1 and c.ep_dispatch == "relay":  # (the ranks' nodes as allocated)
+            nodes = ([g // c.ep_node_ranks for g in range(c.world_size)] if c.ep_node_ranks
+                     else [b for b, n in enumerate(node_ranks) for _ in range(n)])
+            held = uneven_ep_nodes(c.pp, c.dp, c.cp, c.tp, c.ep, nodes)
+            if held is not None:
+                rejected.append(Rejection(c, f"topology: parallelism.ep_dispatch=relay needs "
+                                             f"each node to hold as many ranks of an EP group; "
+                                             f"at ep={c.ep} one group's nodes hold {held}"))
+                return
         est = estimate(req.model, c, req.seq_len, topo.device, node_ranks[0], req.compute_bytes,
                        fused, mem, by_stage=False, float8=req.float8)
         ranked.append(RankedPlan(c, est, topo.world_size - c.world_size, node_ranks))

@@ -250,6 +250,10 @@ class Llama(nn.Module):
         self.register_buffer("mtp_losses", torch.zeros(args.mtp.depth if args.mtp else 0,
                                                         dtype=torch.float64), persistent=False)
         self._mtp_weight = 1.0
+        # What the modules look the tokens ahead up in, where not ``tok_embeddings``: a copy of
+        # it held by the last pipeline stage alone, where one rank holds the first stage too
+        # (a V schedule; ``parallel/pipeline/shared.py: LocalCopy``). Not a submodule.
+        object.__setattr__(self, "mtp_lookup", None)
         self.mtp_tp = None  # under tensor parallel (``parallelize.MTPTensorParallel``)
         self.mtp_cp = None  # under context parallel (``parallelize.MTPContextParallel``)
         # Context parallel (``parallelize.apply_context_parallel``): the rank's part of each
@@ -382,6 +386,12 @@ def _head_loss(parts: nn.Module, head: nn.Module, h: torch.Tensor,
     return logits if targets is None else cross_entropy_loss(logits, targets)
 
 
+def _lookup(model: nn.Module) -> nn.Module:
+    """The embedding the multi-token modules look the tokens ahead up in."""
+    copy = getattr(model, "mtp_lookup", None)
+    return copy if copy is not None else model.tok_embeddings
+
+
 def _mtp_hidden(model: nn.Module, h: torch.Tensor, ahead: torch.Tensor):
     """Each multi-token module's hidden states, in order: the k-th over positions 0 … T − k − 1
     (those with a token k + 1 ahead), from the previous one's (``h``: the model's normalised
@@ -389,7 +399,7 @@ def _mtp_hidden(model: nn.Module, h: torch.Tensor, ahead: torch.Tensor):
     first T − k the k-th takes from position k − 1 on). Causal: cutting the positions after
     changes none before. Under tensor parallel (``mtp_tp``) both are gathered whole first."""
     tp = getattr(model, "mtp_tp", None)
-    embedded = model.tok_embeddings(ahead)  # (one lookup for every module)
+    embedded = _lookup(model)(ahead)  # (one lookup for every module)
     if tp is not None:
         h, embedded = tp.model_output(h), tp.embedded(embedded)
     T = h.shape[1]
@@ -406,7 +416,7 @@ def _mtp_hidden_in_context(model: nn.Module, cp, h: torch.Tensor, whole: torch.T
     whole on every tp rank first, as ``_mtp_hidden`` gathers them."""
     tp = getattr(model, "mtp_tp", None)
     depth = len(model.mtp)
-    embedded = model.tok_embeddings(torch.cat([cp.ahead(whole, k) for k in range(1, depth + 1)], 1))
+    embedded = _lookup(model)(torch.cat([cp.ahead(whole, k) for k in range(1, depth + 1)], 1))
     if tp is not None:
         h, embedded = tp.model_output(h), tp.embedded(embedded)
     T = h.shape[1]

@@ -31,10 +31,12 @@ class PipelineStage(nn.Module):
         self.norm = model.norm if self.is_last else None
         self.output = model.output if self.is_last else None
         # Multi-token prediction with the head, and the embedding they read: the Llama's copy
-        # where this rank holds the last stage without the first (``Llama``)
+        # where this rank holds the last stage without the first (``Llama``), or where it holds
+        # both (a V schedule) a copy of its own (``Llama.mtp_lookup``): each stage's ZeRO-3
+        # unit holds its own parameters
         self.mtp = model.mtp if self.is_last else None
-        self.mtp_embeddings = (model.tok_embeddings if self.mtp is not None and not self.is_first
-                               else None)
+        lookup = model.mtp_lookup if model.mtp_lookup is not None else model.tok_embeddings
+        self.mtp_embeddings = lookup if self.mtp is not None and not self.is_first else None
         self.ops = model.ops
         # The RoPE tables stay the Llama's buffers (not a submodule: its other layers are not
         # this stage's): read through, so they follow the Llama's materialisation.
@@ -63,10 +65,6 @@ def rank_model(model_args, pp_rank: int, pp: int, vpp: int,
     if model_args.tie_embeddings and pp > 1:
         raise ValueError("model.tie_embeddings needs the embedding on the last stage; set it "
                          "to false when parallelism.pp > 1")
-    if model_args.mtp is not None and pp > 1 and 0 in stages and num_stages - 1 in stages:
-        raise ValueError("model.mtp beside a schedule that puts the first and the last stage on "
-                         "one rank (zbv, dualpipev) is not built; use schedule.name=1f1b or "
-                         "interleaved-1f1b")
     model = Llama(model_args, layer_ids=ids, has_embedding=0 in stages,
                   has_head=num_stages - 1 in stages)
     return model, stages

@@ -62,3 +62,36 @@ def embedding_across_stages(model: nn.Module, first_rank: int, last_rank: int, p
     other = last_rank if pp_rank == first_rank else first_rank
     return SharedAcrossStages(model.tok_embeddings.weight, peer_of(other), group, post,
                               counted=pp_rank == first_rank)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@dataclass
+class LocalCopy:
+    """Multi-token prediction where one rank holds the first and the last stage (a V schedule):
+    each stage's ZeRO-3 unit must hold parameters of its own, so the last stage's modules look
+    the tokens ahead up in a copy of the token embedding (``Llama.mtp_lookup``), sharded as the
+    embedding is. Kept equal here, on the rank alone: the copy's gradient is added to the
+    embedding's before the clip (which then counts it once, as one process's norm does), and
+    the embedding's values are copied into it after every optimizer step and every restore.
+    The copy is in neither the optimizer nor the checkpoint."""
+
+    embedding: nn.Module  # the Llama's ``tok_embeddings`` (its weight as ZeRO-3 left it)
+    copy: nn.Module
+
+    def sum_grads(self) -> None:
+        grad = self.copy.weight.grad
+        if grad is None:
+            return
+        mine = self.embedding.weight
+        if mine.grad is None:
+            mine.grad = grad.detach().clone()
+        else:
+            _local(mine.grad).add_(_local(grad))
+        self.copy.weight.grad = None
+
+    @torch.no_grad()
+    def sync_values(self) -> None:
+        _local(self.copy.weight).copy_(_local(self.embedding.weight))
