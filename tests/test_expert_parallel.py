@@ -111,6 +111,12 @@ CASES = {  # largest meshes first: the rank pool then only shrinks
         "schedule.name=dualpipev", "parallelism.vpp=2", "training.global_batch_size=16",
         "parallelism.ep_overlap=true", "model.moe.aux_loss_coef=0.1"]),
     "ep4-dp4": (ParallelDims(dp=4, ep=4), []),
+    # DeepSeek-V3's blocks under hybrid sharding (two shard groups of 2 replicas, each one EP
+    # group) at a dp that does not divide the batch's 6 microbatches (shares 2, 2, 1, 1: the
+    # short replicas' padding microbatches exchange and move neither loss nor bias)
+    "dsv3-ep2-dp4-hsdp2-uneven-batch-6": (ParallelDims(dp=4, ep=2), [
+        "model.preset=tiny-dsv3", "parallelism.dp_replicate=2", "training.global_batch_size=6",
+        "model.moe.bias_update_rate=0.01"]),
     # ... relayed on its own (ep_dispatch auto: the EP group spans 2 nodes of 2 ranks), with
     # DeepSeek-V3's group-limited routing, its groups of experts on the nodes, and capacity
     # (the dropped choices neither travel nor count)
