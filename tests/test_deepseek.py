@@ -233,19 +233,13 @@ def test_multi_token_prediction_exports_as_deepseeks_layers_with_transformers_mt
 
 
 def test_multi_token_prediction_is_refused_where_it_is_not_built(capsys, tmp_path):
-    """Beside a V schedule with tensor parallel (zbv, dualpipev: the modules' stage shares the
-    first stage's rank and looks up in a copy of the embedding, not split over tp), beside
-    capacity where tp or cp split the positions, and in a format other than DeepSeek-V3's: one
-    line naming the field and the fix."""
+    """Beside capacity where tp or cp split the positions, and in a format other than
+    DeepSeek-V3's: one line naming the field and the fix."""
     from trainmesh.cli.main import main
 
     sets = ["--set", "model.preset=tiny-dsv3", "--set", "model.mtp.depth=1", "--set",
             f"runtime.output_dir={tmp_path}"]
-    for extra, field in ((["parallelism.pp=2", "parallelism.dp=1", "parallelism.vpp=2",
-                           "parallelism.tp=2", "schedule.name=zbv"], "schedule.name"),
-                         (["parallelism.pp=2", "parallelism.dp=1", "parallelism.vpp=2",
-                           "parallelism.tp=2", "schedule.name=dualpipev"], "schedule.name"),
-                         (["parallelism.tp=2", "parallelism.dp=1", "model.moe.capacity_factor=1.0"],
+    for extra, field in ((["parallelism.tp=2", "parallelism.dp=1", "model.moe.capacity_factor=1.0"],
                           "model.moe.capacity_factor"),
                          (["parallelism.cp=2", "parallelism.dp=1", "model.moe.capacity_factor=1.0"],
                           "model.moe.capacity_factor")):

@@ -56,6 +56,11 @@ CASES = {  # largest meshes first: the rank pool then only shrinks
     "dsv3-mtp2-pp2-ep2-dp2-zbv": (ParallelDims(pp=2, dp=2, ep=2), [
         "model.preset=tiny-dsv3", "model.mtp.depth=2", "model.moe.bias_update_rate=0.01",
         "schedule.name=zbv", "parallelism.vpp=2"]),
+    # ... beside tensor parallel with sequence parallel (the copy split over tp as the
+    # embedding is)
+    "dsv3-mtp2-pp2-tp2-ep2-dp2-sp-zbv": (ParallelDims(pp=2, tp=2, dp=2, ep=2), [
+        "model.preset=tiny-dsv3", "model.mtp.depth=2", "model.moe.bias_update_rate=0.01",
+        "schedule.name=zbv", "parallelism.vpp=2", "parallelism.sequence_parallel=true"]),
     "dsv3-mtp2-pp2-ep2-dp2-dualpipev": (ParallelDims(pp=2, dp=2, ep=2), [
         "model.preset=tiny-dsv3", "model.mtp.depth=2", "model.moe.bias_update_rate=0.01",
         "schedule.name=dualpipev", "parallelism.vpp=2", "training.global_batch_size=16"]),
@@ -266,11 +271,11 @@ def test_expert_parallel_matches_single_process(rank_pool, tmp_path, case):
             copies = [s["tok_embeddings.weight"] for s in probes.execute(group, probes._full_state)
                       if "tok_embeddings.weight" in s]
             v = spec.schedule.name in ("zbv", "dualpipev")  # (rank 0 holds both: one copy)
-            assert len(copies) == (1 if v else 2) * dims.dp
+            assert len(copies) == (1 if v else 2) * dims.dp * dims.tp
             assert all(torch.equal(c, copies[0]) for c in copies)
             if v:  # ... and its modules' lookup a copy of its own, equal to it
                 same = probes.execute(group, _lookup_is_the_embedding)
-                assert same.count(True) == dims.dp and set(same) <= {True, None}, same
+                assert same.count(True) == dims.dp * dims.tp and set(same) <= {True, None}, same
     finally:
         rank_pool.release(group)
     if spec.model.moe.capacity_factor is not None:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
+from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
 from trainmesh.checkpoint import dcp_io, snapshot_io
 from trainmesh.checkpoint.memory_fs import MemoryStore
@@ -41,6 +41,7 @@ from trainmesh.models.llama.parallelize import (
     apply_context_parallel,
     apply_float8,
     apply_tensor_parallel,
+    embedding_style,
     sum_partial_grads_over_tp,
     tp_partial_params,
 )
@@ -305,6 +306,8 @@ class Engine:
                 # (a V schedule: the multi-token modules' stage beside the first, on this rank)
                 args = self.model.args
                 copy = nn.Embedding(args.vocab_size, args.dim, device="meta")
+                if mesh.size(Axis.TP) > 1:  # (split as the embedding is)
+                    parallelize_module(copy, mesh[Axis.TP], embedding_style(par.sequence_parallel))
                 object.__setattr__(self.model, "mtp_lookup", copy)
                 self.lookup = LocalCopy(self.model.tok_embeddings, copy)
             stages = {s: PipelineStage(self.model, s, pp * par.vpp, par.stage_layers)

@@ -164,13 +164,6 @@ def layout_problems(work: Workload, lay: LayoutLike, runnable: bool = True) -> l
                                    "exchange does not take", "set model.moe.capacity_factor="
                                    "null (dropless), parallelism.tp=1 and parallelism.cp=1, "
                                    "or model.mtp=null"))
-            if v in V_SHAPED and lay.pp > 1 and lay.tp > 1:
-                out.append(Problem("schedule.name", f"{v} beside model.mtp and tensor parallel "
-                                   f"(tp={lay.tp}) is not built: the prediction modules' stage "
-                                   "shares the first's rank in its V and looks the tokens "
-                                   "ahead up in a copy of the embedding, which is not split "
-                                   "over tp", "use schedule.name=zb-h1, 1f1b or "
-                                   "interleaved-1f1b, parallelism.tp=1, or model.mtp=null"))
 
     return out
 

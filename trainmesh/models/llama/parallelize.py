@@ -40,7 +40,7 @@ def apply_tensor_parallel(model: Llama, tp_mesh: DeviceMesh, sequence_parallel: 
     between = Shard(1) if sequence_parallel else Replicate()  # layout of (B, T, D) between blocks
     top: dict[str, object] = {}
     if model.tok_embeddings is not None:
-        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
+        top["tok_embeddings"] = embedding_style(sequence_parallel)
     if model.norm is not None and sequence_parallel:
         top["norm"] = SequenceParallel()
     if model.output is not None:
@@ -54,6 +54,14 @@ def apply_tensor_parallel(model: Llama, tp_mesh: DeviceMesh, sequence_parallel: 
     if getattr(model, "mtp", None) is not None:
         _mtp_tensor_parallel(model, tp_mesh, sequence_parallel)
     return model
+
+
+def embedding_style(sequence_parallel: bool) -> RowwiseParallel:
+    """The token embedding's tensor-parallel style: vocab-parallel, its output in the layout
+    between blocks (``apply_tensor_parallel``; also a pipeline stage's copy of it,
+    ``parallel/pipeline/shared.py: LocalCopy``)."""
+    return RowwiseParallel(input_layouts=Replicate(),
+                           output_layouts=Shard(1) if sequence_parallel else Replicate())
 
 
 def _mtp_tensor_parallel(model: Llama, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
