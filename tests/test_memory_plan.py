@@ -238,26 +238,30 @@ def test_uneven_stages_are_planned_for_the_rank_holding_the_most_blocks():
 
 
 @pytest.mark.parametrize("pp,vpp,schedule", [(1, 1, "1f1b"), (2, 1, "1f1b"), (4, 1, "1f1b"),
-                                              (2, 2, "interleaved-1f1b")])
+                                              (2, 2, "interleaved-1f1b"), (2, 2, "zbv")])
 def test_each_pipeline_ranks_counted_parameters_are_the_ones_it_builds(pp, vpp, schedule):
     """DeepSeek-V3's blocks with two multi-token modules: what the cost model counts for each
     pipeline rank (its dense and MoE blocks, the embedding on the first, the head, the modules
-    and, without the first stage, a copy of the embedding on the last) is what the rank builds."""
+    and a copy of the embedding on the last: the rank's Llama's without the first stage, the
+    engine's own beside it under a V schedule) is what the rank builds."""
     import torch
 
     from trainmesh.models.llama.model import LlamaArgs
     from trainmesh.models.llama.stage import rank_model
-    from trainmesh.planning.stage_params import rank_params
+    from trainmesh.planning.stage_params import holds_head, rank_params
 
-    m = load_spec(None, ["model.preset=tiny-dsv3", "model.mtp.depth=2", "model.n_layers=6",
-                         "runtime.device=cpu"]).model
+    v = schedule == "zbv"  # (a V: stages of equal size, 8 blocks over 4)
+    m = load_spec(None, ["model.preset=tiny-dsv3", "model.mtp.depth=2",
+                         f"model.n_layers={8 if v else 6}", "runtime.device=cpu"]).model
     for r in range(pp):
         with torch.device("meta"):
-            built, _ = rank_model(LlamaArgs.from_config(m, "cpu"), r, pp, vpp)
+            built, _ = rank_model(LlamaArgs.from_config(m, "cpu"), r, pp, vpp,
+                                  [r, 2 * pp - 1 - r] if v else None)
         rp = rank_params(m, pp, r, schedule, vpp)
+        both = v and r == 0  # (the V's rank 0: the engine's copy for the modules, LocalCopy)
         assert rp.tp_sharded + rp.replicated + rp.experts == sum(
-            p.numel() for p in built.parameters()), (r, rp)
-        assert rp.mtp_modules == (2 if r == pp - 1 else 0)
+            p.numel() for p in built.parameters()) + (m.vocab_size * m.dim if both else 0), (r, rp)
+        assert rp.mtp_modules == (2 if holds_head(schedule, pp, r) else 0)
 
 
 @pytest.mark.parametrize("preset", ["tiny-dsv3", "tiny-moe", "tiny"])

@@ -136,10 +136,12 @@ def _rank_params(model, pp: int, pp_rank: int, last: bool, vpp: int = 1,
         if not (model.tie_embeddings and first):
             sharded += V * d
         if depth:  # multi-token prediction's modules, with the head: each a block of the
-            # model's last kind (its experts over ep), its projection and three norms; on a
-            # stage without the embedding, a copy of it (``parallel/pipeline/shared.py``)
+            # model's last kind (its experts over ep), its projection and three norms, and a
+            # copy of the embedding (``parallel/pipeline/shared.py``: on a stage without the
+            # embedding; beside it, a V schedule's rank 0, one in neither optimizer nor
+            # checkpoint, counted here as a parameter all the same)
             t, r, e = _block_parts(model, model.n_layers)
-            sharded += depth * (t + 2 * d * d) + (0 if first else V * d)
+            sharded += depth * (t + 2 * d * d) + (V * d if pp > 1 else 0)
             replicated += depth * (r + 3 * d)
             experts += depth * e
     lt, lr, le = _block_parts(model, None)
