@@ -23,7 +23,10 @@ the assignments, then one all-to-all of the per-expert counts, then one of the t
 and one back per part — one part, or two halves with ``parallelism.ep_overlap``; the counts'
 arrival is the block's host sync, since the token all-to-alls need their split sizes on the
 host — under capacity, selecting the kept assignments is another); a rank that routes
-nothing to a peer sends it zero rows, never skips the call.
+nothing to a peer sends it zero rows, never skips the call. Relayed
+(``parallelism.ep_dispatch``, ``NodeRelayDispatch``): the first hop's counts, then its tokens,
+their weights and their experts' ids, then the second hop as above inside each node, then
+the sums back; every rank of the group makes each of them, with zero rows where it has none.
 """
 
 from __future__ import annotations
