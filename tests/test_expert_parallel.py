@@ -160,6 +160,11 @@ CASES = {  # largest meshes first: the rank pool then only shrinks
         "model.preset=tiny-dsv3", "model.compile=true", "parallelism.sequence_parallel=true",
         "model.mtp.depth=2", "model.moe.bias_update_rate=0.01",
         "runtime.collective_timeout_s=600", "elastic.hang_timeout_s=300"]),
+    # ... relayed over 2 nodes of 2 (the two hops eager between the compiled parts; a token's
+    # rows summed in the compiled part after them, so that the balancing loss's injection
+    # sees an output of its own: handed a graph input back, its gradient was skipped)
+    "compile-ep4-dp4-relay-2-nodes": (ParallelDims(dp=4, ep=4), [
+        "model.compile=true", "parallelism.ep_node_ranks=2", "model.moe.aux_loss_coef=0.1"]),
     "compile-ep2-dp2-overlap": (ParallelDims(dp=2, ep=2), [
         "model.compile=true", "parallelism.ep_overlap=true", "model.moe.shared_experts=1"]),
     # ... under a zero-bubble pipeline: each backward split in its input half (where the

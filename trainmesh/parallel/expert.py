@@ -229,9 +229,12 @@ class NodeRelayDispatch(AllToAllDispatch):
 
     @torch.compiler.disable  # eager in a compiled block: sized by the routing, on the host
     def combine(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
-                keep: torch.Tensor | None, experts: Callable) -> torch.Tensor:
-        """Σ_j weights[t, j] · expert_{chosen[t, j]}(x[t]) for every token t of ``x`` (n, D),
-        over its kept choices (``keep``, (n, k); None: all), ``chosen`` and ``weights`` (n, k)."""
+                keep: torch.Tensor | None, experts: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+        """For the tokens ``x`` (n, D), their kept choices (``keep``, (n, k); None: all),
+        ``chosen`` and ``weights`` (n, k): rows and the token each is of, a row a node
+        reached, Σ_j weights[t, j] · expert_{chosen[t, j]}(x[t]) over that node's choices
+        (the caller sums a token's rows: outside this eager call, so that a compiled block's
+        output is its own and not this call's)."""
         n, dim = x.shape
         k, nodes, dev = chosen.shape[1], len(self.relays), x.device
         if self.expert_node.device != dev:  # (once: not a copy per block)
@@ -266,8 +269,7 @@ class NodeRelayDispatch(AllToAllDispatch):
         out, _ = self._over_ep(rows[row], counts, experts, None)  # (host sync 3: its counts)
         summed = rows.new_zeros(rows.shape).index_add(
             0, row, out * w[row, slot].unsqueeze(-1).to(out.dtype))
-        back = self._across(summed, recv, send)
-        return x.new_zeros(n, dim).index_add(0, token, back)
+        return self._across(summed, recv, send), token
 
     def _across(self, t: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
         """One all-to-all of ``t``'s rows, ``send[c]`` to rank c, ``recv[c]`` from it; its

@@ -78,9 +78,10 @@ class Dispatch(Protocol):
     def combine(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
                 keep: torch.Tensor | None,
                 experts: Callable[[torch.Tensor, list[int] | torch.Tensor], torch.Tensor]
-                ) -> torch.Tensor:
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Where ``combines``: the tokens ``x`` (n, D) to the experts ``chosen`` (n, k), those
-        ``keep`` (n, k; None: all) kept, and back as Σ_j weights[:, j] · expert output."""
+        ``keep`` (n, k; None: all) kept, and back as rows of Σ_j weights[:, j] · expert output
+        and the token each is of (a token's output: the sum of its rows)."""
 
     def sum_over_tokens(self, counts: torch.Tensor) -> torch.Tensor:
         """``counts`` summed over the ranks that split one microbatch's tokens (in place)."""
@@ -165,7 +166,8 @@ class GroupedExperts(nn.Module):
         before the exchange and reduce their gradients once after it, however many parts.
         Returns the outputs, and with ``dispatch`` also ``beside()``. With ``route`` (a
         dispatch that ``combines``: (chosen, weights, keep), ``Dispatch.combine``'s), ``x``
-        holds the tokens and the outputs are their weighted sums; ``counts`` is unread."""
+        holds the tokens and the outputs are rows of their weighted sums and the token each is
+        of (``Dispatch.combine``); ``counts`` is unread."""
         if dispatch is None:
             return self.compute(x, counts)
         if route is not None:
@@ -429,8 +431,11 @@ class MoE(nn.Module):
         # (the shared expert, in parts, runs while the last part's outputs come back)
         beside = (lambda: self.shared(x)) if self.shared is not None and halves > 1 else None
         if self.dispatch.combines:  # the tokens themselves, weighted where their experts are
-            y, y_shared = self.experts(x, kept_HE, self.dispatch, route=(
+            (rows, token), y_shared = self.experts(x, kept_HE, self.dispatch, route=(
                 idx, weights, keep.view(n, k) if capped else None))
+            # (summed here: a compiled block's y is then its own, not a graph input that
+            # _AddAuxLoss would hand back unchanged, its balancing gradient skipped)
+            y = x.new_zeros(n, shape[-1]).index_add(0, token, rows)
         else:
             y_sorted, y_shared = self.experts(x[order // k], kept_HE, self.dispatch, beside)
             per_assignment = x.new_zeros(n * k, shape[-1]).index_copy(0, order, y_sorted)
