@@ -321,6 +321,9 @@ def _lookup_is_the_embedding(engine) -> bool | None:
 
     if engine.lookup is None:
         return None
+    # (the copy is what the modules read: the Llama's lookup and the last stage's module)
+    assert engine.model.mtp_lookup is engine.lookup.copy
+    assert any(s.mtp_embeddings is engine.lookup.copy for s in engine.executor.stages.values())
     mine, copy = engine.lookup.embedding.weight, engine.lookup.copy.weight
 
     def local(t):

@@ -28,6 +28,11 @@ CASES = {  # largest meshes first: the rank pool then only shrinks
     "zb-h1-pp4-dp2": (ParallelDims(pp=4, dp=2), ["schedule.name=zb-h1", ZB_BATCH]),
     "zbv-pp4-dp2": (ParallelDims(pp=4, dp=2), ["schedule.name=zbv", "parallelism.vpp=2",
                                                "model.n_layers=8", ZB_BATCH]),
+    # ... DualPipeV under hybrid sharding (2 shard groups of 2 replicas): a stage whose last
+    # backward is a W (the drain's split ones) still all-reduces across the groups
+    "dualpipev-pp2-dp4-hsdp2": (ParallelDims(pp=2, dp=4), [
+        "schedule.name=dualpipev", "parallelism.vpp=2", "parallelism.dp_replicate=2",
+        ZB_BATCH]),
     "zbv-pp2-tp2-dp2": (ParallelDims(pp=2, dp=2, tp=2),
                         ["schedule.name=zbv", "parallelism.vpp=2", "parallelism.sequence_parallel=true",
                          ZB_BATCH]),

@@ -267,8 +267,8 @@ class NodeRelayDispatch(AllToAllDispatch):
         counts = torch.zeros(self.experts, dtype=torch.int64, device=dev).index_add_(
             0, expert, torch.ones_like(expert)).view(1, -1)
         out, _ = self._over_ep(rows[row], counts, experts, None)  # (host sync 3: its counts)
-        summed = rows.new_zeros(rows.shape).index_add(
-            0, row, out * w[row, slot].unsqueeze(-1).to(out.dtype))
+        summed = rows.new_zeros(rows.shape, dtype=torch.float32).index_add(  # (in float32)
+            0, row, (out * w[row, slot].unsqueeze(-1).to(out.dtype)).float()).to(rows.dtype)
         return self._across(summed, recv, send), token
 
     def _across(self, t: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:

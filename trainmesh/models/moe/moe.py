@@ -435,7 +435,9 @@ class MoE(nn.Module):
                 idx, weights, keep.view(n, k) if capped else None))
             # (summed here: a compiled block's y is then its own, not a graph input that
             # _AddAuxLoss would hand back unchanged, its balancing gradient skipped)
-            y = x.new_zeros(n, shape[-1]).index_add(0, token, rows)
+            # (in float32: a token's rows added in any order, atomically on a GPU)
+            y = rows.new_zeros(n, shape[-1], dtype=torch.float32).index_add(
+                0, token, rows.float()).to(x.dtype)
         else:
             y_sorted, y_shared = self.experts(x[order // k], kept_HE, self.dispatch, beside)
             per_assignment = x.new_zeros(n * k, shape[-1]).index_copy(0, order, y_sorted)
