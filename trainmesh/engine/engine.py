@@ -69,7 +69,7 @@ from trainmesh.parallel.zero import (
     apply_zero3,
 )
 from trainmesh.spec.job import JobSpec
-from trainmesh.spec.mesh_rules import float8_device_problems, microbatches_per_replica
+from trainmesh.spec.mesh_rules import consecutive_nodes, float8_device_problems, microbatches_per_replica
 
 
 def build_model(spec: JobSpec, device: torch.device) -> Llama:
@@ -248,7 +248,7 @@ class Engine:
         experts = None
         if is_moe(self.model):
             par = spec.parallelism
-            nodes = (tuple(g // par.ep_node_ranks for g in range(mesh.dims.world_size))
+            nodes = (consecutive_nodes(mesh.dims.world_size, par.ep_node_ranks)
                      if par.ep_node_ranks else mesh.nodes)
             apply_expert_parallel(self.model, mesh, tr.seq_len, par.ep_overlap, self.exchanges,
                                   par.ep_dispatch, nodes)

@@ -69,14 +69,11 @@ class ExchangeLog(WaitLog):
         self.within_nodes = self.between_nodes = 0
 
     def count(self, dispatch: AllToAllDispatch, rows: list[int], row_bytes: int) -> None:
-        """``rows[c]`` rows of ``row_bytes`` sent to the rank of ep coordinate c."""
-        me, nodes = dispatch.coord, dispatch.member_nodes
-        for c, r in enumerate(rows):
-            if r and c != me:
-                if nodes[c] == nodes[me]:
-                    self.within_nodes += r * row_bytes
-                else:
-                    self.between_nodes += r * row_bytes
+        """``rows[c]`` rows of ``row_bytes`` sent to the rank of ep coordinate c (every
+        all-to-all: a sum over the list, and a loop over the node's few other ranks only)."""
+        within = sum(rows[c] for c in dispatch.node_peers)
+        self.within_nodes += within * row_bytes
+        self.between_nodes += (sum(rows) - rows[dispatch.coord] - within) * row_bytes
 
 
 class AllToAllDispatch:
@@ -112,6 +109,8 @@ class AllToAllDispatch:
         if len(self.member_nodes) != ep:
             raise ValueError(f"an EP group of {ep} ranks was given the nodes of "
                              f"{len(self.member_nodes)}")
+        mine = self.member_nodes[self.coord]  # (the other ranks of this rank's node)
+        self.node_peers = [c for c, n in enumerate(self.member_nodes) if n == mine and c != self.coord]
         self.in_flight = 0  # all-to-alls started and not yet waited for
         self._placed: tuple | None = None  # ((tokens, top_k, device), place, every rank's places)
 

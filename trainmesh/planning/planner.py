@@ -26,7 +26,7 @@ from trainmesh.planning.search_space import (
 )
 from trainmesh.planning.stage_params import memoized
 from trainmesh.planning.topology import Topology
-from trainmesh.spec.mesh_rules import float8_device_problems, uneven_ep_nodes
+from trainmesh.spec.mesh_rules import consecutive_nodes, float8_device_problems, uneven_ep_nodes
 from trainmesh.spec.validate import layout_problems
 
 MEMORY_HEADROOM = 0.9  # plan within this fraction of device memory
@@ -233,7 +233,7 @@ def _plan(req: PlanRequest, topo: Topology, long: bool | None, every: bool) -> P
             layouts[key] = topo.allocate(c.tp, c.world_size)
         node_ranks = layouts[key]
         if c.ep > 1 and c.ep_dispatch == "relay":  # (the ranks' nodes as allocated)
-            nodes = ([g // c.ep_node_ranks for g in range(c.world_size)] if c.ep_node_ranks
+            nodes = (consecutive_nodes(c.world_size, c.ep_node_ranks) if c.ep_node_ranks
                      else [b for b, n in enumerate(node_ranks) for _ in range(n)])
             held = uneven_ep_nodes(c.pp, c.dp, c.cp, c.tp, c.ep, nodes)
             if held is not None:

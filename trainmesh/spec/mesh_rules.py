@@ -253,6 +253,12 @@ def relays(choice: str, member_nodes: Sequence[int], top_k: int, overlap: bool) 
     return choice == "relay" or (len(held) > 1 and top_k > 1 and not overlap)
 
 
+def consecutive_nodes(world: int, node_ranks: int) -> list[int]:
+    """The node of each of ``world`` ranks where consecutive ranks share nodes of
+    ``node_ranks`` (``parallelism.ep_node_ranks``)."""
+    return [g // node_ranks for g in range(world)]
+
+
 def ep_groups(pp: int, dp: int, cp: int, tp: int, ep: int) -> list[list[int]]:
     """Every EP group's global ranks, in ep-coordinate order: ranks laid out (pp, dp, cp, tp)
     with tp fastest, an EP group is ``ep`` consecutive positions of a stage's flattened

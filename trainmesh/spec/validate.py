@@ -19,6 +19,7 @@ from typing import Any, Protocol
 from trainmesh.spec.mesh_rules import (
     DIVISIBILITY,
     ModelShape,
+    consecutive_nodes,
     cp_problems,
     dp_problems,
     hsdp_problems,
@@ -229,8 +230,7 @@ def relay_problems(spec, dims, nodes: Sequence[int] | None = None) -> list[Probl
     if nodes is None:
         if par.ep_node_ranks is None:
             return []  # (the placement's nodes: checked where the ranks are placed)
-        world = dims.pp * dims.dp * dims.cp * dims.tp
-        nodes = [g // par.ep_node_ranks for g in range(world)]
+        nodes = consecutive_nodes(dims.pp * dims.dp * dims.cp * dims.tp, par.ep_node_ranks)
     held = uneven_ep_nodes(dims.pp, dims.dp, dims.cp, dims.tp, dims.ep, nodes)
     if held is None:
         return []
