@@ -111,10 +111,18 @@ CASES = {  # largest meshes first: the rank pool then only shrinks
         "model.moe.bias_update_rate=0.01"]),
     "pp2-ep2-dp2-aux-loss": (ParallelDims(pp=2, dp=2, ep=2), ["model.moe.aux_loss_coef=0.1"]),
     # DualPipeV (the schedule built to hide MoE all-to-alls): two chunks a rank in a V,
-    # pairs of a forward and another microbatch's backward, the exchanges in halves too.
+    # pairs of a forward and another microbatch's backward on two threads taking turns
+    # (schedule.pair_overlap), one's exchanges in flight while the other computes; the
+    # exchanges in halves too.
     "pp2-ep2-dp2-dualpipev-overlap": (ParallelDims(pp=2, dp=2, ep=2), [
         "schedule.name=dualpipev", "parallelism.vpp=2", "training.global_batch_size=16",
         "parallelism.ep_overlap=true", "model.moe.aux_loss_coef=0.1"]),
+    # ... whole exchanges, every block recomputed in the backward half (its exchanges run
+    # again there, handing over too), capacity, a shared expert, ZeRO-3 re-gathering
+    "pp2-ep2-dp2-dualpipev-pairs-recompute-capacity": (ParallelDims(pp=2, dp=2, ep=2), [
+        "schedule.name=dualpipev", "parallelism.vpp=2", "training.global_batch_size=16",
+        "activation_checkpoint.mode=full", "model.moe.capacity_factor=1.0",
+        "model.moe.shared_experts=1", "model.moe.aux_loss_coef=0.1"]),
     "ep4-dp4": (ParallelDims(dp=4, ep=4), []),
     # DeepSeek-V3's blocks under hybrid sharding (two shard groups of 2 replicas, each one EP
     # group) at a dp that does not divide the batch's 6 microbatches (shares 2, 2, 1, 1: the
@@ -262,6 +270,9 @@ def test_expert_parallel_matches_single_process(rank_pool, tmp_path, case):
                 # gather and reduce-scatter) entered once per microbatch for both halves
                 assert len(seen["forward"]) == 2 * seen["local"] * seen["calls"], seen
             assert all(r["breakdown"]["a2a_s"] > 0 for r in first)
+        if spec.schedule.name == "dualpipev":  # every rank's pairs took turns: each half let
+            # the other run where it waited on an exchange (``overlap.run_pair``)
+            assert all(r["breakdown"]["pair_handovers"] > 0 for r in first), first
         losses = [first[0]["loss"]]
         if spec.model.mtp is not None:  # each depth's loss reported beside the loss
             mtp = first[0]["losses"]

@@ -1173,3 +1173,34 @@ def test_explained_durations_print_without_an_exponent():
     from trainmesh.planning.explain import _ms
 
     assert (_ms(7.51), _ms(4.12e-4), _ms(0.0123)) == ("7,510 ms", "0.412 ms", "12.3 ms")
+
+
+def test_dualpipev_pairs_hide_the_exchanges_they_run_beside():
+    """schedule.pair_overlap: a DualPipeV pair's exchanges are in flight while its other half
+    computes. The planner counts the pairs as torch's order has them (rank 0 pairs fewest:
+    2m − 3pp + 1 of its 2m forwards), hides their share of the exchanges up to their share of
+    the compute, and says so; other schedules and pair_overlap false hide nothing."""
+    from trainmesh.parallel.pipeline.schedules import dualpipev_pairs, pipe_shape
+
+    for pp, m in ((2, 4), (3, 7), (4, 8), (4, 16), (8, 24)):
+        counts = [len(p) for p in dualpipev_pairs(pipe_shape("dualpipev", pp, 2, m))]
+        assert min(counts) == counts[0] == round(cost_model.paired_share(pp, m) * 2 * m)
+    mixtral = load_spec(None, ["model.preset=mixtral-8x7b"]).model
+
+    def priced(schedule: str, pairs: bool = True):
+        c = candidate.Candidate(1, 4, 16, 2, schedule, 1, 32, "full", False, True, "float32", 8,
+                                pair_overlap=pairs)
+        return c, cost_model.estimate(mixtral, c, 4096, device_spec("h100"), 8, 2)
+
+    c, paired = priced("dualpipev")
+    _, alone = priced("dualpipev", pairs=False)
+    share = cost_model.paired_share(4, 32)
+    assert share == pytest.approx(53 / 64)
+    assert paired.ep_pair_hidden_s > 0
+    assert paired.ep_pair_hidden_s == pytest.approx(share * alone.ep_comm_s)
+    assert paired.ep_comm_s == pytest.approx(alone.ep_comm_s - paired.ep_pair_hidden_s)
+    assert paired.step_time_s == pytest.approx(alone.step_time_s - paired.ep_pair_hidden_s)
+    assert alone.ep_pair_hidden_s == 0 and priced("zbv")[1].ep_pair_hidden_s == 0
+    from trainmesh.planning.explain import _pair_text
+    assert "DualPipeV's pairs hide" in _pair_text(paired, c) and "83% of a rank's" in _pair_text(paired, c)
+    assert "pair_overlap: false" in _pair_text(alone, dataclasses.replace(c, pair_overlap=False))

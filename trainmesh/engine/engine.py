@@ -59,7 +59,7 @@ from trainmesh.parallel.expert import (
 from trainmesh.parallel.mesh import Mesh
 from trainmesh.parallel.pipeline.executor import P2PSpec, PipelineExecutor
 from trainmesh.parallel.pipeline.ir import PipeShape, splits_backward
-from trainmesh.parallel.pipeline.schedules import build_schedule, forward_only, pipe_shape
+from trainmesh.parallel.pipeline.schedules import build_schedule, forward_only, pairs_of, pipe_shape
 from trainmesh.parallel.pipeline.shared import LocalCopy, SharedAcrossStages, embedding_across_stages
 from trainmesh.parallel.zero import (
     ExpertSharding,
@@ -374,8 +374,11 @@ class Engine:
         # (the multi-token modules' stage: torch's split backward fails on their lookup of the
         # tokens ahead, shared by the modules)
         unsplit = frozenset(s for s, m in stages.items() if getattr(m, "mtp", None) is not None)
+        # DualPipeV's pairs: on two threads taking turns where MoE exchanges run across ranks
+        overlap = self.spec.schedule.pair_overlap and dims.ep > 1 and is_moe(self.model)
         return PipelineExecutor(shape, self._schedule[c[Axis.PP]], stages, p2p, self.loss_context,
-                                zero, self.on_phase, before_microbatch, unsplit)
+                                zero, self.on_phase, before_microbatch, unsplit,
+                                pairs_of(self.spec.schedule.name, shape)[c[Axis.PP]], overlap)
 
     def _wait_logs(self) -> list[WaitLog]:
         """Where this rank waits on communication inside its blocks, timed each step."""
@@ -416,6 +419,8 @@ class Engine:
         if self.mesh.dims.ep > 1:  # ... and to its experts' ranks, inside its node and out
             breakdown["a2a_intranode_mib"] = self.exchanges.within_nodes / 2**20
             breakdown["a2a_internode_mib"] = self.exchanges.between_nodes / 2**20
+        if self.executor is not None and self.executor.overlap:  # DualPipeV's pairs: how often
+            breakdown["pair_handovers"] = self.executor.handovers  # one half let the other run
         self.forward_timer.start(None)  # evaluations between steps are not timed
         for log in self._wait_logs():
             log.start(None)

@@ -52,6 +52,7 @@ from trainmesh.parallel.clock import DeviceClock, WaitLog
 from trainmesh.parallel.context import local_positions
 from trainmesh.parallel.dims import Axis
 from trainmesh.parallel.mesh import Mesh
+from trainmesh.parallel.pipeline.overlap import hand_over
 from trainmesh.spec.mesh_rules import relays
 
 
@@ -128,7 +129,7 @@ class AllToAllDispatch:
         # the token all-to-alls need their split sizes.
         sent = counts_HE.view(H, ep, local).transpose(0, 1).contiguous()  # (dest, part, expert)
         received = torch.empty_like(sent)  # (source, part, local expert)
-        self.log.timed(dist.all_to_all_single, received, sent, group=self.ep_group)
+        self._counts(received, sent)
         host = torch.cat([sent.sum(2).T.reshape(-1), received.reshape(-1)]).tolist()
         got = [[host[H * ep + (s * H + h) * local:H * ep + (s * H + h + 1) * local]
                 for s in range(ep)] for h in range(H)]  # [part][source][local expert]
@@ -154,6 +155,13 @@ class AllToAllDispatch:
         if H > 1:
             leaving = [_Finish.apply(t, b) for t, b in zip(leaving, back, strict=True)]
         return torch.cat(leaving) if H > 1 else leaving[0], extra
+
+    def _counts(self, received: torch.Tensor, sent: torch.Tensor) -> None:
+        """The counts' all-to-all (``sent`` → ``received``), waited for after ``hand_over``:
+        inside a DualPipeV pair the other half computes meanwhile."""
+        work = dist.all_to_all_single(received, sent, group=self.ep_group, async_op=True)
+        hand_over()
+        self.log.timed(work.wait)
 
     def sum_over_tokens(self, counts: torch.Tensor) -> torch.Tensor:
         if self.token_group is not None:
@@ -248,7 +256,7 @@ class NodeRelayDispatch(AllToAllDispatch):
         sent = torch.zeros(self.ep, dtype=torch.int64, device=dev).index_copy_(
             0, self.relay_coords, (held > 0).sum(1))
         got = torch.empty_like(sent)
-        self.log.timed(dist.all_to_all_single, got, sent, group=self.ep_group)
+        self._counts(got, sent)
         host = torch.cat([sent, got]).tolist()  # (host sync 1 of 3)
         send, recv = host[:self.ep], host[self.ep:]
         to_node, token = torch.nonzero_static(held > 0, size=sum(send)).unbind(1)
@@ -341,6 +349,7 @@ class _Ticket:
         return out
 
     def wait(self) -> torch.Tensor:
+        hand_over()  # (inside a DualPipeV pair: the other half computes while this lands)
         self.owner.log.timed(self.work.wait)
         out = self.keep[1]
         self.work = self.keep = None

@@ -57,6 +57,9 @@ class Candidate:
     # searched: the spec's, priced with the other way beside it)
     ep_dispatch: str = "auto"
     ep_node_ranks: int | None = None  # the ranks a node holds (``parallelism.ep_node_ranks``)
+    # DualPipeV's pairs on two threads, one's exchanges behind the other's compute
+    # (``schedule.pair_overlap``; other schedules have no pairs)
+    pair_overlap: bool = True
 
     def node_ranks(self, per_node: int) -> int:
         """The ranks one node (fast domain) holds: ``parallelism.ep_node_ranks``, else the

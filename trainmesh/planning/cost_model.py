@@ -113,6 +113,8 @@ class Estimate:
     ep_relay_gain_s: float = 0.0
     ep_nodes: int = 1  # the nodes an EP group spans
     ep_nodes_reached: float = 0.0  # the nodes a token's experts sit on, on average
+    # DualPipeV's pairs (``schedule.pair_overlap``): the exchanges they hide, seconds a step
+    ep_pair_hidden_s: float = 0.0
     # training.float8: the step time its matmuls save less what its casts (and the host's extra
     # work, where that bounds the step) cost (negative: slower than bf16)
     float8_gain_s: float = 0.0
@@ -276,6 +278,24 @@ def ep_exposed(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: 
     return whole, (forwards * fwd + bwd) * layers * c.num_microbatches
 
 
+def paired_share(pp: int, microbatches: int) -> float:
+    """The share of a DualPipeV rank's chunk forwards (and whole backwards) that run in pairs,
+    on its first rank, which pairs fewest: 2m − 3pp + 1 of its 2m (rank r pairs min(r, pp − 2)
+    more; ``schedules.dualpipev_pairs``, torch's order, tested against this)."""
+    return max(0.0, (2 * microbatches - 3 * pp + 1) / (2 * microbatches))
+
+
+def pair_hidden_s(c: Candidate, exposed_s: float, busy_s: float) -> float:
+    """Of ``exposed_s`` a step of MoE exchanges, what DualPipeV's pairs hide
+    (``schedule.pair_overlap``: each half's exchanges in flight while the other half computes):
+    the pairs' share of them, up to the pairs' share of the rank's compute ``busy_s`` (the
+    bubble not counted); the warm-up's and drain's unpaired ones stay exposed."""
+    if c.schedule != "dualpipev" or not c.pair_overlap or c.pp == 1 or c.ep == 1:
+        return 0.0
+    share = paired_share(c.pp, c.num_microbatches)
+    return min(share * exposed_s, share * busy_s)
+
+
 def nodes_reached(moe, nodes: int) -> float:
     """The nodes a token's experts sit on, on average, the experts spread evenly over
     ``nodes``: where the router's groups map onto the nodes (``n_group`` a multiple of them,
@@ -403,7 +423,7 @@ def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: in
                              bound=not by_stage)
     compute = max(device_s, host_s) / (1.0 - bubble)
     moe = getattr(model, "moe", None)
-    ep_comm, ep_gain, relay_gain, reached, ep_nodes = 0.0, 0.0, 0.0, 0.0, 1
+    ep_comm, ep_gain, relay_gain, reached, ep_nodes, pair_hidden = 0.0, 0.0, 0.0, 0.0, 1, 0.0
     if moe is not None and c.ep > 1:
         whole, halves = ep_exposed(model, c, seq_len, device, per_node, compute_bytes)
         # The relay's saving over the direct exchange (negative: its cost), whichever runs
@@ -419,6 +439,8 @@ def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: in
                      host_s + extra * device.host_dispatch_s) / (1.0 - bubble)
         ep_gain = (compute + whole) - (halved + halves)
         compute, ep_comm = (halved, halves) if c.ep_overlap else (compute, whole)
+        pair_hidden = pair_hidden_s(c, ep_comm, max(device_s, host_s))
+        ep_comm -= pair_hidden
     act_bytes = compute_bytes * seq_len // c.cp * c.microbatch_size * h
     tp_comm = 0.0
     if c.tp > 1:
@@ -461,4 +483,5 @@ def estimate(model, c: Candidate, seq_len: int, device: DeviceSpec, per_node: in
         ep_overlap=c.ep_overlap and c.ep > 1, ep_overlap_gain_s=ep_gain, float8_gain_s=f8_gain,
         ep_relay=(moe is not None and c.ep > 1
                   and relayed(model, c, seq_len, device, per_node, compute_bytes)),
-        ep_relay_gain_s=relay_gain, ep_nodes=ep_nodes, ep_nodes_reached=reached)
+        ep_relay_gain_s=relay_gain, ep_nodes=ep_nodes, ep_nodes_reached=reached,
+        ep_pair_hidden_s=pair_hidden)

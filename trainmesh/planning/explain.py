@@ -28,6 +28,21 @@ def _overlap_text(e) -> str:
             "messages' latency add.")
 
 
+def _pair_text(e, c: Candidate) -> str:
+    """DualPipeV's pairs (``schedule.pair_overlap``): what they hide of the exchanges."""
+    if c.schedule != "dualpipev" or c.ep == 1:
+        return ""
+    if not c.pair_overlap:
+        return (" DualPipeV's pairs run their forward and backward one after the other "
+                "(schedule.pair_overlap: false): their exchanges stay exposed.")
+    from trainmesh.planning.cost_model import paired_share
+
+    return (f" DualPipeV's pairs hide {e.ep_pair_hidden_s:.3g} s of the exchanges: "
+            f"{paired_share(c.pp, c.num_microbatches):.0%} of a rank's forwards and backwards "
+            "run in pairs, each half's exchanges in flight while the other computes "
+            "(the warm-up's and the drain's stay exposed).")
+
+
 def _relay_text(e, model) -> str:
     """How tokens cross between nodes (``parallelism.ep_dispatch``): what the relay saves or
     costs where it runs, or would save where an EP group spans nodes (not beside ep_overlap,
@@ -162,7 +177,8 @@ def explain(result: PlanResult) -> str:
                  f"(bubble {e.bubble_fraction:.1%}), TP communication {e.tp_comm_s:.3g} s, "
                  f"PP {e.pp_comm_s:.3g} s"
                  + (f", exposed ZeRO-3 traffic {e.dp_exposed_s:.3g} s and MoE all-to-all "
-                    f"{e.ep_comm_s:.3g} s" + _overlap_text(e) + _relay_text(e, result.model)
+                    f"{e.ep_comm_s:.3g} s" + _overlap_text(e) + _pair_text(e, c)
+                    + _relay_text(e, result.model)
                     if c.ep > 1
                     else f" and exposed {'DDP all-reduce' if runs_ddp(result.model, c) else 'ZeRO-3'} "
                          f"traffic {e.dp_exposed_s:.3g} s."))

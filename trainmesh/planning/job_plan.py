@@ -32,6 +32,7 @@ def request_for(spec: JobSpec) -> PlanRequest:
         fixed["keep_gathered"] = par.keep_gathered
     fixed["ep_overlap"] = par.ep_overlap
     fixed["ep_dispatch"] = par.ep_dispatch
+    fixed["pair_overlap"] = spec.schedule.pair_overlap
     if par.ep_node_ranks is not None:
         fixed["ep_node_ranks"] = par.ep_node_ranks
     fixed["cp_latent"] = par.cp_latent

@@ -25,7 +25,8 @@ class Published:
 PUBLISHED = {
     "deepseek-v3-671b": Published(
         "DeepSeek-V3's technical report (2,048 H800)", {"tp": 1, "pp": 16, "ep": 64, "cp": 1},
-        "DualPipe, which hides the all-to-all behind compute (priced here as exposed), ZeRO-1 "
+        "DualPipe's two pipelines in both directions (its V half, dualpipev, is priced with "
+        "its pairs hiding the all-to-all where the search picks it), ZeRO-1 "
         "(priced here as ZeRO-3 or hybrid sharding), FP8 matmuls, and DeepEP's kernels (the "
         "relay's two hops priced as all-to-alls at the links' bandwidths)"),
     "405b": Published(

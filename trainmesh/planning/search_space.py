@@ -314,7 +314,8 @@ def _options(req: PlanRequest, tp: int, pp: int, dp: int, vpp: int, schedule: st
                                         reduce, ep, padding, rep, cp, mode, stride, split,
                                         overlap if ep > 1 else False, latent,
                                         str(fixed.get("ep_dispatch", "auto")),
-                                        fixed.get("ep_node_ranks"))
+                                        fixed.get("ep_node_ranks"),
+                                        bool(fixed.get("pair_overlap", True)))
 
 
 def _stage_layers(req: PlanRequest, pp: int, vpp: int, schedule: str) -> tuple[int, ...] | None:

@@ -375,6 +375,11 @@ class ScheduleConfig(_Section):
         "DeepSeek's DualPipeV (vpp=2 chunks in a V, a forward paired with another microbatch's "
         "backward, the drain's backwards split; at least 2·pp microbatches per data-parallel "
         "replica)")
+    pair_overlap: bool = Field(
+        True, description="dualpipev with MoE over ep > 1: each pair's forward and backward take "
+        "turns on two threads, each handing over to the other where it waits on an expert "
+        "all-to-all it started, so that one's exchanges are in flight while the other computes "
+        "(false: the forward, then the backward; other schedules have no pairs)")
 
 
 class OptimizerConfig(_Section):

@@ -81,18 +81,24 @@ class PipelineExecutor:
                  zero: ZeroPolicy | None = None,
                  on_phase: Callable[[str], None] = lambda phase: None,
                  set_weight: Callable[[float], None] | None = None,
-                 unsplit: frozenset[int] = frozenset()):
+                 unsplit: frozenset[int] = frozenset(),
+                 pairs: frozenset[tuple[int, int]] = frozenset(), overlap: bool = False):
         """``stages[s](x)`` runs stage s; the last stage is called as ``stages[s](x, y)`` and
         returns the microbatch's mean loss. ``set_weight`` hears the weight of each compute
         action's microbatch before it runs (a loss the stages add themselves, MoE balancing,
         takes the microbatch's share of the step from its forward). ``unsplit``: stages whose
-        split backward runs whole at I (the module docstring)."""
+        split backward runs whole at I (the module docstring). ``pairs``: the (stage,
+        microbatch) of the forwards that run as one with the backward after them (DualPipeV);
+        with ``overlap`` the two take turns on two threads (``overlap.run_pair``: one's
+        all-to-alls in flight while the other computes), else one after the other."""
         self.shape, self.actions, self.stages, self.p2p = shape, actions, stages, p2p
         self.loss_context = loss_context
         self.zero = zero  # the stages' ZeRO-3 policy (None: stages are not sharded)
         self.on_phase = on_phase  # hears "forward" / "backward" as each action begins
         self.set_weight = set_weight
         self.unsplit = unsplit
+        self.pairs, self.overlap = pairs, overlap
+        self.handovers = 0  # the last step's, over its pairs (``overlap.run_pair``)
         last = {}
         for a in actions:
             if a.op in (Op.BACKWARD, Op.WEIGHT):
@@ -127,9 +133,25 @@ class PipelineExecutor:
         pending_sends: list[dist.Work] = []
         run = {Op.BACKWARD: self._backward, Op.BACKWARD_INPUT: self._backward_input,
                Op.WEIGHT: self._weight}
+        self.handovers = 0
         i = 0
         while i < len(self.actions):
             a = self.actions[i]
+            pair = self._paired(i) if self.overlap else None
+            if pair is not None:  # F, its sends (and receives), B: on two threads taking turns
+                j = pair
+                b = self.actions[j]
+                self.on_phase("forward")
+                self._await_input(a)
+                self._await_input(b)
+                if self.set_weight is not None:  # (a backward takes its share from its forward)
+                    self.set_weight(self._weights[a.microbatch])
+                start = clock.mark()
+                loss, sends = self._pair(a, self.actions[i + 1:j], b)
+                loss_sum, pending_sends = loss_sum + loss, pending_sends + sends
+                clock.span(f"{a}|{b}", start)
+                i = j + 1
+                continue
             if a.op in COMPUTE:
                 self.on_phase("forward" if a.op is Op.FORWARD else "backward")
                 self._await_input(a)  # outside the action's time: waiting is not computing
@@ -167,7 +189,8 @@ class PipelineExecutor:
     def _received(self, op: Op, a: Action) -> torch.Tensor:
         return self._recv.pop((op, a.stage, a.microbatch))[0]  # waited for by _await_input
 
-    def _forward(self, a: Action) -> torch.Tensor:
+    def _forward(self, a: Action, enter: bool = True) -> torch.Tensor:
+        """``enter``: inside the loss context (False: the caller is already)."""
         stage = self.stages[a.stage]
         x, y = self._mbs[a.microbatch]
         key = (a.stage, a.microbatch)
@@ -179,7 +202,7 @@ class PipelineExecutor:
         else:
             inp = self._received(Op.RECV_FORWARD, a).requires_grad_()
             self._inputs[key] = inp
-        with self.loss_context():
+        with self.loss_context() if enter else nullcontext():
             if a.stage == self.shape.num_stages - 1:
                 out = stage(inp, y) * self._weights[a.microbatch]
             else:
@@ -189,6 +212,55 @@ class PipelineExecutor:
             value = out.detach()
             return value.full_tensor() if isinstance(value, DTensor) else value
         return torch.zeros((), device=self.p2p.device)
+
+    def _paired(self, i: int) -> int | None:
+        """Where action i is a pair's forward (``pairs``): the index of its backward, the next
+        compute action, if that needs no message posted between the two (its own input's
+        receive: the backward could not start before the forward's end); else None (the two
+        run one after the other, as any actions)."""
+        a = self.actions[i]
+        if a.op is not Op.FORWARD or (a.stage, a.microbatch) not in self.pairs:
+            return None
+        j = i + 1
+        while self.actions[j].op not in COMPUTE:
+            j += 1
+        b = self.actions[j]
+        if b.op is not Op.BACKWARD:
+            raise RuntimeError(f"a pair's second action must be a whole backward, not {b}")
+        if any(c.op is Op.RECV_BACKWARD and (c.stage, c.microbatch) == (b.stage, b.microbatch)
+               for c in self.actions[i + 1:j]):
+            return None
+        return j
+
+    def _pair(self, a: Action, between: Sequence[Action], b: Action
+              ) -> tuple[torch.Tensor, list[dist.Work]]:
+        """Forward ``a``, then the messages ``between`` it and ``b`` posted (as the list places
+        them: right after the forward), beside ``b``'s whole backward, on two threads taking
+        turns at the MoE exchanges (``overlap.run_pair``). The loss context is entered once
+        around both (what it sets holds for both threads: loss_parallel's handlers are global;
+        pipeline stages take no thread-local autocast). Returns the forward's loss and its
+        sends' handles."""
+        from trainmesh.parallel.pipeline.overlap import run_pair
+
+        stage = self.stages[b.stage]
+        if self.zero is not None:
+            self.zero.before_backward(stage, self.last_backward[b.stage] == b.microbatch)
+        out, grad = self._outputs.pop((b.stage, b.microbatch)), self._output_grad(b)
+
+        def backward() -> None:
+            if grad is None:
+                out.backward()
+            else:
+                torch.autograd.backward(out, grad_tensors=grad)
+
+        def forward() -> tuple[torch.Tensor, list[dist.Work]]:
+            loss = self._forward(a, enter=False)
+            return loss, self._communicate(between) if between else []
+
+        with self.loss_context():
+            (loss, sends), handovers = run_pair(forward, backward)
+        self.handovers += handovers
+        return loss, sends
 
     def _output_grad(self, a: Action) -> torch.Tensor | None:
         """The gradient flowing into stage ``a.stage``'s output: None for the loss."""

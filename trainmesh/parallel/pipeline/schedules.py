@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from trainmesh.parallel.pipeline.ir import (
     Action,
     Op,
@@ -143,35 +145,64 @@ def zero_bubble(shape: PipeShape, limit: int) -> list[list[Action]]:
 def dualpipev(shape: PipeShape) -> list[list[Action]]:
     """DeepSeek's DualPipeV (the V-shaped half of DualPipe): two chunks a rank in a V; after
     the warm-up each rank runs pairs, the forward of one chunk's microbatch beside the full
-    backward of the other chunk's (where one's all-to-all can hide behind the other's
-    compute), and splits the last backwards into I and W to fill the drain. The compute
-    orders are torch.distributed.pipelining's (``ScheduleDualPipeV``, built from DeepSeek's
-    code), each pair as its forward then its backward, which is how this executor runs them."""
+    backward of the other chunk's (where one's all-to-all hides behind the other's compute:
+    ``dualpipev_pairs``, ``overlap.run_pair``), and splits the last backwards into I and W to
+    fill the drain. The compute orders are torch.distributed.pipelining's
+    (``ScheduleDualPipeV``, built from DeepSeek's code), each pair as its forward then its
+    backward."""
+    return _dualpipev(shape)[0]
+
+
+def dualpipev_pairs(shape: PipeShape) -> list[frozenset[tuple[int, int]]]:
+    """Per rank: the (stage, microbatch) of each forward that DualPipeV pairs with the backward
+    after it."""
+    return _dualpipev(shape)[1]
+
+
+def pairs_of(kind: ScheduleKind | str, shape: PipeShape) -> list[frozenset[tuple[int, int]]]:
+    """Per rank: the forwards ``kind`` pairs with the action after them (none but DualPipeV)."""
+    if ScheduleKind(kind) is ScheduleKind.DUALPIPEV:
+        return dualpipev_pairs(shape)
+    return [frozenset() for _ in range(shape.pp)]
+
+
+@functools.cache
+def _dualpipev(shape: PipeShape) -> tuple[list[list[Action]], list[frozenset[tuple[int, int]]]]:
     import torch
 
     ops = {"F": Op.FORWARD, "B": Op.BACKWARD, "I": Op.BACKWARD_INPUT, "W": Op.WEIGHT}
-    out = []
+    out, pairs = [], []
     try:  # (the generator is torch's own method, read without a runtime: its stages, groups)
         from torch.distributed.pipelining.schedules import OVERLAP_F_B, ScheduleDualPipeV
 
         generator = object.__new__(ScheduleDualPipeV)
         generator.pp_group_size, generator._n_microbatches = shape.pp, shape.microbatches
         for rank in range(shape.pp):
-            actions = []
+            actions, paired = [], set()
             for a in generator._calculate_single_rank_operations(rank):
                 if a is None:
                     continue
+                if a.computation_type == OVERLAP_F_B:
+                    f = a.sub_actions[0]
+                    paired.add((f.stage_index, f.microbatch_index))
                 for sub in (a.sub_actions if a.computation_type == OVERLAP_F_B else (a,)):
                     actions.append(Action(ops[sub.computation_type.value], sub.stage_index,
                                           sub.microbatch_index))
             out.append(actions)
+            pairs.append(frozenset(paired))
     except (ImportError, AttributeError, KeyError, TypeError) as err:
         raise RuntimeError(f"dualpipev's order comes from torch.distributed.pipelining's "
                            f"ScheduleDualPipeV, which torch {torch.__version__} does not give as "
                            f"torch 2.13 does ({type(err).__name__}: {err}); pin torch 2.13 or "
                            "use schedule.name=zbv") from err
     _check_each_once(shape, out)
-    return out
+    for rank, actions in enumerate(out):  # (each pair: a forward, then a whole backward)
+        for i, a in enumerate(actions):
+            if (a.stage, a.microbatch) in pairs[rank] and a.op is Op.FORWARD and (
+                    i + 1 == len(actions) or actions[i + 1].op is not Op.BACKWARD):
+                raise RuntimeError(f"dualpipev's pair {a} on rank {rank} is not a forward "
+                                   "followed by a whole backward")
+    return out, pairs
 
 
 def _check_each_once(shape: PipeShape, compute: list[list[Action]]) -> None:

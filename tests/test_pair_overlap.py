@@ -1,0 +1,100 @@
+"""DualPipeV's pairs on two threads taking turns (``parallel/pipeline/overlap.py``): the order
+the two halves run in is fixed by where they hand over, an autograd backward hands over from
+inside its nodes, and a failure in either half reaches the caller. (On real ranks, against one
+process: ``test_expert_parallel.py``'s dualpipev cases.)"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from trainmesh.parallel.pipeline.overlap import hand_over, run_pair
+from trainmesh.parallel.pipeline.schedules import build_schedule, dualpipev_pairs, pipe_shape
+
+
+def _steps(log: list, name: str, n: int):
+    def run():
+        for k in range(n):
+            log.append((name, k, threading.get_ident()))
+            if k < n - 1:
+                hand_over()
+        return name
+    return run
+
+
+def test_the_halves_take_turns_where_they_hand_over():
+    log: list = []
+    out, handovers = run_pair(_steps(log, "f", 3), _steps(log, "b", 2))
+    assert out == "f"
+    # f0 → b0 → f1 → b1 (the backward ends) → f2 (its hand-over finds no one to let run)
+    assert [(n, k) for n, k, _ in log] == [("f", 0), ("b", 0), ("f", 1), ("b", 1), ("f", 2)]
+    assert handovers == 3
+    main = threading.get_ident()
+    assert {t for n, _, t in log if n == "f"} == {main}
+    assert main not in {t for n, _, t in log if n == "b"}
+    hand_over()  # (outside a pair: nothing happens, nothing waits)
+
+
+class _Handing(torch.autograd.Function):
+    """Identity whose backward hands over before passing the gradient on, as an exchange's
+    wait does (``expert._Ticket.wait``)."""
+
+    @staticmethod
+    def forward(ctx, x, log):
+        ctx.log = log
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.log.append("b")
+        hand_over()
+        return grad * 2, None
+
+
+def test_an_autograd_backward_hands_over_from_inside_its_nodes():
+    log: list = []
+    w = torch.ones(3, requires_grad=True)
+    out = _Handing.apply(_Handing.apply(w * 1.0, log), log).sum()
+
+    def forward():
+        x = torch.ones(3)
+        for _ in range(3):
+            log.append("f")
+            x = x * 2
+            hand_over()
+        return x
+
+    y, handovers = run_pair(forward, out.backward)
+    assert torch.equal(y, torch.full((3,), 8.0))
+    assert torch.equal(w.grad, torch.full((3,), 4.0))  # (both nodes doubled it)
+    assert log == ["f", "b", "f", "b", "f"] and handovers >= 4
+
+
+def test_a_failing_half_is_raised_once_the_other_has_ended():
+    log: list = []
+
+    def backward():
+        log.append("b")
+        raise ValueError("backward broke")
+
+    with pytest.raises(ValueError, match="backward broke"):
+        run_pair(_steps(log, "f", 3), backward)
+    assert [x if isinstance(x, str) else x[:2] for x in log] == [("f", 0), "b", ("f", 1), ("f", 2)]
+    with pytest.raises(RuntimeError, match="forward broke"):
+        run_pair(lambda: (_ for _ in ()).throw(RuntimeError("forward broke")), lambda: None)
+    assert run_pair(lambda: 1, lambda: None) == (1, 0)  # (and the next pair runs)
+
+
+@pytest.mark.parametrize(("pp", "m"), [(2, 4), (4, 8), (4, 16)])
+def test_each_pair_is_a_forward_and_the_next_compute_a_whole_backward(pp, m):
+    shape = pipe_shape("dualpipev", pp, 2, m)
+    sched = build_schedule("dualpipev", pp, 2, m)
+    for rank, pairs in enumerate(dualpipev_pairs(shape)):
+        compute = [a for a in sched[rank] if a.op.value in "FBIW"]
+        assert len(pairs) >= 2 * (m - 2 * pp) + 1
+        for i, a in enumerate(compute):
+            if a.op.value == "F" and (a.stage, a.microbatch) in pairs:
+                b = compute[i + 1]
+                assert b.op.value == "B" and b.stage != a.stage and b.microbatch != a.microbatch
