@@ -5,8 +5,9 @@ compute) or relayed (``parallelism.ep_dispatch: relay``: two hops, a token once 
 simulated node its experts sit on, ``--node-ranks`` ranks a node), with Mixtral's routing and
 DeepSeek-V3's (sigmoid, group-limited, bias: its groups map onto the nodes); a whole
 training step of ``--step-preset`` on real rank actors at dp 2 · ep 2, whole against
-overlapped; and one block's attention, grouped-query against DeepSeek-V3's latent attention;
-in one run.
+overlapped, and at pp 2 · dp 2 · ep 2 under DualPipeV, its pairs one after the other against
+taking turns (``schedule.pair_overlap``); and one block's attention, grouped-query against
+DeepSeek-V3's latent attention; in one run.
 
     .venv/bin/python bench/moe.py                      # defaults: dim 512, 8 experts, top-2
     .venv/bin/python bench/moe.py --tokens 256 --dim 64 --expert-ffn 64 --reps 2   # smoke
@@ -151,38 +152,54 @@ def _steps(args) -> None:
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              configure_logging=False)
-    rows = []
+    rows, pairs = [], []
+    common = [f"model.preset={args.step_preset}", f"training.seq_len={args.step_seq_len}",
+              "training.microbatch_size=1", "optimizer.warmup_steps=1",
+              f"training.steps={args.step_steps + 1}", "runtime.device=cpu",
+              "tracking.enabled=false"]
+
+    def run(dims, sets: list[str], tmp: str, data_dir: str) -> tuple:
+        spec = load_spec(None, [*common, *sets, f"runtime.output_dir={tmp}/out"])
+        group = RayWorkerGroup(spec, dims, placement_for(spec, dims, Topology.uniform(
+            1, dims.world_size, "cpu")), {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"})
+        try:
+            group.build(spec.model_dump_json(), dims, data_dir)
+            losses = [group.train_step()[0]["loss"]]  # (a warm-up: not timed)
+            steps, a2a, between, handovers = [], [], [], []
+            for _ in range(args.step_steps):
+                stats = group.train_step()
+                losses.append(stats[0]["loss"])
+                steps.append(max(r["breakdown"]["step_s"] for r in stats))
+                a2a.append(max(r["breakdown"]["a2a_s"] for r in stats))
+                between.append(statistics.mean(r["breakdown"]["a2a_internode_mib"]
+                                               for r in stats))
+                handovers.append(min(r["breakdown"].get("pair_handovers_forward", 0)
+                                     + r["breakdown"].get("pair_handovers_backward", 0)
+                                     for r in stats))
+        finally:
+            group.shutdown()
+        return (statistics.median(steps), statistics.median(a2a), statistics.median(between),
+                losses, statistics.median(handovers))
+
     try:
         with tempfile.TemporaryDirectory() as tmp:
             data_dir = str(ensure_tiny_corpus(os.path.join(tmp, "data")))
             for mode in ("whole", "overlapped", "relayed"):
-                spec = load_spec(None, [
-                    f"model.preset={args.step_preset}", "parallelism.dp=2", "parallelism.ep=2",
+                rows.append((mode, *run(ParallelDims(dp=2, ep=2), [
+                    "parallelism.dp=2", "parallelism.ep=2",
                     f"parallelism.ep_overlap={str(mode == 'overlapped').lower()}",
                     f"parallelism.ep_dispatch={'relay' if mode == 'relayed' else 'direct'}",
-                    "parallelism.ep_node_ranks=1",
-                    f"training.seq_len={args.step_seq_len}", "training.global_batch_size=4",
-                    "training.microbatch_size=1", "optimizer.warmup_steps=1",
-                    f"training.steps={args.step_steps + 1}", "runtime.device=cpu",
-                    "tracking.enabled=false", f"runtime.output_dir={tmp}/out"])
-                dims = ParallelDims(dp=2, ep=2)
-                group = RayWorkerGroup(spec, dims, placement_for(spec, dims, Topology.uniform(
-                    1, 2, "cpu")), {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"})
-                try:
-                    group.build(spec.model_dump_json(), dims, data_dir)
-                    losses = [group.train_step()[0]["loss"]]  # (a warm-up: not timed)
-                    steps, a2a, between = [], [], []
-                    for _ in range(args.step_steps):
-                        stats = group.train_step()
-                        losses.append(stats[0]["loss"])
-                        steps.append(max(r["breakdown"]["step_s"] for r in stats))
-                        a2a.append(max(r["breakdown"]["a2a_s"] for r in stats))
-                        between.append(statistics.mean(r["breakdown"]["a2a_internode_mib"]
-                                                       for r in stats))
-                finally:
-                    group.shutdown()
-                rows.append((mode, statistics.median(steps), statistics.median(a2a),
-                             statistics.median(between), losses))
+                    "parallelism.ep_node_ranks=1", "training.global_batch_size=4"], tmp,
+                    data_dir)[:4]))
+            # DualPipeV at pp 2 · dp 2 · ep 2 (2·pp microbatches a replica): its pairs one
+            # after the other, then taking turns (schedule.pair_overlap)
+            for turns in (False, True):
+                pairs.append(("taking turns" if turns else "one after the other", *run(
+                    ParallelDims(pp=2, dp=2, ep=2), [
+                        "parallelism.pp=2", "parallelism.dp=2", "parallelism.ep=2",
+                        "parallelism.vpp=2", "schedule.name=dualpipev",
+                        f"schedule.pair_overlap={str(turns).lower()}",
+                        "training.global_batch_size=8"], tmp, data_dir)))
     finally:
         ray.shutdown()
     whole = rows[0]
@@ -195,6 +212,16 @@ def _steps(args) -> None:
         diff = max(abs(a - b) for a, b in zip(losses, whole[4], strict=True))
         print(f"{mode:14} {step:8.4f} {a2a:21.4f} {a2a / step:6.1%} {step / whole[1]:8.2f}x "
               f"{between:18.2f} {diff:19.2e}")
+    first = pairs[0]
+    print(f"\nDualPipeV's pairs: {args.step_preset}, pp 2 · dp 2 · ep 2, seq {args.step_seq_len}, "
+          f"global batch 8 × microbatch 1 (4 a replica; median of {args.step_steps} steps; the "
+          "slowest rank; hand-overs: the fewest of a rank's in a step)")
+    print(f"{'pairs':20} {'step s':>8} {'exposed all-to-all s':>21} {'share':>6} {'vs first':>9} "
+          f"{'hand-overs':>11} {'max |loss - first|':>19}")
+    for mode, step, a2a, _, losses, handovers in pairs:
+        diff = max(abs(a - b) for a, b in zip(losses, first[4], strict=True))
+        print(f"{mode:20} {step:8.4f} {a2a:21.4f} {a2a / step:6.1%} {step / first[1]:8.2f}x "
+              f"{handovers:11.0f} {diff:19.2e}")
 
 
 def _attention(args) -> list[tuple[str, dict]]:

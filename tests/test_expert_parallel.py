@@ -118,9 +118,11 @@ CASES = {  # largest meshes first: the rank pool then only shrinks
         "schedule.name=dualpipev", "parallelism.vpp=2", "training.global_batch_size=16",
         "parallelism.ep_overlap=true", "model.moe.aux_loss_coef=0.1"]),
     # ... whole exchanges, every block recomputed in the backward half (its exchanges run
-    # again there, handing over too), capacity, a shared expert, ZeRO-3 re-gathering
-    "pp2-ep2-dp2-dualpipev-pairs-recompute-capacity": (ParallelDims(pp=2, dp=2, ep=2), [
-        "schedule.name=dualpipev", "parallelism.vpp=2", "training.global_batch_size=16",
+    # again there, handing over too; its balancing loss takes its own microbatch's share),
+    # capacity, a shared expert; dp 2 not dividing the batch's 9 microbatches, so a replica's
+    # padding microbatch (weight 0) pairs with real ones
+    "pp2-ep2-dp2-dualpipev-pairs-recompute-padding": (ParallelDims(pp=2, dp=2, ep=2), [
+        "schedule.name=dualpipev", "parallelism.vpp=2", "training.global_batch_size=9",
         "activation_checkpoint.mode=full", "model.moe.capacity_factor=1.0",
         "model.moe.shared_experts=1", "model.moe.aux_loss_coef=0.1"]),
     "ep4-dp4": (ParallelDims(dp=4, ep=4), []),
@@ -270,9 +272,20 @@ def test_expert_parallel_matches_single_process(rank_pool, tmp_path, case):
                 # gather and reduce-scatter) entered once per microbatch for both halves
                 assert len(seen["forward"]) == 2 * seen["local"] * seen["calls"], seen
             assert all(r["breakdown"]["a2a_s"] > 0 for r in first)
-        if spec.schedule.name == "dualpipev":  # every rank's pairs took turns: each half let
-            # the other run where it waited on an exchange (``overlap.run_pair``)
-            assert all(r["breakdown"]["pair_handovers"] > 0 for r in first), first
+        if spec.schedule.name == "dualpipev":  # every pair of every rank took turns, each
+            # half letting the other run where it waited on an exchange (``overlap.run_pair``)
+            from trainmesh.parallel.dims import Axis
+            from trainmesh.parallel.pipeline.schedules import dualpipev_pairs, pipe_shape
+
+            m = -(-spec.training.global_batch_size // spec.training.microbatch_size // dims.dp)
+            pairs = dualpipev_pairs(pipe_shape("dualpipev", dims.pp, 2, m))
+            for rank, r in enumerate(first):
+                b = r["breakdown"]
+                assert b["pairs_overlapped"] == len(pairs[dims.coords(rank)[Axis.PP]]), b
+                handed = (b["pair_handovers_forward"], b["pair_handovers_backward"])
+                # (a half on a stage without MoE blocks, tiny-dsv3's dense first, has nothing
+                # to hand over at; and the other then finds it over)
+                assert min(handed) > 0 if spec.model.moe.dense_layers == 0 else max(handed) > 0, b
         losses = [first[0]["loss"]]
         if spec.model.mtp is not None:  # each depth's loss reported beside the loss
             mtp = first[0]["losses"]
@@ -323,6 +336,36 @@ def test_expert_parallel_matches_single_process(rank_pool, tmp_path, case):
     if spec.model.moe.balance == "bias":  # the bias moved, and equally on every mesh
         bias = {k: v for k, v in params.items() if k.endswith("expert_bias")}
         assert bias and all(v.abs().sum() > 0 for v in bias.values())
+
+
+@pytest.mark.timeout(300)
+def test_dualpipev_pairs_taking_turns_equal_the_pairs_one_after_the_other(rank_pool, tmp_path):
+    """schedule.pair_overlap on and off give the same bits where what a half reads is shared
+    by the process: dropout (the forward's masks drawn on as if alone, a recomputed block's
+    replayed from its own forward's generators) and the balancing loss's share (a padding
+    microbatch of weight 0 paired with real ones), every block recomputed in the backward half."""
+    dims = ParallelDims(pp=2, dp=2, ep=2)
+    data_dir = str(ensure_tiny_corpus(tmp_path / "data"))
+    runs = []
+    for turns in (True, False):
+        spec = load_spec(None, [*BASE, "parallelism.pp=2", "parallelism.dp=2", "parallelism.ep=2",
+                                "schedule.name=dualpipev", "parallelism.vpp=2",
+                                "training.global_batch_size=9", "activation_checkpoint.mode=full",
+                                "model.dropout=0.1", "model.moe.aux_loss_coef=0.1",
+                                f"schedule.pair_overlap={str(turns).lower()}",
+                                f"runtime.output_dir={tmp_path / str(turns)}"])
+        group = rank_pool.group_for(spec, dims)
+        try:
+            group.build(spec.model_dump_json(), dims, data_dir)
+            first = group.train_step()
+            assert all(("pairs_overlapped" in r["breakdown"]) == turns for r in first)
+            losses = [first[0]["loss"], group.train_step()[0]["loss"]]
+            runs.append((losses, probes.full_grads(group)))
+        finally:
+            rank_pool.release(group)
+    (turned, g1), (alone, g2) = runs
+    assert turned == alone
+    assert g1.keys() == g2.keys() and all(torch.equal(g1[k], g2[k]) for k in g1)
 
 
 def _lookup_is_the_embedding(engine) -> bool | None:

@@ -30,7 +30,7 @@ def test_the_halves_take_turns_where_they_hand_over():
     assert out == "f"
     # f0 → b0 → f1 → b1 (the backward ends) → f2 (its hand-over finds no one to let run)
     assert [(n, k) for n, k, _ in log] == [("f", 0), ("b", 0), ("f", 1), ("b", 1), ("f", 2)]
-    assert handovers == 3
+    assert handovers == (2, 1)  # (the forward's second found the backward over)
     main = threading.get_ident()
     assert {t for n, _, t in log if n == "f"} == {main}
     assert main not in {t for n, _, t in log if n == "b"}
@@ -69,7 +69,42 @@ def test_an_autograd_backward_hands_over_from_inside_its_nodes():
     y, handovers = run_pair(forward, out.backward)
     assert torch.equal(y, torch.full((3,), 8.0))
     assert torch.equal(w.grad, torch.full((3,), 4.0))  # (both nodes doubled it)
-    assert log == ["f", "b", "f", "b", "f"] and handovers >= 4
+    assert log == ["f", "b", "f", "b", "f"] and handovers == (3, 2)
+
+
+def test_switch_gives_each_half_its_own_settings_at_every_turn():
+    """``switch`` swaps what the two halves share in the process (here the random generator,
+    as the executor does): the forward draws what it would alone, the backward's draws do not
+    disturb it, and the forward's state is the process's afterwards."""
+    torch.manual_seed(0)
+    alone = torch.rand(4)
+    after_alone = torch.rand(1)
+    torch.manual_seed(0)
+    saved: list = [None, None]
+    turns: list[int] = []
+
+    def switch(to: int) -> None:
+        turns.append(to)
+        saved[1 - to] = torch.get_rng_state()
+        if saved[to] is not None:
+            torch.set_rng_state(saved[to])
+
+    def forward():
+        parts = []
+        for _ in range(4):
+            parts.append(torch.rand(1))
+            hand_over()
+        return torch.cat(parts)
+
+    def backward():
+        torch.manual_seed(123)  # (as a recomputed block replays its forward's generator)
+        for _ in range(2):
+            torch.rand(10)
+            hand_over()
+
+    drawn, _ = run_pair(forward, backward, switch)
+    assert torch.equal(drawn, alone) and torch.equal(torch.rand(1), after_alone)
+    assert turns == [1, 0, 1, 0, 1, 0]  # (the last: the backward ran last, the forward's back)
 
 
 def test_a_failing_half_is_raised_once_the_other_has_ended():
@@ -81,10 +116,14 @@ def test_a_failing_half_is_raised_once_the_other_has_ended():
 
     with pytest.raises(ValueError, match="backward broke"):
         run_pair(_steps(log, "f", 3), backward)
-    assert [x if isinstance(x, str) else x[:2] for x in log] == [("f", 0), "b", ("f", 1), ("f", 2)]
-    with pytest.raises(RuntimeError, match="forward broke"):
-        run_pair(lambda: (_ for _ in ()).throw(RuntimeError("forward broke")), lambda: None)
-    assert run_pair(lambda: 1, lambda: None) == (1, 0)  # (and the next pair runs)
+    # the forward stops at its next hand-over: alone, its collectives would meet nobody's
+    assert [x if isinstance(x, str) else x[:2] for x in log] == [("f", 0), "b"]
+    ran: list = []
+    with pytest.raises(RuntimeError, match="forward broke"):  # (before it handed over: the
+        run_pair(lambda: (_ for _ in ()).throw(RuntimeError("forward broke")),  # backward
+                 lambda: ran.append("b"))  # never starts)
+    assert ran == []
+    assert run_pair(lambda: 1, lambda: None) == (1, (0, 0))  # (and the next pair runs)
 
 
 @pytest.mark.parametrize(("pp", "m"), [(2, 4), (4, 8), (4, 16)])

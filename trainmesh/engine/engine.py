@@ -419,8 +419,11 @@ class Engine:
         if self.mesh.dims.ep > 1:  # ... and to its experts' ranks, inside its node and out
             breakdown["a2a_intranode_mib"] = self.exchanges.within_nodes / 2**20
             breakdown["a2a_internode_mib"] = self.exchanges.between_nodes / 2**20
-        if self.executor is not None and self.executor.overlap:  # DualPipeV's pairs: how often
-            breakdown["pair_handovers"] = self.executor.handovers  # one half let the other run
+        if self.executor is not None and self.executor.overlap:  # DualPipeV's pairs taking
+            # turns, and how often their forwards and backwards let the other half run
+            breakdown["pairs_overlapped"] = self.executor.pairs_overlapped
+            breakdown["pair_handovers_forward"], breakdown["pair_handovers_backward"] = (
+                self.executor.handovers)
         self.forward_timer.start(None)  # evaluations between steps are not timed
         for log in self._wait_logs():
             log.start(None)

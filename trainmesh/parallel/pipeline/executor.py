@@ -75,6 +75,18 @@ def _wait(work, timeout: timedelta | None) -> None:
 _WHOLE = object()  # a split backward's state where I ran the whole backward (``unsplit``)
 
 
+def _rng_state(device: torch.device) -> tuple:
+    """The process's random generators that a stage draws from: the CPU's, and the device's."""
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(device: torch.device, state: tuple) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
 class PipelineExecutor:
     def __init__(self, shape: PipeShape, actions: list[Action], stages: dict[int, nn.Module],
                  p2p: P2PSpec, loss_context: Callable[[], AbstractContextManager] = nullcontext,
@@ -98,7 +110,9 @@ class PipelineExecutor:
         self.set_weight = set_weight
         self.unsplit = unsplit
         self.pairs, self.overlap = pairs, overlap
-        self.handovers = 0  # the last step's, over its pairs (``overlap.run_pair``)
+        # the last step's pairs taking turns, and how often their forwards and backwards
+        # handed over (``overlap.run_pair``)
+        self.pairs_overlapped, self.handovers = 0, (0, 0)
         last = {}
         for a in actions:
             if a.op in (Op.BACKWARD, Op.WEIGHT):
@@ -133,7 +147,7 @@ class PipelineExecutor:
         pending_sends: list[dist.Work] = []
         run = {Op.BACKWARD: self._backward, Op.BACKWARD_INPUT: self._backward_input,
                Op.WEIGHT: self._weight}
-        self.handovers = 0
+        self.pairs_overlapped, self.handovers = 0, (0, 0)
         i = 0
         while i < len(self.actions):
             a = self.actions[i]
@@ -142,12 +156,14 @@ class PipelineExecutor:
                 j = pair
                 b = self.actions[j]
                 self.on_phase("forward")
+                self.on_phase("backward")  # (both begin: they take turns from here)
                 self._await_input(a)
                 self._await_input(b)
                 if self.set_weight is not None:  # (a backward takes its share from its forward)
                     self.set_weight(self._weights[a.microbatch])
                 start = clock.mark()
                 loss, sends = self._pair(a, self.actions[i + 1:j], b)
+                self.pairs_overlapped += 1
                 loss_sum, pending_sends = loss_sum + loss, pending_sends + sends
                 clock.span(f"{a}|{b}", start)
                 i = j + 1
@@ -257,9 +273,23 @@ class PipelineExecutor:
             loss = self._forward(a, enter=False)
             return loss, self._communicate(between) if between else []
 
+        # What each half must find as it left it at every turn: its microbatch's share of the
+        # step (a recomputed block's balancing loss reads it) and the random generators (a
+        # recomputed block replays its forward's; the forward's own go on as if alone)
+        weights = (self._weights[a.microbatch], self._weights[b.microbatch])
+        device = self.p2p.device
+        saved: list = [None, None]
+
+        def switch(to: int) -> None:
+            saved[1 - to] = _rng_state(device)
+            if saved[to] is not None:
+                _set_rng_state(device, saved[to])
+            if self.set_weight is not None:
+                self.set_weight(weights[to])
+
         with self.loss_context():
-            (loss, sends), handovers = run_pair(forward, backward)
-        self.handovers += handovers
+            (loss, sends), handovers = run_pair(forward, backward, switch)
+        self.handovers = (self.handovers[0] + handovers[0], self.handovers[1] + handovers[1])
         return loss, sends
 
     def _output_grad(self, a: Action) -> torch.Tensor | None:

@@ -6,15 +6,19 @@ whole backward of its other chunk's. The calling thread runs the forward; a seco
 the backward. They hold one baton between them: only its holder runs, and it hands the baton
 over where it would wait on communication it has started (``hand_over``: the MoE exchanges,
 ``parallel/expert.py``), taking it back only when the other thread hands it back or ends. So
-each exchange is in flight while the other half of the pair computes (on a GPU the exchange
-runs on the communicator's stream beside the compute stream; on gloo on its own threads),
-and every rank of a group issues its collectives in one order that the program fixes, never
-the timing: the same as a single thread would, interleaved at the same points on every rank
-(the ranks of any group but the pipeline's run the same actions).
+each exchange is in flight while the other half computes (on a GPU the exchange runs on the
+communicator's stream beside the compute stream; on gloo on its own threads), and every rank
+of a group issues its collectives in one order that the program fixes, never the timing: the
+same as a single thread would, interleaved at the same points on every rank (the ranks of any
+group but the pipeline's run the same actions).
 
-Only the holder runs, so nothing the two share needs a lock. The backward may run on another
-thread than the one that called it (autograd's device threads on a GPU): whichever thread is
-not the forward's speaks for the backward.
+Only the holder runs, so nothing the two share needs a lock; what each half must find as it
+left it (a process-wide setting one half reads — the microbatch's balancing-loss share, the
+random generators a recomputed block replays) the caller's ``switch`` swaps at every turn.
+If one half fails, the other raises at its next hand-over instead of going on alone (its
+collectives would no longer meet its peers'). The backward may run on another thread than
+the one that called it (autograd's device threads on a GPU): whichever thread is not the
+forward's speaks for the backward.
 """
 
 from __future__ import annotations
@@ -22,38 +26,57 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+import torch
+
 _active: _Baton | None = None  # the pair running now (one at a time in a process)
 
 
+class PairFailed(RuntimeError):
+    """The other half of a pair failed: this one stops at its next hand-over."""
+
+
 class _Baton:
-    def __init__(self, forward_thread: int):
+    def __init__(self, forward_thread: int, switch: Callable[[int], None] | None):
         self.forward_thread = forward_thread
+        self.switch = switch  # called by the half handing over, with the half that runs next
         self.turn = 0  # 0: the forward's, 1: the backward's
         self.done = [False, False]
-        self.handovers = 0
+        self.failed = False
+        self.handovers = [0, 0]  # by the half that handed over
+        self.last = 0  # the half that ran last
         self._cv = threading.Condition()
 
     def me(self) -> int:
         return 0 if threading.get_ident() == self.forward_thread else 1
 
+    def _give(self, me: int) -> None:  # (holding the lock, and the baton)
+        if self.switch is not None:
+            self.switch(1 - me)
+        self.turn = self.last = 1 - me
+        self._cv.notify_all()
+
     def pass_on(self, me: int) -> None:
         with self._cv:
+            if self.failed:
+                raise PairFailed("the other half of this DualPipeV pair failed")
             if self.done[1 - me]:
                 return  # (the other half is over: nothing to let run)
-            self.turn = 1 - me
-            self.handovers += 1
-            self._cv.notify_all()
+            self.handovers[me] += 1
+            self._give(me)
             self._cv.wait_for(lambda: self.turn == me)
+            if self.failed:
+                raise PairFailed("the other half of this DualPipeV pair failed")
 
     def wait_turn(self, me: int) -> None:
         with self._cv:
             self._cv.wait_for(lambda: self.turn == me)
 
-    def finish(self, me: int) -> None:
+    def finish(self, me: int, failed: bool) -> None:
         with self._cv:
             self.done[me] = True
-            self.turn = 1 - me
-            self._cv.notify_all()
+            self.failed = self.failed or failed
+            if not self.done[1 - me]:
+                self._give(me)
 
 
 def hand_over() -> None:
@@ -64,39 +87,57 @@ def hand_over() -> None:
         baton.pass_on(baton.me())
 
 
-def run_pair(forward: Callable[[], object], backward: Callable[[], None]) -> tuple[object, int]:
+def run_pair(forward: Callable[[], object], backward: Callable[[], None],
+             switch: Callable[[int], None] | None = None) -> tuple[object, tuple[int, int]]:
     """``forward()`` on this thread and ``backward()`` on another, taking turns at
-    ``hand_over``; the forward's result and how many times the baton passed. An exception in
-    either is raised here once both have ended (the other goes on alone meanwhile)."""
+    ``hand_over``; the forward's result and how many times each half handed over.
+    ``switch(half)`` is called at every change of turn, before ``half`` (0: the forward,
+    1: the backward) resumes, and once more at the end if the backward ran last. An exception
+    in either is raised here once both have ended (the other stops at its next hand-over)."""
     global _active
     if _active is not None:
         raise RuntimeError("a pair is already running in this process")
-    baton = _active = _Baton(threading.get_ident())
+    device = stream = None
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # (thread-local on a GPU)
+        device, stream = torch.cuda.current_device(), torch.cuda.current_stream()
+    baton = _active = _Baton(threading.get_ident(), switch)
     out: list = [None]
     errors: list[BaseException | None] = [None, None]
 
     def run_backward() -> None:
         try:
             baton.wait_turn(1)
-            backward()
+            if baton.failed:  # (the forward failed before it first handed over)
+                raise PairFailed("the other half of this DualPipeV pair failed")
+            if device is not None:
+                torch.cuda.set_device(device)
+                with torch.cuda.stream(stream):
+                    backward()
+            else:
+                backward()
         except BaseException as err:  # noqa: BLE001 - re-raised by the caller's thread
             errors[1] = err
         finally:
-            baton.finish(1)
+            baton.finish(1, errors[1] is not None)
 
-    helper = threading.Thread(target=run_backward, name="pair-backward", daemon=True)
-    helper.start()
     try:
+        helper = threading.Thread(target=run_backward, name="pair-backward", daemon=True)
+        helper.start()
         try:
             out[0] = forward()
         except BaseException as err:  # noqa: BLE001 - after the backward has ended
             errors[0] = err
         finally:
-            baton.finish(0)
+            baton.finish(0, errors[0] is not None)
         helper.join()
+        if baton.last == 1 and switch is not None:
+            switch(0)  # (the forward's settings stay, as after the two one after the other)
     finally:
         _active = None
+    for err in errors:  # (the cause first: the other half's PairFailed follows from it)
+        if err is not None and not isinstance(err, PairFailed):
+            raise err
     for err in errors:
         if err is not None:
             raise err
-    return out[0], baton.handovers
+    return out[0], tuple(baton.handovers)

@@ -166,8 +166,14 @@ def pairs_of(kind: ScheduleKind | str, shape: PipeShape) -> list[frozenset[tuple
     return [frozenset() for _ in range(shape.pp)]
 
 
-@functools.cache
 def _dualpipev(shape: PipeShape) -> tuple[list[list[Action]], list[frozenset[tuple[int, int]]]]:
+    actions, pairs = _dualpipev_cached(shape)
+    return [list(a) for a in actions], list(pairs)
+
+
+@functools.cache
+def _dualpipev_cached(shape: PipeShape) -> tuple[tuple[tuple[Action, ...], ...],
+                                                 tuple[frozenset[tuple[int, int]], ...]]:
     import torch
 
     ops = {"F": Op.FORWARD, "B": Op.BACKWARD, "I": Op.BACKWARD_INPUT, "W": Op.WEIGHT}
@@ -202,7 +208,7 @@ def _dualpipev(shape: PipeShape) -> tuple[list[list[Action]], list[frozenset[tup
                     i + 1 == len(actions) or actions[i + 1].op is not Op.BACKWARD):
                 raise RuntimeError(f"dualpipev's pair {a} on rank {rank} is not a forward "
                                    "followed by a whole backward")
-    return out, pairs
+    return tuple(tuple(a) for a in out), tuple(pairs)
 
 
 def _check_each_once(shape: PipeShape, compute: list[list[Action]]) -> None:

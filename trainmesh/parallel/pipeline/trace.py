@@ -13,6 +13,22 @@ from trainmesh.parallel.pipeline.simulate import Costs, SimResult
 _COLORS = {Op.FORWARD: (0.2, 0.45, 0.9), Op.BACKWARD: (0.95, 0.55, 0.15),
            Op.BACKWARD_INPUT: (0.95, 0.55, 0.15), Op.WEIGHT: (0.3, 0.7, 0.35)}
 _NAME = re.compile(r"^(\d+)([FBIW])(\d+)$")
+# A DualPipeV pair taking turns (``executor._pair``): one span for its forward and backward
+_PAIR = re.compile(r"^(\d+F\d+)\|(\d+B\d+)$")
+
+
+def _compute_spans(row: list[tuple[str, float, float]]) -> list[tuple[str, float, float]]:
+    """A timeline's compute actions, a pair's span drawn as its forward's first third and its
+    backward's rest (the two interleave inside it; F : B = 1 : 2 as the simulator plays)."""
+    out = []
+    for name, start, end in row:
+        pair = _PAIR.match(name)
+        if pair:
+            cut = start + (end - start) / 3
+            out += [(pair.group(1), start, cut), (pair.group(2), cut, end)]
+        elif _NAME.match(name):
+            out.append((name, start, end))
+    return out
 
 
 def chrome_trace(timelines: list[list[tuple[str, float, float]]],
@@ -27,7 +43,7 @@ def chrome_trace(timelines: list[list[tuple[str, float, float]]],
         events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": rank,
                        "args": {"name": f"rank {rank}"}})
         for name, start, end in row:
-            kind = "compute" if _NAME.match(name) else "p2p"
+            kind = "compute" if _NAME.match(name) or _PAIR.match(name) else "p2p"
             events.append({"name": name, "cat": kind, "ph": "X", "pid": 0, "tid": rank,
                            "ts": (start - t0) * 1e6, "dur": max(0.0, end - start) * 1e6})
     if planned is not None:
@@ -43,7 +59,9 @@ def chrome_trace(timelines: list[list[tuple[str, float, float]]],
 
 def measured_costs(timelines: list[list[tuple[str, float, float]]]) -> Costs:
     """Median seconds of each kind of stage action in measured timelines, for the simulator
-    (a split backward's halves as measured; the latency: the shortest communication batch)."""
+    (a split backward's halves as measured; the latency: the shortest communication batch;
+    a DualPipeV pair taking turns is neither, its forward and backward interleaved in one
+    span: not counted)."""
     spans: dict[str, list[float]] = {}
     comm: list[float] = []
     for row in timelines:
@@ -51,7 +69,7 @@ def measured_costs(timelines: list[list[tuple[str, float, float]]]) -> Costs:
             m = _NAME.match(name)
             if m:
                 spans.setdefault(m.group(2), []).append(end - start)
-            else:
+            elif not _PAIR.match(name):
                 comm.append(end - start)
     med = {op: statistics.median(v) for op, v in spans.items()}
     backward = med.get("B", med.get("I", 0.0) + med.get("W", 0.0))
@@ -90,7 +108,8 @@ def schedule_figure(sim: SimResult, title: str,
     _draw(axes[0][0], rows, pp, chunks, f"{title} — planned, bubble {sim.bubble_fraction:.1%}")
     if measured is not None:
         t0 = min((s for row in measured for _, s, _ in row), default=0.0)
-        parsed = [[(_action(n), s - t0, e - t0) for n, s, e in row if _NAME.match(n)] for row in measured]
+        parsed = [[(_action(n), s - t0, e - t0) for n, s, e in _compute_spans(row)]
+                  for row in measured]
         _draw(axes[1][0], parsed, pp, chunks, "measured (last step)")
         for ax in axes[:, 0]:
             ax.set_xlim(0, span)
