@@ -198,6 +198,7 @@ def _steps(args) -> None:
                     ParallelDims(pp=2, dp=2, ep=2), [
                         "parallelism.pp=2", "parallelism.dp=2", "parallelism.ep=2",
                         "parallelism.vpp=2", "schedule.name=dualpipev",
+                        "runtime.cpus_per_rank=0.5",  # (4 ranks on the 2 cores)
                         f"schedule.pair_overlap={str(turns).lower()}",
                         "training.global_batch_size=8"], tmp, data_dir)))
     finally:

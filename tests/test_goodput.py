@@ -169,6 +169,15 @@ def test_segments_keep_the_controllers_boundaries_to_a_percent_of_the_time():
     from trainmesh.spec.job import ModelConfig
 
     assert segment_caps(0.001, 0.1) == (SEGMENT_STEPS, SEGMENT_S)  # small jobs: as they were
+    # short steps: the boundary's CPU a step flat in the ranks (0.25 ms: 63 ms, 256 stand-in
+    # ranks here, every 252 steps) while SEGMENT_S holds them; beyond, at most 1% of the time
+    from trainmesh.planning.cadence import BOUNDARY_S_PER_STEP, BOUNDARY_SHARE
+    assert segment_caps(0.063, 0.1) == (252, SEGMENT_S)
+    for boundary in (0.01, 0.063, 0.2, 0.5, 3.0):
+        for step_s in (0.01, 0.1, 1.5):
+            steps, until_s = segment_caps(boundary, step_s)
+            runs = min(steps, until_s / step_s)
+            assert boundary / runs <= max(BOUNDARY_S_PER_STEP, BOUNDARY_SHARE * step_s) * 1.0001
     steps, until_s = segment_caps(9.0, 1.5)
     assert until_s == pytest.approx(900) and steps == 600
     for world in (8, 256, 1024, 16384):

@@ -377,7 +377,8 @@ class WorkerGroup:
         asked: dict[int, tuple[Any, float]] = {}  # rank: (its unanswered question, when asked)
         while True:
             try:  # a rank's failure first: it is the cause, those waiting on it are not hung
-                return gather(refs, poll_s, tick=tick)
+                # (one wait on every rank's call a poll: its cost grows with the ranks)
+                return gather(refs, poll_s, poll_s=poll_s, tick=tick)
             except GetTimeoutError:
                 if time.monotonic() - t0 > timeout_s:
                     raise

@@ -95,7 +95,8 @@ class TrainingLoop:
         most: to the next step that is a boundary — the first after a (re)start (its recovery
         is measured there), a checkpoint the cadence wants, an evaluation, a snapshot, the end
         — at most SEGMENT_STEPS and SEGMENT_S, more where the controller's boundaries so far
-        took more than 1% of that (``cadence.segment_caps``, from their median). A notice or a
+        took more than 1% of that or (short steps) more than 0.25 ms a step
+        (``cadence.segment_caps``, from their median). A notice or a
         request to end early end one sooner (``RankWorker.train_segment``)."""
         if step == state.start:
             return 1, SEGMENT_S
