@@ -126,14 +126,28 @@ def test_a_failing_half_is_raised_once_the_other_has_ended():
     assert run_pair(lambda: 1, lambda: None) == (1, (0, 0))  # (and the next pair runs)
 
 
-@pytest.mark.parametrize(("pp", "m"), [(2, 4), (4, 8), (4, 16)])
-def test_each_pair_is_a_forward_and_the_next_compute_a_whole_backward(pp, m):
+@pytest.mark.parametrize(("pp", "m"), [(2, 4), (2, 5), (3, 9), (4, 8), (4, 16), (8, 16), (8, 64)])
+def test_every_pair_takes_turns_and_the_planner_counts_them(pp, m):
+    """Each pair is a forward and, as the next compute action, another chunk's and
+    microbatch's whole backward; the executor runs every one of them taking turns (its
+    backward's input never arrives between the two: ``executor.pair_end``), as many as the
+    planner counts on rank 0, which pairs fewest (``cost_model.paired_share``)."""
+    from trainmesh.parallel.pipeline.executor import pair_end
+    from trainmesh.planning.cost_model import paired_share
+
     shape = pipe_shape("dualpipev", pp, 2, m)
     sched = build_schedule("dualpipev", pp, 2, m)
+    counts = []
     for rank, pairs in enumerate(dualpipev_pairs(shape)):
-        compute = [a for a in sched[rank] if a.op.value in "FBIW"]
-        assert len(pairs) >= 2 * (m - 2 * pp) + 1
-        for i, a in enumerate(compute):
-            if a.op.value == "F" and (a.stage, a.microbatch) in pairs:
-                b = compute[i + 1]
+        run = 0
+        for i, a in enumerate(sched[rank]):
+            j = pair_end(sched[rank], i, pairs)
+            if (a.stage, a.microbatch) in pairs and a.op.value == "F":
+                assert j is not None, (rank, a)
+                b = sched[rank][j]
                 assert b.op.value == "B" and b.stage != a.stage and b.microbatch != a.microbatch
+                assert all(c.op.value not in "FBIW" for c in sched[rank][i + 1:j])
+                run += 1
+        assert run == len(pairs)
+        counts.append(run)
+    assert min(counts) == counts[0] == round(paired_share(pp, m) * 2 * m)

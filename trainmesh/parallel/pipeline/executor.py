@@ -23,7 +23,7 @@ timeline shows when the GPU ran each action, not when it was launched).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
@@ -73,6 +73,26 @@ def _wait(work, timeout: timedelta | None) -> None:
 
 
 _WHOLE = object()  # a split backward's state where I ran the whole backward (``unsplit``)
+
+
+def pair_end(actions: Sequence[Action], i: int, pairs: Collection[tuple[int, int]]) -> int | None:
+    """Where ``actions[i]`` is a pair's forward (its (stage, microbatch) in ``pairs``): the
+    index of its backward, the next compute action, if that needs no message posted between
+    the two (its own input's receive: the backward could not start before the forward's end);
+    else None (the two run one after the other, as any actions)."""
+    a = actions[i]
+    if a.op is not Op.FORWARD or (a.stage, a.microbatch) not in pairs:
+        return None
+    j = i + 1
+    while actions[j].op not in COMPUTE:
+        j += 1
+    b = actions[j]
+    if b.op is not Op.BACKWARD:
+        raise RuntimeError(f"a pair's second action must be a whole backward, not {b}")
+    if any(c.op is Op.RECV_BACKWARD and (c.stage, c.microbatch) == (b.stage, b.microbatch)
+           for c in actions[i + 1:j]):
+        return None
+    return j
 
 
 def _rng_state(device: torch.device) -> tuple:
@@ -230,23 +250,7 @@ class PipelineExecutor:
         return torch.zeros((), device=self.p2p.device)
 
     def _paired(self, i: int) -> int | None:
-        """Where action i is a pair's forward (``pairs``): the index of its backward, the next
-        compute action, if that needs no message posted between the two (its own input's
-        receive: the backward could not start before the forward's end); else None (the two
-        run one after the other, as any actions)."""
-        a = self.actions[i]
-        if a.op is not Op.FORWARD or (a.stage, a.microbatch) not in self.pairs:
-            return None
-        j = i + 1
-        while self.actions[j].op not in COMPUTE:
-            j += 1
-        b = self.actions[j]
-        if b.op is not Op.BACKWARD:
-            raise RuntimeError(f"a pair's second action must be a whole backward, not {b}")
-        if any(c.op is Op.RECV_BACKWARD and (c.stage, c.microbatch) == (b.stage, b.microbatch)
-               for c in self.actions[i + 1:j]):
-            return None
-        return j
+        return pair_end(self.actions, i, self.pairs)
 
     def _pair(self, a: Action, between: Sequence[Action], b: Action
               ) -> tuple[torch.Tensor, list[dist.Work]]:
