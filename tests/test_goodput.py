@@ -160,7 +160,8 @@ def test_goodput_command_side_by_side_on_the_70b_reference_job(capsys, tmp_path)
 
 def test_segments_keep_the_controllers_boundaries_to_a_percent_of_the_time():
     """A segment is SEGMENT_STEPS steps or SEGMENT_S seconds, stretched where the controller's
-    boundary (growing with the ranks) would take more than 1% of it; so the control plane's
+    boundary (growing with the ranks) would take more than 1% of it, and, up to 2 minutes,
+    until it costs at most 0.25 ms a step; so the control plane's
     part of a step stays within 1% of the step at any rank count, and within 1 ms a step at 256
     ranks with steps of up to a tenth of a second. A save's call to every rank blocks for a
     boundary more, which the cadence weighs."""
@@ -169,10 +170,13 @@ def test_segments_keep_the_controllers_boundaries_to_a_percent_of_the_time():
     from trainmesh.spec.job import ModelConfig
 
     assert segment_caps(0.001, 0.1) == (SEGMENT_STEPS, SEGMENT_S)  # small jobs: as they were
-    # short steps: the boundary's CPU a step flat in the ranks (0.25 ms: 63 ms, 256 stand-in
-    # ranks here, every 252 steps) while SEGMENT_S holds them; beyond, at most 1% of the time
+    # the boundary's CPU a step flat in the ranks (0.25 ms: 100 ms, 256 stand-in ranks here
+    # at 0.23 s steps, every 400 steps) while a segment stays within 2 minutes; beyond, at
+    # most 1% of the time
     from trainmesh.planning.cadence import BOUNDARY_S_PER_STEP, BOUNDARY_SHARE
     assert segment_caps(0.063, 0.1) == (252, SEGMENT_S)
+    assert segment_caps(0.1, 0.23) == (400, pytest.approx(92.0))
+    assert segment_caps(0.5, 1.5)[1] == 120.0  # (80 steps of 1.5 s: 6.25 ms, 0.4% a step)
     for boundary in (0.01, 0.063, 0.2, 0.5, 3.0):
         for step_s in (0.01, 0.1, 1.5):
             steps, until_s = segment_caps(boundary, step_s)

@@ -30,7 +30,7 @@ def test_the_halves_take_turns_where_they_hand_over():
     assert out == "f"
     # f0 → b0 → f1 → b1 (the backward ends) → f2 (its hand-over finds no one to let run)
     assert [(n, k) for n, k, _ in log] == [("f", 0), ("b", 0), ("f", 1), ("b", 1), ("f", 2)]
-    assert handovers == (2, 1)  # (the forward's second found the backward over)
+    assert handovers == (2, 1)  # (the forward's last step hands nothing over: it ends)
     main = threading.get_ident()
     assert {t for n, _, t in log if n == "f"} == {main}
     assert main not in {t for n, _, t in log if n == "b"}
@@ -104,7 +104,21 @@ def test_switch_gives_each_half_its_own_settings_at_every_turn():
 
     drawn, _ = run_pair(forward, backward, switch)
     assert torch.equal(drawn, alone) and torch.equal(torch.rand(1), after_alone)
-    assert turns == [1, 0, 1, 0, 1, 0]  # (the last: the backward ran last, the forward's back)
+    assert turns == [1, 0, 1, 0, 1, 0]  # (the last: the backward ended, the forward's turn)
+    # ... and where the forward ends first and the backward runs last, the forward's state
+    # is put back after both (the process goes on as after the two one after the other)
+    torch.manual_seed(0)
+    saved[:], turns[:] = [None, None], []
+
+    def short_forward():
+        first = torch.rand(1)
+        hand_over()
+        return torch.cat([first, torch.rand(1)])
+
+    drawn, _ = run_pair(short_forward, backward, switch)
+    after = torch.rand(1)
+    assert torch.equal(drawn, alone[:2]) and torch.equal(after, alone[2:3])
+    assert turns == [1, 0, 1, 0]  # (the last: after both, back to the forward's)
 
 
 def test_a_failing_half_is_raised_once_the_other_has_ended():
@@ -124,6 +138,35 @@ def test_a_failing_half_is_raised_once_the_other_has_ended():
                  lambda: ran.append("b"))  # never starts)
     assert ran == []
     assert run_pair(lambda: 1, lambda: None) == (1, (0, 0))  # (and the next pair runs)
+    # a forward failing after it handed over: the backward stops at its next hand-over, and
+    # the forward's own error is the one raised
+    seen: list = []
+
+    def failing_forward():
+        hand_over()
+        raise KeyError("forward broke later")
+
+    def long_backward():
+        for k in range(3):
+            seen.append(k)
+            hand_over()
+
+    with pytest.raises(KeyError, match="forward broke later"):
+        run_pair(failing_forward, long_backward)
+    assert seen == [0]
+
+
+def test_a_switch_that_raises_fails_the_pair_without_hanging_it():
+    calls: list[int] = []
+
+    def switch(to: int) -> None:
+        calls.append(to)
+        if len(calls) == 2:
+            raise OSError("device lost")
+
+    with pytest.raises(OSError, match="device lost"):
+        run_pair(_steps([], "f", 3), _steps([], "b", 3), switch)
+    assert run_pair(lambda: 2, lambda: None) == (2, (0, 0))
 
 
 @pytest.mark.parametrize(("pp", "m"), [(2, 4), (2, 5), (3, 9), (4, 8), (4, 16), (8, 16), (8, 64)])

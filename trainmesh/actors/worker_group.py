@@ -34,9 +34,9 @@ JOIN_MARGIN_S = 60.0
 
 
 def gather(refs: list, timeout_s: float | None, poll_s: float = 0.5,
-           tick: Callable[[], None] | None = None) -> list:
-    """Every result, in order; the first rank that fails raises at once — a dead rank's error
-    is not waited for behind a survivor still blocked in a collective. ``tick``: called at
+           tick: Callable[[], None] | None = None, read: list[float] | None = None) -> list:
+    """Every result, in order; the first rank that fails raises within a poll — a dead rank's
+    error is not waited for behind a survivor still blocked in a collective. ``tick``: called at
     every poll while results are missing (the controller's work during a segment of steps)."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     index = {ref: i for i, ref in enumerate(refs)}
@@ -48,8 +48,11 @@ def gather(refs: list, timeout_s: float | None, poll_s: float = 0.5,
             raise GetTimeoutError(f"{len(pending)} of {len(refs)} rank(s) did not answer within "
                                   f"{timeout_s:.0f} s")
         done, pending = ray.wait(pending, num_returns=len(pending), timeout=left)
+        cpu0 = time.thread_time()
         for ref, value in zip(done, ray.get(done), strict=True):  # raises any failure
             results[index[ref]] = value
+        if read is not None:  # (this thread's CPU reading the answers: ``read[0]``)
+            read[0] += time.thread_time() - cpu0
         if pending and tick is not None:
             tick()
     return results
@@ -154,6 +157,7 @@ class WorkerGroup:
         self.pgs: list = []  # the first group's, then one per re-form that needed new actors
         self._inflight: list = []  # the refs of the last call on every rank
         self.issued_cpu_s = 0.0  # this thread's CPU time once the last watched call was issued
+        self.read_cpu_s = 0.0  # ... and what reading the last watched call's answers took of it
         world = len(placement.rank_bundle)
         pg, nodes = self._place(placement.bundles, placement.strategy,
                                 self._preferred(placement.bundles))
@@ -367,8 +371,19 @@ class WorkerGroup:
         refs = self._inflight = [getattr(w, method).remote(*a) for w, a in zip(
             self.workers, each if each is not None else [args] * len(self.workers), strict=True)]
         self.issued_cpu_s = time.thread_time()  # (the controller's: when every call was out)
+        read = [0.0]
+        try:
+            return self._watch(refs, method, read, timeout_s, hang_after_s, poll_s, silent_only,
+                               tick, moved_at)
+        finally:
+            self.read_cpu_s = read[0]
+
+    def _watch(self, refs: list, method: str, read: list[float], timeout_s: float,
+               hang_after_s: float | None, poll_s: float, silent_only: bool,
+               tick: Callable[[], None] | None, moved_at: Callable[[], float] | None) -> list:
+        """``call_watched``'s wait for ``refs`` (its docstring)."""
         if hang_after_s is None:
-            return gather(refs, timeout_s, tick=tick)
+            return gather(refs, timeout_s, tick=tick, read=read)
         t0 = time.monotonic()
         moved = moved_at or (lambda: t0)
         quiet_s = max(2 * poll_s, hang_after_s / 2)
@@ -378,7 +393,7 @@ class WorkerGroup:
         while True:
             try:  # a rank's failure first: it is the cause, those waiting on it are not hung
                 # (one wait on every rank's call a poll: its cost grows with the ranks)
-                return gather(refs, poll_s, poll_s=poll_s, tick=tick)
+                return gather(refs, poll_s, poll_s=poll_s, tick=tick, read=read)
             except GetTimeoutError:
                 if time.monotonic() - t0 > timeout_s:
                     raise

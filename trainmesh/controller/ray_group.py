@@ -304,6 +304,11 @@ class RayWorkerGroup:
         """The controller thread's CPU time once the last segment's calls were all issued."""
         return self.group.issued_cpu_s
 
+    @property
+    def read_cpu_s(self) -> float:
+        """The controller thread's CPU time reading the last segment's answers."""
+        return self.group.read_cpu_s
+
     def evaluate(self, batches: int) -> float:
         """The held-out loss (every rank computes it; all hold the same value)."""
         return self.watched("evaluate", batches, timeout_s=self.timeout * 2)[0]

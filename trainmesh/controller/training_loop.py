@@ -57,20 +57,20 @@ class TrainingLoop:
 
     def _segments(self, group, dims: ParallelDims, tracker, state: Running, hooks, inside) -> Stop | None:
         """``_train``'s loop: a segment, then the hooks at its last step. The controller
-        thread's CPU time from a segment's return to the next one's calls all issued (its
-        boundary: the hooks' own work — the per-rank breakdown, a save's coordination — and
-        the calls; not the answers' reading, done as they arrive, nor Ray's own threads, nor
-        waits) is measured, and sizes the next segments (``cadence.segment_caps``)."""
+        thread's CPU time at a boundary — reading every rank's answer as the segment ends,
+        then from its return to the next segment's calls all issued: the hooks' own work (the
+        per-rank breakdown, a save's coordination) and the calls; not Ray's own threads, nor
+        waits — is measured, and sizes the next segments (``cadence.segment_caps``)."""
         tr, step = self.spec.training, state.start
-        back_cpu = None
+        back_cpu, read = None, 0.0
         while step < tr.steps:
             steps, until_s = self._segment_steps(step, state)
             stats = group.train_segment(steps, until_s, inside,
                                         functools.partial(self._end_segment_early, dims),
                                         save_pending=self.ckpts.writing)
             if back_cpu is not None and hasattr(group, "issued_cpu_s"):
-                self.control["boundary_cpu_s"].append(group.issued_cpu_s - back_cpu)
-            back_cpu = time.thread_time()
+                self.control["boundary_cpu_s"].append(group.issued_cpu_s - back_cpu + read)
+            back_cpu, read = time.thread_time(), getattr(group, "read_cpu_s", 0.0)
             self.control["segments"] += 1
             why = stats[0].get("ended", "steps")
             self.control["ended"][why] = self.control["ended"].get(why, 0) + 1
@@ -95,7 +95,7 @@ class TrainingLoop:
         most: to the next step that is a boundary — the first after a (re)start (its recovery
         is measured there), a checkpoint the cadence wants, an evaluation, a snapshot, the end
         — at most SEGMENT_STEPS and SEGMENT_S, more where the controller's boundaries so far
-        took more than 1% of that or (short steps) more than 0.25 ms a step
+        took more than 1% of that or (up to 2 minutes) more than 0.25 ms a step
         (``cadence.segment_caps``, from their median). A notice or a
         request to end early end one sooner (``RankWorker.train_segment``)."""
         if step == state.start:

@@ -25,21 +25,22 @@ SEGMENT_STEPS, SEGMENT_S = 100, 30.0
 # ... longer where the controller's time at a boundary (reading every rank's answer, starting
 # the next segment on every rank: it grows with the ranks) would be more than this share of it
 BOUNDARY_SHARE = 0.01
-# ... and, where steps are short enough that a segment of SEGMENT_S holds more, longer still
-# until the boundary's controller CPU is at most this much a step: flat in the ranks
-BOUNDARY_S_PER_STEP = 0.25e-3
+# ... and longer still, up to SEGMENT_BUDGET_S, until the boundary's controller CPU is at most
+# this much a step: its cost a step flat in the ranks where steps are short
+BOUNDARY_S_PER_STEP, SEGMENT_BUDGET_S = 0.25e-3, 120.0
 
 
 def segment_caps(boundary_s: float, step_s: float) -> tuple[int, float]:
     """(steps, seconds) a segment of steps runs at most: SEGMENT_STEPS and SEGMENT_S, both
     stretched so that a boundary taking ``boundary_s`` of the controller (the ranks wait) is
-    at most BOUNDARY_SHARE of the segment, with steps of ``step_s``; and the steps stretched
-    within those seconds until the boundary is at most BOUNDARY_S_PER_STEP a step (so its
-    cost a step stays flat as the ranks grow, where the steps are short)."""
+    at most BOUNDARY_SHARE of the segment, with steps of ``step_s``; and stretched, as long
+    as the segment stays within SEGMENT_BUDGET_S, until the boundary is at most
+    BOUNDARY_S_PER_STEP a step (so its cost a step stays flat as the ranks grow)."""
     span_s = boundary_s / BOUNDARY_SHARE
-    until_s = max(SEGMENT_S, span_s)
     step_s = max(step_s, 1e-9)
-    budget = min(math.ceil(boundary_s / BOUNDARY_S_PER_STEP), math.floor(until_s / step_s))
+    budget = math.ceil(boundary_s / BOUNDARY_S_PER_STEP)
+    until_s = max(SEGMENT_S, span_s, min(budget * step_s, SEGMENT_BUDGET_S))
+    budget = min(budget, math.floor(until_s / step_s))
     return max(SEGMENT_STEPS, math.ceil(span_s / step_s), budget), until_s
 
 

@@ -30,7 +30,8 @@ command-line flag of ``trainmesh goodput``. The scaling, written down:
   rank's answer and starts the next segment, ``boundary_ms_per_rank`` of its time per rank
   while the ranks wait (measured with stand-in ranks: ``bench/control_plane.py``). Segments
   last ``SEGMENT_STEPS`` steps or ``SEGMENT_S`` seconds, longer where the boundary would take
-  more than 1% of that (``cadence.segment_caps``). Amortised over the segment, it is added to
+  more than 1% of that, and (up to 2 minutes) until it is at most 0.25 ms a step
+  (``cadence.segment_caps``). Amortised over the segment, it is added to
   the step time; a save, called on every rank at a boundary, blocks for one more.
 - restart-from-checkpoint (Ray Train v2, TorchTitan under torchrun): the measured Ray Train v2
   restart (new workers, their set-up, a tiny checkpoint load) plus the same communicator and
@@ -123,7 +124,8 @@ class MeshCosts:
 def control_s_per_step(world: int, step_s: float, m: Measured = MEASURED) -> float:
     """The controller's boundary time, per step: ``boundary_ms_per_rank`` × ranks once a
     segment, a segment as the controller sizes it (``cadence.segment_caps``: at most
-    BOUNDARY_SHARE of its time goes to the boundary)."""
+    BOUNDARY_SHARE of its time goes to the boundary, and, up to SEGMENT_BUDGET_S, at most
+    BOUNDARY_S_PER_STEP a step)."""
     boundary = m.boundary_ms_per_rank / 1000 * world
     steps, until_s = segment_caps(boundary, step_s)
     # (the ranks end a segment at the first step that starts past ``until_s``)

@@ -288,7 +288,7 @@ class PipelineExecutor:
             saved[1 - to] = _rng_state(device)
             if saved[to] is not None:
                 _set_rng_state(device, saved[to])
-            if self.set_weight is not None:
+            if self.set_weight is not None and weights[0] != weights[1]:  # (a padding one)
                 self.set_weight(weights[to])
 
         with self.loss_context():

@@ -44,16 +44,22 @@ class _Baton:
         self.failed = False
         self.handovers = [0, 0]  # by the half that handed over
         self.last = 0  # the half that ran last
+        self.switch_error: BaseException | None = None  # a ``switch`` that raised: the pair fails
         self._cv = threading.Condition()
 
     def me(self) -> int:
         return 0 if threading.get_ident() == self.forward_thread else 1
 
     def _give(self, me: int) -> None:  # (holding the lock, and the baton)
-        if self.switch is not None:
-            self.switch(1 - me)
-        self.turn = self.last = 1 - me
-        self._cv.notify_all()
+        try:
+            if self.switch is not None:
+                self.switch(1 - me)
+        except BaseException as err:  # noqa: BLE001 - the pair fails; the other still wakes
+            self.switch_error = self.switch_error or err
+            self.failed = True
+        finally:
+            self.turn = self.last = 1 - me
+            self._cv.notify_all()
 
     def pass_on(self, me: int) -> None:
         with self._cv:
@@ -105,16 +111,19 @@ def run_pair(forward: Callable[[], object], backward: Callable[[], None],
     errors: list[BaseException | None] = [None, None]
 
     def run_backward() -> None:
+        if device is not None:  # (all of it on the caller's device and stream: ``switch`` too)
+            torch.cuda.set_device(device)
+            with torch.cuda.stream(stream):
+                backward_half()
+        else:
+            backward_half()
+
+    def backward_half() -> None:
         try:
             baton.wait_turn(1)
             if baton.failed:  # (the forward failed before it first handed over)
                 raise PairFailed("the other half of this DualPipeV pair failed")
-            if device is not None:
-                torch.cuda.set_device(device)
-                with torch.cuda.stream(stream):
-                    backward()
-            else:
-                backward()
+            backward()
         except BaseException as err:  # noqa: BLE001 - re-raised by the caller's thread
             errors[1] = err
         finally:
@@ -131,10 +140,13 @@ def run_pair(forward: Callable[[], object], backward: Callable[[], None],
             baton.finish(0, errors[0] is not None)
         helper.join()
         if baton.last == 1 and switch is not None:
-            switch(0)  # (the forward's settings stay, as after the two one after the other)
+            try:  # (the forward's settings stay, as after the two one after the other)
+                switch(0)
+            except BaseException as err:  # noqa: BLE001 - raised below, after the halves' own
+                baton.switch_error = baton.switch_error or err
     finally:
         _active = None
-    for err in errors:  # (the cause first: the other half's PairFailed follows from it)
+    for err in (*errors, baton.switch_error):  # (the cause first: PairFailed follows from it)
         if err is not None and not isinstance(err, PairFailed):
             raise err
     for err in errors:
