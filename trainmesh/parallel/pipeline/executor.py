@@ -95,6 +95,14 @@ def pair_end(actions: Sequence[Action], i: int, pairs: Collection[tuple[int, int
     return j
 
 
+def _autograd_backward(out: torch.Tensor, grad: torch.Tensor | None) -> None:
+    """Backward from a stage's output: the loss itself (``grad`` None) or with ``grad``."""
+    if grad is None:
+        out.backward()
+    else:
+        torch.autograd.backward(out, grad_tensors=grad)
+
+
 def _rng_state(device: torch.device) -> tuple:
     """The process's random generators that a stage draws from: the CPU's, and the device's."""
     cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
@@ -171,9 +179,8 @@ class PipelineExecutor:
         i = 0
         while i < len(self.actions):
             a = self.actions[i]
-            pair = self._paired(i) if self.overlap else None
-            if pair is not None:  # F, its sends (and receives), B: on two threads taking turns
-                j = pair
+            j = pair_end(self.actions, i, self.pairs) if self.overlap else None
+            if j is not None:  # F, its sends (and receives), B: on two threads taking turns
                 b = self.actions[j]
                 self.on_phase("forward")
                 self.on_phase("backward")  # (both begin: they take turns from here)
@@ -249,9 +256,6 @@ class PipelineExecutor:
             return value.full_tensor() if isinstance(value, DTensor) else value
         return torch.zeros((), device=self.p2p.device)
 
-    def _paired(self, i: int) -> int | None:
-        return pair_end(self.actions, i, self.pairs)
-
     def _pair(self, a: Action, between: Sequence[Action], b: Action
               ) -> tuple[torch.Tensor, list[dist.Work]]:
         """Forward ``a``, then the messages ``between`` it and ``b`` posted (as the list places
@@ -262,16 +266,7 @@ class PipelineExecutor:
         sends' handles."""
         from trainmesh.parallel.pipeline.overlap import run_pair
 
-        stage = self.stages[b.stage]
-        if self.zero is not None:
-            self.zero.before_backward(stage, self.last_backward[b.stage] == b.microbatch)
-        out, grad = self._outputs.pop((b.stage, b.microbatch)), self._output_grad(b)
-
-        def backward() -> None:
-            if grad is None:
-                out.backward()
-            else:
-                torch.autograd.backward(out, grad_tensors=grad)
+        out, grad = self._backward_inputs(b)
 
         def forward() -> tuple[torch.Tensor, list[dist.Work]]:
             loss = self._forward(a, enter=False)
@@ -292,7 +287,8 @@ class PipelineExecutor:
                 self.set_weight(weights[to])
 
         with self.loss_context():
-            (loss, sends), handovers = run_pair(forward, backward, switch)
+            (loss, sends), handovers = run_pair(forward, lambda: _autograd_backward(out, grad),
+                                                switch)
         self.handovers = (self.handovers[0] + handovers[0], self.handovers[1] + handovers[1])
         return loss, sends
 
@@ -306,18 +302,18 @@ class PipelineExecutor:
         return self._received(Op.RECV_BACKWARD, a)
 
     def _backward(self, a: Action) -> None:
-        stage = self.stages[a.stage]
-        last = self.last_backward[a.stage] == a.microbatch
+        self._whole_backward(*self._backward_inputs(a))
+
+    def _backward_inputs(self, a: Action) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A whole backward's output and the gradient into it, its ZeRO-3 policy set."""
         if self.zero is not None:  # ZeRO-3: when this stage gathers and reduce-scatters
-            self.zero.before_backward(stage, last)
-        self._whole_backward(self._outputs.pop((a.stage, a.microbatch)), self._output_grad(a))
+            self.zero.before_backward(self.stages[a.stage],
+                                      self.last_backward[a.stage] == a.microbatch)
+        return self._outputs.pop((a.stage, a.microbatch)), self._output_grad(a)
 
     def _whole_backward(self, out: torch.Tensor, grad: torch.Tensor | None) -> None:
         with self.loss_context():
-            if grad is None:
-                out.backward()
-            else:
-                torch.autograd.backward(out, grad_tensors=grad)
+            _autograd_backward(out, grad)
 
     def _backward_input(self, a: Action) -> None:
         out = self._outputs.pop((a.stage, a.microbatch))
